@@ -1,0 +1,1 @@
+"""Shared helpers for every lab and chapter script."""

@@ -1,0 +1,38 @@
+"""User-facing errors: one clear line and a non-zero exit, never a traceback.
+
+Scripts raise :class:`UserError` for anything the user can fix (a flag, a path, a missing data
+set) and wrap their entry point with :func:`run_main`, which prints ``error: <message>`` on
+stderr and exits with status 2. Bugs still raise normally so they keep their tracebacks.
+
+This module must not import torch: the report tool and the test suite use it too.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, NoReturn, Sequence
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+class UserError(Exception):
+    """Something the user asked for cannot be done; the message says what to do instead."""
+
+
+def fail(message: str) -> NoReturn:
+    """Raise a :class:`UserError` (a shorthand that reads well in argument checks)."""
+    raise UserError(message)
+
+
+def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> NoReturn:
+    """Run ``main(argv)`` and exit with its status; a :class:`UserError` becomes one line on stderr."""
+    try:
+        status = main(argv)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(EXIT_INTERRUPTED)
+    sys.exit(int(status or 0))

@@ -1,0 +1,266 @@
+"""Result records: one JSON file per run, with a versioned schema and full provenance.
+
+A record is what a run measured (``metrics``), how it was configured (``config``) and where it ran
+(``provenance``). Records are written atomically (temporary file, fsync, rename) so a crash never
+leaves half a record, and :func:`load_records` reads a folder of them, reporting every file it
+could not use by name instead of crashing. The schema is documented in ``docs/results-schema.md``.
+
+This module must not import torch at import time: the report tool reads records without it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+SCHEMA_NAME = "hpc-dl-labs/result"
+SCHEMA_VERSION = 1
+#: Versions of the schema this code can read.
+READABLE_VERSIONS = (1,)
+#: Top-level keys every record must have, with their JSON types.
+REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
+    "schema": str,
+    "schema_version": int,
+    "run_id": str,
+    "created": str,
+    "lab": str,
+    "script": str,
+    "method": str,
+    "status": str,
+    "config": dict,
+    "metrics": dict,
+    "provenance": dict,
+}
+#: Slurm variables copied into every record when present.
+SLURM_KEYS = (
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NAME",
+    "SLURM_JOB_PARTITION",
+    "SLURM_JOB_NODELIST",
+    "SLURM_JOB_NUM_NODES",
+    "SLURM_NTASKS",
+    "SLURM_CPUS_PER_TASK",
+    "SLURM_GPUS_ON_NODE",
+    "SLURM_ARRAY_TASK_ID",
+    "SLURM_RESTART_COUNT",
+    "SLURM_CLUSTER_NAME",
+)
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _json_safe(value: Any) -> Any:
+    """Turn paths, tuples, NaN/inf and other objects into plain JSON values."""
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return _json_safe(value.item())
+    return str(value)
+
+
+def git_revision(repo: Path = _REPO_ROOT) -> dict[str, Any]:
+    """The commit the code ran from and whether the tree had local changes (``None`` off git)."""
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(
+                ["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10, check=True
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip()
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+
+
+def slurm_info(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``SLURM_*`` variables that describe the allocation (empty off-cluster)."""
+    env = os.environ if env is None else env
+    return {key: env[key] for key in SLURM_KEYS if key in env}
+
+
+def software_versions() -> dict[str, Any]:
+    """Python, PyTorch, torchvision, CUDA, cuDNN and NCCL versions (imports torch)."""
+    import torch
+
+    versions: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+    }
+    try:
+        import torchvision
+
+        versions["torchvision"] = torchvision.__version__
+    except ImportError:  # pragma: no cover - torchvision is a dependency
+        versions["torchvision"] = None
+    try:
+        nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
+        versions["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
+    except (AttributeError, RuntimeError):
+        versions["nccl"] = None
+    return versions
+
+
+def device_info(device: Any) -> dict[str, Any]:
+    """Device type, name(s) and count for a ``torch.device`` (imports torch)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return {"type": "cuda", "name": torch.cuda.get_device_name(index), "index": index,
+                "visible_devices": names, "count": len(names)}
+    return {"type": device.type, "name": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+
+
+def provenance(device: Any = None, world_size: int = 1, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Everything needed to say where and how a number was measured."""
+    prov: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "command": [sys.executable, *sys.argv],
+        "cwd": os.getcwd(),
+        "world_size": int(world_size),
+        "slurm": slurm_info(),
+        "git": git_revision(),
+    }
+    if device is not None:
+        prov["versions"] = software_versions()
+        prov["device"] = device_info(device)
+    if extra:
+        prov.update(extra)
+    return prov
+
+
+def make_record(
+    *,
+    lab: str,
+    script: str,
+    method: str,
+    config: Mapping[str, Any],
+    metrics: Mapping[str, Any],
+    provenance: Mapping[str, Any],
+    status: str = "ok",
+    notes: Iterable[str] = (),
+) -> dict[str, Any]:
+    """Build a record dictionary in the current schema (see ``docs/results-schema.md``)."""
+    now = _dt.datetime.now(_dt.timezone.utc)
+    return _json_safe({
+        "schema": SCHEMA_NAME,
+        "schema_version": SCHEMA_VERSION,
+        "run_id": f"{now:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}",
+        "created": now.isoformat(timespec="seconds"),
+        "lab": lab,
+        "script": script,
+        "method": method,
+        "status": status,
+        "config": dict(config),
+        "metrics": dict(metrics),
+        "provenance": dict(provenance),
+        "notes": list(notes),
+    })
+
+
+def write_json_atomic(data: Any, path: Path) -> Path:
+    """Write JSON so that readers see the old file or the whole new one, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(_json_safe(data), handle, indent=2, sort_keys=True, allow_nan=False)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_record(record: Mapping[str, Any], results_dir: str | os.PathLike[str]) -> Path:
+    """Write ``record`` into ``results_dir`` as ``<lab>_<method>_<run_id>.json``; return its path."""
+    problems = validate_record(record)
+    if problems:
+        raise ValueError(f"refusing to write an invalid record: {'; '.join(problems)}")
+    safe = lambda s: "".join(c if c.isalnum() or c in "-_." else "-" for c in str(s))  # noqa: E731
+    name = f"{safe(record['lab'])}_{safe(record['method'])}_{safe(record['run_id'])}.json"
+    return write_json_atomic(record, Path(results_dir) / name)
+
+
+def validate_record(record: Any) -> list[str]:
+    """The reasons ``record`` is not a readable record (an empty list when it is)."""
+    if not isinstance(record, Mapping):
+        return [f"expected a JSON object, got {type(record).__name__}"]
+    problems = []
+    for key, kind in REQUIRED_KEYS.items():
+        if key not in record:
+            problems.append(f"missing key '{key}'")
+        elif not isinstance(record[key], kind) or (kind is int and isinstance(record[key], bool)):
+            problems.append(f"key '{key}' should be {getattr(kind, '__name__', kind)}")
+    if isinstance(record.get("schema"), str) and record["schema"] != SCHEMA_NAME:
+        problems.append(f"schema is {record['schema']!r}, not {SCHEMA_NAME!r}")
+    version = record.get("schema_version")
+    if isinstance(version, int) and version not in READABLE_VERSIONS:
+        problems.append(f"schema_version {version} is not one this code reads {READABLE_VERSIONS}")
+    return problems
+
+
+@dataclass
+class LoadResult:
+    """Records read from a folder, and the files that could not be used with the reason."""
+
+    records: list[dict[str, Any]]
+    errors: list[tuple[Path, str]]
+
+
+def load_records(folder: str | os.PathLike[str], recursive: bool = True) -> LoadResult:
+    """Read every ``*.json`` record under ``folder``; bad files are reported, not fatal.
+
+    Raises ``FileNotFoundError`` when ``folder`` does not exist or is not a directory.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        raise FileNotFoundError(f"results folder not found: {root}")
+    pattern = "**/*.json" if recursive else "*.json"
+    records: list[dict[str, Any]] = []
+    errors: list[tuple[Path, str]] = []
+    for path in sorted(root.glob(pattern)):
+        if path.name.startswith("."):  # temporary files of an atomic write in progress
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            errors.append((path, f"not valid JSON ({err})"))
+            continue
+        problems = validate_record(data)
+        if problems:
+            errors.append((path, "; ".join(problems)))
+            continue
+        data["_path"] = str(path)
+        records.append(data)
+    return LoadResult(records=records, errors=errors)
