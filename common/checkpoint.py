@@ -1,0 +1,96 @@
+"""Checkpoints written atomically, and a flag that Slurm's pre-emption signal raises.
+
+A job killed while writing ``checkpoint.pt`` must not leave a truncated file that the requeued job
+then fails to load: we write ``.checkpoint.pt.tmp``, fsync, and rename over the old one.
+
+:class:`StopSignal` catches ``SIGUSR1`` (what ``#SBATCH --signal=B:USR1@120`` sends before the time
+limit) and ``SIGTERM`` (what ``scancel`` and pre-emption send); the training loop polls
+``stop.requested`` between steps, saves, and exits cleanly instead of being killed mid-step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+
+def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, Any] | None:
+    """Load a checkpoint written by :func:`save_checkpoint`, or ``None`` when there is none."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    return torch.load(path, map_location=map_location, weights_only=False)
+
+
+class StopSignal:
+    """Sets ``requested`` when one of ``signals`` arrives (installed by :meth:`install`)."""
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGUSR1, signal.SIGTERM)) -> None:
+        self.signals = signals
+        self.requested: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = signum
+
+    def install(self) -> "StopSignal":
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.requested).name if self.requested else None
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Every random number generator a training step draws from (dropout, shuffling, init)."""
+    import random
+
+    import numpy as np
+
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Undo :func:`capture_rng_state`, so a resumed run draws the same numbers as an unbroken one."""
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

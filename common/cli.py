@@ -1,0 +1,109 @@
+"""One set of command-line flags for every script (STYLE.md convention 3).
+
+``add_common_args(parser)`` adds ``--device --seed --epochs --batch-size --max-steps --dry-run
+--data-dir --results-dir --num-workers`` with the same names and meaning everywhere; a script passes
+its own defaults. Argument types reject bad values with one clear argparse error line.
+
+This module must not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def default_num_workers(env: dict[str, str] | None = None) -> int:
+    """DataLoader workers from the allocation: ``SLURM_CPUS_PER_TASK - 1`` (one core trains), else 2.
+
+    The main process needs a core of its own to drive the training loop; the rest feed it.
+    Off-cluster we use 2, which suits a laptop and CI.
+    """
+    env = dict(os.environ) if env is None else env
+    cpus = env.get("SLURM_CPUS_PER_TASK", "")
+    if cpus.isdigit() and int(cpus) > 0:
+        return max(0, int(cpus) - 1)
+    return 2
+
+
+def add_common_args(
+    parser: argparse.ArgumentParser,
+    *,
+    epochs: int = 1,
+    batch_size: int = 64,
+    seed: int = 1,
+    data_dir: str = "data",
+    results_dir: str = "results",
+    num_workers: int | None = None,
+) -> argparse.ArgumentParser:
+    """Add the flags every script shares, with the script's own defaults shown in ``--help``."""
+    group = parser.add_argument_group("common options (same in every script)")
+    group.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="where to run: auto picks cuda when a GPU is visible (default: %(default)s)")
+    group.add_argument("--seed", type=int, default=seed, help="random seed (default: %(default)s)")
+    group.add_argument("--epochs", type=positive_int, default=epochs,
+                       help="number of epochs to train (default: %(default)s)")
+    group.add_argument("--batch-size", type=positive_int, default=batch_size,
+                       help="samples per step on each process (default: %(default)s)")
+    group.add_argument("--max-steps", type=positive_int, default=None,
+                       help="stop each epoch after this many steps, for tiny runs (default: whole epoch)")
+    group.add_argument("--dry-run", action="store_true",
+                       help="one epoch of two steps: checks that everything runs (default: off)")
+    group.add_argument("--data-dir", type=Path, default=Path(data_dir),
+                       help="folder holding downloaded data sets (default: %(default)s)")
+    group.add_argument("--results-dir", type=Path, default=Path(results_dir),
+                       help="folder where the result record is written (default: %(default)s)")
+    workers = default_num_workers() if num_workers is None else num_workers
+    group.add_argument("--num-workers", type=non_negative_int, default=workers,
+                       help="DataLoader worker processes; from SLURM_CPUS_PER_TASK when set (default: %(default)s)")
+    return parser
+
+
+def apply_dry_run(args: argparse.Namespace) -> argparse.Namespace:
+    """``--dry-run`` means one epoch of at most two steps."""
+    if getattr(args, "dry_run", False):
+        args.epochs = 1
+        args.max_steps = min(args.max_steps or 2, 2)
+    return args
+
+
+def config_dict(args: argparse.Namespace, **derived: Any) -> dict[str, Any]:
+    """The full configuration of a run for its record: every flag plus derived values."""
+    config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
+    config.update(derived)
+    return config

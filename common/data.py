@@ -1,0 +1,216 @@
+"""Data sets every lab uses, all available offline.
+
+==============  ==================================================  ==========================
+name            what                                                where it comes from
+==============  ==================================================  ==========================
+``mnist``       torchvision's MNIST (60k/10k, 1x28x28)              ``--data-dir`` (downloaded on
+                                                                    a login node beforehand)
+``digits``      real handwritten digits (1,797, 8x8 upsampled to    bundled inside scikit-learn:
+                1x28x28), fixed 80/20 stratified train/test split   always available
+``cifar10``     CIFAR-10 (50k/10k, 3x32x32)                         ``--data-dir``
+``imagefolder`` any ``class/image.jpg`` tree (``train/``, ``val/``)  ``--data-dir``
+``synthetic``   deterministic random images of any shape with a     generated: always available
+                learnable class signal
+==============  ==================================================  ==========================
+
+Nothing here downloads. A missing data set raises :class:`~common.errors.UserError` that names
+the command to run on a login node (``scripts/download_data.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+from common.errors import UserError
+
+DATASETS = ("mnist", "digits", "cifar10", "imagefolder", "synthetic")
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+#: Above this many bytes a synthetic set is generated per sample instead of kept in memory.
+SYNTHETIC_CACHE_LIMIT = 512 * 2**20
+
+
+@dataclass
+class DataSplits:
+    """Train and test sets plus what a model needs to know about them."""
+
+    train: Dataset
+    test: Dataset
+    name: str
+    input_shape: tuple[int, ...]  # C, H, W
+    num_classes: int
+
+    def describe(self) -> dict[str, Any]:
+        return {"dataset": self.name, "input_shape": list(self.input_shape),
+                "num_classes": self.num_classes, "train_size": len(self.train),  # type: ignore[arg-type]
+                "test_size": len(self.test)}  # type: ignore[arg-type]
+
+
+def _missing(name: str, data_dir: Path, detail: str = "") -> UserError:
+    return UserError(
+        f"{name} not found under {data_dir}{detail}. Compute nodes have no internet: on a login node run "
+        f"'python scripts/download_data.py {name} --data-dir {data_dir}', or use --dataset digits "
+        "(bundled) or --dataset synthetic"
+    )
+
+
+class SyntheticImages(Dataset):
+    """Deterministic images with a class signal: ``prototype[label] + noise``, any shape.
+
+    The same ``seed`` gives the same samples on every machine and rank, so runs compare. Each class
+    has a fixed random prototype (shared by both splits), so a model can learn it and the loss falls
+    as on real data; ``split`` picks independent labels and noise for the train and test sets.
+    """
+
+    def __init__(self, num_samples: int, shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10,
+                 seed: int = 0, split: str = "train", noise: float = 1.0, signal: float = 0.5) -> None:
+        if num_samples < 1:
+            raise UserError(f"synthetic data set needs at least 1 sample, got {num_samples}")
+        self.num_samples, self.shape, self.num_classes = num_samples, tuple(shape), num_classes
+        self.noise = noise
+        self.prototypes = torch.randn((num_classes, *self.shape),
+                                      generator=torch.Generator().manual_seed(seed)) * signal
+        self.sample_seed = seed * 1_000_003 + (0 if split == "train" else 500_009)
+        generator = torch.Generator().manual_seed(self.sample_seed)
+        self.labels = torch.randint(0, num_classes, (num_samples,), generator=generator)
+        self._cache: torch.Tensor | None = None
+        if num_samples * math.prod(self.shape) * 4 <= SYNTHETIC_CACHE_LIMIT:
+            self._cache = self.prototypes[self.labels] + torch.randn((num_samples, *self.shape),
+                                                                     generator=generator) * noise
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        label = int(self.labels[index])
+        if self._cache is not None:
+            return self._cache[index], label
+        generator = torch.Generator().manual_seed(self.sample_seed + 1 + index)
+        return self.prototypes[label] + torch.randn(self.shape, generator=generator) * self.noise, label
+
+
+def _read_bundled_digits() -> tuple[Any, Any]:
+    """The 1,797 digits of ``sklearn.datasets.load_digits``, read from the file scikit-learn ships.
+
+    Reading ``digits.csv.gz`` directly skips importing scikit-learn (3-4 s); the data are the same.
+    """
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or spec.origin is None:
+        raise UserError("the digits data set ships with scikit-learn, which is not installed: pip install scikit-learn")
+    bundled = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+    if bundled.is_file():
+        table = np.loadtxt(bundled, delimiter=",", dtype=np.float32)
+        return table[:, :-1], table[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits  # a layout we do not know: let scikit-learn find it
+
+    bunch = load_digits()
+    return bunch.data, bunch.target
+
+
+def load_digits_split(test_fraction: float = 0.2, image_size: int = 28, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """scikit-learn's bundled 8x8 digits, scaled to MNIST's shape and statistics.
+
+    The split is stratified and fixed by ``seed`` so the held-out test set never changes.
+    """
+    pixels, target = _read_bundled_digits()
+    images = torch.tensor(pixels, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0  # N,1,8,8 in [0,1]
+    images = torch.nn.functional.interpolate(images, size=(image_size, image_size), mode="bilinear",
+                                             align_corners=False).clamp_(0, 1)
+    images = (images - MNIST_MEAN) / MNIST_STD
+    labels = torch.tensor(target, dtype=torch.long)
+    generator = torch.Generator().manual_seed(seed)
+    train_idx, test_idx = [], []
+    for cls in range(10):
+        members = torch.nonzero(labels == cls).flatten()
+        members = members[torch.randperm(len(members), generator=generator)]
+        n_test = int(round(len(members) * test_fraction))
+        test_idx.append(members[:n_test])
+        train_idx.append(members[n_test:])
+    train, test = torch.cat(train_idx).sort().values, torch.cat(test_idx).sort().values
+    return TensorDataset(images[train], labels[train]), TensorDataset(images[test], labels[test])
+
+
+def get_dataset(name: str, data_dir: str | Path = "data", *, image_size: int | None = None,
+                channels: int | None = None, num_classes: int = 10, synthetic_size: int = 2048,
+                seed: int = 0) -> DataSplits:
+    """Train/test splits of a named data set (see the module docstring).
+
+    ``image_size``/``channels`` shape ``synthetic`` and resize ``imagefolder``; ``synthetic_size``
+    is the number of training samples of ``synthetic`` (the test split is a quarter of it).
+    """
+    data_dir = Path(data_dir)
+    name = name.lower()
+    if name == "digits":
+        train, test = load_digits_split(image_size=image_size or 28)
+        return DataSplits(train, test, "digits", (1, image_size or 28, image_size or 28), 10)
+    if name == "synthetic":
+        shape = (channels or 3, image_size or 32, image_size or 32)
+        train = SyntheticImages(synthetic_size, shape, num_classes, seed=seed, split="train")
+        test = SyntheticImages(max(1, synthetic_size // 4), shape, num_classes, seed=seed, split="test")
+        return DataSplits(train, test, "synthetic", shape, num_classes)
+    if name == "mnist":
+        from torchvision import datasets, transforms
+
+        if not (data_dir / "MNIST" / "raw").is_dir():
+            raise _missing("mnist", data_dir, " (expected MNIST/raw/)")
+        tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))])
+        try:
+            train = datasets.MNIST(str(data_dir), train=True, download=False, transform=tf)
+            test = datasets.MNIST(str(data_dir), train=False, download=False, transform=tf)
+        except RuntimeError as err:
+            raise _missing("mnist", data_dir, f" ({err})") from None
+        return DataSplits(train, test, "mnist", (1, 28, 28), 10)
+    if name == "cifar10":
+        from torchvision import datasets, transforms
+
+        if not (data_dir / "cifar-10-batches-py").is_dir():
+            raise _missing("cifar10", data_dir, " (expected cifar-10-batches-py/)")
+        tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])
+        try:
+            train = datasets.CIFAR10(str(data_dir), train=True, download=False, transform=tf)
+            test = datasets.CIFAR10(str(data_dir), train=False, download=False, transform=tf)
+        except RuntimeError as err:
+            raise _missing("cifar10", data_dir, f" ({err})") from None
+        return DataSplits(train, test, "cifar10", (3, 32, 32), 10)
+    if name == "imagefolder":
+        from torchvision import datasets, transforms
+
+        train_dir, val_dir = data_dir / "train", data_dir / "val"
+        if not train_dir.is_dir():
+            raise UserError(f"imagefolder expects {train_dir}/<class>/<image> (and optionally {val_dir}/); "
+                            "copy your images there or use --dataset synthetic")
+        size = image_size or 224
+        tf = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(),
+                                 transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+        train = datasets.ImageFolder(str(train_dir), transform=tf)
+        test = datasets.ImageFolder(str(val_dir), transform=tf) if val_dir.is_dir() else train
+        return DataSplits(train, test, "imagefolder", (3, size, size), len(train.classes))
+    raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
+
+
+def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool, distributed: bool = False,
+                num_workers: int = 0, pin_memory: bool = False, seed: int = 0, drop_last: bool = False,
+                **loader_kwargs: Any) -> tuple[DataLoader, DistributedSampler | None]:
+    """A DataLoader, with a ``DistributedSampler`` when the run is distributed.
+
+    The sampler is returned so the training loop can call ``sampler.set_epoch(epoch)``: without it
+    every epoch sees the same order on every rank.
+    """
+    sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last) if distributed else None
+    generator = torch.Generator().manual_seed(seed)
+    if num_workers > 0:
+        loader_kwargs.setdefault("persistent_workers", True)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None, sampler=sampler,
+                        num_workers=num_workers, pin_memory=pin_memory, drop_last=drop_last,
+                        generator=generator, **loader_kwargs)
+    return loader, sampler

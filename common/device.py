@@ -1,0 +1,89 @@
+"""Choosing the device, seeding, and CPU thread settings.
+
+``resolve_device("auto")`` gives the GPU of this process when one is visible and the CPU otherwise,
+so the same script runs on a laptop, a CI runner and a GPU node unchanged. Asking for ``cuda`` on a
+machine without a GPU is a :class:`~common.errors.UserError` (one line, non-zero exit), not a
+CUDA traceback deep inside the first ``.to()``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+from common.errors import UserError
+
+
+def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
+    """Map ``auto|cpu|cuda`` (or ``cuda:N``) to a ``torch.device`` for this process.
+
+    ``local_rank`` picks this process's GPU on a multi-GPU node (modulo the visible count, so
+    oversubscribed runs still start).
+    """
+    name = (name or "auto").strip().lower()
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+        if name == "cpu":
+            return torch.device("cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+            raise UserError(
+                f"--device cuda was requested but PyTorch sees no CUDA GPU{hint}; "
+                "run on a GPU node, or use --device cpu or --device auto"
+            )
+        count = torch.cuda.device_count()
+        index = int(name.split(":", 1)[1]) if ":" in name else local_rank % count
+        if index >= count:
+            raise UserError(f"--device {name}: only {count} GPU(s) visible (cuda:0..cuda:{count - 1})")
+        return torch.device("cuda", index)
+    raise UserError(f"unknown device {name!r}; choose auto, cpu or cuda")
+
+
+def set_device(device: torch.device) -> None:
+    """Make ``device`` the current CUDA device (NCCL and ``.cuda()`` calls rely on it)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy (when installed) and PyTorch on every device."""
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def configure_threads(env: dict[str, str] | None = None) -> int:
+    """Use the CPUs Slurm gave this task for intra-op threads; return the thread count.
+
+    Without this, PyTorch starts one thread per core of the *node*, and several tasks on one node
+    oversubscribe it. Off-cluster the PyTorch default is kept unless ``OMP_NUM_THREADS`` is set.
+    """
+    env = dict(os.environ) if env is None else env
+    cpus = env.get("SLURM_CPUS_PER_TASK", "")
+    if cpus.isdigit() and int(cpus) > 0:
+        torch.set_num_threads(int(cpus))
+    return torch.get_num_threads()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work so a clock read afterwards measures it (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def describe(device: torch.device) -> str:
+    """A short human-readable name: ``cuda:0 (NVIDIA H100 80GB HBM3)`` or ``cpu (8 threads)``."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({torch.get_num_threads()} threads)"

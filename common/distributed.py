@@ -1,0 +1,181 @@
+"""One distributed setup and teardown for every script (STYLE.md convention 4).
+
+    ctx = init_distributed(args.device)        # torchrun, srun, or plain python
+    try:
+        ... train on ctx.device, wrap the model in DDP when ctx.is_distributed ...
+    finally:
+        teardown_distributed(ctx)
+
+- Backend from the device: NCCL for CUDA, Gloo for CPU.
+- Ranks and the rendezvous address come from :func:`common.launch.detect_launch`: torchrun's
+  variables, Slurm's inside ``srun``, or a single process. No fixed port anywhere.
+- A plain ``python`` run gets world size 1 and no process group, unless the caller asks for one
+  (``force_process_group=True``: then a one-process Gloo/NCCL group on a free local port, so a DDP
+  script runs unchanged outside a launcher).
+- Never initialises twice: an existing group is reused and left for its owner to destroy.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from common.device import resolve_device, set_device
+from common.launch import LaunchInfo, detect_launch, free_port, rank_tag
+
+__all__ = [
+    "DistContext", "init_distributed", "teardown_distributed", "print0", "rank_tag",
+    "get_rank", "get_world_size", "is_main_process", "barrier", "all_reduce_mean",
+]
+
+
+@dataclass
+class DistContext:
+    """The result of :func:`init_distributed`: who we are, on which device, with which backend."""
+
+    launch: LaunchInfo
+    device: torch.device
+    backend: str | None = None
+    owns_group: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return self.launch.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.launch.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.world_size
+
+    @property
+    def is_distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def is_main(self) -> bool:
+        return self.launch.rank == 0
+
+    def describe(self) -> dict[str, Any]:
+        """Provenance for result records."""
+        return {"launcher": self.launch.launcher, "backend": self.backend, "rank": self.rank,
+                "world_size": self.world_size, "master_addr": self.launch.master_addr,
+                "master_port": self.launch.master_port}
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL moves CUDA tensors between GPUs; Gloo is the CPU backend."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(device_name: str = "auto", *, force_process_group: bool = False,
+                     timeout_s: float | None = None) -> DistContext:
+    """Start (or join) the process group this process belongs to and pick its device."""
+    launch = detect_launch()
+    device = resolve_device(device_name, local_rank=launch.local_rank)
+    set_device(device)
+    backend = backend_for(device)
+    if dist.is_available() and dist.is_initialized():
+        return DistContext(launch=launch, device=device, backend=dist.get_backend(), owns_group=False)
+    if launch.world_size <= 1 and not force_process_group:
+        return DistContext(launch=launch, device=device, backend=None, owns_group=False)
+
+    if launch.launcher == "single":
+        launch = LaunchInfo("single", 0, 0, 1, 0, "127.0.0.1", free_port())
+    addr, port = launch.master_addr or "127.0.0.1", launch.master_port or free_port()
+    # Map Slurm's view onto torchrun's variables once, so any library reading them agrees.
+    for key, value in {"RANK": launch.rank, "WORLD_SIZE": launch.world_size,
+                       "LOCAL_RANK": launch.local_rank, "MASTER_ADDR": addr, "MASTER_PORT": port}.items():
+        os.environ.setdefault(key, str(value))
+    timeout = _dt.timedelta(seconds=timeout_s or float(os.environ.get("HPC_DL_LABS_DIST_TIMEOUT", 600)))
+    dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}",
+                            rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+    launch = LaunchInfo(launch.launcher, launch.rank, launch.local_rank, launch.world_size,
+                        launch.node_rank, addr, port)
+    return DistContext(launch=launch, device=device, backend=backend, owns_group=True)
+
+
+def teardown_distributed(ctx: DistContext | None) -> None:
+    """Destroy the process group if this context created it (call it in ``finally``)."""
+    if ctx is not None and ctx.owns_group and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_rank() -> int:
+    """Global rank, 0 when not distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return detect_launch().rank
+
+
+def get_world_size() -> int:
+    """Number of processes, 1 when not distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def is_main_process() -> bool:
+    return get_rank() == 0
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """``print`` on global rank 0 only (flushed, so Slurm output files stay in order)."""
+    if is_main_process():
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+def print_rank(*args: Any, **kwargs: Any) -> None:
+    """``print`` on every rank, tagged ``[host:rank]``."""
+    kwargs.setdefault("flush", True)
+    kwargs.setdefault("file", sys.stdout)
+    print(rank_tag(), *args, **kwargs)
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_mean(value: torch.Tensor | float, device: torch.device | None = None) -> float:
+    """Average a scalar over all ranks (returns it unchanged when not distributed)."""
+    tensor = value.detach().clone().float() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+    if device is not None:
+        tensor = tensor.to(device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        tensor /= dist.get_world_size()
+    return float(tensor.item())
+
+
+def all_reduce_sum(value: torch.Tensor | float, device: torch.device | None = None) -> float:
+    """Sum a scalar over all ranks (returns it unchanged when not distributed)."""
+    tensor = value.detach().clone().double() if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
+    if device is not None:
+        tensor = tensor.to(device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return float(tensor.item())
+
+
+def any_rank(flag: bool, device: torch.device | None = None) -> bool:
+    """True on every rank when ``flag`` is true on at least one (e.g. a stop signal arrived).
+
+    Ranks must agree before they stop: a rank that leaves the loop alone leaves its peers waiting
+    in the next all-reduce until the timeout.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())

@@ -1,0 +1,133 @@
+"""Honest timing (STYLE.md convention 7) and peak memory.
+
+- The device is synchronised before every clock read: CUDA kernels run asynchronously, so without
+  it a "step time" measures only how fast Python queued the work.
+- The first ``warmup_steps`` are dropped (cuDNN autotuning, allocator growth, lazy init).
+- Summaries give the median and the spread (std, p10/p90, min/max), not a single mean, and carry a
+  ``method`` string that says how the numbers were taken.
+- Peak memory: the CUDA caching allocator's peak on a GPU, the process's peak resident set on CPU.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+
+from common.device import synchronize
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    position = (len(sorted_values) - 1) * q
+    low, high = int(position), min(int(position) + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+def summarize(times_s: list[float], samples_per_step: list[int] | None = None, *, warmup_steps: int = 0,
+              method: str = "") -> dict[str, Any]:
+    """Median, mean, spread and throughput of a list of step times (seconds)."""
+    ordered = sorted(times_s)
+    total = sum(times_s)
+    samples = sum(samples_per_step) if samples_per_step else None
+    return {
+        "steps_timed": len(times_s),
+        "warmup_steps": warmup_steps,
+        "median_s": statistics.median(times_s) if times_s else None,
+        "mean_s": statistics.fmean(times_s) if times_s else None,
+        "std_s": statistics.stdev(times_s) if len(times_s) > 1 else 0.0 if times_s else None,
+        "min_s": ordered[0] if ordered else None,
+        "max_s": ordered[-1] if ordered else None,
+        "p10_s": _percentile(ordered, 0.10) if ordered else None,
+        "p90_s": _percentile(ordered, 0.90) if ordered else None,
+        "total_s": total,
+        "samples_per_s": (samples / total) if samples and total > 0 else None,
+        "method": method,
+    }
+
+
+class StepTimer:
+    """Times training steps: ``with timer.step(batch_size): ...``.
+
+    Steps before ``warmup_steps`` are run but not recorded. ``samples`` is what this step processed
+    (multiply by the world size for a job's throughput, or pass the global batch).
+    """
+
+    def __init__(self, device: torch.device, warmup_steps: int = 2) -> None:
+        self.device = device
+        self.warmup_steps = warmup_steps
+        self.seen = 0
+        self.times: list[float] = []
+        self.samples: list[int] = []
+
+    @contextmanager
+    def step(self, samples: int) -> Iterator[None]:
+        synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        self.seen += 1
+        if self.seen > self.warmup_steps:
+            self.times.append(elapsed)
+            self.samples.append(int(samples))
+
+    @property
+    def method(self) -> str:
+        sync = "torch.cuda.synchronize() before each clock read" if self.device.type == "cuda" else "CPU (synchronous)"
+        return f"time.perf_counter per step, {sync}, first {self.warmup_steps} step(s) dropped"
+
+    def summary(self) -> dict[str, Any]:
+        return summarize(self.times, self.samples, warmup_steps=min(self.seen, self.warmup_steps), method=self.method)
+
+
+def time_function(fn: Callable[[], Any], device: torch.device, *, repeats: int = 10, warmup: int = 2) -> dict[str, Any]:
+    """Run ``fn`` ``warmup`` times untimed, then ``repeats`` times timed; return :func:`summarize`."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    sync = "torch.cuda.synchronize() around each call" if device.type == "cuda" else "CPU (synchronous)"
+    return summarize(times, warmup_steps=warmup, method=f"time.perf_counter, {sync}, {warmup} warm-up call(s) dropped")
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window (CUDA only; a process's peak RSS cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def process_peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def peak_memory(device: torch.device) -> dict[str, Any]:
+    """Peak memory of this process on ``device``, with the source of the number."""
+    if device.type == "cuda":
+        return {"device": str(device), "peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+                "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+                "source": "cuda_max_memory_allocated"}
+    return {"device": "cpu", "peak_bytes": process_peak_rss_bytes(), "source": "process_max_rss"}
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
