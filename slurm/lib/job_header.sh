@@ -1,0 +1,81 @@
+# shellcheck shell=bash
+# Sourced by every course sbatch script, after `set -euo pipefail`, from the repository root:
+#
+#     source slurm/lib/job_header.sh
+#
+# It prints where and when the job runs and every SLURM_* variable (the first thing to read when a
+# job misbehaves), then exports what the training scripts and their launchers need:
+#
+#   MASTER_ADDR      first host of the allocation: where rank 0 listens for the others
+#   MASTER_PORT      20000 + (job id x 16) mod 10000, as common/launch.py computes it: two jobs that
+#                    share a node get different ports, and no port is hard-coded
+#   OMP_NUM_THREADS  the CPU cores Slurm gave each task (capped at the cores this process can use)
+#   NUM_WORKERS      DataLoader workers: those cores minus the one that trains (0 for tiny runs)
+#   NPROC_PER_NODE   processes per node for torchrun: the GPUs on this node, else the tasks per node
+#   DEVICE           cuda when nvidia-smi lists a GPU, else cpu (the test cluster's GPUs are fake)
+#   TINY_ARGS        bash array of extra flags for a run of seconds (HPC_DL_LABS_TINY=1), else empty
+#
+# Use them as:  srun --kill-on-bad-exit=1 python lab.py --device "$DEVICE" \
+#                   --num-workers "$NUM_WORKERS" "${TINY_ARGS[@]}"
+# Works outside Slurm too (bash job.sbatch on a laptop): the values fall back to one local process.
+
+echo "== job ${SLURM_JOB_ID:-(not in Slurm)} '${SLURM_JOB_NAME:-}' on $(hostname) at $(date '+%Y-%m-%d %H:%M:%S %Z')"
+echo "== SLURM_* variables:"
+while read -r _hdl_name; do
+    printf '   %s=%s\n' "$_hdl_name" "${!_hdl_name}"
+done < <(compgen -e | grep '^SLURM_' | sort)
+
+# --- rendezvous: rank 0 runs on the first node of the allocation --------------------------------
+if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
+    # `scontrol show hostnames` expands n[1-2] into n1 and n2 (mapfile, not `| head`: with
+    # pipefail a closed pipe would fail the job).
+    mapfile -t _hdl_hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+    MASTER_ADDR="${_hdl_hosts[0]}"
+    MASTER_PORT=$((20000 + (SLURM_JOB_ID * 16) % 10000))
+else
+    MASTER_ADDR="127.0.0.1"
+    MASTER_PORT=$((20000 + ($$ * 16) % 10000))
+fi
+export MASTER_ADDR MASTER_PORT
+
+# --- CPU threads and DataLoader workers from the cores Slurm gave each task ---------------------
+# Without cgroups (like the test cluster) a task may claim 16 cores on a 2-core machine: cap at
+# what this process can really use, so threads and workers never oversubscribe it.
+_hdl_cpus="${SLURM_CPUS_PER_TASK:-1}"
+_hdl_usable="$(nproc)"
+((_hdl_cpus <= _hdl_usable)) || _hdl_cpus="$_hdl_usable"
+export OMP_NUM_THREADS="$_hdl_cpus"
+NUM_WORKERS=$((_hdl_cpus > 1 ? _hdl_cpus - 1 : 0))
+
+# --- real GPUs or not ----------------------------------------------------------------------------
+# Slurm sets CUDA_VISIBLE_DEVICES for every allocated GPU, real or not; nvidia-smi only lists real
+# ones. Asking nvidia-smi costs milliseconds (importing torch to ask would cost seconds per job).
+_hdl_gpus="$(nvidia-smi --list-gpus 2>/dev/null || true)"
+if [[ "${HPC_DL_LABS_DEVICE:-}" == cuda || "${HPC_DL_LABS_DEVICE:-}" == cpu ]]; then
+    DEVICE="$HPC_DL_LABS_DEVICE"
+elif [[ "$_hdl_gpus" == *"GPU "* && "${CUDA_VISIBLE_DEVICES:-}" != "" ]]; then
+    DEVICE=cuda
+else
+    DEVICE=cpu
+fi
+export DEVICE
+NPROC_PER_NODE="${SLURM_GPUS_ON_NODE:-${SLURM_NTASKS_PER_NODE:-1}}"
+export NPROC_PER_NODE
+
+# --- tiny runs for CI ----------------------------------------------------------------------------
+if [[ "${HPC_DL_LABS_TINY:-0}" == 1 ]]; then
+    TINY_ARGS=(--dry-run)  # one epoch of two steps (common/cli.py)
+    NUM_WORKERS=0          # starting worker processes would cost more than the two steps
+else
+    TINY_ARGS=()
+fi
+export NUM_WORKERS
+
+echo "== MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT OMP_NUM_THREADS=$OMP_NUM_THREADS" \
+    "NUM_WORKERS=$NUM_WORKERS NPROC_PER_NODE=$NPROC_PER_NODE DEVICE=$DEVICE" \
+    "TINY_ARGS=(${TINY_ARGS[*]})"
+if [[ "$DEVICE" == cpu && -n "${SLURM_GPUS_ON_NODE:-}" && "${SLURM_GPUS_ON_NODE:-0}" != 0 ]]; then
+    echo "== note: Slurm allocated GPU(s) (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}) but nvidia-smi" \
+        "lists none: running on the CPU"
+fi
+unset _hdl_name _hdl_hosts _hdl_cpus _hdl_usable _hdl_gpus

@@ -1,0 +1,200 @@
+"""Drive the throwaway Slurm test cluster (``slurm/testbed/testbed.sh``) from Python tests.
+
+    from cluster import SlurmTestCluster           # tests/slurm/conftest.py loads it by path
+    with SlurmTestCluster(nodes=2) as cluster:      # start() ... stop()
+        job_id = cluster.submit("job.sbatch", "--nodes=2", env={"HPC_DL_LABS_TINY": "1"})
+        result = cluster.wait(job_id, timeout=60)
+        assert result.ok, cluster.output(job_id)
+
+The cluster is real Slurm (slurmctld, one slurmd per emulated node, munge), so a script that runs
+here runs the same way under ``sbatch`` on a cluster. Jobs are polled with ``scontrol show job``
+every half second (``sbatch --wait`` backs off to 32 s). Needs root; never imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+TESTBED = Path(__file__).resolve().with_name("testbed.sh")
+REPO_ROOT = TESTBED.parents[2]
+
+#: Job states after which a job never runs again (REQUEUED and PREEMPTED+requeue come back).
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+
+
+class ClusterError(RuntimeError):
+    """The test cluster could not be started or stopped; the message holds testbed.sh's output."""
+
+
+class SbatchRejected(RuntimeError):
+    """sbatch refused the job (bad resources, unknown partition ...); ``stderr`` says why."""
+
+    def __init__(self, stderr: str) -> None:
+        super().__init__(stderr.strip())
+        self.stderr = stderr
+
+
+@dataclass(frozen=True)
+class JobResult:
+    job_id: int
+    state: str          # COMPLETED, FAILED, CANCELLED, TIMEOUT ...
+    exit_code: int      # the batch script's exit status
+    signal: int         # the signal that ended it, 0 if none
+    stdout_path: Path | None
+    seconds: float      # from submit() (or wait(), if the job was not submitted here) to its end
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "COMPLETED" and self.exit_code == 0
+
+
+def parse_scontrol_record(text: str) -> dict[str, str]:
+    """``Key=Value Key2=Value with spaces ...`` (one ``scontrol -o`` line) as a dict."""
+    return {match[1]: match[2].strip() for match in re.finditer(r"(\w+)=(.*?)(?=\s\w+=|$)", text.strip())}
+
+
+class SlurmTestCluster:
+    """A running test cluster: ``start()``, ``submit()``, ``wait()``, ``output()``, ``stop()``."""
+
+    def __init__(self, directory: Path | None = None, nodes: int = 2, start_args: Sequence[str] = (),
+                 job_env: Mapping[str, str] | None = None, log_dir: Path | None = None) -> None:
+        """``job_env`` is added to every submission's environment (sbatch exports it to the job);
+        ``log_dir`` receives job logs unless a submission names its own ``--output``."""
+        self.directory = directory or Path(tempfile.mkdtemp(prefix="hpc-dl-labs-slurm-"))
+        self.nodes = nodes
+        self.start_args = list(start_args)
+        self.job_env = dict(job_env or {})
+        self.log_dir = log_dir or self.directory.with_name(self.directory.name + "-logs")
+        self.start_seconds: float | None = None
+        self.stop_seconds: float | None = None
+        self.job_seconds: dict[int, float] = {}
+        self._submitted_at: dict[int, float] = {}
+        self._stdout: dict[int, Path] = {}
+        self._running = False
+
+    # -- the cluster ---------------------------------------------------------------------------
+
+    def _testbed(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(TESTBED), *args, "--dir", str(self.directory)],
+                              capture_output=True, text=True, check=False)
+
+    def start(self) -> float:
+        """Start the cluster and wait until its nodes are idle; return the seconds it took."""
+        began = time.perf_counter()
+        done = self._testbed("start", "--nodes", str(self.nodes), *self.start_args)
+        if done.returncode != 0:
+            if self.directory.is_dir() and not any(self.directory.iterdir()):
+                self.directory.rmdir()  # the empty directory made above; testbed.sh cleaned the rest
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            raise ClusterError(" | ".join(lines[-6:]) or f"testbed.sh start exited {done.returncode}")
+        self._running = True
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.start_seconds = time.perf_counter() - began
+        return self.start_seconds
+
+    def stop(self) -> float:
+        """Cancel every job and stop every daemon; return the seconds it took."""
+        began = time.perf_counter()
+        done = self._testbed("stop")
+        self._running = False
+        if done.returncode != 0:
+            raise ClusterError((done.stderr or done.stdout).strip())
+        self.stop_seconds = time.perf_counter() - began
+        return self.stop_seconds
+
+    def __enter__(self) -> SlurmTestCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._running:
+            self.stop()
+
+    @property
+    def slurm_conf(self) -> Path:
+        return self.directory / "slurm.conf"
+
+    def environment(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment for Slurm's client commands (and, through sbatch, for jobs)."""
+        return {**os.environ, **self.job_env, **(extra or {}), "SLURM_CONF": str(self.slurm_conf)}
+
+    def command(self, *args: str, env: Mapping[str, str] | None = None,
+                cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+        """Run a Slurm client (``scontrol``, ``squeue``, ``sinfo`` ...) against this cluster."""
+        return subprocess.run(list(args), capture_output=True, text=True, check=False,
+                              env=self.environment(env), cwd=cwd or REPO_ROOT)
+
+    # -- jobs ----------------------------------------------------------------------------------
+
+    def submit(self, script: str | Path, *sbatch_args: str, env: Mapping[str, str] | None = None,
+               cwd: Path | None = None) -> int:
+        """``sbatch`` a script from ``cwd`` (default: the repository root); return the job id.
+
+        Raises :class:`SbatchRejected` when sbatch refuses the job.
+        """
+        args = list(sbatch_args)
+        if not any(arg.startswith(("--output", "-o")) for arg in args):
+            args.append(f"--output={self.log_dir}/%x-%j.out")
+        submitted_at = time.perf_counter()
+        done = self.command("sbatch", "--parsable", *args, str(script), env=env, cwd=cwd)
+        if done.returncode != 0:
+            raise SbatchRejected(done.stderr or done.stdout)
+        job_id = int(done.stdout.strip().split(";")[0])
+        self._submitted_at[job_id] = submitted_at
+        return job_id
+
+    def job_info(self, job_id: int) -> dict[str, str]:
+        """``scontrol show job`` as a dict (empty once Slurm has forgotten the job)."""
+        done = self.command("scontrol", "--oneliner", "show", "job", str(job_id))
+        if done.returncode != 0:
+            return {}
+        return parse_scontrol_record(done.stdout.splitlines()[0]) if done.stdout.strip() else {}
+
+    def wait(self, job_id: int, timeout: float = 60.0, poll: float = 0.5) -> JobResult:
+        """Poll until the job has ended; return its state and exit code.
+
+        Raises ``TimeoutError`` (after cancelling the job) when it has not ended in ``timeout`` s.
+        """
+        began = self._submitted_at.get(job_id, time.perf_counter())
+        deadline = time.perf_counter() + timeout
+        info: dict[str, str] = {}
+        while True:
+            info = self.job_info(job_id) or info
+            if info.get("StdOut"):
+                self._stdout[job_id] = Path(info["StdOut"])
+            state = info.get("JobState", "UNKNOWN")
+            if state in FINAL_STATES:
+                break
+            if time.perf_counter() > deadline:
+                self.command("scancel", str(job_id))
+                tail = self.output(job_id)[-2000:]
+                raise TimeoutError(f"job {job_id} still {state} after {timeout:.0f} s; output so far:\n{tail}")
+            time.sleep(poll)
+        seconds = time.perf_counter() - began
+        self.job_seconds[job_id] = seconds
+        exit_code, _, signal = info.get("ExitCode", "0:0").partition(":")
+        return JobResult(job_id=job_id, state=state, exit_code=int(exit_code), signal=int(signal or 0),
+                         stdout_path=self._stdout.get(job_id), seconds=seconds)
+
+    def run(self, script: str | Path, *sbatch_args: str, env: Mapping[str, str] | None = None,
+            timeout: float = 60.0, cwd: Path | None = None) -> JobResult:
+        """``submit`` then ``wait``."""
+        return self.wait(self.submit(script, *sbatch_args, env=env, cwd=cwd), timeout=timeout)
+
+    def output(self, job_id: int) -> str:
+        """The job's log (stdout and stderr unless the script split them); '' before it exists."""
+        path = self._stdout.get(job_id)
+        if path is None:
+            info = self.job_info(job_id)
+            path = Path(info["StdOut"]) if info.get("StdOut") else None
+        if path is None or not path.is_file():
+            return ""
+        return path.read_text(encoding="utf-8", errors="replace")

@@ -1,0 +1,98 @@
+"""The Slurm test cluster for tests under tests/slurm/.
+
+Tests ask for the session fixture ``slurm_cluster`` (a started 2-node
+:class:`SlurmTestCluster`, see slurm/testbed/cluster.py) and carry ``@pytest.mark.slurm``; a test
+here that has one of the two gets the other, so ``-m "not slurm"`` deselects all of them.
+
+Without root, or when Slurm cannot be installed or started, these tests are skipped with the
+reason, except when ``HPC_DL_LABS_REQUIRE_SLURM=1`` (CI sets it): then they fail, so a CI machine
+that silently lost its Slurm cannot pass.
+
+Every job the fixture submits sees ``HPC_DL_LABS_TINY=1`` (tiny runs), ``HPC_DL_LABS_SKIP_MODULES=1``
+(the sites' module lines cannot run here) and this Python's environment first on ``PATH``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+REQUIRE_VARIABLE = "HPC_DL_LABS_REQUIRE_SLURM"
+TIMINGS: dict[str, float] = {}
+
+
+def _load_cluster_module():
+    path = REPO_ROOT / "slurm" / "testbed" / "cluster.py"
+    spec = importlib.util.spec_from_file_location("hpc_dl_labs_testbed_cluster", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+cluster_module = _load_cluster_module()
+SlurmTestCluster = cluster_module.SlurmTestCluster
+ClusterError = cluster_module.ClusterError
+SbatchRejected = cluster_module.SbatchRejected
+
+
+def slurm_unavailable(reason: str) -> None:
+    """Skip with ``reason``; fail instead when HPC_DL_LABS_REQUIRE_SLURM=1."""
+    if os.environ.get(REQUIRE_VARIABLE) == "1":
+        pytest.fail(f"{reason} ({REQUIRE_VARIABLE}=1 makes this a failure instead of a skip)", pytrace=False)
+    pytest.skip(reason)
+
+
+def job_environment() -> dict[str, str]:
+    """What every test job sees on top of the caller's environment."""
+    python_bin = str(Path(sys.executable).parent)
+    return {
+        "PATH": f"{python_bin}{os.pathsep}{os.environ.get('PATH', '')}",
+        "HPC_DL_LABS_TINY": "1",
+        "HPC_DL_LABS_SKIP_MODULES": "1",
+    }
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """A started 2-node Slurm test cluster, stopped at the end of the session."""
+    if sys.platform != "linux":
+        slurm_unavailable(f"the Slurm test cluster needs Linux, not {sys.platform}")
+    if os.geteuid() != 0:
+        slurm_unavailable("the Slurm test cluster needs root (it installs Slurm and runs slurmd as root)")
+    cluster = SlurmTestCluster(nodes=2, job_env=job_environment(),
+                               log_dir=tmp_path_factory.mktemp("slurm-job-logs"))
+    try:
+        TIMINGS["start"] = cluster.start()
+    except ClusterError as err:
+        slurm_unavailable(f"the Slurm test cluster did not start: {err}")
+    yield cluster
+    TIMINGS["stop"] = cluster.stop()
+    TIMINGS.update({f"job {job_id}": seconds for job_id, seconds in cluster.job_seconds.items()})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here not in Path(str(item.fspath)).parents:
+            continue
+        uses_cluster = "slurm_cluster" in getattr(item, "fixturenames", ())
+        if uses_cluster and item.get_closest_marker("slurm") is None:
+            item.add_marker(pytest.mark.slurm)
+        if item.get_closest_marker("slurm") is not None and not uses_cluster:
+            item.fixturenames.append("slurm_cluster")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not TIMINGS:
+        return
+    jobs = [seconds for name, seconds in TIMINGS.items() if name.startswith("job ")]
+    parts = [f"{name} {TIMINGS[name]:.1f} s" for name in ("start", "stop") if name in TIMINGS]
+    if jobs:
+        parts.append(f"{len(jobs)} job(s) submit-to-end {min(jobs):.1f}-{max(jobs):.1f} s")
+    terminalreporter.write_line("slurm test cluster: " + ", ".join(parts))

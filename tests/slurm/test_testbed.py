@@ -1,0 +1,136 @@
+"""The Slurm test cluster really schedules the course's rendered templates.
+
+Every site's rendering of slurm/testbed/examples/hello.sbatch.j2 is submitted to a real 2-node
+Slurm and must end COMPLETED with exit 0; the 2-node allocation must reach both nodes with a
+MASTER_ADDR that resolves; and sbatch itself must refuse GPU models, features and GPU counts
+that no node has, the way a real cluster does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TESTBED = REPO_ROOT / "slurm" / "testbed" / "testbed.sh"
+HELLO = REPO_ROOT / "slurm" / "testbed" / "examples" / "hello.sbatch.j2"
+
+pytestmark = pytest.mark.slurm
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+render_sbatch = _load("render_sbatch", REPO_ROOT / "scripts" / "render_sbatch.py")
+
+
+@pytest.fixture(scope="module")
+def hello_jobs(slurm_cluster, tmp_path_factory):
+    """hello rendered for every site, all submitted at once, each waited for: {site: (id, result)}."""
+    out_dir = tmp_path_factory.mktemp("rendered")
+    assert render_sbatch.main(["--all-sites", str(out_dir), str(HELLO)]) == 0
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    submitted = {entry["site"]: slurm_cluster.submit(out_dir / entry["script"]) for entry in manifest}
+    return {site: (job_id, slurm_cluster.wait(job_id, timeout=60)) for site, job_id in submitted.items()}
+
+
+def test_every_site_rendering_completes(slurm_cluster, hello_jobs):
+    assert set(hello_jobs) == set(render_sbatch.site_names())
+    for site, (job_id, result) in hello_jobs.items():
+        log = slurm_cluster.output(job_id)
+        assert result.ok, f"{site}: job {job_id} ended {result.state} exit {result.exit_code}\n{log}"
+        assert "hello done: 2 node(s), device cpu" in log, f"{site}:\n{log}"
+        sites_partition = render_sbatch.find_site(site).default_partitions["gpu"]
+        assert f"SLURM_JOB_PARTITION={sites_partition}" in log
+
+
+def test_two_node_job_reaches_both_nodes_and_resolves_master_addr(slurm_cluster, hello_jobs):
+    job_id, result = hello_jobs["generic"]
+    log = slurm_cluster.output(job_id)
+    assert result.ok, log
+    assert "SLURM_JOB_NODELIST=n[1-2]" in log
+    hosts = slurm_cluster.command("scontrol", "show", "hostnames", "n[1-2]").stdout.split()
+    assert hosts == ["n1", "n2"]
+    tasks = re.findall(r"task (\d) of 2 on node (n\d): MASTER_ADDR=(\S+) resolves to (\S+)", log)
+    assert sorted(tasks) == [("0", "n1", "n1", "127.0.0.1"), ("1", "n2", "n1", "127.0.0.1")], log
+    port = int(re.search(r"MASTER_PORT=(\d+)", log)[1])
+    assert port == 20000 + (job_id * 16) % 10000  # the formula common/launch.py uses too
+
+
+def test_reservation_and_account_reach_the_job(slurm_cluster, hello_jobs):
+    job_id, result = hello_jobs["carc-discovery"]
+    log = slurm_cluster.output(job_id)
+    assert result.ok, log
+    site = render_sbatch.find_site("carc-discovery")
+    assert f"SLURM_JOB_RESERVATION={site.reservation}" in log
+    assert f"SLURM_JOB_ACCOUNT={site.account}" in log
+
+
+def _site_with_gpu(model: str, count: int, features: tuple[str, ...] = ()):
+    """generic's profile, but its gpu partition claims GPUs no test-cluster node has."""
+    site = render_sbatch.find_site("generic")
+    gpu = dataclasses.replace(site.partitions["gpu"], gpu_types=(model,), typed_gres=True,
+                              gpus_per_node=count, cpus_per_gpu=1, features=features)
+    return dataclasses.replace(site, partitions={**site.partitions, "gpu": gpu})
+
+
+@pytest.mark.parametrize(
+    ("settings", "site", "message"),
+    [
+        ({"gpu_type": "h100"}, _site_with_gpu("h100", 8), "Requested node configuration is not available"),
+        ({"gpu_type": "a100", "gpus_per_node": 5}, _site_with_gpu("a100", 8),
+         "Requested node configuration is not available"),
+        ({"constraint": "h100"}, _site_with_gpu("a100", 1, ("h100",)), "Invalid feature specification"),
+    ],
+    ids=["gpu-model-no-node-has", "more-gpus-than-a-node-has", "unknown-feature"],
+)
+def test_sbatch_refuses_what_no_node_has(slurm_cluster, tmp_path, settings, site, message):
+    text, _ = render_sbatch.render(render_sbatch.read_template(HELLO), site, settings)
+    script = tmp_path / "impossible.sbatch"
+    script.write_text(text)
+    with pytest.raises(Exception) as raised:
+        slurm_cluster.submit(script)
+    assert type(raised.value).__name__ == "SbatchRejected"
+    assert message in raised.value.stderr
+
+
+def test_a_failing_task_fails_the_job_quickly(slurm_cluster, tmp_path):
+    script = tmp_path / "one_task_fails.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        "#SBATCH --nodes=2 --ntasks-per-node=1 --time=00:02:00\n"
+        "set -euo pipefail\n"
+        "source slurm/lib/job_header.sh\n"
+        "# task 1 fails at once; --kill-on-bad-exit=1 must stop task 0's long sleep\n"
+        "srun --kill-on-bad-exit=1 bash -c '[[ $SLURM_PROCID == 1 ]] && exit 3; sleep 60'\n"
+    )
+    result = slurm_cluster.run(script, timeout=45)
+    log = slurm_cluster.output(result.job_id)
+    assert result.state == "FAILED", log
+    assert result.exit_code != 0
+    assert "task 1: Exited with exit code 3" in log
+    assert result.seconds < 30  # not the 60 s sleep of the surviving task
+
+
+def test_testbed_status_env_and_refusal_to_start_twice(slurm_cluster):
+    directory = str(slurm_cluster.directory)
+    status = subprocess.run([str(TESTBED), "status", "--dir", directory], capture_output=True, text=True)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert re.search(r"slurmd-n2\s+pid \d+\s+running", status.stdout)
+    env = subprocess.run([str(TESTBED), "env", "--dir", directory], capture_output=True, text=True)
+    assert env.stdout.strip() == f"export SLURM_CONF={directory}/slurm.conf"
+    again = subprocess.run([str(TESTBED), "start", "--dir", directory], capture_output=True, text=True)
+    assert again.returncode == 1
+    assert "already running" in again.stderr
