@@ -1,0 +1,223 @@
+"""The sections every report has: warnings, summary, repeats, plots, other metrics, provenance."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from scripts.report.checks import DDP_MIN_EFFICIENCY, Finding, _is_ddp, missing_baselines
+from scripts.report.runs import BASELINE_METHOD, SUMMARY_METRICS, get, number
+from scripts.report.sections import (
+    MISSING, Cell, Row, Section, fmt_int, fmt_memory, fmt_number, fmt_percent, fmt_rate,
+    fmt_ratio, fmt_seconds, fmt_text, is_missing, num, table_from_frame,
+)
+
+#: How many extra metric columns a lab's "other metrics" table shows at most.
+MAX_EXTRA_METRICS = 12
+
+
+def warnings_section(unreadable: list[tuple[str, str]], findings: list[Finding]) -> Section:
+    items = [f"skipped {name}: {reason}" for name, reason in unreadable]
+    items += [f"{finding.subject}: {finding.message}" for finding in findings]
+    paragraphs = [] if items else [
+        "No warnings: every file was read and every result is within its expected range."]
+    return Section("Warnings", paragraphs=paragraphs, items=items)
+
+
+def _efficiency_cell(run: Row) -> Cell:
+    value = run["scaling_efficiency"]
+    low = _is_ddp(run["method"]) and not is_missing(value) and value < DDP_MIN_EFFICIENCY
+    return Cell(fmt_percent(value), style="num warn" if low else "num")
+
+
+def _speedup_cell(run: Row) -> Cell:
+    value = run["speedup"]
+    return Cell(fmt_ratio(value), title=f"baseline: {fmt_rate(run['baseline_samples_per_s'])} samples/s"
+                if not is_missing(value) else None, style="num")
+
+
+def _device_cell(run: Row) -> Cell:
+    return Cell(fmt_text(run["device_type"]), title=None if is_missing(run["device_name"]) else run["device_name"])
+
+
+def _run_cell(run: Row) -> Cell:
+    return Cell(fmt_text(run["run_id"]), title=None if is_missing(run["file"]) else run["file"], style="id")
+
+
+SUMMARY_COLUMNS = [
+    ("run", _run_cell),
+    ("lab", lambda r: fmt_text(r["lab"])),
+    ("method", lambda r: fmt_text(r["method"])),
+    ("model", lambda r: fmt_text(r["model"])),
+    ("machine", lambda r: fmt_text(r["machine"])),
+    ("device", _device_cell),
+    ("world size", lambda r: num(fmt_int(r["world_size"]))),
+    ("devices", lambda r: num(fmt_int(r["devices"]))),
+    ("global batch", lambda r: num(fmt_int(r["global_batch_size"]))),
+    ("time / epoch", lambda r: num(fmt_seconds(r["time_per_epoch_s"]))),
+    ("peak memory per device", lambda r: fmt_memory(r["memory_per_device"], r["memory_source"])),
+    ("samples/s", lambda r: num(fmt_rate(r["samples_per_s"]))),
+    ("speed-up vs baseline", _speedup_cell),
+    ("scaling efficiency", _efficiency_cell),
+    ("final loss", lambda r: num(fmt_number(r["final_loss"]))),
+    ("test accuracy", lambda r: num(fmt_percent(r["test_accuracy"], 1))),
+    ("status", lambda r: Cell(fmt_text(r["status"]), style="" if r["status"] == "ok" else "warn")),
+]
+
+
+def summary_section(runs: pd.DataFrame) -> Section:
+    notes = [
+        f"Scaling efficiency = samples/s ÷ (devices × samples/s of the single-device '{BASELINE_METHOD}' "
+        "run of the same lab, model and device type on the same machine; the median when it ran several "
+        f"times). Speed-up = samples/s ÷ that baseline. DDP is expected to reach {DDP_MIN_EFFICIENCY:.0%}.",
+        "Memory on CUDA is the caching allocator's peak (torch.cuda.max_memory_allocated); on CPU it is "
+        "the peak resident set of the whole process (Python, PyTorch and the data set included). "
+        "Several values are the devices of one run, first device first.",
+    ]
+    lacking = missing_baselines(runs)
+    if lacking:
+        notes.append(f"No '{BASELINE_METHOD}' run to compute an efficiency for: " + "; ".join(lacking) + ".")
+    table = table_from_frame(runs, SUMMARY_COLUMNS, id="summary-table",
+                             caption=f"{len(runs)} run{'s' if len(runs) != 1 else ''}, one row each")
+    return Section("Summary", paragraphs=[], tables=[table], notes=notes)
+
+
+CONFIGURATION_COLUMNS = [
+    ("lab", lambda c: fmt_text(c["lab"])),
+    ("method", lambda c: fmt_text(c["method"])),
+    ("model", lambda c: fmt_text(c["model"])),
+    ("machine", lambda c: fmt_text(c["machine"])),
+    ("devices", lambda c: num(fmt_int(c["devices"]))),
+    ("runs", lambda c: num(fmt_int(c["runs"]))),
+    ("global batch", lambda c: num(fmt_int(c["global_batch_size"]))),
+    ("time / epoch (median)", lambda c: num(fmt_seconds(c["time_per_epoch_s"]))),
+    ("peak memory per device (median)", lambda c: fmt_memory(c["memory_per_device"], c["memory_source"])),
+    ("samples/s (median)", lambda c: num(fmt_rate(c["samples_per_s"]))),
+    ("samples/s (min – max)", lambda c: num(
+        MISSING if is_missing(c["samples_per_s"]) else f"{fmt_rate(c['samples_per_s_min'])} – {fmt_rate(c['samples_per_s_max'])}")),
+    ("scaling efficiency (median)", lambda c: num(fmt_percent(c["scaling_efficiency"]))),
+]
+
+
+def configurations_section(configs: pd.DataFrame) -> Section | None:
+    """Shown only when some configuration ran more than once (otherwise it repeats the summary)."""
+    if configs.empty or configs["runs"].max() < 2:
+        return None
+    table = table_from_frame(configs, CONFIGURATION_COLUMNS, id="configurations-table", row_id_column=None,
+                             caption="Successful runs with the same lab, method, model, machine and devices")
+    return Section("Repeats combined", tables=[table])
+
+
+def plots_section(configs: pd.DataFrame) -> Section | None:
+    from scripts.report import plots  # matplotlib is imported only when plots are wanted
+
+    figures = [fig for fig in (plots.throughput_figure(configs), plots.memory_figure(configs),
+                               plots.efficiency_figure(configs)) if fig is not None]
+    if not figures:
+        return Section("Plots", paragraphs=["No run recorded throughput or memory, so there is nothing to plot."])
+    return Section("Plots", figures=figures)
+
+
+def _scalar_metrics(metrics: Any) -> dict[str, Any]:
+    """Metrics not in the summary that fit in a cell: numbers, text, and one level of nested objects."""
+    if not isinstance(metrics, dict):
+        return {}
+    values = {}
+    for key, value in metrics.items():
+        if key in SUMMARY_METRICS:
+            continue
+        if isinstance(value, dict):
+            for inner, inner_value in value.items():
+                if isinstance(inner_value, (int, float, str)):
+                    values[f"{key}.{inner}"] = inner_value
+        elif isinstance(value, (int, float, str)):
+            values[key] = value
+    return values
+
+
+def _fmt_metric(value: Any) -> Cell:
+    if isinstance(value, bool) or isinstance(value, str):
+        return Cell(str(value))
+    if number(value) is None:
+        return Cell(MISSING)
+    return num(fmt_int(value) if isinstance(value, int) else fmt_number(value))
+
+
+def other_metrics_section(runs: pd.DataFrame) -> Section | None:
+    """Per lab, the metrics a script recorded beyond the summary's columns (every lab has some)."""
+    tables = []
+    for lab, lab_runs in runs.groupby(runs["lab"].fillna(MISSING), sort=True):
+        extras = [_scalar_metrics(get(record, "metrics")) for record in lab_runs["record"]]
+        counts: dict[str, int] = {}
+        for values in extras:
+            for key in values:
+                counts[key] = counts.get(key, 0) + 1
+        if not counts:
+            continue
+        keys = sorted(counts, key=lambda k: (-counts[k], k))[:MAX_EXTRA_METRICS]
+        columns = [("run", lambda r: fmt_text(r["run_id"])), ("method", lambda r: fmt_text(r["method"]))]
+        frame = lab_runs[["run_id", "method"]].copy()
+        for i, key in enumerate(keys):
+            frame[f"_m{i}"] = [values.get(key) for values in extras]
+            columns.append((key, lambda r, column=f"_m{i}": _fmt_metric(r[column])))
+        caption = f"{lab}: {len(counts)} other metric{'s' if len(counts) != 1 else ''}"
+        if len(counts) > len(keys):
+            caption += f" (the {len(keys)} most common shown)"
+        tables.append(table_from_frame(frame, columns, caption=caption))
+    if not tables:
+        return None
+    return Section("Other metrics", paragraphs=["What each lab's scripts measured beyond the summary's columns."],
+                   tables=tables)
+
+
+def _command(value: Any) -> str:
+    if isinstance(value, list):
+        return shlex.join(value)
+    return fmt_text(value)
+
+
+def _commit(run: Row) -> str:
+    commit = run["git_commit"]
+    if is_missing(commit):
+        return MISSING
+    return f"{commit[:12]}{' (dirty)' if run['git_dirty'] else ''}"
+
+
+def _version(name: str):
+    return lambda r: fmt_text(get(r["record"], "provenance", "versions", name))
+
+
+PROVENANCE_COLUMNS = [
+    ("run", _run_cell),
+    ("file", lambda r: fmt_text(r["file"])),
+    ("created (UTC)", lambda r: fmt_text(r["created"])),
+    ("host", lambda r: fmt_text(r["hostname"])),
+    ("device name", lambda r: fmt_text(r["device_name"])),
+    ("launcher", lambda r: fmt_text(get(r["record"], "provenance", "distributed", "launcher"))),
+    ("python", _version("python")),
+    ("torch", _version("torch")),
+    ("CUDA", _version("cuda")),
+    ("cuDNN", _version("cudnn")),
+    ("NCCL", _version("nccl")),
+    ("git commit", _commit),
+    ("Slurm job", lambda r: fmt_text(r["slurm_job_id"])),
+    ("command", lambda r: Cell(_command(r["command"]), style="code")),
+]
+
+
+def provenance_section(runs: pd.DataFrame) -> Section:
+    table = table_from_frame(runs, PROVENANCE_COLUMNS, id="provenance-table")
+    return Section("Provenance", paragraphs=["Where and how each run was measured, from its record."],
+                   tables=[table])
+
+
+def relative_name(path: Path, results_dir: Path) -> str:
+    """A skipped file's name as the user knows it: relative to the results folder when inside it."""
+    try:
+        return str(path.relative_to(results_dir))
+    except ValueError:
+        return str(path)
+

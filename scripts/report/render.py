@@ -1,0 +1,172 @@
+"""Build the report: read a results folder, make the sections, render HTML and CSV, write both atomically."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+import pandas as pd
+
+from common.errors import UserError
+from common.results import load_records
+from scripts.report import core
+from scripts.report.checks import Finding, out_of_range
+from scripts.report.runs import configurations_frame, csv_frame, runs_frame
+from scripts.report.sections import (
+    Section, SectionContext, lab_section_builders, load_builtin_lab_sections,
+)
+
+TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATE = "report.html.j2"
+DEFAULT_REPORT_NAME = "comparison_report.html"
+
+
+@dataclass
+class ReportOutcome:
+    """What :func:`build_report` wrote and what it found."""
+
+    report_path: Path
+    csv_path: Path
+    runs: int
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def write_text_atomic(text: str, path: Path) -> Path:
+    """Write ``text`` to a temporary file beside ``path``, then rename: readers never see half a report."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        # mkstemp creates the file readable by its owner only; a report is meant to be shared.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _environment() -> jinja2.Environment:
+    # autoescape=True for every template whatever its file name: record fields are untrusted text.
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES_DIR), autoescape=True,
+                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+
+
+def lab_sections(runs: pd.DataFrame, results_dir: Path, plots: bool) -> tuple[list[Section], list[Finding]]:
+    """Sections registered for the labs present; a section that fails becomes a warning, not a crash."""
+    load_builtin_lab_sections()
+    sections: list[Section] = []
+    problems: list[Finding] = []
+    for lab in sorted(runs["lab"].dropna().unique()):
+        lab_runs = runs[runs["lab"] == lab].reset_index(drop=True)
+        for builder in lab_section_builders(lab):
+            context = SectionContext(runs=lab_runs, all_runs=runs, results_dir=results_dir, plots=plots)
+            try:
+                result = builder(context)
+            except Exception as err:  # one lab's section must not cost the whole report
+                problems.append(Finding(f"section {builder.__name__} of {lab}",
+                                        f"could not be built: {type(err).__name__}: {err}"))
+                continue
+            if isinstance(result, Section):
+                result = [result]
+            sections.extend(result or [])
+    return sections, problems
+
+
+def _unique_ids(sections: list[Section]) -> None:
+    seen: set[str] = set()
+    for section in sections:
+        base, n = section.id, 1
+        while section.id in seen:
+            n += 1
+            section.id = f"{base}-{n}"
+        seen.add(section.id)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def build_report(
+    results_dir: str | os.PathLike[str],
+    output_report: str | os.PathLike[str] | None = None,
+    csv_path: str | os.PathLike[str] | None = None,
+    *,
+    plots: bool = True,
+    title: str | None = None,
+) -> ReportOutcome:
+    """Read every record under ``results_dir`` and write an HTML report and a CSV summary.
+
+    ``output_report`` defaults to ``<results_dir>/comparison_report.html`` and ``csv_path`` to the
+    report's path with ``.csv``. Files that are not readable records are skipped and named, here on
+    stderr and in the report. Raises :class:`UserError` when the folder is missing or holds no
+    readable record.
+    """
+    folder = Path(results_dir)
+    if not folder.is_dir():
+        raise UserError(f"results folder not found: {folder} (run a lab script with --results-dir {folder} first)")
+    report_path = Path(output_report) if output_report else folder / DEFAULT_REPORT_NAME
+    csv_out = Path(csv_path) if csv_path else report_path.with_suffix(".csv")
+    if report_path.is_dir() or csv_out.is_dir():
+        raise UserError(f"{report_path if report_path.is_dir() else csv_out} is a folder; give a file name")
+    if report_path.resolve() == csv_out.resolve():
+        raise UserError(f"the report and the CSV would both be {report_path}; give --csv another name")
+
+    loaded = load_records(folder)
+    skipped = [(core.relative_name(path, folder), reason) for path, reason in loaded.errors]
+    for name, reason in skipped:
+        print(f"warning: skipped {name}: {reason}", file=sys.stderr)
+    if not loaded.records:
+        if skipped:
+            raise UserError(f"none of the {_plural(len(skipped), 'file')} in {folder} is a readable result record")
+        raise UserError(f"no result records (*.json) in {folder}: run a lab script with --results-dir {folder} first")
+
+    runs = runs_frame(loaded.records, folder)
+    configs = configurations_frame(runs)
+    findings = out_of_range(runs)
+    extra_sections, section_problems = lab_sections(runs, folder, plots)
+    for problem in section_problems:
+        print(f"warning: {problem.subject}: {problem.message}", file=sys.stderr)
+    findings += section_problems
+
+    sections = [core.warnings_section(skipped, findings), core.summary_section(runs)]
+    sections.append(core.configurations_section(configs))
+    sections.append(core.plots_section(configs) if plots else None)
+    sections += extra_sections
+    sections += [core.other_metrics_section(runs), core.provenance_section(runs)]
+    sections = [s for s in sections if s is not None]
+    _unique_ids(sections)
+
+    machines = runs["machine"].nunique()
+    labs = runs["lab"].nunique()
+    facts = [f"{_plural(len(runs), 'run')} from {_plural(labs, 'lab')} on {_plural(machines, 'machine')}",
+             _plural(len(skipped), "file") + " skipped", _plural(len(skipped) + len(findings), "warning")]
+    if not plots:
+        facts.append("plots not generated (--no-plots)")
+    html = _environment().get_template(TEMPLATE).render(
+        title=title or f"Results comparison: {folder.resolve().name}",
+        generated=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        results_dir=str(folder.resolve()),
+        facts=facts,
+        sections=sections,
+    )
+    try:
+        write_text_atomic(csv_frame(runs).to_csv(index=False), csv_out)
+        write_text_atomic(html, report_path)
+    except OSError as err:
+        raise UserError(f"cannot write the report: {err}") from None
+    warnings = [f"skipped {name}: {reason}" for name, reason in skipped]
+    warnings += [f"{f.subject}: {f.message}" for f in findings]
+    return ReportOutcome(report_path=report_path, csv_path=csv_out, runs=len(runs), skipped=skipped,
+                         warnings=warnings)

@@ -1,0 +1,407 @@
+"""The comparison report (scripts/compare_results.py and scripts/report/): real records in, real files out.
+
+Records are written with the real ``common.results.make_record``/``write_record``; only the
+provenance is built by hand, because the real ``provenance(device)`` imports torch. The report is
+built in-process through ``compare_results.main`` (the CLI) or ``build_report`` (the Python API);
+one test runs the script as a subprocess because its exit status is the point.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import json
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.errors import run_main
+from common.results import make_record, write_record
+from scripts import compare_results
+from scripts.report import Section, build_report, register_section, sections as report_sections
+from scripts.report.checks import DDP_MIN_EFFICIENCY, out_of_range
+from scripts.report.runs import configurations_frame, runs_frame
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT_TAG = "<script>alert(1)</script>"
+
+GIB = 1024**3
+
+
+def provenance(host: str = "node-a", device_type: str = "cuda", device_name: str = "NVIDIA RTX 4090",
+               world_size: int = 1, **extra: Any) -> dict[str, Any]:
+    return {"hostname": host, "world_size": world_size, "device": {"type": device_type, "name": device_name},
+            "platform": "Linux", "cwd": "/work", "slurm": {"SLURM_JOB_ID": "4242"},
+            "versions": {"python": "3.11.7", "torch": "2.5.1", "cuda": "12.4", "cudnn": 90100, "nccl": "2.21.5"},
+            "git": {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": False},
+            "command": ["python", "labs/lab01_dp_vs_ddp/04_ddp_training.py", "--epochs", "1"], **extra}
+
+
+def write_run(folder: Path, *, lab: str = "lab01", method: str = "baseline", model: str = "resnet18",
+              samples_per_s: float | None = 100.0, world_size: int = 1, devices: int | None = None,
+              host: str = "node-a", status: str = "ok", peak_gib: float = 3.0, first_gib: float | None = None,
+              metrics: dict[str, Any] | None = None, notes: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Write one record and return it (``devices`` GPUs for DataParallel, else ``world_size``)."""
+    devices = devices or world_size
+    memory = [{"device": f"cuda:{i}", "peak_bytes": int((first_gib if first_gib and i == 0 else peak_gib) * GIB),
+               "source": "cuda_max_memory_allocated"} for i in range(devices)]
+    values: dict[str, Any] = {"world_size": world_size, "global_batch_size": 64 * devices, "memory": memory,
+                              "time_per_epoch_s": 12.5, "final_loss": 1.25, "steps": 20}
+    if samples_per_s is not None:
+        values["samples_per_s"] = samples_per_s
+    values.update(metrics or {})
+    record = make_record(lab=lab, script=f"labs/{lab}/train.py", method=method, config={"model": model},
+                         metrics=values, provenance=provenance(host=host, world_size=world_size),
+                         status=status, notes=notes)
+    write_record(record, folder)
+    return record
+
+
+class ReportPage(HTMLParser):
+    """The parts of a report the tests check: rows of each table, text of each section, images."""
+
+    def __init__(self, html: str) -> None:
+        super().__init__()
+        self.tables: dict[str, list[dict[str, Any]]] = {}
+        self.sections: dict[str, str] = {}
+        self.images: list[str] = []
+        self.script_tags = 0
+        self._table: str | None = None
+        self._row: dict[str, Any] | None = None
+        self._cell: list[str] | None = None
+        self._section: str | None = None
+        self.feed(html)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attributes = dict(attrs)
+        if tag == "script":
+            self.script_tags += 1
+        elif tag == "section":
+            self._section = attributes.get("id")
+            self.sections[self._section] = ""
+        elif tag == "table":
+            self._table = attributes.get("id") or f"table-{len(self.tables)}"
+            self.tables[self._table] = []
+        elif tag == "tr" and self._table is not None:
+            self._row = {"run_id": attributes.get("data-run-id"), "cells": [], "header": False}
+        elif tag in ("td", "th") and self._row is not None:
+            self._row["header"] = tag == "th"
+            self._cell = []
+        elif tag == "img":
+            self.images.append(attributes.get("src") or "")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("td", "th") and self._cell is not None and self._row is not None:
+            self._row["cells"].append("".join(self._cell))
+            self._cell = None
+        elif tag == "tr" and self._row is not None:
+            if not self._row["header"]:
+                self.tables[self._table].append(self._row)
+            self._row = None
+        elif tag == "table":
+            self._table = None
+        elif tag == "section":
+            self._section = None
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+        if self._section is not None:
+            self.sections[self._section] += data
+
+    def column(self, table: str, header_index: int) -> list[str]:
+        return [row["cells"][header_index] for row in self.tables[table]]
+
+
+def read_page(path: Path) -> ReportPage:
+    return ReportPage(Path(path).read_text(encoding="utf-8"))
+
+
+def report(folder: Path, *extra: str, capsys: pytest.CaptureFixture[str] | None = None) -> ReportPage:
+    """Run the CLI's ``main`` in-process on ``folder`` and parse the report it wrote."""
+    out = folder.parent / f"{folder.name}-report.html"
+    assert compare_results.main(["--results-dir", str(folder), "--output-report", str(out), *extra]) == 0
+    return read_page(out)
+
+
+def lab01_folder(folder: Path) -> list[dict[str, Any]]:
+    """Baseline, DP on 4 GPUs and DDP on 4 GPUs, the seed's three rows (its own throughput numbers)."""
+    return [
+        write_run(folder, method="baseline", samples_per_s=425.0, peak_gib=3.2),
+        write_run(folder, method="dp", samples_per_s=1205.0, world_size=1, devices=4, peak_gib=4.1, first_gib=7.8),
+        write_run(folder, method="ddp", samples_per_s=1598.0, world_size=4, peak_gib=3.4),
+    ]
+
+
+def test_report_and_csv_list_every_run_with_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "results"
+    records = lab01_folder(folder)
+    records.append(write_run(folder, lab="ch04", method="bf16", model="mnist_cnn", samples_per_s=5000.0,
+                             metrics={"test_accuracy": 0.975, "test_loss": 0.08}))
+    records.append(write_run(folder, lab="lab02", method="gpipe", model="gpt-mini", samples_per_s=None,
+                             metrics={"bubble_fraction": 0.27, "micro_batches": 8}))
+    out = tmp_path / "out" / "comparison_report.html"
+
+    assert compare_results.main(["--results-dir", str(folder), "--output-report", str(out)]) == 0
+
+    stdout = capsys.readouterr().out.strip().splitlines()
+    assert stdout[-1] == f"report: {out}"
+    page = read_page(out)
+    expected_ids = {r["run_id"] for r in records}
+    summary = page.tables["summary-table"]
+    assert [row["run_id"] for row in summary].count(None) == 0
+    assert {row["run_id"] for row in summary} == expected_ids and len(summary) == len(records)
+    assert {row["run_id"] for row in page.tables["provenance-table"]} == expected_ids
+    by_id = {row["run_id"]: row["cells"] for row in summary}
+    assert by_id[records[1]["run_id"]][10] == "7.8 / 4.1 / 4.1 / 4.1 GiB"  # DP: first GPU fuller
+    assert by_id[records[1]["run_id"]][13] == "71%" and by_id[records[2]["run_id"]][13] == "94%"  # seed's table
+    assert by_id[records[4]["run_id"]][11] == "—"  # lab02 recorded no throughput: shown, not crashed
+    assert "bubble_fraction" in page.sections["other-metrics"] and "0.27" in page.sections["other-metrics"]
+    assert by_id[records[3]["run_id"]][15] == "97.5%"
+
+    assert len(page.images) == 3  # throughput, memory per device, scaling efficiency
+    for src in page.images:
+        assert src.startswith("data:image/png;base64,")
+        assert base64.b64decode(src.split(",", 1)[1]).startswith(b"\x89PNG\r\n\x1a\n")
+
+    csv_path = out.with_suffix(".csv")
+    with csv_path.open(newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    assert {row["run_id"] for row in rows} == expected_ids and len(rows) == len(records)
+    ddp = next(row for row in rows if row["method"] == "ddp")
+    assert float(ddp["scaling_efficiency"]) == pytest.approx(1598 / (4 * 425))
+    assert ddp["world_size"] == "4" and ddp["peak_memory_per_device"].count("cuda:") == 4
+    assert not [p.name for p in out.parent.iterdir() if p.name.startswith(".")]  # no temporary files left
+
+
+def test_bad_files_are_named_in_warnings_and_skipped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "results"
+    good = write_run(folder)
+    (folder / "truncated.json").write_text('{"schema": "hpc-dl-labs/result", "run', encoding="utf-8")
+    (folder / "other_tool.json").write_text(json.dumps({"schema": "someone-else", "value": 1}), encoding="utf-8")
+    newer = dict(good, schema_version=99, run_id="from-the-future")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "newer.json").write_text(json.dumps(newer), encoding="utf-8")
+
+    page = report(folder)
+
+    stderr = capsys.readouterr().err
+    warnings = page.sections["warnings"]
+    for name, reason in [("truncated.json", "not valid JSON"), ("other_tool.json", "schema is 'someone-else'"),
+                         ("sub/newer.json", "schema_version 99")]:
+        assert f"skipped {name}: " in warnings and reason in warnings
+        assert f"warning: skipped {name}: " in stderr
+    assert [row["run_id"] for row in page.tables["summary-table"]] == [good["run_id"]]
+
+
+@pytest.mark.parametrize("make_folder", [lambda p: p / "does-not-exist", lambda p: p])
+def test_missing_or_empty_folder_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   make_folder: Any) -> None:
+    folder = make_folder(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(compare_results.main, ["--results-dir", str(folder)])
+    assert exit_info.value.code != 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.splitlines()) == 1 and captured.err.startswith("error: ")
+    assert str(folder) in captured.err
+    assert not list(tmp_path.rglob("*.html")) and not list(tmp_path.rglob("*.csv"))
+
+
+def test_folder_of_only_bad_files_fails_after_naming_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "broken.json").write_text("{", encoding="utf-8")
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(compare_results.main, ["--results-dir", str(tmp_path)])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("warning: skipped broken.json: not valid JSON")
+    assert err[-1].startswith("error: none of the 1 file in") and len(err) == 2
+
+
+def test_cli_as_a_script_exit_status_and_report_path(tmp_path: Path) -> None:
+    missing = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_results.py"),
+                              "--results-dir", str(tmp_path / "nothing-here")],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [
+        f"error: results folder not found: {tmp_path / 'nothing-here'} "
+        f"(run a lab script with --results-dir {tmp_path / 'nothing-here'} first)"]
+
+    folder = tmp_path / "results"
+    lab01_folder(folder)
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_results.py"), "--results-dir", "results",
+                           "--no-plots"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "report: results/comparison_report.html"
+    assert (folder / "comparison_report.html").is_file() and (folder / "comparison_report.csv").is_file()
+
+
+def test_script_tags_in_names_are_escaped(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    record = write_run(folder, method=SCRIPT_TAG, model=SCRIPT_TAG, host=SCRIPT_TAG,
+                       metrics={SCRIPT_TAG: 1.0}, status=SCRIPT_TAG)
+    out = tmp_path / "report.html"
+    compare_results.main(["--results-dir", str(folder), "--output-report", str(out), "--title", SCRIPT_TAG])
+
+    html = out.read_text(encoding="utf-8")
+    assert "<script" not in html.lower()
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    page = read_page(out)
+    assert page.script_tags == 0
+    row = page.tables["summary-table"][0]
+    assert row["run_id"] == record["run_id"] and row["cells"][2] == SCRIPT_TAG and row["cells"][3] == SCRIPT_TAG
+    assert f"status is '{SCRIPT_TAG}'" in page.sections["warnings"]
+
+
+@pytest.mark.parametrize("ddp_samples_per_s, expect_warning", [(200.0, True), (380.0, False)])
+def test_ddp_efficiency_warning_fires_at_50_percent_not_95(tmp_path: Path, ddp_samples_per_s: float,
+                                                           expect_warning: bool) -> None:
+    folder = tmp_path / "results"
+    write_run(folder, method="baseline", samples_per_s=100.0)
+    ddp = write_run(folder, method="ddp", samples_per_s=ddp_samples_per_s, world_size=4)
+
+    outcome = build_report(folder, tmp_path / "report.html", plots=False)
+
+    runs = runs_frame([json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))])
+    efficiency = runs.loc[runs["method"] == "ddp", "scaling_efficiency"].item()
+    assert efficiency == pytest.approx(ddp_samples_per_s / 400)
+    ddp_warnings = [w for w in outcome.warnings if ddp["run_id"] in w and "scaling efficiency" in w]
+    assert bool(ddp_warnings) is expect_warning
+    if expect_warning:
+        assert f"50% on 4 devices is under the expected {DDP_MIN_EFFICIENCY:.0%}" in ddp_warnings[0]
+    page = read_page(tmp_path / "report.html")
+    assert (ddp["run_id"] in page.sections["warnings"]) is expect_warning
+
+
+def test_dp_slower_than_baseline_and_a_failed_run_are_warned(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    write_run(folder, method="baseline", samples_per_s=100.0)
+    dp = write_run(folder, method="dp", samples_per_s=90.0, devices=2)
+    one_device_dp = write_run(folder, method="dp", samples_per_s=95.0)  # the CPU case: not expected faster
+    failed = write_run(folder, method="ddp", samples_per_s=None, world_size=2, status="failed",
+                       notes=("NCCL timeout after 600 s",))
+
+    warnings = build_report(folder, tmp_path / "report.html", plots=False).warnings
+
+    assert any(dp["run_id"] in w and "slower than the single-device baseline" in w for w in warnings)
+    assert not any(one_device_dp["run_id"] in w for w in warnings)
+    assert any(failed["run_id"] in w and "status is 'failed': NCCL timeout after 600 s" in w for w in warnings)
+    assert len(warnings) == 2
+
+
+def test_runs_from_two_machines_use_their_own_baseline(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    write_run(folder, host="fast-node", method="baseline", samples_per_s=1000.0)
+    write_run(folder, host="fast-node", method="ddp", samples_per_s=1900.0, world_size=2)
+    write_run(folder, host="slow-laptop", method="baseline", samples_per_s=100.0)
+    write_run(folder, host="slow-laptop", method="ddp", samples_per_s=190.0, world_size=2)
+    write_run(folder, host="other-node", method="ddp", samples_per_s=190.0, world_size=2)  # no baseline there
+
+    runs = runs_frame([json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))])
+
+    ddp = runs[runs["method"] == "ddp"].set_index("hostname")
+    assert ddp.loc["fast-node", "scaling_efficiency"] == pytest.approx(0.95)
+    assert ddp.loc["slow-laptop", "scaling_efficiency"] == pytest.approx(0.95)
+    assert pd_isna(ddp.loc["other-node", "scaling_efficiency"])
+    page = report(folder, "--no-plots")
+    assert "No 'baseline' run to compute an efficiency for: lab01, resnet18, cuda, other-node" in page.sections["summary"]
+    assert "3 machines" in Path(tmp_path / "results-report.html").read_text(encoding="utf-8")
+
+
+def pd_isna(value: Any) -> bool:
+    return value is None or value != value
+
+
+def test_a_record_with_almost_nothing_shows_dashes(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    record = make_record(lab="lab09", script="x.py", method="probe", config={}, metrics={"memory": "junk"},
+                         provenance={"world_size": "two"})
+    write_record(record, folder)
+
+    page = report(folder)
+
+    (row,) = page.tables["summary-table"]
+    assert row["run_id"] == record["run_id"]
+    assert row["cells"][3:6] == ["—", "unknown host", "—"]
+    assert row["cells"][8:16] == ["—"] * 8
+    assert page.images == []  # nothing to plot
+    assert "nothing to plot" in page.sections["plots"]
+
+
+def test_repeats_are_combined_with_the_median(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    for rate in (90.0, 100.0, 130.0):
+        write_run(folder, method="baseline", samples_per_s=rate)
+    write_run(folder, method="ddp", samples_per_s=300.0, world_size=4)
+
+    runs = runs_frame([json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))])
+    configs = configurations_frame(runs).set_index("method")
+
+    assert configs.loc["baseline", "runs"] == 3 and configs.loc["baseline", "samples_per_s"] == 100.0
+    assert configs.loc["ddp", "scaling_efficiency"] == pytest.approx(0.75)  # against the median baseline
+    assert [f.subject for f in out_of_range(runs)] == [f"run {runs.loc[runs['method'] == 'ddp', 'run_id'].item()} (lab01 ddp)"]
+    page = report(folder, "--no-plots")
+    assert len(page.tables["configurations-table"]) == 2
+
+
+def test_a_lab_registers_its_own_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(report_sections, "_LAB_SECTIONS", dict(report_sections._LAB_SECTIONS))
+    seen: list[int] = []
+
+    @register_section("lab03")
+    def precision(ctx: report_sections.SectionContext) -> Section:
+        seen.append(len(ctx.runs))
+        return Section("Mixed precision", paragraphs=[f"{len(ctx.runs)} precision runs of {len(ctx.all_runs)}"])
+
+    @register_section("lab03")
+    def broken(ctx: report_sections.SectionContext) -> Section:
+        raise KeyError("speedup_vs_fp32")
+
+    @register_section("lab07")
+    def absent(ctx: report_sections.SectionContext) -> Section:
+        raise AssertionError("lab07 has no runs, so its section must not be built")
+
+    folder = tmp_path / "results"
+    write_run(folder, lab="lab03", method="fp32")
+    write_run(folder, lab="lab03", method="amp-bf16")
+    write_run(folder)
+
+    page = report(folder, "--no-plots")
+
+    assert seen == [2]
+    assert page.sections["mixed-precision"].split() == "Mixed precision 2 precision runs of 3".split()
+    assert "section broken of lab03: could not be built: KeyError" in page.sections["warnings"]
+
+
+def test_lab01_section_shows_dataparallel_memory_imbalance(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    lab01_folder(folder)
+
+    page = report(folder, "--no-plots")
+
+    balance = next(rows for name, rows in page.tables.items()
+                   if any("7.8 GiB" in row["cells"] for row in rows) and "dataparallel-vs-ddp" in page.sections)
+    ratio = {row["cells"][1]: row["cells"][6] for row in balance}
+    assert ratio == {"dp": "1.90×", "ddp": "1.00×"}
+
+
+def test_dollar_signs_in_names_do_not_break_the_plots(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    write_run(folder, method="baseline")
+    write_run(folder, method=r"cost $\notacommand{x}$ run", devices=2)  # a mathtext error unescaped
+    write_run(folder, method=r"ddp $\frac{", world_size=2, samples_per_s=150.0)
+
+    page = report(folder)
+
+    assert len(page.images) == 3
+
+
+def test_benchmark_script_runs_on_a_few_records(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import report_1000_records
+
+    assert report_1000_records.main(["--records", "30", "--no-plots"]) == 0
+    assert "report over 30 records (without plots" in capsys.readouterr().out
