@@ -12,7 +12,7 @@
 #   OMP_NUM_THREADS  the CPU cores Slurm gave each task (capped at the cores this process can use)
 #   NUM_WORKERS      DataLoader workers: those cores minus the one that trains (0 for tiny runs)
 #   NPROC_PER_NODE   processes per node for torchrun: the GPUs on this node, else the tasks per node
-#   DEVICE           cuda when nvidia-smi lists a GPU, else cpu (the test cluster's GPUs are fake)
+#   DEVICE           cuda when nvidia-smi lists the allocated GPUs, else cpu (the test cluster's are fake)
 #   TINY_ARGS        bash array of extra flags for a run of seconds (HPC_DL_LABS_TINY=1), else empty
 #
 # Use them as:  srun --kill-on-bad-exit=1 python lab.py --device "$DEVICE" \
@@ -48,12 +48,30 @@ export OMP_NUM_THREADS="$_hdl_cpus"
 NUM_WORKERS=$((_hdl_cpus > 1 ? _hdl_cpus - 1 : 0))
 
 # --- real GPUs or not ----------------------------------------------------------------------------
-# Slurm sets CUDA_VISIBLE_DEVICES for every allocated GPU, real or not; nvidia-smi only lists real
-# ones. Asking nvidia-smi costs milliseconds (importing torch to ask would cost seconds per job).
+# Slurm sets CUDA_VISIBLE_DEVICES for every allocated GPU, real or not; nvidia-smi lists only the
+# real ones. The GPUs are real when each allocated index (or UUID) is one nvidia-smi lists. Asking
+# nvidia-smi costs milliseconds; importing torch to ask would cost seconds per job.
 _hdl_gpus="$(nvidia-smi --list-gpus 2>/dev/null || true)"
+_hdl_count="$(grep -c '^GPU ' <<<"$_hdl_gpus" || true)"
+if [[ -z "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+    # Unset: every GPU outside Slurm; inside a job it means no GPU was allocated.
+    _hdl_real=0
+    [[ -n "${SLURM_JOB_ID:-}" ]] || _hdl_real=$((_hdl_count > 0))
+else
+    _hdl_real=$((_hdl_count > 0))
+    IFS=',' read -ra _hdl_ids <<<"$CUDA_VISIBLE_DEVICES"
+    ((${#_hdl_ids[@]} > 0)) || _hdl_real=0
+    for _hdl_id in "${_hdl_ids[@]}"; do
+        if [[ "$_hdl_id" =~ ^[0-9]+$ ]]; then
+            ((_hdl_id < _hdl_count)) || _hdl_real=0
+        elif [[ -z "$_hdl_id" || "$_hdl_gpus" != *"UUID: $_hdl_id"* ]]; then
+            _hdl_real=0
+        fi
+    done
+fi
 if [[ "${HPC_DL_LABS_DEVICE:-}" == cuda || "${HPC_DL_LABS_DEVICE:-}" == cpu ]]; then
     DEVICE="$HPC_DL_LABS_DEVICE"
-elif [[ "$_hdl_gpus" == *"GPU "* && "${CUDA_VISIBLE_DEVICES:-}" != "" ]]; then
+elif ((_hdl_real == 1)); then
     DEVICE=cuda
 else
     DEVICE=cpu
@@ -78,4 +96,4 @@ if [[ "$DEVICE" == cpu && -n "${SLURM_GPUS_ON_NODE:-}" && "${SLURM_GPUS_ON_NODE:
     echo "== note: Slurm allocated GPU(s) (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}) but nvidia-smi" \
         "lists none: running on the CPU"
 fi
-unset _hdl_name _hdl_hosts _hdl_cpus _hdl_usable _hdl_gpus
+unset _hdl_name _hdl_hosts _hdl_cpus _hdl_usable _hdl_gpus _hdl_count _hdl_real _hdl_ids _hdl_id
