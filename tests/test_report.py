@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import csv
 import json
+import math
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -121,7 +122,7 @@ def read_page(path: Path) -> ReportPage:
     return ReportPage(Path(path).read_text(encoding="utf-8"))
 
 
-def report(folder: Path, *extra: str, capsys: pytest.CaptureFixture[str] | None = None) -> ReportPage:
+def report(folder: Path, *extra: str) -> ReportPage:
     """Run the CLI's ``main`` in-process on ``folder`` and parse the report it wrote."""
     out = folder.parent / f"{folder.name}-report.html"
     assert compare_results.main(["--results-dir", str(folder), "--output-report", str(out), *extra]) == 0
@@ -306,14 +307,33 @@ def test_runs_from_two_machines_use_their_own_baseline(tmp_path: Path) -> None:
     ddp = runs[runs["method"] == "ddp"].set_index("hostname")
     assert ddp.loc["fast-node", "scaling_efficiency"] == pytest.approx(0.95)
     assert ddp.loc["slow-laptop", "scaling_efficiency"] == pytest.approx(0.95)
-    assert pd_isna(ddp.loc["other-node", "scaling_efficiency"])
+    assert math.isnan(ddp.loc["other-node", "scaling_efficiency"])
     page = report(folder, "--no-plots")
-    assert "No 'baseline' run to compute an efficiency for: lab01, resnet18, cuda, other-node" in page.sections["summary"]
+    no_baseline = "No 'baseline' run to compute an efficiency for: lab01, resnet18, cuda, other-node"
+    assert no_baseline in page.sections["summary"]
     assert "3 machines" in Path(tmp_path / "results-report.html").read_text(encoding="utf-8")
 
 
-def pd_isna(value: Any) -> bool:
-    return value is None or value != value
+def test_devices_count_processes_or_devices_whichever_is_more(tmp_path: Path) -> None:
+    cpu = provenance(host="laptop", device_type="cpu", device_name="x86_64")
+    rss = [{"device": "cpu", "peak_bytes": 2 * GIB, "source": "process_max_rss"}]
+    records = [
+        make_record(lab="lab01", script="x", method="baseline", config={"model": "plain_cnn"}, provenance=cpu,
+                    metrics={"samples_per_s": 100.0, "world_size": 1, "devices": 1, "memory": rss}),
+        # two Gloo processes on one CPU: the record says one device, the job had two workers
+        make_record(lab="lab01", script="x", method="ddp", config={"model": "plain_cnn"}, provenance=cpu,
+                    metrics={"samples_per_s": 150.0, "world_size": 2, "devices": 1, "memory": rss}),
+        # DataParallel over two GPUs, one process, written with `devices` but a single memory entry
+        make_record(lab="lab01", script="x", method="dp", config={"model": "plain_cnn"}, provenance=cpu,
+                    metrics={"samples_per_s": 120.0, "world_size": 1, "devices": 2, "memory": rss}),
+    ]
+
+    runs = runs_frame(records).set_index("method")
+
+    assert runs["devices"].to_dict() == {"baseline": 1, "ddp": 2, "dp": 2}
+    assert runs.loc["ddp", "scaling_efficiency"] == pytest.approx(0.75)
+    assert runs.loc["dp", "scaling_efficiency"] == pytest.approx(0.6)
+    assert runs.loc["ddp", "memory_source"] == "process peak RSS"
 
 
 def test_a_record_with_almost_nothing_shows_dashes(tmp_path: Path) -> None:
@@ -343,7 +363,8 @@ def test_repeats_are_combined_with_the_median(tmp_path: Path) -> None:
 
     assert configs.loc["baseline", "runs"] == 3 and configs.loc["baseline", "samples_per_s"] == 100.0
     assert configs.loc["ddp", "scaling_efficiency"] == pytest.approx(0.75)  # against the median baseline
-    assert [f.subject for f in out_of_range(runs)] == [f"run {runs.loc[runs['method'] == 'ddp', 'run_id'].item()} (lab01 ddp)"]
+    ddp_id = runs.loc[runs["method"] == "ddp", "run_id"].item()
+    assert [f.subject for f in out_of_range(runs)] == [f"run {ddp_id} (lab01 ddp)"]  # 75% < 80%
     page = report(folder, "--no-plots")
     assert len(page.tables["configurations-table"]) == 2
 

@@ -32,7 +32,7 @@ def _describe(run: Mapping[str, Any]) -> str:
     return ", ".join(str(p) for p in parts if isinstance(p, str))
 
 
-def _is_ddp(method: object) -> bool:
+def is_ddp(method: object) -> bool:
     return isinstance(method, str) and (method == DDP_METHODS_PREFIX or method.startswith(("ddp-", "ddp_")))
 
 
@@ -46,7 +46,7 @@ def out_of_range(runs: pd.DataFrame) -> list[Finding]:
             findings.append(Finding(subject, f"status is '{run['status']}'{reason}"))
             continue
         efficiency = run["scaling_efficiency"]
-        if _is_ddp(run["method"]) and pd.notna(efficiency) and efficiency < DDP_MIN_EFFICIENCY:
+        if is_ddp(run["method"]) and pd.notna(efficiency) and efficiency < DDP_MIN_EFFICIENCY:
             findings.append(Finding(subject, (
                 f"DDP scaling efficiency {efficiency:.0%} on {run['devices']} devices is under the expected "
                 f"{DDP_MIN_EFFICIENCY:.0%} ({_describe(run)})")))

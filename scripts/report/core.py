@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import shlex
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from scripts.report.checks import DDP_MIN_EFFICIENCY, Finding, _is_ddp, missing_baselines
+from scripts.report.checks import DDP_MIN_EFFICIENCY, Finding, is_ddp, missing_baselines
 from scripts.report.runs import BASELINE_METHOD, SUMMARY_METRICS, get, number
 from scripts.report.sections import (
     MISSING, Cell, Row, Section, fmt_int, fmt_memory, fmt_number, fmt_percent, fmt_rate,
@@ -29,7 +28,7 @@ def warnings_section(unreadable: list[tuple[str, str]], findings: list[Finding])
 
 def _efficiency_cell(run: Row) -> Cell:
     value = run["scaling_efficiency"]
-    low = _is_ddp(run["method"]) and not is_missing(value) and value < DDP_MIN_EFFICIENCY
+    low = is_ddp(run["method"]) and not is_missing(value) and value < DDP_MIN_EFFICIENCY
     return Cell(fmt_percent(value), style="num warn" if low else "num")
 
 
@@ -96,8 +95,8 @@ CONFIGURATION_COLUMNS = [
     ("time / epoch (median)", lambda c: num(fmt_seconds(c["time_per_epoch_s"]))),
     ("peak memory per device (median)", lambda c: fmt_memory(c["memory_per_device"], c["memory_source"])),
     ("samples/s (median)", lambda c: num(fmt_rate(c["samples_per_s"]))),
-    ("samples/s (min – max)", lambda c: num(
-        MISSING if is_missing(c["samples_per_s"]) else f"{fmt_rate(c['samples_per_s_min'])} – {fmt_rate(c['samples_per_s_max'])}")),
+    ("samples/s (min – max)", lambda c: num(f"{fmt_rate(c['samples_per_s_min'])} – {fmt_rate(c['samples_per_s_max'])}"
+                                            if not is_missing(c["samples_per_s"]) else MISSING)),
     ("scaling efficiency (median)", lambda c: num(fmt_percent(c["scaling_efficiency"]))),
 ]
 
@@ -139,7 +138,7 @@ def _scalar_metrics(metrics: Any) -> dict[str, Any]:
 
 
 def _fmt_metric(value: Any) -> Cell:
-    if isinstance(value, bool) or isinstance(value, str):
+    if isinstance(value, (bool, str)):
         return Cell(str(value))
     if number(value) is None:
         return Cell(MISSING)
@@ -212,12 +211,4 @@ def provenance_section(runs: pd.DataFrame) -> Section:
     table = table_from_frame(runs, PROVENANCE_COLUMNS, id="provenance-table")
     return Section("Provenance", paragraphs=["Where and how each run was measured, from its record."],
                    tables=[table])
-
-
-def relative_name(path: Path, results_dir: Path) -> str:
-    """A skipped file's name as the user knows it: relative to the results folder when inside it."""
-    try:
-        return str(path.relative_to(results_dir))
-    except ValueError:
-        return str(path)
 

@@ -84,6 +84,14 @@ def lab_sections(runs: pd.DataFrame, results_dir: Path, plots: bool) -> tuple[li
     return sections, problems
 
 
+def relative_name(path: Path, results_dir: Path) -> str:
+    """A skipped file's name as the user knows it: relative to the results folder when inside it."""
+    try:
+        return str(path.relative_to(results_dir))
+    except ValueError:
+        return str(path)
+
+
 def _unique_ids(sections: list[Section]) -> None:
     seen: set[str] = set()
     for section in sections:
@@ -124,7 +132,7 @@ def build_report(
         raise UserError(f"the report and the CSV would both be {report_path}; give --csv another name")
 
     loaded = load_records(folder)
-    skipped = [(core.relative_name(path, folder), reason) for path, reason in loaded.errors]
+    skipped = [(relative_name(path, folder), reason) for path, reason in loaded.errors]
     for name, reason in skipped:
         print(f"warning: skipped {name}: {reason}", file=sys.stderr)
     if not loaded.records:

@@ -12,6 +12,7 @@ model and device type on the same machine. Runs from different machines are neve
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -23,7 +24,7 @@ COMPARISON_KEYS = ("lab", "model", "device_type", "machine")
 #: One configuration is one line of the seed's table; its repeats are combined with the median.
 CONFIGURATION_KEYS = (*COMPARISON_KEYS, "method", "world_size", "devices")
 #: Metric keys the summary table shows as columns (other scalar metrics get a table of their own).
-SUMMARY_METRICS = ("samples_per_s", "time_per_epoch_s", "global_batch_size", "world_size", "memory",
+SUMMARY_METRICS = ("samples_per_s", "time_per_epoch_s", "global_batch_size", "world_size", "devices", "memory",
                    "final_loss", "test_accuracy")
 
 MEMORY_SOURCES = {
@@ -98,13 +99,18 @@ def run_row(record: Mapping[str, Any], results_dir: Path | None = None) -> dict[
     world_size = number(metrics.get("world_size"))
     if world_size is None:
         world_size = number(prov.get("world_size"))
-    # DataParallel is one process driving several GPUs; its record lists one memory entry per GPU.
-    devices = max(int(world_size or 1), len({device for device, _ in memory}))
+    # N in the efficiency is processes or devices, whichever is more: DataParallel is one process
+    # driving several GPUs (its record says so in `devices` or lists one memory entry per GPU), and
+    # two Gloo processes sharing one CPU are still two workers.
+    devices = max(int(world_size or 1), int(number(metrics.get("devices")) or 1),
+                  len({device for device, _ in memory}))
     sources = {text(entry.get("source")) for entry in memory_entries(metrics)}
     path = Path(record.get("_path", "")) if record.get("_path") else None
     if path is not None and results_dir is not None and path.is_relative_to(results_dir):
         path = path.relative_to(results_dir)
     command = prov.get("command")
+    notes = record.get("notes")
+    dirty = get(prov, "git", "dirty")
     slurm_job = text(get(prov, "slurm", "SLURM_JOB_ID"))
     array_task = text(get(prov, "slurm", "SLURM_ARRAY_TASK_ID"))
     return {
@@ -130,10 +136,10 @@ def run_row(record: Mapping[str, Any], results_dir: Path | None = None) -> dict[
         "created": text(record.get("created")),
         "script": text(record.get("script")),
         "file": str(path) if path is not None else None,
-        "notes": [str(n) for n in record.get("notes") or [] if n] if isinstance(record.get("notes"), list) else [],
+        "notes": [str(note) for note in notes if note] if isinstance(notes, list) else [],
         "slurm_job_id": f"{slurm_job}_{array_task}" if slurm_job and array_task else slurm_job,
         "git_commit": text(get(prov, "git", "commit")),
-        "git_dirty": get(prov, "git", "dirty") if isinstance(get(prov, "git", "dirty"), bool) else None,
+        "git_dirty": dirty if isinstance(dirty, bool) else None,
         "command": [str(part) for part in command] if isinstance(command, list) else text(command),
         "record": record,
     }
@@ -205,7 +211,7 @@ def configurations_frame(runs: pd.DataFrame) -> pd.DataFrame:
             "samples_per_s": group["samples_per_s"].median(),
             "samples_per_s_min": group["samples_per_s"].min(),
             "samples_per_s_max": group["samples_per_s"].max(),
-            "memory_per_device": [(names[p], float(pd.Series(v).median())) for p, v in sorted(per_position.items())],
+            "memory_per_device": [(names[p], statistics.median(peaks)) for p, peaks in sorted(per_position.items())],
             "memory_source": first["memory_source"],
             "speedup": group["speedup"].median(),
             "scaling_efficiency": group["scaling_efficiency"].median(),

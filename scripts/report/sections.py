@@ -82,7 +82,13 @@ class Section:
 
 @dataclass
 class SectionContext:
-    """What a section builder gets: the runs it is about, every run, and where they came from."""
+    """What a section builder gets: the runs it is about, every run, and where they came from.
+
+    ``runs`` has one row per run with the columns of :func:`scripts.report.runs.run_row` (``method``,
+    ``model``, ``machine``, ``devices``, ``samples_per_s``, ``memory_per_device``, ... and ``record``,
+    the whole record for anything else) plus those :func:`~scripts.report.runs.runs_frame` adds
+    (``speedup``, ``scaling_efficiency``, ``comparison``).
+    """
 
     runs: pd.DataFrame
     all_runs: pd.DataFrame
