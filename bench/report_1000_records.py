@@ -42,7 +42,9 @@ def synthetic_record(rng: random.Random) -> dict:
     lab = rng.choice(list(LABS))
     method = rng.choice(LABS[lab])
     host, device_type, device_name = rng.choice(MACHINES)
-    devices = 1 if method == "baseline" or lab != "lab01" else rng.choice([2, 4, 8])
+    # DataParallel on a CPU is the one-device case; DDP on a CPU runs several Gloo processes.
+    single_device = method == "baseline" or lab != "lab01" or (method == "dp" and device_type == "cpu")
+    devices = 1 if single_device else rng.choice([2, 4, 8])
     world_size = 1 if method == "dp" else devices
     model = rng.choice(MODELS)
     single = {"resnet18": 1200.0, "resnet50": 425.0}[model]

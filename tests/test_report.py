@@ -133,7 +133,8 @@ def lab01_folder(folder: Path) -> list[dict[str, Any]]:
     """Baseline, DP on 4 GPUs and DDP on 4 GPUs, the seed's three rows (its own throughput numbers)."""
     return [
         write_run(folder, method="baseline", samples_per_s=425.0, peak_gib=3.2),
-        write_run(folder, method="dp", samples_per_s=1205.0, world_size=1, devices=4, peak_gib=4.1, first_gib=7.8),
+        write_run(folder, method="dp", samples_per_s=1205.0, world_size=1, devices=4, peak_gib=4.1, first_gib=7.8,
+                  notes=("outputs gathered on cuda:0",)),
         write_run(folder, method="ddp", samples_per_s=1598.0, world_size=4, peak_gib=3.4),
     ]
 
@@ -161,6 +162,7 @@ def test_report_and_csv_list_every_run_with_plots(tmp_path: Path, capsys: pytest
     assert by_id[records[1]["run_id"]][10] == "7.8 / 4.1 / 4.1 / 4.1 GiB"  # DP: first GPU fuller
     assert by_id[records[1]["run_id"]][13] == "71%" and by_id[records[2]["run_id"]][13] == "94%"  # seed's table
     assert by_id[records[4]["run_id"]][11] == "—"  # lab02 recorded no throughput: shown, not crashed
+    assert f"Note from run {records[1]['run_id']} (lab01 dp): outputs gathered on cuda:0" in page.sections["summary"]
     assert "bubble_fraction" in page.sections["other-metrics"] and "0.27" in page.sections["other-metrics"]
     assert by_id[records[3]["run_id"]][15] == "97.5%"
 

@@ -15,7 +15,7 @@ from scripts.report.sections import (
 )
 
 #: How many extra metric columns a lab's "other metrics" table shows at most.
-MAX_EXTRA_METRICS = 12
+MAX_EXTRA_METRICS = 14
 
 
 def warnings_section(unreadable: list[tuple[str, str]], findings: list[Finding]) -> Section:
@@ -76,6 +76,8 @@ def summary_section(runs: pd.DataFrame) -> Section:
         "the peak resident set of the whole process (Python, PyTorch and the data set included). "
         "Several values are the devices of one run, first device first.",
     ]
+    for run in runs.to_dict("records"):
+        notes += [f"Note from run {run['run_id']} ({run['lab']} {run['method']}): {note}" for note in run["notes"]]
     lacking = missing_baselines(runs)
     if lacking:
         notes.append(f"No '{BASELINE_METHOD}' run to compute an efficiency for: " + "; ".join(lacking) + ".")
@@ -156,7 +158,8 @@ def other_metrics_section(runs: pd.DataFrame) -> Section | None:
                 counts[key] = counts.get(key, 0) + 1
         if not counts:
             continue
-        keys = sorted(counts, key=lambda k: (-counts[k], k))[:MAX_EXTRA_METRICS]
+        # Most common first; a script's own top-level values before the insides of objects like step_time.
+        keys = sorted(counts, key=lambda k: (-counts[k], "." in k, k))[:MAX_EXTRA_METRICS]
         columns = [("run", lambda r: fmt_text(r["run_id"])), ("method", lambda r: fmt_text(r["method"]))]
         frame = lab_runs[["run_id", "method"]].copy()
         for i, key in enumerate(keys):
