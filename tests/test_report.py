@@ -12,6 +12,8 @@ import base64
 import csv
 import json
 import math
+import os
+import stat
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -63,7 +65,10 @@ def write_run(folder: Path, *, lab: str = "lab01", method: str = "baseline", mod
 
 
 class ReportPage(HTMLParser):
-    """The parts of a report the tests check: rows of each table, text of each section, images."""
+    """The parts of a report the tests check: each table's rows, each section's text, the images.
+
+    A row is ``{"run_id": <data-run-id>, "cells": {header: text}}``.
+    """
 
     def __init__(self, html: str) -> None:
         super().__init__()
@@ -72,7 +77,9 @@ class ReportPage(HTMLParser):
         self.images: list[str] = []
         self.script_tags = 0
         self._table: str | None = None
+        self._headers: list[str] = []
         self._row: dict[str, Any] | None = None
+        self._texts: list[str] = []
         self._cell: list[str] | None = None
         self._section: str | None = None
         self.feed(html)
@@ -88,7 +95,8 @@ class ReportPage(HTMLParser):
             self._table = attributes.get("id") or f"table-{len(self.tables)}"
             self.tables[self._table] = []
         elif tag == "tr" and self._table is not None:
-            self._row = {"run_id": attributes.get("data-run-id"), "cells": [], "header": False}
+            self._row = {"run_id": attributes.get("data-run-id"), "header": False}
+            self._texts = []
         elif tag in ("td", "th") and self._row is not None:
             self._row["header"] = tag == "th"
             self._cell = []
@@ -96,11 +104,15 @@ class ReportPage(HTMLParser):
             self.images.append(attributes.get("src") or "")
 
     def handle_endtag(self, tag: str) -> None:
-        if tag in ("td", "th") and self._cell is not None and self._row is not None:
-            self._row["cells"].append("".join(self._cell))
+        if tag in ("td", "th") and self._cell is not None:
+            self._texts.append("".join(self._cell))
             self._cell = None
         elif tag == "tr" and self._row is not None:
-            if not self._row["header"]:
+            if self._row.pop("header"):
+                self._headers = self._texts
+            else:
+                assert len(self._texts) == len(self._headers), "a row with a different number of cells"
+                self._row["cells"] = dict(zip(self._headers, self._texts))
                 self.tables[self._table].append(self._row)
             self._row = None
         elif tag == "table":
@@ -113,9 +125,6 @@ class ReportPage(HTMLParser):
             self._cell.append(data)
         if self._section is not None:
             self.sections[self._section] += data
-
-    def column(self, table: str, header_index: int) -> list[str]:
-        return [row["cells"][header_index] for row in self.tables[table]]
 
 
 def read_page(path: Path) -> ReportPage:
@@ -159,12 +168,14 @@ def test_report_and_csv_list_every_run_with_plots(tmp_path: Path, capsys: pytest
     assert {row["run_id"] for row in summary} == expected_ids and len(summary) == len(records)
     assert {row["run_id"] for row in page.tables["provenance-table"]} == expected_ids
     by_id = {row["run_id"]: row["cells"] for row in summary}
-    assert by_id[records[1]["run_id"]][10] == "7.8 / 4.1 / 4.1 / 4.1 GiB"  # DP: first GPU fuller
-    assert by_id[records[1]["run_id"]][13] == "71%" and by_id[records[2]["run_id"]][13] == "94%"  # seed's table
-    assert by_id[records[4]["run_id"]][11] == "—"  # lab02 recorded no throughput: shown, not crashed
+    dp, ddp = by_id[records[1]["run_id"]], by_id[records[2]["run_id"]]
+    assert dp["peak memory per device"] == "7.8 / 4.1 / 4.1 / 4.1 GiB"  # DP: the first GPU is fuller
+    assert (dp["devices"], dp["world size"], ddp["devices"], ddp["world size"]) == ("4", "1", "4", "4")
+    assert dp["scaling efficiency"] == "71%" and ddp["scaling efficiency"] == "94%"  # the seed's table
+    assert by_id[records[4]["run_id"]]["samples/s"] == "—"  # lab02 recorded no throughput: shown, not crashed
     assert f"Note from run {records[1]['run_id']} (lab01 dp): outputs gathered on cuda:0" in page.sections["summary"]
     assert "bubble_fraction" in page.sections["other-metrics"] and "0.27" in page.sections["other-metrics"]
-    assert by_id[records[3]["run_id"]][15] == "97.5%"
+    assert by_id[records[3]["run_id"]]["test accuracy"] == "97.5%"
 
     assert len(page.images) == 3  # throughput, memory per device, scaling efficiency
     for src in page.images:
@@ -256,7 +267,8 @@ def test_script_tags_in_names_are_escaped(tmp_path: Path) -> None:
     page = read_page(out)
     assert page.script_tags == 0
     row = page.tables["summary-table"][0]
-    assert row["run_id"] == record["run_id"] and row["cells"][2] == SCRIPT_TAG and row["cells"][3] == SCRIPT_TAG
+    assert row["run_id"] == record["run_id"]
+    assert row["cells"]["method"] == SCRIPT_TAG and row["cells"]["model"] == SCRIPT_TAG
     assert f"status is '{SCRIPT_TAG}'" in page.sections["warnings"]
 
 
@@ -348,8 +360,11 @@ def test_a_record_with_almost_nothing_shows_dashes(tmp_path: Path) -> None:
 
     (row,) = page.tables["summary-table"]
     assert row["run_id"] == record["run_id"]
-    assert row["cells"][3:6] == ["—", "unknown host", "—"]
-    assert row["cells"][8:16] == ["—"] * 8
+    cells = row["cells"]
+    assert (cells["lab"], cells["method"], cells["machine"], cells["devices"]) == ("lab09", "probe", "unknown host", "1")
+    missing = ["model", "device", "world size", "global batch", "time / epoch", "peak memory per device", "samples/s",
+               "speed-up vs baseline", "scaling efficiency", "final loss", "test accuracy"]
+    assert {name: cells[name] for name in missing} == {name: "—" for name in missing}
     assert page.images == []  # nothing to plot
     assert "nothing to plot" in page.sections["plots"]
 
@@ -406,9 +421,9 @@ def test_lab01_section_shows_dataparallel_memory_imbalance(tmp_path: Path) -> No
 
     page = report(folder, "--no-plots")
 
-    balance = next(rows for name, rows in page.tables.items()
-                   if any("7.8 GiB" in row["cells"] for row in rows) and "dataparallel-vs-ddp" in page.sections)
-    ratio = {row["cells"][1]: row["cells"][6] for row in balance}
+    assert "dataparallel-vs-ddp" in page.sections
+    balance = next(rows for rows in page.tables.values() if rows and "first ÷ others" in rows[0]["cells"])
+    ratio = {row["cells"]["method"]: row["cells"]["first ÷ others"] for row in balance}
     assert ratio == {"dp": "1.90×", "ddp": "1.00×"}
 
 
@@ -423,8 +438,31 @@ def test_dollar_signs_in_names_do_not_break_the_plots(tmp_path: Path) -> None:
     assert len(page.images) == 3
 
 
-def test_benchmark_script_runs_on_a_few_records(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_hundred_records_from_the_benchmark_all_listed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from bench import report_1000_records
 
-    assert report_1000_records.main(["--records", "30", "--no-plots"]) == 0
-    assert "report over 30 records (without plots" in capsys.readouterr().out
+    assert report_1000_records.main(["--records", "100", "--no-plots", "--keep", str(tmp_path)]) == 0
+
+    assert "report over 100 records (without plots" in capsys.readouterr().out
+    run_ids = {json.loads(p.read_text())["run_id"] for p in (tmp_path / "records").glob("*.json")}
+    page = read_page(tmp_path / "report.html")
+    assert len(run_ids) == 100 and {row["run_id"] for row in page.tables["summary-table"]} == run_ids
+    with (tmp_path / "report.csv").open(newline="", encoding="utf-8") as handle:
+        assert {row["run_id"] for row in csv.DictReader(handle)} == run_ids
+    assert "3 machines" in (tmp_path / "report.html").read_text(encoding="utf-8")
+
+
+def test_outputs_replace_the_old_file_whole_and_are_readable_by_others(tmp_path: Path) -> None:
+    from scripts.report.render import write_text_atomic
+
+    target = tmp_path / "comparison_report.html"
+    target.write_text("the previous report", encoding="utf-8")
+    old_umask = os.umask(0o022)
+    try:
+        write_text_atomic("the new report", target)
+    finally:
+        os.umask(old_umask)
+
+    assert target.read_text(encoding="utf-8") == "the new report"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644  # not mkstemp's 0600: reports are shared
+    assert list(tmp_path.iterdir()) == [target]
