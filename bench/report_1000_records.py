@@ -8,8 +8,9 @@ Usage:
 The records imitate a busy results folder: several labs, three machines, baseline/DP/DDP on 1-8
 devices, repeats, a few failed runs. They are written with ``common.results.make_record`` and
 ``write_record`` like a real script's, then :func:`scripts.report.build_report` reads and renders them.
-The time printed (wall clock, and CPU time of this process) covers reading, tables, plots (importing matplotlib included), rendering and
-writing; importing pandas and jinja2 is printed on its own line.
+The time printed (wall clock, and this process's CPU time) covers reading, tables, plots
+(importing matplotlib included), rendering and writing; importing pandas and jinja2 is printed on
+its own line.
 """
 
 from __future__ import annotations

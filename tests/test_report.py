@@ -112,7 +112,7 @@ class ReportPage(HTMLParser):
                 self._headers = self._texts
             else:
                 assert len(self._texts) == len(self._headers), "a row with a different number of cells"
-                self._row["cells"] = dict(zip(self._headers, self._texts))
+                self._row["cells"] = dict(zip(self._headers, self._texts, strict=True))
                 self.tables[self._table].append(self._row)
             self._row = None
         elif tag == "table":
@@ -361,7 +361,8 @@ def test_a_record_with_almost_nothing_shows_dashes(tmp_path: Path) -> None:
     (row,) = page.tables["summary-table"]
     assert row["run_id"] == record["run_id"]
     cells = row["cells"]
-    assert (cells["lab"], cells["method"], cells["machine"], cells["devices"]) == ("lab09", "probe", "unknown host", "1")
+    shown = (cells["lab"], cells["method"], cells["machine"], cells["devices"])
+    assert shown == ("lab09", "probe", "unknown host", "1")
     missing = ["model", "device", "world size", "global batch", "time / epoch", "peak memory per device", "samples/s",
                "speed-up vs baseline", "scaling efficiency", "final loss", "test accuracy"]
     assert {name: cells[name] for name in missing} == {name: "—" for name in missing}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
-from typing import Any, Mapping
+from typing import Any
 
 import matplotlib
 
@@ -38,77 +38,76 @@ def plain(label: str) -> str:
     return label.replace("$", r"\$")
 
 
-def _label(row: Mapping[str, Any], several_labs: bool) -> str:
-    parts = [row["method"], f"{row['devices']} dev", row["model"], row["machine"]]
-    if several_labs:
-        parts.insert(0, row["lab"])
-    return plain(" · ".join(str(p) for p in parts if not is_missing(p)))
+def _labels(data: pd.DataFrame) -> list[str]:
+    """What each bar ran: method, devices, model, machine (and lab when there are several)."""
+    several_labs = data["lab"].nunique() > 1
+    labels = []
+    for row in data.to_dict("records"):
+        parts = [row["method"], f"{row['devices']} dev", row["model"], row["machine"]]
+        if several_labs:
+            parts.insert(0, row["lab"])
+        labels.append(plain(" · ".join(str(p) for p in parts if not is_missing(p))))
+    return labels
 
 
-def _colors(methods: pd.Series) -> dict[str, object]:
-    palette = matplotlib.colormaps["tab10"]
-    return {method: palette(i % 10) for i, method in enumerate(sorted(set(map(str, methods))))}
-
-
-def _first(configs: pd.DataFrame, what: str) -> tuple[pd.DataFrame, str]:
+def _first(configs: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     """At most MAX_BARS rows, and a caption that says when some were left out."""
     if len(configs) <= MAX_BARS:
         return configs, ""
-    return configs.head(MAX_BARS), f" Showing the first {MAX_BARS} of {len(configs)} {what}; the tables list all."
+    note = f" Showing the first {MAX_BARS} of {len(configs)} configurations; the tables list all."
+    return configs.head(MAX_BARS), note
 
 
-def _barh_figure(n_bars: int) -> tuple[MplFigure, object]:
-    fig = MplFigure(figsize=(9, 1.2 + 0.32 * n_bars))
-    return fig, fig.add_subplot()
+def _configuration_axes(data: pd.DataFrame, inches_per_bar: float = 0.32) -> tuple[MplFigure, Any]:
+    """A figure with one labelled row per configuration, first at the top."""
+    fig = MplFigure(figsize=(9, 1.2 + inches_per_bar * len(data)))
+    ax = fig.add_subplot()
+    ax.set_yticks(list(range(len(data))), _labels(data))
+    ax.invert_yaxis()
+    ax.grid(axis="x", alpha=0.3)
+    return fig, ax
+
+
+def _method_colors(data: pd.DataFrame) -> list[Any]:
+    palette = matplotlib.colormaps["tab10"]
+    methods = sorted(set(map(str, data["method"])))
+    return [palette(methods.index(str(method)) % 10) for method in data["method"]]
 
 
 def throughput_figure(configs: pd.DataFrame) -> Figure | None:
     """Median samples/s per configuration, with the range over repeats as an error bar."""
-    data = configs[configs["samples_per_s"].notna()]
+    data, note = _first(configs[configs["samples_per_s"].notna()])
     if data.empty:
         return None
-    data, note = _first(data, "configurations")
-    several_labs = data["lab"].nunique() > 1
-    colors = _colors(data["method"])
-    fig, ax = _barh_figure(len(data))
-    y = range(len(data))
+    fig, ax = _configuration_axes(data)
     median = data["samples_per_s"].to_numpy()
     low = (median - data["samples_per_s_min"].to_numpy()).clip(min=0)
     high = (data["samples_per_s_max"].to_numpy() - median).clip(min=0)
-    ax.barh(y, median, xerr=[low, high], color=[colors[str(m)] for m in data["method"]], capsize=3)
-    ax.set_yticks(list(y), [_label(row, several_labs) for row in data.to_dict("records")])
-    ax.invert_yaxis()
+    ax.barh(range(len(data)), median, xerr=[low, high], color=_method_colors(data), capsize=3)
     ax.set_xlabel("throughput (samples/s, whole job)")
-    ax.grid(axis="x", alpha=0.3)
     return png_figure(fig, alt="Bar chart of throughput in samples per second for each configuration",
                       caption="Throughput per configuration: median over repeats, bar = min to max." + note)
 
 
 def memory_figure(configs: pd.DataFrame) -> Figure | None:
     """Peak memory of every device of each configuration, side by side, so an imbalance shows."""
-    data = configs[configs["memory_per_device"].map(len) > 0]
+    data, note = _first(configs[configs["memory_per_device"].map(len) > 0])
     if data.empty:
         return None
-    data, note = _first(data, "configurations")
-    several_labs = data["lab"].nunique() > 1
     widest = max(len(memory) for memory in data["memory_per_device"])
     shown_devices = min(widest, 8)
-    fig = MplFigure(figsize=(9, 1.2 + len(data) * (0.2 + 0.08 * shown_devices)))
-    ax = fig.add_subplot()
+    fig, ax = _configuration_axes(data, inches_per_bar=0.2 + 0.08 * shown_devices)
     palette = matplotlib.colormaps["tab10"]
     height = 0.8 / shown_devices
     for position in range(shown_devices):
         ys, peaks = [], []
-        for i, memory in enumerate(data["memory_per_device"]):
+        for row, memory in enumerate(data["memory_per_device"]):
             if position < len(memory):
-                ys.append(i - 0.4 + height * (position + 0.5))
+                ys.append(row - 0.4 + height * (position + 0.5))
                 peaks.append(memory[position][1] / 1024**3)
         label = "first device" if position == 0 else f"device {position + 1}"
         ax.barh(ys, peaks, height=height, color=palette(position % 10), label=label)
-    ax.set_yticks(list(range(len(data))), [_label(row, several_labs) for row in data.to_dict("records")])
-    ax.invert_yaxis()
     ax.set_xlabel("peak memory per device (GiB)")
-    ax.grid(axis="x", alpha=0.3)
     if widest > 1:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     if widest > shown_devices:
@@ -120,22 +119,15 @@ def memory_figure(configs: pd.DataFrame) -> Figure | None:
 
 def efficiency_figure(configs: pd.DataFrame) -> Figure | None:
     """Scaling efficiency of multi-device configurations against the ideal and the expected floor."""
-    data = configs[configs["scaling_efficiency"].notna()]
+    data, note = _first(configs[configs["scaling_efficiency"].notna()])
     if data.empty:
         return None
-    data, note = _first(data, "configurations")
-    several_labs = data["lab"].nunique() > 1
-    colors = _colors(data["method"])
-    fig, ax = _barh_figure(len(data))
-    y = range(len(data))
-    ax.barh(y, data["scaling_efficiency"] * 100, color=[colors[str(m)] for m in data["method"]])
+    fig, ax = _configuration_axes(data)
+    ax.barh(range(len(data)), data["scaling_efficiency"] * 100, color=_method_colors(data))
     ax.axvline(100, color="black", linewidth=1, label="ideal (100%)")
     ax.axvline(DDP_MIN_EFFICIENCY * 100, color="tab:red", linestyle="--", linewidth=1,
                label=f"expected for DDP (≥ {DDP_MIN_EFFICIENCY:.0%})")
-    ax.set_yticks(list(y), [_label(row, several_labs) for row in data.to_dict("records")])
-    ax.invert_yaxis()
     ax.set_xlabel("scaling efficiency (%) = throughput / (devices × baseline throughput)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
-    ax.grid(axis="x", alpha=0.3)
     return png_figure(fig, alt="Bar chart of scaling efficiency for each multi-device configuration",
                       caption="Scaling efficiency against the single-device baseline on the same machine." + note)
