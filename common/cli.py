@@ -48,17 +48,44 @@ def positive_float(text: str) -> float:
     return value
 
 
-def default_num_workers(env: dict[str, str] | None = None) -> int:
-    """DataLoader workers from the allocation: ``SLURM_CPUS_PER_TASK - 1`` (one core trains), else 2.
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which Slurm's cgroups narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
-    The main process needs a core of its own to drive the training loop; the rest feed it.
-    Off-cluster we use 2, which suits a laptop and CI.
+
+def allocated_cpus(env: dict[str, str] | None = None) -> int | None:
+    """``SLURM_CPUS_PER_TASK``, capped at the CPUs we can really use; ``None`` off-cluster.
+
+    The cap matters where Slurm does not confine tasks (no cgroups, or a test cluster that claims
+    more CPUs than the machine has): 16 threads on 2 cores would only slow things down.
     """
     env = dict(os.environ) if env is None else env
     cpus = env.get("SLURM_CPUS_PER_TASK", "")
     if cpus.isdigit() and int(cpus) > 0:
-        return max(0, int(cpus) - 1)
-    return 2
+        return min(int(cpus), usable_cpus())
+    return None
+
+
+def default_num_workers(env: dict[str, str] | None = None) -> int:
+    """DataLoader workers from the allocation: one fewer than its CPUs (one core trains), else 2.
+
+    The main process needs a core of its own to drive the training loop; the rest feed it.
+    Off-cluster we use 2, which suits a laptop and CI.
+    """
+    cpus = allocated_cpus(env)
+    return 2 if cpus is None else max(0, cpus - 1)
+
+
+def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Make ``parser`` report a bad flag as one ``error:`` line (exit 2) instead of a usage block."""
+    def error(message: str) -> None:
+        parser.exit(2, f"error: {message} (see {parser.prog} --help)\n")
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
 
 
 def add_common_args(
@@ -71,7 +98,11 @@ def add_common_args(
     results_dir: str = "results",
     num_workers: int | None = None,
 ) -> argparse.ArgumentParser:
-    """Add the flags every script shares, with the script's own defaults shown in ``--help``."""
+    """Add the flags every script shares, with the script's own defaults shown in ``--help``.
+
+    Also switches the parser to :func:`one_line_errors`.
+    """
+    one_line_errors(parser)
     group = parser.add_argument_group("common options (same in every script)")
     group.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                        help="where to run: auto picks cuda when a GPU is visible (default: %(default)s)")

@@ -69,10 +69,11 @@ def configure_threads(env: dict[str, str] | None = None) -> int:
     Without this, PyTorch starts one thread per core of the *node*, and several tasks on one node
     oversubscribe it. Off-cluster the PyTorch default is kept unless ``OMP_NUM_THREADS`` is set.
     """
-    env = dict(os.environ) if env is None else env
-    cpus = env.get("SLURM_CPUS_PER_TASK", "")
-    if cpus.isdigit() and int(cpus) > 0:
-        torch.set_num_threads(int(cpus))
+    from common.cli import allocated_cpus
+
+    cpus = allocated_cpus(env)
+    if cpus is not None:
+        torch.set_num_threads(cpus)
     return torch.get_num_threads()
 
 

@@ -80,3 +80,18 @@ def count_parameters(model: nn.Module) -> int:
 def parameters_equal(a: nn.Module, b: nn.Module) -> bool:
     """Bitwise equality of two models' parameters (for tests and DDP checks)."""
     return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def parameter_digest(model: nn.Module) -> str:
+    """SHA-256 of every parameter and buffer, in order: equal digests mean bitwise-equal models.
+
+    DDP replicas should agree after every step; comparing digests across ranks checks that without
+    moving whole models around.
+    """
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

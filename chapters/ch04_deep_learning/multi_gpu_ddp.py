@@ -41,9 +41,10 @@ from common.checkpoint import StopSignal, capture_rng_state, load_checkpoint, re
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_float
 from common.data import DATASETS, get_dataset, make_loader
 from common.device import configure_threads, describe, seed_everything
-from common.distributed import all_reduce_sum, any_rank, init_distributed, print0, teardown_distributed
+from common.distributed import (all_reduce_sum, any_rank, gather_objects, init_distributed, print0,
+                                teardown_distributed)
 from common.errors import run_main
-from common.models import build_model
+from common.models import build_model, parameter_digest
 from common.results import make_record, provenance, write_record
 from common.timing import StepTimer, format_bytes, peak_memory, reset_peak_memory
 
@@ -210,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
 
         step_time = timer.summary()
         memory = peak_memory(device)
+        # Every rank hashes its own replica; DDP is correct only if all the hashes agree.
+        digests = gather_objects(parameter_digest(model.module))
+        print0(f"parameters identical on all {len(digests)} ranks: {'yes' if len(set(digests)) == 1 else 'NO'}")
         if ctx.is_main:
             metrics = {
                 "train_loss": train_losses, "final_loss": train_losses[-1] if train_losses else None,
@@ -218,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 "epoch_time_s": epoch_times,
                 "time_per_epoch_s": sorted(epoch_times)[len(epoch_times) // 2] if epoch_times else None,
                 "samples_per_s": (step_time["samples_per_s"] or 0) * ctx.world_size,
-                "step_time": step_time, "memory": [memory],
+                "step_time": step_time, "memory": [memory], "param_digest_per_rank": digests,
             }
             record = make_record(lab="ch04", script=SCRIPT, method="ddp",
                                  config=config_dict(args, resolved_device=str(device), **splits.describe()),

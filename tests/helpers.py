@@ -1,0 +1,68 @@
+"""Helpers shared by the test files: run a script in-process (cheap) or as a real process.
+
+``import torch`` costs seconds, so most tests call a script's ``main(argv)`` inside the pytest
+process (torch is imported once). Tests that are about a launcher, an exit status or a traceback
+run the script as a subprocess with :func:`run_script`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+_loaded: dict[Path, ModuleType] = {}
+
+
+def load_script(relpath: str) -> ModuleType:
+    """Import a script (e.g. ``chapters/ch04_deep_learning/mnist_training.py``) as a module, once."""
+    path = (REPO / relpath).resolve()
+    if path not in _loaded:
+        name = "script_" + "_".join(path.relative_to(REPO).with_suffix("").parts).replace("-", "_")
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec and spec.loader, f"cannot import {path}"
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        _loaded[path] = module
+    return _loaded[path]
+
+
+def run_main(relpath: str, argv: list[str]) -> int:
+    """Run ``main(argv)`` of a script the way its ``__main__`` does; return the exit status."""
+    from common.errors import run_main as _run_main
+
+    module = load_script(relpath)
+    try:
+        _run_main(module.main, argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    return 0
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment for a script subprocess: this interpreter's, the repo importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                    "MASTER_ADDR", "MASTER_PORT"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra)
+    return env
+
+
+def run_script(relpath: str, *args: str, cwd: Path | None = None, timeout: float = 300,
+               env: dict[str, str] | None = None, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Run a script as a real process (``launcher`` e.g. torchrun's argv prefix); capture output."""
+    command = [*(launcher or [PYTHON]), str(REPO / relpath), *args]
+    return subprocess.run(command, cwd=cwd or REPO, env=env or script_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def torchrun(nproc: int) -> list[str]:
+    """argv prefix for ``torchrun --standalone --nproc_per_node=N`` with this interpreter."""
+    return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]

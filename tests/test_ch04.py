@@ -1,0 +1,170 @@
+"""Chapter 4 acceptance: real training runs on CPU (digits, bundled offline), DDP, AMP, bad input."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import textwrap
+
+import pytest
+
+from helpers import REPO, load_script, run_main, run_script, torchrun
+
+TRAIN = "chapters/ch04_deep_learning/mnist_training.py"
+DDP = "chapters/ch04_deep_learning/multi_gpu_ddp.py"
+
+
+def _records(folder):
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+
+
+def _accuracy_printed(out: str) -> float:
+    return float(re.search(r"final: accuracy ([\d.]+)%", out).group(1)) / 100
+
+
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory):
+    """One real fp32 training run on digits, shared by the tests that read its output."""
+    import contextlib
+    import io
+
+    results = tmp_path_factory.mktemp("fp32")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = run_main(TRAIN, ["--device", "cpu", "--dataset", "digits", "--epochs", "4",
+                                  "--results-dir", str(results), "--log-interval", "1000"])
+    return status, out.getvalue(), results
+
+
+def test_digits_reaches_95_percent_and_record_holds_printed_accuracy(fp32_run):
+    status, out, results = fp32_run
+    assert status == 0
+    printed = _accuracy_printed(out)
+    assert printed >= 0.95, out
+    (record,) = _records(results)
+    assert record["metrics"]["test_accuracy"] == pytest.approx(printed, abs=5e-5)
+    assert record["method"] == "fp32" and record["lab"] == "ch04"
+    losses = record["metrics"]["train_loss"]
+    assert len(losses) == 4 and losses[-1] < losses[0] / 2  # the loss falls
+    assert record["config"]["batch_size"] == 64 and record["config"]["resolved_device"] == "cpu"
+    assert record["metrics"]["samples_per_s"] > 0 and record["metrics"]["step_time"]["warmup_steps"] == 2
+    assert record["provenance"]["versions"]["torch"]
+
+
+def test_same_seed_gives_same_final_loss(tmp_path, capsys):
+    finals = []
+    for run in range(2):
+        argv = ["--device", "cpu", "--epochs", "1", "--max-steps", "6", "--seed", "7",
+                "--results-dir", str(tmp_path / str(run))]
+        assert run_main(TRAIN, argv) == 0
+        (record,) = _records(tmp_path / str(run))
+        finals.append(record["metrics"]["final_loss"])
+    assert finals[0] == finals[1]
+    argv = ["--device", "cpu", "--epochs", "1", "--max-steps", "6", "--seed", "8", "--results-dir", str(tmp_path / "2")]
+    assert run_main(TRAIN, argv) == 0
+    assert _records(tmp_path / "2")[0]["metrics"]["final_loss"] != finals[0]
+
+
+@pytest.mark.slow
+def test_bf16_autocast_on_cpu_within_one_point_of_fp32(fp32_run, tmp_path, capsys):
+    _, out, _ = fp32_run
+    fp32_accuracy = _accuracy_printed(out)
+    assert run_main(TRAIN, ["--device", "cpu", "--epochs", "4", "--amp", "bf16", "--results-dir", str(tmp_path),
+                            "--log-interval", "1000"]) == 0
+    (record,) = _records(tmp_path)
+    assert record["method"] == "bf16" and record["config"]["amp"] == "bf16"
+    assert abs(record["metrics"]["test_accuracy"] - fp32_accuracy) <= 0.01, (record["metrics"]["test_accuracy"],
+                                                                            fp32_accuracy)
+
+
+def test_ddp_two_gloo_processes_agree_and_only_rank0_writes(tmp_path):
+    results, ckpt = tmp_path / "results", tmp_path / "ckpt"
+    proc = run_script(DDP, "--device", "cpu", "--epochs", "1", "--max-steps", "8", "--results-dir", str(results),
+                      "--checkpoint", str(ckpt / "ddp.pt"), launcher=torchrun(2), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "DDP: 2 process(es), backend gloo, launcher torchrun" in proc.stdout
+    assert proc.stdout.count("record: ") == 1  # rank 0 speaks
+    assert "parameters identical on all 2 ranks: yes" in proc.stdout
+    (record,) = _records(results)
+    digests = record["metrics"]["param_digest_per_rank"]
+    assert len(digests) == 2 and digests[0] == digests[1]
+    assert record["metrics"]["world_size"] == 2 and record["metrics"]["global_batch_size"] == 128
+    assert record["provenance"]["distributed"]["backend"] == "gloo"
+    assert [p.name for p in ckpt.iterdir()] == ["ddp.pt"]  # one checkpoint, no temp file left
+
+
+def test_ddp_single_process_without_launcher(tmp_path, capsys):
+    assert run_main(DDP, ["--device", "cpu", "--dry-run", "--results-dir", str(tmp_path),
+                          "--checkpoint", str(tmp_path / "c.pt")]) == 0
+    assert "DDP: 1 process(es), backend gloo, launcher single" in capsys.readouterr().out
+
+
+def _function_lines(path, name, drop_marker):
+    """Source lines of function ``name`` with the ``# >>> drop_marker`` ... ``# <<< drop_marker`` blocks removed."""
+    source = (REPO / path).read_text()
+    lines = source.splitlines()
+    node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == name)
+    start = node.lineno - 1
+    while start > 0 and lines[start - 1].strip().startswith(("@", f"# >>> {drop_marker}")):
+        start -= 1
+    body = lines[start:node.end_lineno]
+    kept, skipping = [], False
+    for line in body:
+        stripped = line.strip()
+        if stripped.startswith(f"# >>> {drop_marker}"):
+            skipping = True
+        elif stripped.startswith(f"# <<< {drop_marker}"):
+            skipping = False
+        elif not skipping and stripped:
+            kept.append(stripped)
+    return kept
+
+
+@pytest.mark.parametrize("function", ["train", "test"])
+def test_ddp_script_differs_from_single_only_in_marked_blocks(function):
+    single = _function_lines(TRAIN, function, "single")
+    ddp = _function_lines(DDP, function, "ddp")
+    assert single == ddp, "\n".join(textwrap.wrap(f"{set(single) ^ set(ddp)}"))
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: one clear line, non-zero exit, no traceback, nothing written
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cuda"], "no CUDA GPU"),
+    (["--batch-size", "0"], "must be at least 1"),
+    (["--model", "resnet51"], "unknown model 'resnet51'"),
+    (["--dataset", "imagenet"], "invalid choice: 'imagenet'"),
+    (["--dataset", "mnist", "--data-dir", "/nonexistent/data"], "mnist not found under /nonexistent/data"),
+])
+def test_bad_input_one_line_and_nothing_written(argv, message, tmp_path, capsys):
+    import torch
+
+    if argv[:2] == ["--device", "cuda"] and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    status = run_main(TRAIN, [*argv, "--results-dir", str(tmp_path / "results")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not (tmp_path / "results").exists()
+
+
+def test_bad_input_as_a_real_process_has_no_traceback(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = run_script(TRAIN, "--device", "cuda", "--results-dir", str(tmp_path / "r"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: --device cuda was requested but PyTorch sees no CUDA GPU")
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
+def test_scripts_document_python_torchrun_and_sbatch_usage():
+    for path in (TRAIN, DDP):
+        doc = load_script(path).__doc__
+        assert "python " in doc and "sbatch " in doc
+    assert "torchrun " in load_script(DDP).__doc__

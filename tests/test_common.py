@@ -1,0 +1,348 @@
+"""The shared package: launch detection, records, data sets, models, timing, devices, flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from common import cli, launch, results
+
+# --------------------------------------------------------------------------------------------
+# launch: who started us (pure environment logic, no torch)
+
+
+def test_plain_python_is_a_single_process():
+    info = launch.detect_launch({})
+    assert (info.launcher, info.rank, info.world_size, info.is_distributed) == ("single", 0, 1, False)
+
+
+def test_torchrun_variables_win():
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node7", "MASTER_PORT": "29511",
+           "GROUP_RANK": "1", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "5"}
+    info = launch.detect_launch(env)
+    assert info.launcher == "torchrun"
+    assert (info.rank, info.local_rank, info.world_size, info.node_rank) == (3, 1, 4, 1)
+    assert (info.master_addr, info.master_port) == ("node7", 29511)
+
+
+def test_srun_step_maps_slurm_variables():
+    env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "1", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
+           "SLURM_NODEID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4",
+           "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    info = launch.detect_launch(env)
+    assert info.launcher == "slurm"
+    assert (info.rank, info.local_rank, info.world_size, info.node_rank) == (3, 1, 4, 1)
+    assert info.master_addr == "gpu07"
+    # Every task of the step must compute the same port, and it must not be a fixed constant.
+    assert info.master_port == launch.port_from_job("4242", "1")
+    assert launch.port_from_job("4242", "1") != launch.port_from_job("4243", "1")
+    assert launch.PORT_BASE <= info.master_port < launch.PORT_BASE + launch.PORT_SPAN
+
+
+def test_batch_script_outside_srun_is_not_a_multi_process_launch():
+    # sbatch's batch step has SLURM_PROCID=0 and SLURM_NTASKS=N but no step: running python there
+    # directly is ONE process; treating it as N would hang waiting for peers.
+    env = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "n[1-2]"}
+    assert launch.detect_launch(env).world_size == 1
+
+
+def test_slurm_master_addr_and_port_can_be_overridden():
+    env = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+           "SLURM_JOB_NODELIST": "n1", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "31000"}
+    info = launch.detect_launch(env)
+    assert (info.master_addr, info.master_port) == ("10.0.0.5", 31000)
+
+
+@pytest.mark.parametrize("expression, hosts", [
+    ("n1", ["n1"]),
+    ("n[1-2]", ["n1", "n2"]),
+    ("gpu[01-03,07],login1", ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]),
+    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+    ("x[009-011]", ["x009", "x010", "x011"]),
+])
+def test_expand_hostlist(expression, hosts):
+    assert launch.expand_hostlist(expression) == hosts
+
+
+def test_free_port_is_bindable():
+    import socket
+
+    port = launch.free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+# --------------------------------------------------------------------------------------------
+# results: records written atomically, read back, bad files named
+
+
+def _record(**overrides):
+    base = dict(lab="lab01", script="labs/x.py", method="ddp", config={"model": "resnet18"},
+                metrics={"samples_per_s": 123.4}, provenance={"hostname": "h", "world_size": 2})
+    base.update(overrides)
+    return results.make_record(**base)
+
+
+def test_record_round_trip(tmp_path):
+    path = results.write_record(_record(), tmp_path)
+    assert path.name.startswith("lab01_ddp_") and path.suffix == ".json"
+    loaded = results.load_records(tmp_path)
+    assert loaded.errors == []
+    assert len(loaded.records) == 1
+    rec = loaded.records[0]
+    assert rec["schema"] == results.SCHEMA_NAME and rec["schema_version"] == results.SCHEMA_VERSION
+    assert rec["metrics"]["samples_per_s"] == 123.4
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_record_values_are_made_json_safe(tmp_path):
+    rec = _record(metrics={"nan": float("nan"), "path": tmp_path, "tuple": (1, 2)})
+    assert rec["metrics"] == {"nan": None, "path": str(tmp_path), "tuple": [1, 2]}
+
+
+def test_reader_skips_and_names_bad_files(tmp_path):
+    results.write_record(_record(), tmp_path)
+    (tmp_path / "corrupt.json").write_text('{"schema": "hpc-dl-labs/result", "schema_ver')
+    (tmp_path / "other.json").write_text(json.dumps({"hello": "world"}))
+    future = _record()
+    future["schema_version"] = 99
+    (tmp_path / "future.json").write_text(json.dumps(future))
+    (tmp_path / ".partial.json.tmp").write_text("{")
+    loaded = results.load_records(tmp_path)
+    assert len(loaded.records) == 1
+    reasons = {path.name: reason for path, reason in loaded.errors}
+    assert set(reasons) == {"corrupt.json", "other.json", "future.json"}
+    assert "not valid JSON" in reasons["corrupt.json"]
+    assert "missing key" in reasons["other.json"]
+    assert "schema_version 99" in reasons["future.json"]
+
+
+def test_reader_missing_folder_raises(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        results.load_records(tmp_path / "nope")
+
+
+def test_invalid_record_is_refused_and_nothing_written(tmp_path):
+    rec = _record()
+    del rec["metrics"]
+    with pytest.raises(ValueError, match="metrics"):
+        results.write_record(rec, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_write_leaves_old_file_when_serialisation_fails(tmp_path):
+    target = tmp_path / "r.json"
+    results.write_json_atomic({"a": 1}, target)
+
+    class Boom:
+        def __str__(self):
+            raise RuntimeError("cannot serialise")
+
+    with pytest.raises(RuntimeError):
+        results.write_json_atomic({"a": Boom()}, target)
+    assert json.loads(target.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_provenance_carries_slurm_and_git(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    prov = results.provenance(world_size=4)
+    assert prov["slurm"]["SLURM_JOB_ID"] == "777"
+    assert prov["world_size"] == 4
+    assert prov["git"]["commit"] is None or len(prov["git"]["commit"]) == 40
+
+
+def test_results_module_does_not_import_torch():
+    code = "import sys; import common.results, common.launch, common.cli, common.errors; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(__import__('helpers').REPO)})
+    assert out.stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------------------------
+# cli: the shared flags
+
+
+def test_common_flags_and_defaults(monkeypatch):
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
+    parser = cli.add_common_args(argparse.ArgumentParser(prog="x"), epochs=5, batch_size=32)
+    args = parser.parse_args([])
+    assert (args.device, args.epochs, args.batch_size, args.num_workers) == ("auto", 5, 32, 0)
+    args = cli.apply_dry_run(parser.parse_args(["--dry-run"]))
+    assert (args.epochs, args.max_steps) == (1, 2)
+    assert "(default: 5)" in parser.format_help()
+
+
+def test_allocation_is_capped_at_usable_cpus(monkeypatch):
+    # A test cluster (or a node without cgroups) may claim 64 CPUs on a 2-core machine.
+    monkeypatch.setattr(cli, "usable_cpus", lambda: 2)
+    assert cli.allocated_cpus({"SLURM_CPUS_PER_TASK": "64"}) == 2
+    assert cli.default_num_workers({"SLURM_CPUS_PER_TASK": "64"}) == 1
+    assert cli.allocated_cpus({}) is None and cli.default_num_workers({}) == 2
+
+
+@pytest.mark.parametrize("flag", [["--batch-size", "0"], ["--epochs", "-1"], ["--batch-size", "abc"],
+                                  ["--device", "tpu"]])
+def test_bad_flags_give_one_line(flag, capsys):
+    parser = cli.add_common_args(argparse.ArgumentParser(prog="x"))
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(flag)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+
+
+# --------------------------------------------------------------------------------------------
+# device, data, models, timing (these import torch, once for the whole session)
+
+
+def test_device_resolution_on_this_machine():
+    import torch
+
+    from common.device import resolve_device
+    from common.errors import UserError
+
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="no CUDA GPU"):
+            resolve_device("cuda")
+
+
+def test_threads_follow_slurm_allocation():
+    import torch
+
+    from common.device import configure_threads
+
+    before = torch.get_num_threads()
+    try:
+        assert configure_threads({"SLURM_CPUS_PER_TASK": "1"}) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_digits_split_is_fixed_stratified_and_mnist_shaped():
+    import torch
+
+    from common.data import get_dataset
+
+    a, b = get_dataset("digits"), get_dataset("digits")
+    assert a.input_shape == (1, 28, 28) and a.num_classes == 10
+    assert len(a.train) + len(a.test) == 1797
+    assert torch.equal(a.test.tensors[0], b.test.tensors[0])  # the held-out split never changes
+    counts = torch.bincount(a.test.tensors[1], minlength=10)
+    assert counts.min() >= 30  # every class is in the test split
+    x = a.train.tensors[0]
+    assert abs(x.mean().item()) < 1.0 and x.shape[1:] == (1, 28, 28)
+
+
+def test_synthetic_is_deterministic_and_learnable_shape():
+    import torch
+
+    from common.data import SyntheticImages, get_dataset
+
+    s1 = get_dataset("synthetic", image_size=16, channels=3, synthetic_size=64, seed=3)
+    s2 = get_dataset("synthetic", image_size=16, channels=3, synthetic_size=64, seed=3)
+    x1, y1 = s1.train[5]
+    x2, y2 = s2.train[5]
+    assert torch.equal(x1, x2) and y1 == y2 and x1.shape == (3, 16, 16)
+    assert not torch.equal(s1.train[0][0], s1.test[0][0])  # train and test differ
+    # The per-sample (uncached) path gives the same kind of data as the cached one.
+    big = SyntheticImages(4, (3, 8, 8), seed=1)
+    big._cache = None
+    assert big[2][0].shape == (3, 8, 8)
+
+
+def test_missing_data_names_the_download_script(tmp_path):
+    from common.data import get_dataset
+    from common.errors import UserError
+
+    with pytest.raises(UserError, match="scripts/download_data.py mnist"):
+        get_dataset("mnist", tmp_path)
+    with pytest.raises(UserError, match="unknown dataset 'imagenet'"):
+        get_dataset("imagenet", tmp_path)
+
+
+def test_models_by_name():
+    import torch
+
+    from common.errors import UserError
+    from common.models import build_model, count_parameters, parameter_digest
+
+    net = build_model("mnist_cnn", in_channels=1)
+    assert net(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+    resnet = build_model("resnet18", num_classes=7)
+    assert resnet.eval()(torch.zeros(1, 3, 32, 32)).shape == (1, 7)
+    assert count_parameters(net) == 1199882  # the pytorch/examples MNIST network
+    with pytest.raises(UserError, match="resnet18, resnet34"):
+        build_model("resnet51")
+    torch.manual_seed(0)
+    a = build_model("mnist_cnn", in_channels=1)
+    torch.manual_seed(0)
+    b = build_model("mnist_cnn", in_channels=1)
+    assert parameter_digest(a) == parameter_digest(b)
+    with torch.no_grad():
+        b.fc2.bias[0] += 1e-6
+    assert parameter_digest(a) != parameter_digest(b)
+
+
+def test_step_timer_drops_warmup_and_summarises():
+    import time
+
+    import torch
+
+    from common.timing import StepTimer, peak_memory, summarize
+
+    timer = StepTimer(torch.device("cpu"), warmup_steps=2)
+    for i in range(6):
+        with timer.step(samples=10):
+            time.sleep(0.05 if i < 2 else 0.01)
+    summary = timer.summary()
+    assert summary["steps_timed"] == 4 and summary["warmup_steps"] == 2
+    assert 0.009 < summary["median_s"] < 0.03  # the slow warm-up steps are not in it
+    assert 300 < summary["samples_per_s"] < 1100
+    assert "dropped" in summary["method"]
+    stats = summarize([1.0, 2.0, 3.0, 4.0])
+    assert stats["median_s"] == 2.5 and stats["p10_s"] == pytest.approx(1.3) and stats["min_s"] == 1.0
+    mem = peak_memory(torch.device("cpu"))
+    assert mem["source"] == "process_max_rss" and mem["peak_bytes"] > 10 * 2**20
+
+
+def test_amp_choices():
+    import torch
+
+    from common import amp
+    from common.errors import UserError
+
+    cpu = torch.device("cpu")
+    assert amp.check_precision("off", cpu) == "fp32"
+    with pytest.raises(UserError, match="fp16 autocast needs a CUDA GPU"):
+        amp.check_precision("fp16", cpu)
+    with amp.autocast(cpu, "bf16"):
+        out = torch.nn.Linear(4, 4)(torch.ones(1, 4))
+    assert out.dtype == torch.bfloat16
+    assert not amp.grad_scaler(cpu, "bf16").is_enabled()
+
+
+def test_checkpoint_is_atomic_and_stop_signal_sets_flag(tmp_path):
+    import signal
+
+    import torch
+
+    from common.checkpoint import StopSignal, load_checkpoint, save_checkpoint
+
+    path = save_checkpoint({"w": torch.arange(3)}, tmp_path / "c.pt")
+    assert torch.equal(load_checkpoint(path)["w"], torch.arange(3))
+    assert load_checkpoint(tmp_path / "none.pt") is None
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+    stop = StopSignal().install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.name == "SIGUSR1"
+    finally:
+        stop.restore()
