@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv/ from the lock file (uv.lock): the same torch/torchvision pair everywhere.
+# Sourced by main_job.sh and test.sh; safe to run again (uv only installs what changed).
+set -euo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo_root"
+
+# uv installs the locked environment in seconds and, unlike pip, ignores a machine-wide pip
+# configuration that prefers a CPU-only torch wheel (which cannot import PyPI's torchvision).
+if ! python3 -m uv --version >/dev/null 2>&1; then
+    echo "bootstrap: installing uv with pip" >&2
+    python3 -m pip install --quiet --disable-pip-version-check uv
+fi
+echo "bootstrap: syncing .venv from uv.lock" >&2
+python3 -m uv sync --frozen --quiet
+echo "bootstrap: $(.venv/bin/python -c 'import torch, torchvision; print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, CUDA available: {torch.cuda.is_available()}")')" >&2
