@@ -416,6 +416,25 @@ def test_a_lab_registers_its_own_section(tmp_path: Path, monkeypatch: pytest.Mon
     assert "section broken of lab03: could not be built: KeyError" in page.sections["warnings"]
 
 
+def test_a_lab_section_module_that_does_not_import_is_a_warning(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "lab98.py").write_text("import a_module_that_is_not_installed\n", encoding="utf-8")
+    from scripts.report import labs
+
+    monkeypatch.setattr(labs, "__path__", [*labs.__path__, str(plugins)])
+    monkeypatch.delitem(sys.modules, "scripts.report.labs.lab98", raising=False)
+    folder = tmp_path / "results"
+    write_run(folder)
+
+    page = report(folder, "--no-plots")
+
+    assert len(page.tables["summary-table"]) == 1
+    assert ("section module scripts.report.labs.lab98: could not be imported: ModuleNotFoundError"
+            in page.sections["warnings"])
+
+
 def test_lab01_section_shows_dataparallel_memory_imbalance(tmp_path: Path) -> None:
     folder = tmp_path / "results"
     lab01_folder(folder)

@@ -65,9 +65,9 @@ def _environment() -> jinja2.Environment:
 
 def lab_sections(runs: pd.DataFrame, results_dir: Path, plots: bool) -> tuple[list[Section], list[Finding]]:
     """Sections registered for the labs present; a section that fails becomes a warning, not a crash."""
-    load_builtin_lab_sections()
+    problems = [Finding(f"section module {module}", f"could not be imported: {error}")
+                for module, error in load_builtin_lab_sections()]
     sections: list[Section] = []
-    problems: list[Finding] = []
     for lab in sorted(runs["lab"].dropna().unique()):
         lab_runs = runs[runs["lab"] == lab].reset_index(drop=True)
         for builder in lab_section_builders(lab):

@@ -116,12 +116,22 @@ def lab_section_builders(lab: str) -> list[SectionBuilder]:
     return list(_LAB_SECTIONS.get(lab, {}).values())
 
 
-def load_builtin_lab_sections() -> None:
-    """Import every module in ``scripts/report/labs/`` so their ``@register_section`` calls run."""
+def load_builtin_lab_sections() -> list[tuple[str, str]]:
+    """Import every module in ``scripts/report/labs/`` so their ``@register_section`` calls run.
+
+    Returns ``(module, error)`` for each module that failed to import: one lab's broken section
+    must not cost every other lab its report.
+    """
     from scripts.report import labs
 
+    failed = []
     for module in pkgutil.iter_modules(labs.__path__):
-        importlib.import_module(f"{labs.__name__}.{module.name}")
+        name = f"{labs.__name__}.{module.name}"
+        try:
+            importlib.import_module(name)
+        except Exception as err:
+            failed.append((name, f"{type(err).__name__}: {err}"))
+    return failed
 
 
 def slug(title: str) -> str:
