@@ -346,3 +346,13 @@ def test_checkpoint_is_atomic_and_stop_signal_sets_flag(tmp_path):
         assert stop.name == "SIGUSR1"
     finally:
         stop.restore()
+
+
+def test_records_are_readable_by_the_group(tmp_path):
+    # mkstemp alone makes owner-only files; shared course results must follow the umask.
+    old = os.umask(0o022)
+    try:
+        path = results.write_record(_record(), tmp_path)
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import jinja2
 import pandas as pd
 
 from common.errors import UserError
-from common.results import load_records
+from common.results import load_records, write_text_atomic
 from scripts.report import core
 from scripts.report.checks import Finding, out_of_range
 from scripts.report.runs import configurations_frame, csv_frame, runs_frame
@@ -35,26 +34,6 @@ class ReportOutcome:
     runs: int
     skipped: list[tuple[str, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-
-
-def write_text_atomic(text: str, path: Path) -> Path:
-    """Write ``text`` to a temporary file beside ``path``, then rename: readers never see half a report."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        # mkstemp creates the file readable by its owner only; a report is meant to be shared.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def _environment() -> jinja2.Environment:
