@@ -22,6 +22,8 @@ import socket
 import sys
 from typing import Any, Mapping
 
+from common.cli import usable_cpus
+
 #: Slurm variables that say how many GPUs this node's share of the job has, most specific first.
 #: ``SLURM_GPUS`` (the job's ``--gpus``) counts the whole job, so it is used only on one node.
 SLURM_GPU_KEYS = ("SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS")
@@ -89,14 +91,6 @@ def visible_devices_count(value: str | None) -> int | None:
             break
         count += 1
     return count
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask: what Slurm's cgroup or ``--cpu-bind`` allow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS has no affinity masks
-        return os.cpu_count() or 1
 
 
 def _gpu_details(torch: Any, index: int, smoke_test: bool) -> dict[str, Any]:
