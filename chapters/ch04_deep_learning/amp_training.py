@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""Mixed precision against full precision: the same training in fp32 and in bf16/fp16, compared.
+
+Usage:
+    python amp_training.py --device cpu                       # fp32 vs bf16 on the bundled digits
+    python amp_training.py --dataset mnist --data-dir ~/data  # GPU node: fp32 vs fp16 vs bf16
+    python amp_training.py --precisions fp32,fp16             # choose the precisions yourself
+    srun --gres=gpu:1 python amp_training.py --dataset mnist --data-dir ~/data
+    sbatch sbatch/single_gpu.sbatch                           # the chapter's GPU job
+    (one process on one device: no torchrun form; multi_gpu_ddp.py is the torchrun lesson)
+
+What it teaches: automatic mixed precision (AMP) runs the forward pass in a 16-bit type under
+``torch.autocast`` and keeps the weights and the optimiser in fp32; with fp16 a
+``torch.amp.GradScaler`` scales the loss so small gradients do not underflow to zero, and gradients
+are clipped only after ``scaler.unscale_()``. Whether it pays depends on the hardware: on a GPU with
+tensor cores AMP is faster at nearly the same accuracy; on a CPU without native bf16 instructions
+(this course's CI machine, most x86 before Sapphire Rapids / Zen 4) bf16 is emulated and much slower.
+
+This script does not have a training loop of its own: it calls ``mnist_training.main()`` once per
+precision with the same seed and settings (the loop you read there is the loop measured here), reads
+back the result record each run wrote, prints a comparison table and writes a comparison record
+(method ``amp-comparison``) that names the runs it compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+from common import amp
+from common.cli import add_common_args, apply_dry_run, config_dict
+from common.data import DATASETS
+from common.device import describe, resolve_device
+from common.errors import UserError, run_main
+from common.results import make_record, provenance, write_record
+from common.timing import format_bytes
+
+SCRIPT = "chapters/ch04_deep_learning/amp_training.py"
+BASELINE = "fp32"
+
+
+def load_mnist_training() -> ModuleType:
+    """``mnist_training.py`` from this folder, imported by path (it is a script, not a package)."""
+    path = Path(__file__).resolve().with_name("mnist_training.py")
+    spec = importlib.util.spec_from_file_location("mnist_training", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_precisions(text: str) -> list[str]:
+    """argparse type: ``auto`` or a comma-separated list from fp32, bf16, fp16."""
+    if text == "auto":
+        return ["auto"]
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in amp.PRECISIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown precision(s) {', '.join(unknown) or repr(text)}; "
+                                         f"choose from {', '.join(amp.PRECISIONS)} or auto")
+    return list(dict.fromkeys(names))
+
+
+def precisions_for(device: torch.device, requested: list[str]) -> list[str]:
+    """fp32 first (the baseline), then the requested AMP precisions, each checked against ``device``."""
+    if requested == ["auto"]:
+        if device.type == "cuda":
+            # bf16 is native from compute capability 8.0 (A100); a V100 only emulates it, slowly.
+            native_bf16 = torch.cuda.get_device_capability(device) >= (8, 0)
+            requested = ["fp16", "bf16"] if native_bf16 else ["fp16"]
+        else:
+            requested = ["bf16"]  # CPU autocast supports bf16 only
+    precisions = [BASELINE] + [p for p in requested if p != BASELINE]
+    if "fp16" in precisions and device.type != "cuda":
+        raise UserError("fp16 autocast needs a CUDA GPU; on CPU compare --precisions fp32,bf16")
+    return [amp.check_precision(p, device) for p in precisions]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--precisions", type=parse_precisions, default=["auto"],
+                        help="comma-separated precisions to compare with fp32; auto = fp16,bf16 on a GPU "
+                             "(fp16 only before compute capability 8.0), bf16 on CPU (default: auto)")
+    parser.add_argument("--dataset", choices=DATASETS, default="digits",
+                        help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
+    parser.add_argument("--model", default="mnist_cnn", help="model name (default: %(default)s)")
+    parser.add_argument("--log-interval", type=int, default=10,
+                        help="steps between loss lines of each run (default: %(default)s)")
+    # Small defaults on purpose: bf16 on a CPU without native bf16 is about ten times slower than fp32.
+    add_common_args(parser, epochs=2, batch_size=64, num_workers=0)
+    return parser
+
+
+def run_one(mnist_training: ModuleType, precision: str, args: argparse.Namespace,
+            device: torch.device) -> dict[str, Any]:
+    """Train once in ``precision`` through ``mnist_training.main`` and return the record it wrote."""
+    argv = ["--amp", precision, "--device", device.type, "--seed", str(args.seed), "--dataset", args.dataset,
+            "--model", args.model, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
+            "--data-dir", str(args.data_dir), "--results-dir", str(args.results_dir),
+            "--num-workers", str(args.num_workers), "--log-interval", str(args.log_interval)]
+    if args.max_steps is not None:
+        argv += ["--max-steps", str(args.max_steps)]
+    pattern = f"ch04_{precision}_*.json"  # mnist_training's records are named <lab>_<method>_<run_id>.json
+    before = set(args.results_dir.glob(pattern)) if args.results_dir.is_dir() else set()
+    status = mnist_training.main(argv)
+    written = sorted(set(args.results_dir.glob(pattern)) - before)
+    if status != 0 or len(written) != 1:
+        raise RuntimeError(f"mnist_training.py {' '.join(argv)} returned {status} and wrote {len(written)} record(s)")
+    record = json.loads(written[0].read_text(encoding="utf-8"))
+    record["_path"] = str(written[0])
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = apply_dry_run(build_parser().parse_args(argv))
+    device = resolve_device(args.device)
+    precisions = precisions_for(device, args.precisions)  # all checked before the first run starts
+    mnist_training = load_mnist_training()
+    print(f"comparing {', '.join(precisions)} on {describe(device)}: {args.dataset}, {args.epochs} epoch(s), "
+          f"batch {args.batch_size}, seed {args.seed}", flush=True)
+
+    records = {}
+    for number, precision in enumerate(precisions, 1):
+        print(f"\n=== run {number}/{len(precisions)}: {precision} ===", flush=True)
+        records[precision] = run_one(mnist_training, precision, args, device)
+
+    base = records[BASELINE]["metrics"]
+    rows = []
+    for precision, record in records.items():
+        m = record["metrics"]
+        speedup = (m["samples_per_s"] / base["samples_per_s"]) if m["samples_per_s"] and base["samples_per_s"] else None
+        rows.append({
+            "precision": precision, "run_id": record["run_id"], "record": Path(record["_path"]).name,
+            "test_accuracy": m["test_accuracy"], "final_loss": m["final_loss"], "samples_per_s": m["samples_per_s"],
+            "median_step_s": m["step_time"]["median_s"], "peak_memory_bytes": m["memory"][0]["peak_bytes"],
+            "speedup_vs_fp32": speedup,
+            "accuracy_diff_points": 100 * (m["test_accuracy"] - base["test_accuracy"]),
+        })
+
+    print(f"\n{'precision':<10} {'accuracy':>9} {'final loss':>11} {'samples/s':>10} {'speed-up':>9} "
+          f"{'Δ acc (pts)':>12}" + (f" {'peak memory':>12}" if device.type == "cuda" else ""))
+    for row in rows:
+        line = (f"{row['precision']:<10} {100 * row['test_accuracy']:>8.2f}% {row['final_loss']:>11.4f} "
+                f"{row['samples_per_s'] or 0:>10.1f} {row['speedup_vs_fp32'] or 0:>8.2f}x "
+                f"{row['accuracy_diff_points']:>+12.2f}")
+        if device.type == "cuda":  # on CPU the figure is the process's peak RSS, shared by all runs
+            line += f" {format_bytes(row['peak_memory_bytes']):>12}"
+        print(line)
+    print("speed-up = samples/s of the precision / samples/s of fp32 (timed steps after warm-up); "
+          "Δ acc = test accuracy minus fp32's, in percentage points")
+
+    record = make_record(
+        lab="ch04", script=SCRIPT, method="amp-comparison",
+        config=config_dict(args, precisions=precisions, resolved_device=str(device), baseline=BASELINE),
+        metrics={"baseline": BASELINE, "runs": rows},
+        provenance=provenance(device),
+        notes=[f"compares the records {', '.join(row['record'] for row in rows)}, written by mnist_training.py "
+               "with the same seed and settings"],
+    )
+    print(f"record: {write_record(record, args.results_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

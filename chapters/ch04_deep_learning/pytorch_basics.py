@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""PyTorch basics on CPU or GPU: tensors, moving them between devices, and how fast a matmul runs.
+
+Usage:
+    python pytorch_basics.py                                  # auto: the GPU when there is one
+    python pytorch_basics.py --device cpu --size 512          # a quick run on a laptop
+    python pytorch_basics.py --dtypes fp32,tf32,bf16,fp16     # a GPU's precisions side by side
+    srun --gres=gpu:1 python pytorch_basics.py                # inside a Slurm allocation
+    sbatch sbatch/single_gpu.sbatch                           # the chapter's GPU job
+    (one process on one device: no torchrun form; multi_gpu_ddp.py is the torchrun lesson)
+
+What it teaches: a tensor lives on one device and work runs where its tensors are; ``.to(device)``
+copies (pinned host memory makes that copy faster and lets it overlap with compute); GPU work is
+asynchronous, so a timing must synchronise before reading the clock. The matmul timing prints the
+achieved TFLOP/s (``2 n^3 / t``) per precision next to the device's peak from NVIDIA's data sheets,
+and writes a result record (``--results-dir``).
+
+Reading the table: fp32 on a GPU uses the ordinary CUDA cores unless TF32 is switched on (``tf32``
+row: tensor cores, fp32 range, 10-bit mantissa); bf16 and fp16 use the tensor cores. CPUs have no
+entry in the peak table (their peak depends on the model, core count and clock), so they print
+"unknown". A CPU without native bf16 instructions (most x86 before Sapphire Rapids / Zen 4)
+emulates bf16, which is much *slower* than fp32 there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+from common.cli import config_dict, non_negative_int, one_line_errors, positive_int
+from common.device import configure_threads, describe, resolve_device, seed_everything
+from common.errors import UserError, run_main
+from common.results import make_record, provenance, write_record
+from common.timing import time_function
+
+SCRIPT = "chapters/ch04_deep_learning/pytorch_basics.py"
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32,
+          "bf16": torch.bfloat16, "fp16": torch.float16}
+# Big enough to keep a GPU's tensor cores busy; small enough that a CPU emulating bf16 (tens of
+# times slower than its fp32) still finishes in seconds.
+DEFAULT_SIZE = {"cuda": 8192, "cpu": 512}
+
+# Peak dense TFLOP/s per precision, matched by a substring of torch.cuda.get_device_name(), first
+# match wins (so "H100 PCIe" is listed before "H100"). Dense = without 2:4 structured sparsity:
+# NVIDIA's data sheets print the tensor-core figures *with* sparsity and mark them with an asterisk;
+# the dense figure is half of that. fp32 = CUDA cores (TF32 off); tf32/bf16/fp16 = tensor cores;
+# fp64 = the FP64 tensor-core figure where the GPU has one (cuBLAS uses it for fp64 matmuls).
+#   A100:  seed 000's table (FP32 19.5, FP16 tensor core 312) and the NVIDIA A100 Tensor Core GPU
+#          data sheet (FP64 tensor core 19.5, TF32 156, BF16 312 dense); PCIe and SXM4 peak alike.
+#   H100:  NVIDIA H100 Tensor Core GPU data sheet. SXM: FP64 TC 67, FP32 67, TF32 989*, BF16/FP16
+#          1,979*; PCIe: FP64 TC 51, FP32 51, TF32 756*, BF16/FP16 1,513* (* with sparsity, halved here).
+#   H200:  NVIDIA H200 Tensor Core GPU data sheet. SXM: FP64 TC 67, FP32 67, TF32 989*, BF16/FP16
+#          1,979*; NVL: FP64 TC 60, FP32 60, TF32 835*, BF16/FP16 1,671* (* with sparsity, halved here).
+#   V100:  NVIDIA Tesla V100 data sheet. SXM2: FP64 7.8, FP32 15.7, tensor (fp16) 125; PCIe: 7, 14, 112.
+#          No bf16 or TF32 on V100. (DGX-2's SXM3 part clocks higher: it matches no entry.)
+_PEAK_COLUMNS = ("fp64", "fp32", "tf32", "bf16", "fp16")
+_PEAK_ROWS = [
+    # name contains  GPU                 fp64   fp32   tf32   bf16   fp16    (None: not supported)
+    ("A100",        "NVIDIA A100",       19.5,  19.5,  156,   312,   312),
+    ("H100 PCIe",   "NVIDIA H100 PCIe",  51,    51,    378,   756,   756),
+    ("H100",        "NVIDIA H100 SXM",   67,    67,    494.5, 989.5, 989.5),
+    ("H200 NVL",    "NVIDIA H200 NVL",   60,    60,    417.5, 835.5, 835.5),
+    ("H200",        "NVIDIA H200 SXM",   67,    67,    494.5, 989.5, 989.5),
+    ("V100-SXM2",   "NVIDIA V100 SXM2",  7.8,   15.7,  None,  None,  125),
+    ("V100-PCIE",   "NVIDIA V100 PCIe",  7,     14,    None,  None,  112),
+]
+PEAK_TFLOPS: list[tuple[str, str, dict[str, float]]] = [
+    (key, f"{gpu} (data sheet, dense)",
+     {column: value for column, value in zip(_PEAK_COLUMNS, values) if value is not None})
+    for key, gpu, *values in _PEAK_ROWS
+]
+
+
+def peak_for(device_name: str) -> tuple[str | None, dict[str, float]]:
+    """The peak table entry whose key occurs in ``device_name`` (``(None, {})`` for CPUs and unknown GPUs)."""
+    for key, label, peaks in PEAK_TFLOPS:
+        if key.lower() in device_name.lower():
+            return label, peaks
+    return None, {}
+
+
+def parse_dtypes(text: str) -> list[str]:
+    """argparse type: a comma-separated list of precisions, or ``auto``."""
+    if text == "auto":
+        return ["auto"]
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in DTYPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown precision(s) {', '.join(unknown) or repr(text)}; "
+                                         f"choose from {', '.join(DTYPES)} or auto")
+    return list(dict.fromkeys(names))  # keep the order, drop repeats
+
+
+def default_dtypes(device: torch.device) -> list[str]:
+    """The precisions worth comparing on ``device``: those it runs natively."""
+    if device.type == "cuda":
+        native_tensor_cores = torch.cuda.get_device_capability(device) >= (8, 0)  # Ampere and later
+        return ["fp32", "tf32", "bf16", "fp16"] if native_tensor_cores else ["fp32", "fp16"]
+    return ["fp32", "bf16"]
+
+
+@contextmanager
+def matmul_precision(dtype_name: str) -> Iterator[None]:
+    """Switch TF32 on for the ``tf32`` row only; fp32 means true fp32 (PyTorch's default on CUDA)."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if dtype_name == "tf32" else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def tensor_tour(device: torch.device) -> None:
+    """A short tour of tensors and device moves, printed step by step."""
+    print("== tensors")
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)  # created on the CPU
+    print(f"x = torch.arange(6).reshape(2, 3): shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}")
+    print(f"x * 2 + 1 -> {(x * 2 + 1).tolist()}   (element-wise, a new tensor)")
+    print(f"x.sum(dim=0) -> {x.sum(dim=0).tolist()}   x.mean() -> {x.mean().item():.2f}   (.item(): a Python number)")
+    print(f"x @ x.T -> {(x @ x.T).tolist()}   (matrix product, 2x3 @ 3x2)")
+    print(f"x + torch.tensor([10., 20., 30.]) -> {(x + torch.tensor([10.0, 20.0, 30.0])).tolist()}   (broadcasting)")
+    print(f"x.view(3, 2) shares x's memory: {x.view(3, 2).data_ptr() == x.data_ptr()}; "
+          f"x.T.contiguous() is a copy: {x.T.contiguous().data_ptr() != x.data_ptr()}")
+    print(f"x.to(torch.bfloat16) -> {x.to(torch.bfloat16).dtype}: half the bytes, fp32's range, 8 bits of precision")
+
+    print(f"== device moves ({describe(device)})")
+    y = x.to(device)  # a copy on the device (or x itself when it is already there)
+    print(f"y = x.to(device): y.device = {y.device}; operations on y run on {y.device.type}")
+    z = (y @ y.T).cpu()  # .cpu() waits for the GPU: the result must exist before it is copied back
+    print(f"(y @ y.T).cpu(): back on {z.device} for printing/NumPy: {z.tolist()}")
+    if device.type == "cuda":
+        copy_bandwidth(device)
+    else:
+        print("pinned memory: only matters with a GPU. DataLoader(pin_memory=True) puts batches in page-locked "
+              "host memory so .to('cuda', non_blocking=True) copies by DMA and can overlap with compute.")
+
+
+def copy_bandwidth(device: torch.device, megabytes: int = 256) -> dict[str, float]:
+    """Host-to-GPU copy speed from pageable and from pinned (page-locked) memory, in GB/s."""
+    pageable = torch.empty(megabytes * 2**20 // 4, dtype=torch.float32)
+    pinned = pageable.pin_memory()
+    result = {}
+    for name, host in (("pageable", pageable), ("pinned", pinned)):
+        timing = time_function(lambda: host.to(device, non_blocking=True), device, repeats=5)
+        result[name] = host.numel() * 4 / timing["median_s"] / 1e9
+    print(f"host -> {device} copy of {megabytes} MiB: pageable {result['pageable']:.1f} GB/s, "
+          f"pinned {result['pinned']:.1f} GB/s (pinned memory is what DataLoader(pin_memory=True) gives you)")
+    return result
+
+
+def time_matmul(device: torch.device, dtype_name: str, n: int, repeats: int, warmup: int) -> dict[str, Any]:
+    """Median time of an ``n x n`` matmul in one precision, its TFLOP/s, and its error against fp64."""
+    dtype = DTYPES[dtype_name]
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    with matmul_precision(dtype_name):
+        timing = time_function(lambda: a @ b, device, repeats=repeats, warmup=warmup)
+        corner = (a[:64] @ b[:, :64]).double()  # the same product on a corner, to measure rounding error
+    exact = a[:64].double() @ b[:, :64].double()
+    rel_error = ((corner - exact).norm() / exact.norm()).item()
+    flops = 2 * n**3  # n^2 outputs, each n multiplies and n adds
+    return {
+        "dtype": dtype_name, "size": n, "flops": flops,
+        "median_s": timing["median_s"], "min_s": timing["min_s"],
+        "tflops": flops / timing["median_s"] / 1e12,
+        "tflops_best": flops / timing["min_s"] / 1e12,
+        "rel_error_vs_fp64": rel_error,
+        "timing": timing,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    one_line_errors(parser)  # a bad flag is one "error: ..." line, like every course script
+    parser.add_argument("--size", type=positive_int, default=None,
+                        help="matrix size n of the n x n matmul (default: 8192 on a GPU, 512 on CPU)")
+    parser.add_argument("--repeats", type=positive_int, default=10,
+                        help="timed matmuls per precision; the median is reported (default: %(default)s)")
+    parser.add_argument("--warmup", type=non_negative_int, default=2,
+                        help="untimed matmuls first, per precision (default: %(default)s)")
+    parser.add_argument("--dtypes", type=parse_dtypes, default=["auto"],
+                        help=f"comma-separated precisions from {', '.join(DTYPES)}; auto = fp32,tf32,bf16,fp16 on "
+                             "an Ampere-or-newer GPU, fp32,fp16 on older GPUs, fp32,bf16 on CPU (default: auto)")
+    parser.add_argument("--skip-tour", action="store_true", help="only run the matmul timing (default: off)")
+    # The shared flags that apply here (common.cli.add_common_args would add training flags too).
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where to run: auto picks cuda when a GPU is visible (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=1, help="random seed (default: %(default)s)")
+    parser.add_argument("--results-dir", type=Path, default=Path("results"),
+                        help="folder where the result record is written (default: %(default)s)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    seed_everything(args.seed)
+    threads = configure_threads()
+    device = resolve_device(args.device)
+    dtypes = default_dtypes(device) if args.dtypes == ["auto"] else args.dtypes
+    if "tf32" in dtypes and device.type != "cuda":
+        raise UserError("tf32 is a mode of NVIDIA tensor cores; on CPU use --dtypes fp32,bf16")
+    size = args.size or DEFAULT_SIZE[device.type]
+
+    if not args.skip_tour:
+        tensor_tour(device)
+
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else describe(device)
+    peak_label, peaks = peak_for(device_name) if device.type == "cuda" else (None, {})
+    print(f"== matmul {size} x {size} on {describe(device)}, {threads} CPU thread(s), "
+          f"median of {args.repeats} after {args.warmup} warm-up")
+    print(f"peak figures: {peak_label or 'unknown for this device'}")
+    print(f"{'dtype':<6} {'median ms':>10} {'TFLOP/s':>9} {'best':>9} {'peak':>8} {'% peak':>7} {'rel. error':>11}")
+    rows = []
+    for name in dtypes:
+        row = time_matmul(device, name, size, args.repeats, args.warmup)
+        row["peak_tflops"] = peaks.get(name)
+        row["fraction_of_peak"] = row["tflops"] / row["peak_tflops"] if row["peak_tflops"] else None
+        rows.append(row)
+        peak = f"{row['peak_tflops']:.1f}" if row["peak_tflops"] else "unknown"
+        share = f"{100 * row['fraction_of_peak']:.0f}%" if row["fraction_of_peak"] else "-"
+        print(f"{name:<6} {1000 * row['median_s']:>10.3f} {row['tflops']:>9.4g} {row['tflops_best']:>9.4g} "
+              f"{peak:>8} {share:>7} {row['rel_error_vs_fp64']:>11.1e}", flush=True)
+    print("TFLOP/s = 2 n^3 / median time; 'best' uses the fastest repeat; rel. error = |C - C_fp64| / |C_fp64| "
+          "on a 64 x 64 corner")
+
+    record = make_record(
+        lab="ch04", script=SCRIPT, method="matmul",
+        config=config_dict(args, dtypes=dtypes, size=size, resolved_device=str(device)),
+        metrics={"matmul": rows, "peak_source": peak_label, "threads": threads},
+        provenance=provenance(device),
+        notes=[f"peak TFLOP/s from {peak_label}" if peak_label else "no peak figure known for this device"],
+    )
+    print(f"record: {write_record(record, args.results_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
