@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""Lab-01 step 1: can this allocation run DataParallel and DDP, and how are its GPUs connected?
+
+Usage:
+    python labs/lab01_dp_vs_ddp/01_environment_check.py                  # readable report
+    python labs/lab01_dp_vs_ddp/01_environment_check.py --json           # the same as JSON on stdout
+    python labs/lab01_dp_vs_ddp/01_environment_check.py --strict         # exit 1 on any warning
+    srun --ntasks=1 python labs/lab01_dp_vs_ddp/01_environment_check.py  # inside an allocation
+    sbatch env_check.sbatch         # rendered from sbatch/env_check.sbatch.j2, see the README
+
+(One process looks at the whole node, so there is no torchrun form.)
+
+What it teaches: before timing DP against DDP, know what you were given. Chapter 4's check
+(``common.envcheck``: versions, GPUs, CPUs, the Slurm allocation, and a warning where the allocation
+and the devices this process sees disagree) plus what matters for multi-GPU training:
+
+- **Topology**: which GPU pairs can read each other's memory directly (peer access: DataParallel's
+  copies and NCCL's transfers skip the host), and ``nvidia-smi topo -m``'s link between every pair
+  (``NV#`` = NVLink, ``PIX``/``PXB``/``PHB`` = PCIe, ``NODE``/``SYS`` = across CPU sockets).
+- **Communication back ends**: NCCL (GPUs) and Gloo (CPUs) built into this PyTorch, and a real
+  one-process all-reduce through each, because "built" is not "works".
+
+The result is also written as a record (lab ``lab01``, method ``env``) so the report shows where the
+other runs ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+from common.cli import one_line_errors
+from common.envcheck import allocation_agreement, collect_environment, format_environment
+from common.errors import run_main
+from common.results import make_record, provenance, write_record
+
+SCRIPT = "labs/lab01_dp_vs_ddp/01_environment_check.py"
+LAB = "lab01"
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def parse_topology(text: str) -> dict[str, dict[str, str]]:
+    """The GPU-to-GPU part of ``nvidia-smi topo -m``: ``{"GPU0": {"GPU1": "NV12", ...}, ...}``.
+
+    The matrix is tab-separated: a header of column names after an empty first cell (GPUs, then NICs
+    and affinities), then one row per device. Only GPU rows and GPU columns are kept; the legend
+    below the matrix is ignored.
+    """
+    lines = [ANSI_ESCAPE.sub("", line) for line in text.splitlines()]  # some versions underline the header
+    header = next((line for line in lines if "GPU0" in line and not line.split("\t")[0].strip()), None)
+    if header is None:
+        return {}
+    columns = [cell.strip() for cell in header.split("\t")]
+    links: dict[str, dict[str, str]] = {}
+    for line in lines:
+        cells = [cell.strip() for cell in line.split("\t")]
+        name = cells[0]
+        if not (name.startswith("GPU") and name[3:].isdigit()) or len(cells) < 2:
+            continue
+        row = {}
+        for column, cell in zip(columns[1:], cells[1:]):
+            if column.startswith("GPU") and column[3:].isdigit() and column != name:
+                row[column] = cell
+        links[name] = row
+    return links
+
+
+def nvidia_smi_topology() -> dict[str, Any]:
+    """``nvidia-smi topo -m`` as text and parsed, or why it is not available."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {"available": False, "reason": "nvidia-smi not found on PATH (no NVIDIA driver here)"}
+    try:
+        out = subprocess.run([smi, "topo", "-m"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as err:
+        return {"available": False, "reason": f"nvidia-smi topo -m failed: {err}"}
+    if out.returncode != 0:
+        return {"available": False, "reason": f"nvidia-smi topo -m exited {out.returncode}: "
+                                               f"{(out.stderr or out.stdout).strip()[:300]}"}
+    return {"available": True, "text": out.stdout, "links": parse_topology(out.stdout)}
+
+
+def peer_access_matrix(torch: Any, count: int) -> list[list[bool | None]]:
+    """``matrix[i][j]``: can GPU ``i`` read and write GPU ``j``'s memory directly (``None`` on the diagonal)."""
+    return [[None if i == j else bool(torch.cuda.can_device_access_peer(i, j)) for j in range(count)]
+            for i in range(count)]
+
+
+def backend_test(backend: str, device: str) -> dict[str, Any]:
+    """Start a one-process group with ``backend``, all-reduce a tensor on ``device``, tear it down."""
+    import torch
+    import torch.distributed as dist
+
+    from common.launch import free_port
+
+    if dist.is_initialized():
+        return {"ok": None, "detail": "skipped: a process group is already running in this process"}
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                timeout=_dt.timedelta(seconds=60))
+        try:
+            tensor = torch.ones(4, device=device)
+            dist.all_reduce(tensor)
+            ok = bool(tensor.sum().item() == 4.0)
+            return {"ok": ok, "detail": f"all-reduce on {device}: {'ok' if ok else 'wrong result'}"}
+        finally:
+            dist.destroy_process_group()
+    except (RuntimeError, ValueError) as err:
+        return {"ok": False, "detail": f"failed: {str(err).splitlines()[0] if str(err) else type(err).__name__}"}
+
+
+def multi_gpu_checks(env: Mapping[str, Any], run_backend_tests: bool = True) -> dict[str, Any]:
+    """Topology and communication back ends, the part Lab-01 adds to Chapter 4's check."""
+    import torch
+    import torch.distributed as dist
+
+    count = env["torch_gpus"]
+    checks: dict[str, Any] = {
+        "distributed_available": dist.is_available(),
+        "nccl_available": bool(dist.is_available() and dist.is_nccl_available()),
+        "gloo_available": bool(dist.is_available() and dist.is_gloo_available()),
+        "peer_access": peer_access_matrix(torch, count) if count > 1 else [],
+        "topology": nvidia_smi_topology(),
+        "backend_tests": {},
+    }
+    if run_backend_tests and checks["gloo_available"]:
+        checks["backend_tests"]["gloo"] = backend_test("gloo", "cpu")
+    if run_backend_tests and checks["nccl_available"] and count > 0:
+        checks["backend_tests"]["nccl"] = backend_test("nccl", "cuda:0")
+    return checks
+
+
+def lab_warnings(env: Mapping[str, Any], checks: Mapping[str, Any]) -> list[str]:
+    """What would make this lab's DP and DDP runs fail or mislead (pure logic on the two dicts)."""
+    warnings = []
+    count = env["torch_gpus"]
+    if count == 0:
+        warnings.append("no GPU visible: 03 runs as the one-device case and 04 uses Gloo on CPU processes; "
+                        "the timings say nothing about GPUs")
+    elif count == 1:
+        warnings.append("one GPU visible: DataParallel and DDP have nothing to split over; ask for 2 or more")
+    if not checks["gloo_available"]:
+        warnings.append("this PyTorch has no Gloo: CPU runs of 04_ddp_training.py cannot start")
+    for name, result in checks["backend_tests"].items():
+        if result["ok"] is False:
+            warnings.append(f"{name.upper()} is built in but a one-process all-reduce {result['detail']}")
+    no_peer = [(i, j) for i, row in enumerate(checks["peer_access"]) for j, ok in enumerate(row) if ok is False]
+    if no_peer:
+        pairs = ", ".join(f"{i}->{j}" for i, j in no_peer[:8]) + (" ..." if len(no_peer) > 8 else "")
+        warnings.append(f"no peer access between GPU pair(s) {pairs}: their copies go through host memory, "
+                        "which slows DataParallel and NCCL (see nvidia-smi topo -m)")
+    return warnings
+
+
+def format_checks(checks: Mapping[str, Any], warnings: list[str]) -> str:
+    yes = lambda flag: "yes" if flag else "no"  # noqa: E731
+    lines = ["", "multi-GPU (Lab-01)",
+             f"back ends       NCCL {yes(checks['nccl_available'])} | Gloo {yes(checks['gloo_available'])}"]
+    for name, result in checks["backend_tests"].items():
+        lines.append(f"  {name}: {result['detail']}")
+    matrix = checks["peer_access"]
+    if matrix:
+        lines.append("peer access     (row reads column directly)")
+        lines.append("        " + "".join(f"GPU{j:<4}" for j in range(len(matrix))))
+        for i, row in enumerate(matrix):
+            lines.append(f"  GPU{i:<3} " + "".join(f"{'X' if ok is None else yes(ok):<7}" for ok in row))
+    else:
+        lines.append("peer access     fewer than 2 GPUs: nothing to check")
+    topology = checks["topology"]
+    if topology["available"]:
+        pairs = [(a, b, link) for a, row in topology["links"].items() for b, link in row.items() if a < b]
+        nvlink = [f"{a}-{b}" for a, b, link in pairs if link.startswith("NV")]
+        lines.append(f"links           {len(nvlink)} of {len(pairs)} GPU pair(s) over NVLink"
+                     + (f": {', '.join(nvlink)}" if nvlink else ""))
+        lines.append("nvidia-smi topo -m:")
+        lines.extend(f"  {line}" for line in topology["text"].rstrip().splitlines())
+    else:
+        lines.append(f"topology        {topology['reason']}")
+    lines.extend(f"  WARNING: {warning}" for warning in warnings)
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    one_line_errors(parser)
+    parser.add_argument("--json", action="store_true",
+                        help="print the findings as one JSON document on stdout, nothing else (default: off)")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit with status 1 when any warning was found (default: off, always exit 0)")
+    parser.add_argument("--no-smoke-test", dest="smoke_test", action="store_false",
+                        help="do not run a tiny computation on each GPU (default: run it)")
+    parser.add_argument("--skip-backend-test", action="store_true",
+                        help="do not start one-process NCCL/Gloo groups to test them (default: off)")
+    parser.add_argument("--results-dir", type=Path, default=Path("results"),
+                        help="folder where the result record is written (default: %(default)s)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    env = collect_environment(smoke_test=args.smoke_test)
+    checks = multi_gpu_checks(env, run_backend_tests=not args.skip_backend_test)
+    allocation_warnings, multi_gpu_warnings = allocation_agreement(env), lab_warnings(env, checks)
+    warnings = allocation_warnings + multi_gpu_warnings
+    device = "cuda:0" if env["torch_gpus"] else "cpu"
+    metrics = {"gpus": env["torch_gpus"], "environment": env, "multi_gpu": checks, "warnings": warnings}
+    record = make_record(lab=LAB, script=SCRIPT, method="env", config=vars(args), metrics=metrics,
+                         provenance=provenance(device), notes=warnings)
+    path = write_record(record, args.results_dir)
+    if args.json:
+        print(json.dumps({**metrics, "record": str(path)}, indent=2, sort_keys=True, default=str))
+    else:
+        print(format_environment(env, allocation_warnings))  # Chapter 4's report, then the Lab-01 part
+        print(format_checks(checks, multi_gpu_warnings))
+        print(f"record: {path}")
+    return 1 if args.strict and warnings else 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Lab-01 end to end on this machine: environment check, baseline, DataParallel, DDP (torchrun),
+# then the comparison report; the last line printed is the report's path.
+#
+# Usage:
+#   bash labs/lab01_dp_vs_ddp/run_lab.sh [RESULTS_DIR]     # default: $RESULTS_DIR, else results/lab01
+#   LAB01_MODEL=resnet50 LAB01_STEPS=20 bash labs/lab01_dp_vs_ddp/run_lab.sh
+#   LAB01_DEVICE=cuda LAB01_NPROC=4 LAB01_GLOBAL_BATCH=256 bash labs/lab01_dp_vs_ddp/run_lab.sh   # a 4-GPU node
+#
+# The defaults are tiny (resnet18 on CIFAR-shaped synthetic images, 4 steps per epoch, 2 epochs,
+# two Gloo processes for DDP) so the whole lab finishes in about a minute on 2 CPU cores. The three
+# training runs share one global batch: DataParallel gets it whole (--batch-size is global there),
+# each of the LAB01_NPROC DDP processes gets LAB01_GLOBAL_BATCH / LAB01_NPROC.
+#
+# Environment overrides (default in brackets):
+#   PYTHON              the interpreter to run everything with [python]
+#   LAB01_MODEL         model name [resnet18]
+#   LAB01_STEPS         optimiser steps per epoch [4]
+#   LAB01_EPOCHS        epochs [2]
+#   LAB01_GLOBAL_BATCH  samples per optimiser step, all processes together [16]
+#   LAB01_NPROC         DDP processes [2]
+#   LAB01_DEVICE        cpu, cuda or auto [cpu]
+#   LAB01_IMAGE_SIZE    synthetic image side: 32 CIFAR-shaped, 224 ImageNet-shaped [32]
+#   LAB01_LR            SGD learning rate; small, because the default global batch is small [0.01]
+#   LAB01_SEED          seed shared by all runs [1]
+#   OMP_NUM_THREADS     threads per process on CPU [1]
+set -euo pipefail
+
+PYTHON=${PYTHON:-python}
+MODEL=${LAB01_MODEL:-resnet18}
+STEPS=${LAB01_STEPS:-4}
+EPOCHS=${LAB01_EPOCHS:-2}
+GLOBAL_BATCH=${LAB01_GLOBAL_BATCH:-16}
+NPROC=${LAB01_NPROC:-2}
+DEVICE=${LAB01_DEVICE:-cpu}
+IMAGE_SIZE=${LAB01_IMAGE_SIZE:-32}
+LR=${LAB01_LR:-0.01}
+SEED=${LAB01_SEED:-1}
+# Records of an earlier run in the same folder count as repeats in the report (it takes the median).
+RESULTS_DIR=${1:-${RESULTS_DIR:-results/lab01}}
+LAB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+if (( GLOBAL_BATCH % NPROC != 0 )); then
+    echo "error: LAB01_GLOBAL_BATCH=$GLOBAL_BATCH does not divide between LAB01_NPROC=$NPROC processes" >&2
+    exit 2
+fi
+PER_PROCESS_BATCH=$((GLOBAL_BATCH / NPROC))
+
+# Exactly STEPS global batches per epoch; the same data, model, seed and global batch in 02, 03 and 04.
+SHARED=(--device "$DEVICE" --model "$MODEL" --dataset synthetic --image-size "$IMAGE_SIZE"
+        --synthetic-size "$((GLOBAL_BATCH * STEPS))" --epochs "$EPOCHS" --max-steps "$STEPS"
+        --lr "$LR" --seed "$SEED" --num-workers 0 --log-interval 2 --results-dir "$RESULTS_DIR")
+
+step() { printf '\n=== %s\n' "$*"; }
+
+# On CPU a "device" is a core: torchrun gives each DDP process one thread, so the baseline gets one
+# too. Otherwise the baseline's threads would be compared with DDP's processes, and a busy machine
+# slows several threads of one process far more than single-threaded processes.
+if [[ $DEVICE == cpu ]]; then
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
+
+mkdir -p "$RESULTS_DIR"
+echo "Lab-01 on $(hostname): $MODEL, global batch $GLOBAL_BATCH, $STEPS step(s) x $EPOCHS epoch(s), device $DEVICE"
+echo "results: $RESULTS_DIR"
+
+step "1/5 environment check"
+"$PYTHON" "$LAB_DIR/01_environment_check.py" --results-dir "$RESULTS_DIR"
+
+step "2/5 baseline, one device, global batch $GLOBAL_BATCH"
+"$PYTHON" "$LAB_DIR/02_baseline_single_gpu.py" "${SHARED[@]}" --batch-size "$GLOBAL_BATCH"
+
+step "3/5 DataParallel, global batch $GLOBAL_BATCH split over the visible GPUs"
+"$PYTHON" "$LAB_DIR/03_dataparallel_training.py" "${SHARED[@]}" --batch-size "$GLOBAL_BATCH"
+
+step "4/5 DDP, $NPROC processes x $PER_PROCESS_BATCH = global batch $GLOBAL_BATCH"
+# --standalone: torchrun picks a free port itself; a fixed MASTER_PORT would clash with other jobs.
+"$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
+    "$LAB_DIR/04_ddp_training.py" "${SHARED[@]}" --batch-size "$PER_PROCESS_BATCH" \
+    --checkpoint "$RESULTS_DIR/checkpoints/lab01_ddp.pt"
+
+step "5/5 comparison report"
+REPORT="$RESULTS_DIR/comparison_report.html"
+"$PYTHON" "$LAB_DIR/05_performance_comparison.py" --results-dir "$RESULTS_DIR" --generate-plots \
+    --output-report "$REPORT"
+
+echo
+echo "report: $REPORT"
