@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Benchmark Lab-02's data pipelines against each other and against pure compute, in one process.
+
+Usage:
+    python bench/data_pipeline.py                                  # digits, batch 64, 5 rounds
+    python bench/data_pipeline.py --dataset synthetic --synthetic-size 60000 --device cuda
+    sbatch --gres=gpu:1 --cpus-per-task=2 --wrap "python bench/data_pipeline.py --dataset mnist --data-dir ~/data"
+    (one process, one device: there is no torchrun form)
+
+Three ways to train the same MnistNet for one epoch, on the same machine, with the same batch size,
+precision and memory layout, so only the data side differs:
+
+  (a) the seed's pipeline: per-sample PIL -> ToTensor -> Normalize through a DataLoader with 1 worker
+      (started afresh every epoch, as the seed's loader is);
+  (b) this lab's best pipeline: the data set resident on the device, each batch sliced there
+      (``--pipeline device`` of mnist_classify.py);
+  (c) pure compute: the epoch's batches already built and in place on the device; only the
+      training steps run.
+
+It prints the ratios of throughput b/a (what the pipeline buys) and b/c (how close the best pipeline
+gets to the model's own speed; 1.0 means loading costs nothing). Rounds run a, b, c in turn so a change
+in the machine's load hits all three alike; the first round is a warm-up and is dropped; the median of
+the rest is reported with its spread. The 1-minute load average is printed and recorded: on a shared
+machine, read the numbers with it. One record per variant is written to ``--results-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
+from common import amp
+from common.cli import add_common_args, config_dict, positive_int
+from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
+from common.errors import UserError, run_main
+from common.models import MnistNet
+from common.results import make_record, provenance, write_record
+from labs.lab02_profiling import pipelines
+
+SCRIPT = "bench/data_pipeline.py"
+VARIANTS = {
+    "a": ("bench-a-seed-pipeline", "per-sample PIL + ToTensor/Normalize, DataLoader with 1 worker"),
+    "b": ("bench-b-best-pipeline", "data set resident on the device, batches sliced there"),
+    "c": ("bench-c-compute-only", "batches already in place on the device: training steps only"),
+}
+
+
+def train_epoch(model, optimizer, batches: Iterable, device, args) -> int:
+    """One epoch of ordinary training steps; returns the samples seen. Identical for a, b and c."""
+    model.train()
+    seen = 0
+    for step, (data, target) in enumerate(batches):
+        data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
+        if args.channels_last:
+            data = data.contiguous(memory_format=torch.channels_last)
+        optimizer.zero_grad(set_to_none=True)
+        with amp.autocast(device, args.amp):
+            loss = F.nll_loss(model(data), target)
+        loss.backward()
+        optimizer.step()
+        seen += len(data)
+        if args.max_steps is not None and step + 1 >= args.max_steps:
+            break
+    return seen
+
+
+def timed(fn: Callable[[], int], device) -> tuple[float, int]:
+    synchronize(device)
+    start = time.perf_counter()
+    seen = fn()
+    synchronize(device)
+    return time.perf_counter() - start, seen
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", choices=pipelines.LAB_DATASETS, default="digits",
+                        help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
+    parser.add_argument("--synthetic-size", type=positive_int, default=60_000,
+                        help="training images of --dataset synthetic (default: %(default)s)")
+    parser.add_argument("--rounds", type=positive_int, default=5,
+                        help="rounds of a, b, c (one epoch each); the first is a warm-up (default: %(default)s)")
+    parser.add_argument("--channels-last", action="store_true", help="NHWC layout for all three (default: off)")
+    parser.add_argument("--amp", choices=amp.PRECISIONS, default="fp32",
+                        help="precision of all three: fp32, bf16, fp16 (GPU) (default: %(default)s)")
+    add_common_args(parser, epochs=1, batch_size=64, results_dir="results")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.rounds < 2:
+        raise UserError("--rounds must be at least 2: the first round is a warm-up and is not counted")
+    if args.dry_run:
+        args.rounds, args.max_steps = 2, min(args.max_steps or 2, 2)
+    seed_everything(args.seed)
+    threads = configure_threads()
+    device = resolve_device(args.device)
+    args.amp = amp.check_precision(args.amp, device)
+    train_data, _ = pipelines.load_uint8(args.dataset, args.data_dir, seed=args.seed,
+                                         synthetic_size=args.synthetic_size)
+
+    # (a) the seed's loader: 1 worker, restarted every epoch, pinned only where there is a GPU
+    seed_loader = pipelines.make_loader("pil", train_data, args.batch_size, shuffle=True, device=device,
+                                        num_workers=1, pin_memory=device.type == "cuda", seed=args.seed)
+    # (b) the lab's best
+    device_batches = pipelines.make_loader("device", train_data, args.batch_size, shuffle=True, device=device,
+                                           seed=args.seed, channels_last=args.channels_last)
+    # (c) the same epoch's batches, built once and left in place
+    ready_batches = [(data.clone(), target.clone()) for data, target in device_batches]
+
+    model = MnistNet().to(device)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    sources = {"a": seed_loader, "b": device_batches, "c": ready_batches}
+    load_start = os.getloadavg()[0]
+    print(f"device {describe(device)} | data {args.dataset} train={len(train_data)} | batch {args.batch_size} | "
+          f"precision {args.amp} | threads {threads} | {args.rounds} rounds (first dropped) | "
+          f"load average {load_start:.2f} on {os.cpu_count()} CPUs", flush=True)
+
+    times: dict[str, list[float]] = {key: [] for key in VARIANTS}
+    samples: dict[str, int] = {}
+    for round_index in range(args.rounds):
+        for key in VARIANTS:
+            elapsed, seen = timed(lambda: train_epoch(model, optimizer, sources[key], device, args), device)
+            samples[key] = seen
+            if round_index > 0:
+                times[key].append(elapsed)
+            print(f"round {round_index + 1}{' (warm-up)' if round_index == 0 else ''} {key}: {elapsed:.3f} s "
+                  f"({seen / elapsed:.0f} samples/s)", flush=True)
+    load_end = os.getloadavg()[0]
+
+    rate = {key: samples[key] / statistics.median(times[key]) for key in VARIANTS}
+    b_over_a, b_over_c = rate["b"] / rate["a"], rate["b"] / rate["c"]
+    print("\nvariant                         median epoch   samples/s   spread (min - max s)")
+    for key, (name, what) in VARIANTS.items():
+        print(f"({key}) {name:<27} {statistics.median(times[key]):10.3f} s {rate[key]:11.0f}   "
+              f"{min(times[key]):.3f} - {max(times[key]):.3f}   {what}")
+    print(f"\nb/a = {b_over_a:.3f}  (the best pipeline over the seed's)")
+    print(f"b/c = {b_over_c:.3f}  (the best pipeline over pure compute; 1.0 = loading is free)")
+    print(f"load average (1 min): {load_start:.2f} at the start, {load_end:.2f} at the end, {os.cpu_count()} CPUs")
+
+    bench_id = uuid.uuid4().hex[:8]
+    method_text = ("time.perf_counter around each epoch, device synchronised before each read; rounds of a, b, c "
+                   "in turn, first round dropped, median of the rest")
+    for key, (name, what) in VARIANTS.items():
+        metrics = {
+            "epoch_time_s": times[key], "time_per_epoch_s": statistics.median(times[key]),
+            "samples_per_s": rate[key], "samples_per_epoch": samples[key], "global_batch_size": args.batch_size,
+            "world_size": 1, "b_over_a": b_over_a, "b_over_c": b_over_c, "load_average_start": load_start,
+            "load_average_end": load_end, "timing_method": method_text,
+        }
+        config = config_dict(args, resolved_device=str(device), model="mnist_cnn", threads=threads,
+                             bench={"bench_id": bench_id, "variant": key, "what": what})
+        record = make_record(lab="lab02", script=SCRIPT, method=name, config=config, metrics=metrics,
+                             provenance=provenance(device))
+        print(f"record: {write_record(record, args.results_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Profile a few MNIST training steps with torch.profiler: a timeline trace and the top operators.
+
+Usage:
+    python profile_trace.py                                    # the seed's pipeline, 5 profiled steps
+    python profile_trace.py --pipeline device --batch-size 256 # after the optimisations
+    sbatch job.slurm   # with the kernprof line replaced by: python profile_trace.py --num-workers "$workers"
+    (one process, one device: there is no torchrun form)
+
+What it teaches: line_profiler (``mnist_classify.py`` under kernprof) says which *line* of
+``train()`` takes the time; torch.profiler says what happens *inside* it: every PyTorch operator,
+on the CPU and, when there is a GPU, on the GPU, on one timeline. Open the trace at
+https://ui.perfetto.dev (or chrome://tracing): the labelled regions ``data loading``, ``forward``,
+``backward`` and ``optimizer step`` show where each step goes; with the seed's pipeline the GPU row
+is mostly empty while the CPU waits for the next batch.
+
+The profiler follows a schedule: ``--wait`` steps ignored, ``--warmup`` steps traced but thrown
+away (the profiler's own start-up), then ``--active`` steps recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+from common.cli import add_common_args, config_dict, non_negative_int, positive_int
+from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
+from common.errors import run_main
+from common.models import MnistNet
+from common.results import make_record, provenance, write_record
+from labs.lab02_profiling import pipelines
+
+SCRIPT = "labs/lab02_profiling/profile_trace.py"
+REGIONS = ("data loading", "copy to device", "forward", "backward", "optimizer step")
+
+
+def endless(loader):
+    """Batches forever: a new epoch starts when one ends, so any number of steps can be profiled."""
+    while True:
+        yield from loader
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", choices=pipelines.LAB_DATASETS, default="digits",
+                        help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
+    parser.add_argument("--pipeline", choices=pipelines.PIPELINES, default="pil",
+                        help="how batches are made, as in mnist_classify.py (default: %(default)s)")
+    parser.add_argument("--pin-memory", action="store_true", help="pinned host batches (GPU only) (default: off)")
+    parser.add_argument("--wait", type=non_negative_int, default=1, help="steps before tracing (default: %(default)s)")
+    parser.add_argument("--warmup", type=non_negative_int, default=1,
+                        help="steps traced and discarded (default: %(default)s)")
+    parser.add_argument("--active", type=positive_int, default=5, help="steps recorded (default: %(default)s)")
+    parser.add_argument("--row-limit", type=positive_int, default=15,
+                        help="operators in the table (default: %(default)s)")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="Chrome/Perfetto trace to write (default: RESULTS_DIR/lab02_trace.json)")
+    add_common_args(parser, batch_size=64, num_workers=1)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+    args = build_parser().parse_args(argv)
+    if args.dry_run:
+        args.wait, args.warmup, args.active = 0, 1, 1
+    seed_everything(args.seed)
+    threads = configure_threads()
+    device = resolve_device(args.device)
+    train_data, _ = pipelines.load_uint8(args.dataset, args.data_dir, seed=args.seed)
+    loader = pipelines.make_loader(args.pipeline, train_data, args.batch_size, shuffle=True, device=device,
+                                   num_workers=args.num_workers, pin_memory=args.pin_memory and device.type == "cuda",
+                                   seed=args.seed)
+    model = MnistNet().to(device)
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    trace = args.trace or args.results_dir / "lab02_trace.json"
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    partial = trace.with_name(f".{trace.name}.{os.getpid()}.tmp")  # renamed when complete
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    print(f"device {describe(device)} | pipeline {args.pipeline} | workers {args.num_workers} | "
+          f"batch {args.batch_size} | profiling steps {args.wait + 1}..{args.wait + args.warmup + args.active}, "
+          f"recording the last {args.active}",
+          flush=True)
+
+    recorded = {}
+
+    def on_trace_ready(prof) -> None:
+        """Called when the active steps are done: keep the table and write the trace before the profiler resets."""
+        recorded["averages"] = prof.key_averages()
+        prof.export_chrome_trace(str(partial))
+
+    batches = endless(loader)
+    model.train()
+    steps = schedule(wait=args.wait, warmup=args.warmup, active=args.active, repeat=1)
+    with profile(activities=activities, schedule=steps, on_trace_ready=on_trace_ready) as prof:
+        for _ in range(args.wait + args.warmup + args.active):
+            with record_function("data loading"):
+                data, target = next(batches)
+            with record_function("copy to device"):
+                data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            with record_function("forward"):
+                loss = F.nll_loss(model(data), target)
+            with record_function("backward"):
+                loss.backward()
+            with record_function("optimizer step"):
+                optimizer.step()
+            synchronize(device)
+            prof.step()
+    os.replace(partial, trace)
+    events = json.loads(trace.read_text())["traceEvents"]
+
+    averages = recorded["averages"]
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(averages.table(sort_by=sort_by, row_limit=args.row_limit))
+    region_us = {event.key: event.cpu_time_total for event in averages if event.key in REGIONS}
+    total_us = sum(region_us.values())
+    gpu_hint = " (on a GPU, kernels run after the CPU queues them: read the GPU rows of the trace)"
+    print(f"CPU time of the labelled regions over {args.active} step(s){gpu_hint if device.type == 'cuda' else ''}:")
+    for name in REGIONS:
+        print(f"  {name:<15} {region_us.get(name, 0) / 1000:9.1f} ms  {region_us.get(name, 0) / max(total_us, 1):6.1%}")
+    print(f"trace: {trace} ({len(events):,} events; open it at https://ui.perfetto.dev or chrome://tracing)")
+
+    top = sorted(averages, key=lambda event: getattr(event, sort_by), reverse=True)[:args.row_limit]
+    metrics = {"trace_file": str(trace), "trace_events": len(events), "profiled_steps": args.active,
+               "region_cpu_time_us": region_us,
+               "data_loading_cpu_share": region_us.get("data loading", 0) / total_us if total_us else None,
+               "top_operators": [{"name": e.key, "calls": e.count, "self_cpu_time_us": e.self_cpu_time_total,
+                                  "self_device_time_us": e.self_device_time_total} for e in top],
+               "world_size": 1, "global_batch_size": args.batch_size}
+    record = make_record(lab="lab02", script=SCRIPT, method=f"torch-profiler-{args.pipeline}",
+                         config=config_dict(args, resolved_device=str(device), model="mnist_cnn", threads=threads),
+                         metrics=metrics, provenance=provenance(device))
+    print(f"record: {write_record(record, args.results_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

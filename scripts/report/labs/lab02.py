@@ -1,0 +1,159 @@
+"""Lab 02 (profiling and the data pipeline): the optimisation path, step by step.
+
+``labs/lab02_profiling/sweep.py`` writes one record per step with ``config.sweep`` (which sweep,
+which step, in what order) and, in ``metrics``, ``data_loading_share`` (the line_profiler share of
+``train()`` spent waiting for the next batch) and ``speedup_vs_seed``. This section lays each
+sweep out in path order as a table and a plot. ``bench/data_pipeline.py`` records (``config.bench``)
+get a table of their own: the seed's pipeline, the lab's best and pure compute, with the ratios.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from scripts.report.runs import get, number
+from scripts.report.sections import (
+    Section, SectionContext, fmt_number, fmt_percent, fmt_rate, fmt_ratio, fmt_seconds, fmt_text, num,
+    register_section, table_from_frame,
+)
+
+#: Sweeps shown in full, newest first; older ones are only counted.
+MAX_SWEEPS = 4
+
+
+def _sweep_rows(runs: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    for run in runs.to_dict("records"):
+        record = run["record"]
+        sweep_id = get(record, "config", "sweep", "sweep_id")
+        if sweep_id is None:
+            continue
+        metrics = get(record, "metrics") or {}
+        rows.append({
+            "sweep_id": str(sweep_id), "index": number(get(record, "config", "sweep", "index")),
+            "step": run["method"], "change": get(record, "config", "sweep", "change"),
+            "status": run["status"], "machine": run["machine"], "created": run["created"], "run_id": run["run_id"],
+            "dataset": get(record, "config", "dataset"), "batch": run["global_batch_size"],
+            "time_per_epoch_s": run["time_per_epoch_s"], "samples_per_s": run["samples_per_s"],
+            "speedup": number(metrics.get("speedup_vs_seed")), "share": number(metrics.get("data_loading_share")),
+            "test_accuracy": run["test_accuracy"], "compile_s": number(metrics.get("compile_s")),
+        })
+    return pd.DataFrame(rows)
+
+
+def _sweep_figure(sweep: pd.DataFrame, title: str) -> Any:
+    from matplotlib.figure import Figure as MplFigure
+
+    from scripts.report.plots import plain, png_figure
+
+    ok = sweep[sweep["status"] == "ok"]
+    labels = [plain(str(step)) for step in ok["step"]]
+    fig = MplFigure(figsize=(12, 3.6))
+    axes = fig.subplots(1, 3)
+    y = list(range(len(ok)))
+    panels = [
+        (axes[0], ok["time_per_epoch_s"], "time per epoch (s)", "tab:gray"),
+        (axes[1], ok["samples_per_s"], "samples/s (label: speed-up over the seed)", "tab:blue"),
+        (axes[2], ok["share"] * 100, "data-loading line, % of train() (line_profiler)", "tab:orange"),
+    ]
+    for ax, values, xlabel, color in panels:
+        ax.barh(y, values.fillna(0), color=color)
+        ax.set_yticks(y, labels if ax is axes[0] else [""] * len(y))
+        ax.invert_yaxis()
+        ax.set_xlabel(xlabel, fontsize="small")
+        ax.grid(axis="x", alpha=0.3)
+    axes[1].margins(x=0.15)  # room for the speed-up labels
+    for i, (rate, speedup) in enumerate(zip(ok["samples_per_s"], ok["speedup"])):
+        if pd.notna(rate) and pd.notna(speedup):
+            axes[1].annotate(f"{speedup:.2f}×", (rate, i), xytext=(3, 0), textcoords="offset points",
+                             va="center", fontsize="small")
+    fig.suptitle(plain(title), fontsize="medium")
+    return png_figure(fig, alt=f"Time per epoch, throughput and data-loading share for each step of {title}",
+                      caption="Each step adds one change to the step above it (the optimisation path).")
+
+
+def _share_sentence(sweep: pd.DataFrame) -> str | None:
+    ok = sweep[(sweep["status"] == "ok") & sweep["share"].notna()]
+    if len(ok) < 2:
+        return None
+    first, last = ok.iloc[0], ok.iloc[-1]
+    return (f"The data-loading line took {fmt_percent(first['share'], 1)} of train() at '{first['step']}' and "
+            f"{fmt_percent(last['share'], 1)} at '{last['step']}' (the seed's own table: 84.5 % on a GPU with "
+            "one CPU core).")
+
+
+SWEEP_COLUMNS = [
+    ("step", lambda r: fmt_text(r["step"])),
+    ("change", lambda r: fmt_text(r["change"])),
+    ("batch", lambda r: num(fmt_text(None if pd.isna(r["batch"]) else int(r["batch"])))),
+    ("time / epoch", lambda r: num(fmt_seconds(r["time_per_epoch_s"]))),
+    ("samples/s", lambda r: num(fmt_rate(r["samples_per_s"]))),
+    ("speed-up over the seed", lambda r: num(fmt_ratio(r["speedup"]))),
+    ("data-loading line", lambda r: num(fmt_percent(r["share"], 1))),
+    ("compile time", lambda r: num(fmt_seconds(r["compile_s"]))),
+    ("test accuracy", lambda r: num(fmt_percent(r["test_accuracy"], 1))),
+    ("status", lambda r: fmt_text(r["status"])),
+]
+
+
+def _bench_table(runs: pd.DataFrame) -> Any | None:
+    rows = []
+    for run in runs.to_dict("records"):
+        bench = get(run["record"], "config", "bench")
+        if bench is None:
+            continue
+        metrics = get(run["record"], "metrics") or {}
+        rows.append({"run_id": run["run_id"], "bench_id": get(bench, "bench_id"), "variant": run["method"],
+                     "what": get(bench, "what"), "machine": run["machine"], "samples_per_s": run["samples_per_s"],
+                     "time_per_epoch_s": run["time_per_epoch_s"], "b_over_a": number(metrics.get("b_over_a")),
+                     "b_over_c": number(metrics.get("b_over_c")), "load": number(metrics.get("load_average_start"))})
+    if not rows:
+        return None
+    frame = pd.DataFrame(rows)
+    return table_from_frame(frame, [
+        ("bench", lambda r: fmt_text(r["bench_id"])),
+        ("variant", lambda r: fmt_text(r["variant"])),
+        ("what", lambda r: fmt_text(r["what"])),
+        ("machine", lambda r: fmt_text(r["machine"])),
+        ("time / epoch (median)", lambda r: num(fmt_seconds(r["time_per_epoch_s"]))),
+        ("samples/s", lambda r: num(fmt_rate(r["samples_per_s"]))),
+        ("b ÷ a", lambda r: num(fmt_number(r["b_over_a"], 3))),
+        ("b ÷ c", lambda r: num(fmt_number(r["b_over_c"], 3))),
+        ("load average (1 min)", lambda r: num(fmt_number(r["load"], 3))),
+    ], caption="bench/data_pipeline.py: (a) the seed's pipeline, (b) the lab's best, (c) compute only, "
+               "measured in one process on the same model")
+
+
+@register_section("lab02")
+def optimisation_path(ctx: SectionContext) -> Section | None:
+    sweeps = _sweep_rows(ctx.runs)
+    bench = _bench_table(ctx.runs)
+    if sweeps.empty and bench is None:
+        return None
+    paragraphs = [
+        "Each step of a sweep runs mnist_classify.py under kernprof with one more optimisation than the step "
+        "before. Speed-up is samples/s over the sweep's own baseline step (the seed's configuration) on the same "
+        "machine; the data-loading line is the share of train()'s time spent on "
+        "'for batch_idx, (data, target) in enumerate(train_loader)'.",
+    ]
+    tables, figures, notes = [], [], []
+    if not sweeps.empty:
+        order = (sweeps.groupby("sweep_id")["created"].max().sort_values(ascending=False).index.tolist())
+        for sweep_id in order[:MAX_SWEEPS]:
+            sweep = sweeps[sweeps["sweep_id"] == sweep_id].sort_values("index", kind="stable")
+            machine, dataset = sweep["machine"].iloc[0], sweep["dataset"].iloc[0]
+            title = f"sweep {sweep_id} · {dataset} · {machine}"
+            tables.append(table_from_frame(sweep, SWEEP_COLUMNS, caption=title))
+            sentence = _share_sentence(sweep)
+            if sentence:
+                paragraphs.append(f"{title}: {sentence}")
+            if ctx.plots and (sweep["status"] == "ok").any():
+                figures.append(_sweep_figure(sweep, title))
+        if len(order) > MAX_SWEEPS:
+            notes.append(f"{len(order) - MAX_SWEEPS} older sweep(s) not shown; their runs are in the summary.")
+    if bench is not None:
+        tables.append(bench)
+    return Section("Lab 02: the optimisation path", paragraphs=paragraphs, figures=figures, tables=tables,
+                   notes=notes)

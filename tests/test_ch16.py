@@ -1,0 +1,133 @@
+"""Chapter 16 (GPU acceleration): memory, checkpointing, accumulation, profiler, CPU vs GPU; real runs, tiny sizes.
+
+Every script is called through ``main(argv)`` in this process (torch and the profiler start once).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import load_script, run_main
+
+CHAPTER = "chapters/ch16_gpu_distributed"
+
+
+def only_record(folder: Path) -> dict:
+    (path,) = sorted(folder.glob("ch16_*.json"))
+    return json.loads(path.read_text())
+
+
+def run_memory(tmp_path: Path, device: str) -> dict:
+    status = run_main(f"{CHAPTER}/memory_management.py", ["--device", device, "--depth", "6", "--width", "128",
+                                                           "--batch-size", "64", "--repeats", "1",
+                                                           "--results-dir", str(tmp_path)])
+    assert status == 0
+    return only_record(tmp_path)
+
+
+def test_memory_management_measures_phases_checkpointing_and_accumulation(tmp_path, capsys):
+    record = run_memory(tmp_path, "cpu")
+    out = capsys.readouterr().out
+    assert "torch.profiler" in out and "process peak RSS" in out  # the CPU run says where its numbers come from
+    metrics = record["metrics"]
+
+    phases = {row["phase"]: row for row in metrics["phases"]}
+    assert list(phases) == ["forward", "backward", "optimizer.step", "zero_grad"]
+    parameters = (6 * (128 * 128 + 128 + 2 * 128) + 128 * 10 + 10) * 4
+    # Activations live after the forward pass; Adam's first step adds two state tensors per parameter;
+    # zero_grad(set_to_none=True) frees the gradients again.
+    assert phases["forward"]["allocated_change_bytes"] > 64 * 128 * 4 * 6
+    assert phases["optimizer.step"]["allocated_change_bytes"] - phases["backward"]["allocated_change_bytes"] \
+        == pytest.approx(2 * parameters, rel=0.05)
+    assert phases["optimizer.step"]["allocated_change_bytes"] - phases["zero_grad"]["allocated_change_bytes"] \
+        == pytest.approx(parameters, rel=0.05)
+
+    checkpointing = metrics["checkpointing"]
+    assert checkpointing["checkpointed_peak_bytes"] < checkpointing["plain_peak_bytes"]
+    assert checkpointing["checkpointed_saved_bytes"] < checkpointing["plain_saved_bytes"]
+    assert metrics["checkpoint_peak_saving"] > 0.2
+
+    accumulation = metrics["accumulation"]
+    assert metrics["accumulation_match"] is True
+    assert accumulation["equal"]["micro_batches"] == [16, 16, 16, 16]
+    assert accumulation["equal"]["seed_loss_over_k"]["match"] is True  # equal sizes: loss / k is right
+    assert len(set(accumulation["unequal"]["micro_batches"])) > 1
+    assert accumulation["unequal"]["weighted"]["match"] is True
+    assert accumulation["unequal"]["seed_loss_over_k"]["match"] is False  # unequal sizes: loss / k is not
+
+
+def test_accumulation_check_would_catch_a_wrong_gradient():
+    import torch
+
+    memory = load_script(f"{CHAPTER}/memory_management.py")
+    model = memory.DeepNet(32, 2)
+    data, target = torch.randn(12, 32), torch.randint(0, 10, (12,))
+    full = memory.gradients(model, [(data, target, 1.0)])
+    assert memory.compare(full, [g.clone() for g in full])["match"] is True
+    skipped_half = memory.gradients(model, [(data[:6], target[:6], 0.5)])
+    assert memory.compare(full, skipped_half)["match"] is False
+
+
+@pytest.mark.gpu
+def test_memory_management_on_a_gpu_uses_the_cuda_allocator(tmp_path):
+    record = run_memory(tmp_path, "cuda")
+    assert record["metrics"]["phases"][0]["source"] == "cuda_memory_allocated"
+    checkpointing = record["metrics"]["checkpointing"]
+    assert checkpointing["checkpointed_peak_bytes"] < checkpointing["plain_peak_bytes"]
+    assert record["metrics"]["accumulation_match"] is True
+
+
+def test_profiling_exports_a_valid_trace_with_events(tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    status = run_main(f"{CHAPTER}/profiling.py", ["--device", "cpu", "--model", "mnist_cnn", "--batch-size", "4",
+                                                  "--iterations", "2", "--trace", str(trace),
+                                                  "--results-dir", str(tmp_path)])
+    assert status == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(event.get("name") == "model_training" for event in events)
+    assert sum(str(event.get("name", "")).startswith("aten::") for event in events) > 10
+    assert "Self CPU" in capsys.readouterr().out
+    record = only_record(tmp_path)
+    assert record["metrics"]["trace_events"] == len(events) and record["metrics"]["top_operators"]
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_benchmark_times_the_cpu_and_says_when_there_is_no_gpu(tmp_path, capsys):
+    import torch
+
+    status = run_main(f"{CHAPTER}/benchmark_cpu_vs_gpu.py", ["--iterations", "3", "--warmup", "1",
+                                                             "--results-dir", str(tmp_path)])
+    assert status == 0
+    out = capsys.readouterr().out
+    records = {json.loads(p.read_text())["method"]: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    cpu = records["train-cpu"]["metrics"]["step_time"]
+    assert cpu["steps_timed"] == 3 and cpu["warmup_steps"] == 1 and cpu["median_s"] > 0
+    if torch.cuda.is_available():
+        assert "speed-up of the GPU over the CPU" in out and "train-cuda" in records
+    else:
+        assert "nothing to compare" in out and set(records) == {"train-cpu"}
+
+
+def test_benchmark_with_cuda_on_a_cpu_machine_is_a_one_line_error(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert run_main(f"{CHAPTER}/benchmark_cpu_vs_gpu.py", ["--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --device cuda") and "\n" not in err
+
+
+def test_efficient_loading_measures_threads_and_loader_options(tmp_path):
+    status = run_main(f"{CHAPTER}/efficient_loading.py", ["--device", "cpu", "--dry-run", "--num-workers", "1",
+                                                          "--batch-size", "128", "--results-dir", str(tmp_path)])
+    assert status == 0
+    metrics = only_record(tmp_path)["metrics"]
+    assert metrics["thread_scaling"][0]["threads"] == 1 and metrics["thread_scaling"][0]["median_s"] > 0
+    options = metrics["loader_options"]
+    assert [row["num_workers"] for row in options] == [0, 1, 1]
+    assert options[-1]["persistent_workers"] is True and all(row["epoch2_s"] > 0 for row in options)
+    assert metrics["cudnn_benchmark"] == []  # CPU: nothing to tune, nothing recorded
