@@ -82,16 +82,20 @@ def parameters_equal(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
-def parameter_digest(model: nn.Module) -> str:
-    """SHA-256 of every parameter and buffer, in order: equal digests mean bitwise-equal models.
+def parameter_digest(model: nn.Module, part: str = "all") -> str:
+    """SHA-256 of a model's tensors, in order: equal digests mean bitwise-equal models.
 
-    DDP replicas should agree after every step; comparing digests across ranks checks that without
-    moving whole models around.
+    ``part`` is ``"all"`` (the state dict), ``"parameters"`` or ``"buffers"`` (e.g. BatchNorm's
+    running statistics, which DDP keeps in step only with ``broadcast_buffers``). DDP replicas
+    should agree after every step; comparing digests across ranks checks that without moving whole
+    models around.
     """
     import hashlib
 
+    tensors = {"all": lambda: model.state_dict().items(), "parameters": model.named_parameters,
+               "buffers": model.named_buffers}[part]()
     digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
+    for name, tensor in tensors:
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

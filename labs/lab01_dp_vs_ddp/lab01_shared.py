@@ -25,7 +25,6 @@ CNN and the digests (``common.models``).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 from typing import Iterator, Sequence
 
@@ -36,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from common.cli import non_negative_int, positive_float, positive_int
 from common.data import DATASETS
 from common.errors import UserError
-from common.models import build_model
+from common.models import build_model, parameter_digest
 
 LAB = "lab01"
 LOCAL_MODELS = ("plain_cnn",)
@@ -176,21 +175,13 @@ def has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
-def _digest(tensors: Sequence[tuple[str, torch.Tensor]]) -> str:
-    digest = hashlib.sha256()
-    for name, tensor in tensors:
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 def replica_digests(model: nn.Module) -> dict[str, str]:
     """SHA-256 of the parameters and, separately, of the buffers (BatchNorm running statistics).
 
     DDP keeps parameters bitwise identical on every rank; buffers only when ``broadcast_buffers``
     is on, which is why they are hashed apart.
     """
-    return {"parameters": _digest(list(model.named_parameters())), "buffers": _digest(list(model.named_buffers()))}
+    return {"parameters": parameter_digest(model, "parameters"), "buffers": parameter_digest(model, "buffers")}
 
 
 # --------------------------------------------------------------------------------------------
