@@ -4,6 +4,7 @@
     python scripts/render_sbatch.py --site lanta TEMPLATE.j2 --set account=lt200123 --set nodes=2
     python scripts/render_sbatch.py --list-sites
     python scripts/render_sbatch.py --all-sites build/sbatch labs chapters slurm/testbed/examples
+    python scripts/render_sbatch.py --write-committed   # refresh the plain .sbatch files in the repository
     sbatch hello.sbatch          # from the repository root: jobs start where sbatch was called
 
 A template's first block says what the job needs (nodes, GPUs per node, time ...); the site profile
@@ -38,6 +39,13 @@ SITES_DIR = REPO_ROOT / "slurm" / "sites"
 TEMPLATE_SUFFIX = ".j2"
 FOLDER_PATTERN = ".sbatch.j2"  # what --all-sites picks up in a folder (not, e.g., report.html.j2)
 PLACEHOLDER = "edit-me"  # a site value starting with this must be replaced before a real submission
+#: Templates whose rendering for a site is also committed next to them, for READMEs that say
+#: `sbatch sbatch/single_gpu.sbatch`: template -> site. `--write-committed` refreshes them and
+#: tests/test_render_sbatch.py fails when one differs from a fresh rendering.
+COMMITTED_RENDERINGS = {
+    "chapters/ch04_deep_learning/sbatch/single_gpu.sbatch.j2": "generic",
+    "chapters/ch04_deep_learning/sbatch/multi_gpu.sbatch.j2": "generic",
+}
 JOB_BLOCK = re.compile(r"\A\{#-?\s*\n?(?P<body>job:.*?)-?#\}", re.DOTALL)
 
 #: Keys a template's job block (and --set) may use, with what each means.
@@ -46,7 +54,7 @@ JOB_KEYS = {
     "kind": "cpu or gpu: picks the site's default partition for that kind (default: gpu when GPUs are asked for)",
     "partition": "a partition of the site (default: the site's default partition for the kind)",
     "nodes": "number of nodes (default: 1)",
-    "ntasks_per_node": "processes per node that srun starts (default: 1)",
+    "ntasks_per_node": "processes per node that srun starts, or 'gpus' for one per GPU (default: 1)",
     "gpus_per_node": "GPUs per node (default: 1 for gpu jobs, 0 for cpu jobs)",
     "gpu_type": "GPU model, e.g. a100 (default: any model the partition has)",
     "cpus_per_task": "CPU cores per process (default: the site's CPUs per GPU share, or 1 for cpu jobs)",
@@ -371,11 +379,18 @@ def resolve_job(site: Site, request: dict[str, Any], default_name: str) -> dict[
     where = f"site {site.name}, partition {partition.name}"
 
     nodes = whole("nodes", 1, 1)
-    ntasks_per_node = whole("ntasks_per_node", 1, 1)
     gpus_per_node = whole("gpus_per_node", 1 if kind == "gpu" else 0, 0)
     if gpus_per_node > partition.gpus_per_node:
         has = f"has {partition.gpus_per_node} per node" if partition.gpus_per_node else "has no GPUs"
         raise UserError(f"the job asks for {gpus_per_node} GPU(s) per node but {where} {has}")
+    # `ntasks_per_node: gpus` (one process per GPU, as srun-launched DDP needs) follows
+    # gpus_per_node, so `--set gpus_per_node=2` resizes such a job in one setting.
+    if request.get("ntasks_per_node") == "gpus":
+        if gpus_per_node == 0:
+            raise UserError("ntasks_per_node is 'gpus' (one process per GPU) but the job asks for no GPUs")
+        ntasks_per_node = gpus_per_node
+    else:
+        ntasks_per_node = whole("ntasks_per_node", 1, 1)
 
     gpu_type = request.get("gpu_type")
     if gpu_type is not None:
@@ -455,6 +470,37 @@ def resolve_job(site: Site, request: dict[str, Any], default_name: str) -> dict[
     return job
 
 
+def committed_path(template: str) -> Path:
+    """Where the committed rendering of ``template`` (a repository path ending in .j2) lives."""
+    return REPO_ROOT / template.removesuffix(TEMPLATE_SUFFIX)
+
+
+def committed_text(template: str) -> str:
+    """The committed rendering of ``template``: its rendering for its site, marked as generated."""
+    site_name = COMMITTED_RENDERINGS[template]
+    text, _ = render(read_template(REPO_ROOT / template), find_site(site_name))
+    shebang, _, rest = text.partition("\n")
+    note = (f"# Generated from {Path(template).name} for site '{site_name}' by "
+            "`python scripts/render_sbatch.py --write-committed`:\n"
+            "# change the template, not this file. Lines marked \"edit me\" are for your cluster.\n")
+    return f"{shebang}\n{note}{rest}"
+
+
+def write_committed() -> list[Path]:
+    """Write the committed rendering of every template in COMMITTED_RENDERINGS beside it."""
+    return [write_script(committed_path(template), committed_text(template)) for template in COMMITTED_RENDERINGS]
+
+
+def write_script(path: Path, text: str) -> Path:
+    """Write an executable script whole: a temporary file renamed over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text, encoding="utf-8")
+    temporary.chmod(0o755)
+    temporary.replace(path)  # never a half-written script
+    return path
+
+
 def _gpu_words(partition: Partition, job: dict[str, Any]) -> str:
     model = job["gpu_type"] or (partition.gpu_types[0] if len(partition.gpu_types) == 1 else None)
     what = f"{model.upper()} GPU(s)" if model else "GPU(s)"
@@ -496,11 +542,15 @@ def preamble(site: Site) -> str:
     setup = "\n".join(f"    {line}" for line in site.setup) or "    :  # this site needs no setup"
     return f"""set -euo pipefail
 
-# Jobs start in the directory sbatch was called from: submit from the repository root
-# (or set HPC_DL_LABS_ROOT to it).
+# Jobs start in the directory sbatch was called from; what follows runs from the repository root:
+# $HPC_DL_LABS_ROOT when set, else the nearest folder upwards that holds slurm/lib/job_header.sh
+# (so `cd chapters/ch04_deep_learning && sbatch sbatch/single_gpu.sbatch` works too).
 cd "${{HPC_DL_LABS_ROOT:-${{SLURM_SUBMIT_DIR:-.}}}}"
+while [[ ! -f slurm/lib/job_header.sh && "$PWD" != / ]]; do
+    cd ..
+done
 if [[ ! -f slurm/lib/job_header.sh ]]; then
-    echo "error: $PWD is not the hpc-dl-labs repository root; submit from there or set HPC_DL_LABS_ROOT" >&2
+    echo "error: submitted from outside the hpc-dl-labs repository; submit from inside it or set HPC_DL_LABS_ROOT" >&2
     exit 2
 fi
 
@@ -515,7 +565,8 @@ if [[ "${{HPC_DL_LABS_SKIP_MODULES:-0}}" != 1 ]]; then
 fi
 
 # Prints the host, date and SLURM_* variables; exports MASTER_ADDR, MASTER_PORT, OMP_NUM_THREADS,
-# NUM_WORKERS, NPROC_PER_NODE, DEVICE (cuda, or cpu when the GPUs are not real) and TINY_ARGS.
+# NUM_WORKERS, NPROC_PER_NODE, DEVICE (cuda, or cpu when the GPUs are not real), TINY_ARGS and
+# RESULTS_DIR (see the header of that file).
 # shellcheck source=slurm/lib/job_header.sh
 source slurm/lib/job_header.sh"""
 
@@ -688,6 +739,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--all-sites", type=Path, metavar="OUT_DIR",
                         help="render every *.sbatch.j2 under TEMPLATE folders (and TEMPLATE files) for every site into "
                              "OUT_DIR/<site>/<path> plus OUT_DIR/manifest.json (default: off)")
+    parser.add_argument("--write-committed", action="store_true",
+                        help="refresh the committed renderings (" + ", ".join(
+                            f"{t.removesuffix(TEMPLATE_SUFFIX)} for {s}" for t, s in COMMITTED_RENDERINGS.items())
+                        + ") (default: off)")
     parser.add_argument("--testbed-resources", action="store_true",
                         help="print what the test cluster's nodes must claim for every site, as key=value "
                              "lines (used by slurm/testbed/testbed.sh) (default: off)")
@@ -702,6 +757,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{p.name} ({p.gpus_per_node}x {'/'.join(p.gpu_types) or 'GPU'})" if p.gpus_per_node else p.name
                 for p in site.partitions.values())
             print(f"{site.name:16s} {site.title}\n{'':16s} partitions: {parts}")
+        return 0
+    if args.write_committed:
+        for path in write_committed():
+            print(f"wrote {_display(path)}")
         return 0
     if args.testbed_resources:
         for key, value in testbed_resources(load_sites()).items():
@@ -733,11 +792,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.output:
         if args.output.is_dir():
             raise UserError(f"-o {args.output}: is a folder; give a file name")
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        temporary = args.output.with_name(args.output.name + ".tmp")
-        temporary.write_text(text, encoding="utf-8")
-        temporary.chmod(0o755)
-        temporary.replace(args.output)  # never a half-written script
+        write_script(args.output, text)
     else:
         sys.stdout.write(text)
     return 0

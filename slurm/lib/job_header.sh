@@ -9,14 +9,19 @@
 #   MASTER_ADDR      first host of the allocation: where rank 0 listens for the others
 #   MASTER_PORT      20000 + (job id x 16) mod 10000, as common/launch.py computes it: two jobs that
 #                    share a node get different ports, and no port is hard-coded
-#   OMP_NUM_THREADS  the CPU cores Slurm gave each task (capped at the cores this process can use)
+#   OMP_NUM_THREADS  the CPU cores Slurm gave each task (capped at this node's cores / its tasks)
 #   NUM_WORKERS      DataLoader workers: those cores minus the one that trains (0 for tiny runs)
 #   NPROC_PER_NODE   processes per node for torchrun: the GPUs on this node, else the tasks per node
 #   DEVICE           cuda when nvidia-smi lists the allocated GPUs, else cpu (the test cluster's are fake)
 #   TINY_ARGS        bash array of extra flags for a run of seconds (HPC_DL_LABS_TINY=1), else empty
+#   RESULTS_DIR      where result records go: $RESULTS_DIR when the submitter set it, else results
+#   SRUN_CPUS_PER_TASK  = SLURM_CPUS_PER_TASK, so that every srun step gets the cores sbatch asked for
 #
 # Use them as:  srun --kill-on-bad-exit=1 python lab.py --device "$DEVICE" \
 #                   --num-workers "$NUM_WORKERS" "${TINY_ARGS[@]}"
+# A task that starts several processes itself (torchrun) first calls
+#               share_cores_between "$NPROC_PER_NODE"
+# so that its processes split the task's cores instead of each taking all of them.
 # Works outside Slurm too (bash job.sbatch on a laptop): the values fall back to one local process.
 
 echo "== job ${SLURM_JOB_ID:-(not in Slurm)} '${SLURM_JOB_NAME:-}' on $(hostname) at $(date '+%Y-%m-%d %H:%M:%S %Z')"
@@ -39,13 +44,23 @@ fi
 export MASTER_ADDR MASTER_PORT
 
 # --- CPU threads and DataLoader workers from the cores Slurm gave each task ---------------------
-# Without cgroups (like the test cluster) a task may claim 16 cores on a 2-core machine: cap at
-# what this process can really use, so threads and workers never oversubscribe it.
+# Without cgroups (like the test cluster) a task may claim 16 cores on a 2-core machine, and all
+# tasks of a node see all its cores: cap at this node's usable cores shared among its tasks, so
+# threads and workers never oversubscribe it. (With cgroups, nproc here is the job's cores on this
+# node, and the share is exactly SLURM_CPUS_PER_TASK.)
 _hdl_cpus="${SLURM_CPUS_PER_TASK:-1}"
 _hdl_usable="$(nproc)"
+_hdl_tasks="${SLURM_NTASKS_PER_NODE:-1}"
+[[ "$_hdl_tasks" =~ ^[0-9]+$ && "$_hdl_tasks" -gt 0 ]] || _hdl_tasks=1
+_hdl_usable=$((_hdl_usable / _hdl_tasks > 0 ? _hdl_usable / _hdl_tasks : 1))
 ((_hdl_cpus <= _hdl_usable)) || _hdl_cpus="$_hdl_usable"
 export OMP_NUM_THREADS="$_hdl_cpus"
 NUM_WORKERS=$((_hdl_cpus > 1 ? _hdl_cpus - 1 : 0))
+# Slurm 22.05 to 23.02: srun no longer inherits --cpus-per-task from sbatch, so each task would be
+# pinned to one core where cgroups are enforced. SRUN_CPUS_PER_TASK is srun's own way to pass it.
+if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
+    export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
+fi
 
 # --- real GPUs or not ----------------------------------------------------------------------------
 # Slurm sets CUDA_VISIBLE_DEVICES for every allocated GPU, real or not; nvidia-smi lists only the
@@ -89,11 +104,26 @@ else
 fi
 export NUM_WORKERS
 
+# --- where records go: RESULTS_DIR=/scratch/me/run1 sbatch job.sbatch keeps runs apart ----------
+export RESULTS_DIR="${RESULTS_DIR:-results}"
+
+# share_cores_between N: N processes of one task (torchrun's workers) share its cores, so each
+# gets OMP_NUM_THREADS / N threads and that many DataLoader workers minus one (still 0 when tiny).
+share_cores_between() {
+    local processes="$1" cores
+    cores=$((OMP_NUM_THREADS / processes > 0 ? OMP_NUM_THREADS / processes : 1))
+    export OMP_NUM_THREADS="$cores"
+    if [[ "${HPC_DL_LABS_TINY:-0}" != 1 ]]; then
+        export NUM_WORKERS=$((cores > 1 ? cores - 1 : 0))
+    fi
+    echo "== $processes processes share the task's cores: OMP_NUM_THREADS=$OMP_NUM_THREADS NUM_WORKERS=$NUM_WORKERS each"
+}
+
 echo "== MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT OMP_NUM_THREADS=$OMP_NUM_THREADS" \
     "NUM_WORKERS=$NUM_WORKERS NPROC_PER_NODE=$NPROC_PER_NODE DEVICE=$DEVICE" \
-    "TINY_ARGS=(${TINY_ARGS[*]})"
+    "TINY_ARGS=(${TINY_ARGS[*]}) RESULTS_DIR=$RESULTS_DIR"
 if [[ "$DEVICE" == cpu && -n "${SLURM_GPUS_ON_NODE:-}" && "${SLURM_GPUS_ON_NODE:-0}" != 0 ]]; then
     echo "== note: Slurm allocated GPU(s) (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}) but nvidia-smi" \
         "lists none: running on the CPU"
 fi
-unset _hdl_name _hdl_hosts _hdl_cpus _hdl_usable _hdl_gpus _hdl_count _hdl_real _hdl_ids _hdl_id
+unset _hdl_name _hdl_hosts _hdl_cpus _hdl_usable _hdl_tasks _hdl_gpus _hdl_count _hdl_real _hdl_ids _hdl_id

@@ -51,9 +51,23 @@ class JobResult:
     stdout_path: Path | None
     seconds: float      # from submit() (or wait(), if the job was not submitted here) to its end
 
+    reason: str = ""    # why sbatch refused it (state REJECTED), else empty
+
     @property
     def ok(self) -> bool:
         return self.state == "COMPLETED" and self.exit_code == 0
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One job for :meth:`SlurmTestCluster.run_all`: ``key`` names its result."""
+
+    key: str
+    script: Path
+    sbatch_args: tuple[str, ...] = ()
+    env: Mapping[str, str] | None = None
+    script_args: tuple[str, ...] = ()
+    weight: int = 1     # processes it starts: run_all keeps the sum of running jobs' weights bounded
 
 
 def parse_scontrol_record(text: str) -> dict[str, str]:
@@ -135,16 +149,18 @@ class SlurmTestCluster:
     # -- jobs ----------------------------------------------------------------------------------
 
     def submit(self, script: str | Path, *sbatch_args: str, env: Mapping[str, str] | None = None,
-               cwd: Path | None = None) -> int:
-        """``sbatch`` a script from ``cwd`` (default: the repository root); return the job id.
+               cwd: Path | None = None, script_args: Sequence[str] = ()) -> int:
+        """``sbatch [sbatch_args] script [script_args]`` from ``cwd`` (default: the repository root).
 
-        Raises :class:`SbatchRejected` when sbatch refuses the job.
+        Returns the job id; raises :class:`SbatchRejected` when sbatch refuses the job.
+        ``script_args`` reach the batch script as ``"$@"`` (the course's templates pass them on to
+        the training).
         """
         args = list(sbatch_args)
         if not any(arg.startswith(("--output", "-o")) for arg in args):
             args.append(f"--output={self.log_dir}/%x-%j.out")
         submitted_at = time.perf_counter()
-        done = self.command("sbatch", "--parsable", *args, str(script), env=env, cwd=cwd)
+        done = self.command("sbatch", "--parsable", *args, str(script), *script_args, env=env, cwd=cwd)
         if done.returncode != 0:
             raise SbatchRejected(done.stderr or done.stdout)
         job_id = int(done.stdout.strip().split(";")[0])
@@ -188,6 +204,47 @@ class SlurmTestCluster:
             timeout: float = 60.0, cwd: Path | None = None) -> JobResult:
         """``submit`` then ``wait``."""
         return self.wait(self.submit(script, *sbatch_args, env=env, cwd=cwd), timeout=timeout)
+
+    def run_all(self, submissions: Sequence[Submission], timeout: float = 300.0, max_weight: int = 6,
+                poll: float = 0.5) -> dict[str, JobResult]:
+        """Run many jobs, at most ``max_weight`` processes' worth at a time; results by key.
+
+        The test cluster's nodes claim far more cores than the machine has, so Slurm would start
+        every job at once; each Python process of a job costs about a second of CPU and 1 GB to
+        start (``import torch``), so we hold jobs back here instead. A job heavier than
+        ``max_weight`` still runs, alone. ``timeout`` is for each job from its start. A job that
+        sbatch refuses ends as state ``REJECTED``, one that outlives ``timeout`` is cancelled and
+        ends as ``TEST_TIMEOUT``; ``reason`` says more.
+        """
+        waiting = list(submissions)
+        running: dict[int, tuple[Submission, float]] = {}
+        results: dict[str, JobResult] = {}
+        while waiting or running:
+            load = sum(sub.weight for sub, _ in running.values())
+            while waiting and (not running or load + waiting[0].weight <= max_weight):
+                sub = waiting.pop(0)
+                try:
+                    job_id = self.submit(sub.script, *sub.sbatch_args, env=sub.env, script_args=sub.script_args)
+                except SbatchRejected as err:
+                    results[sub.key] = JobResult(job_id=0, state="REJECTED", exit_code=1, signal=0,
+                                                 stdout_path=None, seconds=0.0, reason=err.stderr.strip())
+                    continue
+                running[job_id] = (sub, time.perf_counter())
+                load += sub.weight
+            for job_id, (sub, started) in list(running.items()):
+                remaining = timeout - (time.perf_counter() - started)
+                info = self.job_info(job_id)
+                if info.get("JobState") in FINAL_STATES or remaining <= 0:
+                    try:
+                        results[sub.key] = self.wait(job_id, timeout=max(remaining, 0.0), poll=poll)
+                    except TimeoutError as err:  # cancelled by wait(); the others go on
+                        results[sub.key] = JobResult(job_id=job_id, state="TEST_TIMEOUT", exit_code=1, signal=0,
+                                                     stdout_path=self._stdout.get(job_id),
+                                                     seconds=time.perf_counter() - started, reason=str(err))
+                    del running[job_id]
+            if running:
+                time.sleep(poll)
+        return results
 
     def output(self, job_id: int) -> str:
         """The job's log (stdout and stderr unless the script split them); '' before it exists."""
