@@ -1,8 +1,11 @@
 """scripts/render_sbatch.py and slurm/lib/job_header.sh, without Slurm.
 
-Every site profile loads; every template in the repository renders for every site into a script
-that shellcheck accepts; requests a site cannot satisfy fail with one clear line; undefined template
-variables name the template line. The job header is run by bash outside Slurm.
+Every site profile loads; every template in the repository renders for every site and keeps the
+template contract (comments on every #SBATCH line, the job header, srun --kill-on-bad-exit=1,
+pre-emption lines where it trains with --resume); the committed renderings equal fresh ones;
+requests a site cannot satisfy fail with one clear line; undefined template variables name the
+template line. The job header is run by bash outside Slurm. shellcheck of every rendering:
+tests/test_shellcheck.py.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +24,6 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "render_sbatch.py"
 HELLO = REPO_ROOT / "slurm" / "testbed" / "examples" / "hello.sbatch.j2"
-SHELLCHECK = Path(sys.executable).with_name("shellcheck")
 
 
 def _load_render_sbatch():
@@ -45,11 +48,6 @@ def repository_templates() -> list[Path]:
 def render_text(template: Path, site: str, *settings: str) -> str:
     text, _ = rs.render(rs.read_template(template), rs.find_site(site), rs.parse_settings(settings))
     return text
-
-
-def shellcheck(*paths: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(SHELLCHECK), "--external-sources", "--source-path", str(REPO_ROOT),
-                           *map(str, paths)], capture_output=True, text=True, cwd=REPO_ROOT)
 
 
 def write_template(tmp_path: Path, body: str, job_block: str = "job:\n  nodes: 1\n") -> Path:
@@ -126,18 +124,100 @@ def test_hello_renders_for_every_site(site, tmp_path):
 
 
 @pytest.mark.parametrize("template", repository_templates(), ids=lambda p: str(p.relative_to(REPO_ROOT)))
-def test_every_repository_template_renders_for_every_site_and_passes_shellcheck(template, tmp_path):
+def test_every_repository_template_renders_for_every_site_and_keeps_the_contract(template):
     only = rs.read_template(template).request.get("sites")
-    scripts = []
     for site in SITES if only is None else only:
-        script = tmp_path / f"{site}.sbatch"
         try:
-            script.write_text(render_text(template, site))
+            text = render_text(template, site)
         except UserError as err:
             pytest.fail(f"{err}")
-        scripts.append(script)
-    checked = shellcheck(*scripts)  # one shellcheck for all sites: each start costs ~0.3 s
-    assert checked.returncode == 0, f"{template.name}:\n{checked.stdout}"
+        lines = text.splitlines()
+        assert lines[0] == "#!/bin/bash" and "{{" not in text and "{%" not in text
+        for line in lines:
+            if line.startswith("#SBATCH"):
+                assert "  # " in line, f"{template.name} for {site}: an #SBATCH line without a comment: {line}"
+        assert "set -euo pipefail" in text and "source slurm/lib/job_header.sh" in text
+        commands = [line.strip() for line in lines if not line.lstrip().startswith("#")]
+        launches = [line for line in commands if re.match(r"(run_preemptible )?srun\b", line)]
+        if template.parent.name == "examples":
+            continue
+        assert launches, f"{template.name}: no srun"
+        assert all("--kill-on-bad-exit=1" in line for line in launches), launches
+        assert "MASTER_PORT=" not in "\n".join(commands), "the port comes from the job header, never fixed"
+        directives = "\n".join(line for line in lines if line.startswith("#SBATCH"))
+        if resumes(text):  # a training that can continue: it must be pre-emption safe
+            for needed in ("#SBATCH --signal=B:USR1@", "#SBATCH --requeue ", "trap _forward_usr1 USR1",
+                           "scontrol requeue", 'wait "$_step_pid"', '--checkpoint "$CHECKPOINT" --resume'):
+                assert needed in text, f"{template.name}: pre-emption needs {needed!r}"
+        else:  # a requeued job that cannot resume would start over
+            assert "--signal" not in directives and "--requeue" not in directives
+
+
+def resumes(text: str) -> bool:
+    """Whether a template's commands (not its comments) pass --resume."""
+    return any("--resume" in line for line in text.splitlines() if not line.lstrip().startswith("#"))
+
+
+def test_training_templates_that_can_resume_are_the_ddp_ones():
+    resumable = sorted(str(path.relative_to(REPO_ROOT)) for path in repository_templates()
+                       if resumes(path.read_text().split("#}", 1)[1]))
+    assert resumable == ["chapters/ch04_deep_learning/sbatch/multi_gpu.sbatch.j2",
+                         "labs/lab01_dp_vs_ddp/sbatch/ddp_srun_2node.sbatch.j2",
+                         "labs/lab01_dp_vs_ddp/sbatch/ddp_torchrun_2node.sbatch.j2",
+                         "labs/lab01_dp_vs_ddp/sbatch/ddp_torchrun_4gpu.sbatch.j2"]
+
+
+@pytest.mark.parametrize("template", sorted(rs.COMMITTED_RENDERINGS))
+def test_committed_renderings_equal_a_fresh_rendering(template):
+    """`sbatch sbatch/single_gpu.sbatch` needs a plain file; it must never drift from its template.
+    Refresh with: python scripts/render_sbatch.py --write-committed"""
+    committed = rs.committed_path(template)
+    assert committed.read_text() == rs.committed_text(template), (
+        f"{committed.relative_to(REPO_ROOT)} differs from {template} rendered for "
+        f"{rs.COMMITTED_RENDERINGS[template]}: run python scripts/render_sbatch.py --write-committed")
+    assert os.access(committed, os.X_OK)
+    lines = committed.read_text().splitlines(keepends=True)
+    assert lines[1].startswith("# Generated from ") and "--write-committed" in lines[1]
+    assert "".join(lines[:1] + lines[3:]) == render_text(REPO_ROOT / template, rs.COMMITTED_RENDERINGS[template])
+
+
+def test_write_committed_writes_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(rs, "REPO_ROOT", tmp_path)
+    for template in rs.COMMITTED_RENDERINGS:  # the templates, copied into a scratch repository
+        (tmp_path / template).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / template).write_text((REPO_ROOT / template).read_text())
+    (tmp_path / "slurm" / "lib").mkdir(parents=True)
+    (tmp_path / "slurm" / "lib" / "preemptible_step.j2").write_text(
+        (REPO_ROOT / "slurm" / "lib" / "preemptible_step.j2").read_text())
+    assert rs.main(["--write-committed"]) == 0
+    for template in rs.COMMITTED_RENDERINGS:
+        written = tmp_path / template.removesuffix(".j2")
+        assert written.read_text() == (REPO_ROOT / template.removesuffix(".j2")).read_text()
+
+
+def test_lab03_a100_and_dgx2_templates_differ_only_in_the_gpu():
+    """The seed's two run scripts are two templates; apart from the GPU model, the queue and the
+    words saying so, they must stay the same script."""
+    folder = REPO_ROOT / "labs" / "lab03_precision_benchmark" / "sbatch"
+
+    def commands(name: str) -> list[str]:
+        text = (folder / name).read_text().split("#}", 1)[1]
+        return [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+    a100, dgx2 = commands("a100.sbatch.j2"), commands("dgx2.sbatch.j2")
+    assert [line.replace("v100", "a100") for line in dgx2] == a100
+    assert rs.read_template(folder / "dgx2.sbatch.j2").request["gpu_type"] == "v100"
+    assert rs.read_template(folder / "a100.sbatch.j2").request["gpu_type"] == "a100"
+
+
+def test_one_task_per_gpu_follows_the_gpu_count():
+    template = REPO_ROOT / "chapters" / "ch04_deep_learning" / "sbatch" / "multi_gpu.sbatch.j2"
+    assert rs.read_template(template).request["ntasks_per_node"] == "gpus"
+    text = render_text(template, "lanta", "gpus_per_node=2")
+    assert "#SBATCH --ntasks-per-node=2 " in text and "#SBATCH --gres=gpu:2 " in text
+    assert "#SBATCH --cpus-per-task=16 " in text  # each task keeps one GPU's share of the node
+    with pytest.raises(UserError, match="ntasks_per_node is 'gpus' .* but the job asks for no GPUs"):
+        render_text(template, "lanta", "gpus_per_node=0", "kind=cpu")
 
 
 def test_settings_override_the_job_block():
@@ -168,6 +248,22 @@ def test_base_60_looking_times_stay_text():
     assert rs.time_to_seconds("10:00") == 600
     assert rs.time_to_seconds("1-02:00") == 26 * 3600
     assert rs.time_to_seconds("00:05:00") == 300
+
+
+def test_preamble_finds_the_repository_root_from_a_folder_inside_it(tmp_path):
+    """The chapter README says `cd chapters/ch04_deep_learning && sbatch sbatch/single_gpu.sbatch`."""
+    template = write_template(tmp_path, "{{ preamble }}\necho \"ROOT $PWD\"\n")
+    script = tmp_path / "root.sbatch"
+    script.write_text(render_text(template, "generic"))
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "HPC_DL_LABS_"))}
+    env["HPC_DL_LABS_SKIP_MODULES"] = "1"
+    inside = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env,
+                            cwd=REPO_ROOT / "chapters" / "ch04_deep_learning")
+    assert inside.returncode == 0, inside.stderr
+    assert f"ROOT {REPO_ROOT}\n" in inside.stdout
+    outside = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert outside.returncode == 2
+    assert outside.stderr.startswith("error: submitted from outside the hpc-dl-labs repository")
 
 
 # -- requests a site cannot satisfy --------------------------------------------------------------
@@ -332,11 +428,6 @@ def test_testbed_resources_cover_every_site():
 
 # -- shell pieces --------------------------------------------------------------------------------
 
-def test_shell_scripts_pass_shellcheck():
-    checked = shellcheck(REPO_ROOT / "slurm" / "testbed" / "testbed.sh", REPO_ROOT / "slurm" / "lib" / "job_header.sh")
-    assert checked.returncode == 0, checked.stdout
-
-
 def run_header(env: dict[str, str], after: str = "") -> subprocess.CompletedProcess[str]:
     clean = {key: value for key, value in os.environ.items()
              if not key.startswith(("SLURM_", "HPC_DL_LABS_", "MASTER_", "CUDA_"))}
@@ -360,6 +451,14 @@ def test_job_header_tiny_mode_and_cpu_cap():
     usable = len(os.sched_getaffinity(0))
     assert f"RESULT --dry-run 0 {usable}" in done.stdout
     assert "SLURM_CPUS_PER_TASK=512" in done.stdout  # the SLURM_* listing
+
+
+def test_job_header_shares_the_node_among_its_tasks():
+    """Unconfined tasks (no cgroups, like the test cluster) must not each take every core."""
+    usable = len(os.sched_getaffinity(0))
+    done = run_header({"SLURM_CPUS_PER_TASK": "64", "SLURM_NTASKS_PER_NODE": "2"}, 'echo "RESULT $OMP_NUM_THREADS"')
+    assert done.returncode == 0, done.stderr
+    assert f"RESULT {max(usable // 2, 1)}" in done.stdout
 
 
 def test_job_header_workers_leave_one_core_for_training():

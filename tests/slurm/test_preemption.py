@@ -1,0 +1,137 @@
+"""Pre-emption on a real scheduler: signalled mid-epoch, requeued, resumed, same parameters.
+
+Chapter 4's multi_gpu.sbatch (2 ranks via srun, rendered for the generic site) runs twice with the
+same seed and settings: job A gets SIGUSR1 mid-epoch the way ``#SBATCH --signal=B:USR1@120``
+delivers it (to the batch shell only: ``scancel --signal=USR1 --batch``); the script forwards it
+to the training, which saves its checkpoint atomically and exits 0, and the script requeues the
+job. Slurm holds a requeued job back for about two minutes; the test releases it at once
+(``scontrol update StartTime=now``). The second run of A resumes mid-epoch (``--resume``) and must
+end with parameters bitwise equal (on the CPU) to job B's, which ran without interruption.
+
+``scancel --batch`` is used rather than a short ``--time`` with ``--signal=B:USR1@N``: Slurm checks
+its timers about once a minute, so that signal can come up to 60 s early, and a test cannot place
+it inside an epoch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from common.results import load_records
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = REPO_ROOT / "chapters" / "ch04_deep_learning" / "sbatch" / "multi_gpu.sbatch.j2"
+#: One epoch of many small steps: the digits' 1438 training samples, 2 per rank per step (360
+#: steps), every step logged, so the test can see training under way and signal inside the epoch.
+TRAIN_ARGS = ("--dataset", "digits", "--epochs", "1", "--batch-size", "2", "--log-interval", "1",
+              "--num-workers", "0", "--seed", "7")
+STEP_LINE = re.compile(r"Train Epoch: 1 \[(\d+)/")
+
+pytestmark = pytest.mark.slurm
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+render_sbatch = _load("render_sbatch", REPO_ROOT / "scripts" / "render_sbatch.py")
+
+
+def two_rank_script(tmp_path: Path) -> Path:
+    """multi_gpu.sbatch for the generic site, with 2 GPUs: 2 tasks on one node, one core each.
+
+    One core each, because the test cluster does not confine tasks: two tasks of 2 threads would
+    share this machine's 2 cores and spin against each other in every all-reduce (~50x slower).
+    """
+    text, job = render_sbatch.render(render_sbatch.read_template(TEMPLATE), render_sbatch.find_site("generic"),
+                                     {"gpus_per_node": 2, "cpus_per_task": 1})
+    assert job["ntasks"] == 2
+    script = tmp_path / "multi_gpu_2.sbatch"
+    script.write_text(text)
+    return script
+
+
+def wait_for(condition, timeout: float, what: str, poll: float = 0.1):
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def test_signalled_mid_epoch_then_requeued_resumes_to_the_same_parameters(slurm_cluster, tmp_path):
+    script = two_rank_script(tmp_path)
+    runs = {name: {"RESULTS_DIR": str(tmp_path / name / "results"), "CHECKPOINT_DIR": str(tmp_path / name / "ckpt"),
+                   "HPC_DL_LABS_TINY": "0"} for name in ("preempted", "reference")}
+    preempted = slurm_cluster.submit(script, script_args=TRAIN_ARGS, env=runs["preempted"])
+    reference = slurm_cluster.submit(script, script_args=TRAIN_ARGS, env=runs["reference"])
+
+    def steps_logged() -> int:
+        return len(STEP_LINE.findall(slurm_cluster.output(preempted)))
+
+    wait_for(lambda: steps_logged() >= 3, 240, "job A to train a few steps")
+    signalled = slurm_cluster.command("scancel", "--signal=USR1", "--batch", str(preempted))
+    assert signalled.returncode == 0, signalled.stderr
+
+    def requeued() -> bool:
+        # PENDING at once after `scontrol requeue`, while the first run's batch script still ends;
+        # Reason=BeginTime (the requeue hold) once it has. Released earlier, the new run's
+        # allocation would be charged with the old script's end.
+        info = slurm_cluster.job_info(preempted)
+        return (info.get("JobState") == "PENDING" and int(info.get("Restarts", "0")) >= 1
+                and info.get("Reason") == "BeginTime")
+
+    wait_for(requeued, 120, "job A to requeue itself", poll=0.25)
+    released = slurm_cluster.command("scontrol", "update", f"JobId={preempted}", "StartTime=now")
+    assert released.returncode == 0, released.stderr
+
+    result = slurm_cluster.wait(preempted, timeout=300)
+    log = slurm_cluster.output(preempted)
+    assert result.ok, log[-4000:]
+    reference_result = slurm_cluster.wait(reference, timeout=300)
+    assert reference_result.ok, slurm_cluster.output(reference)[-4000:]
+
+    checkpoint = Path(runs["preempted"]["CHECKPOINT_DIR"]) / f"multi_gpu-{preempted}.pt"
+    saved = re.search(rf"received SIGUSR1: saved {re.escape(str(checkpoint))} at epoch 1 step (\d+)", log)
+    assert saved, log[-4000:]
+    step = int(saved[1])
+    assert 0 < step < 360, f"signalled at step {step}: not inside the epoch (steps 0-359)"
+    assert f"checkpoint saved; requeueing job {preempted}" in log
+    assert f"resumed from {checkpoint}: epoch 1, step {step}" in log  # the requeued run, mid-epoch
+    assert "SLURM_RESTART_COUNT=1" in log  # --open-mode=append kept both runs in one log
+    assert "parameters identical on all 2 ranks: yes" in log
+
+    # Atomic checkpoint: the final file and nothing else (no .multi_gpu-N.pt.tmp left behind).
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == [checkpoint.name]
+
+    (resumed,) = load_records(runs["preempted"]["RESULTS_DIR"]).records
+    (uninterrupted,) = load_records(runs["reference"]["RESULTS_DIR"]).records
+    assert resumed["metrics"]["param_digest_per_rank"] == uninterrupted["metrics"]["param_digest_per_rank"]
+    assert len(set(resumed["metrics"]["param_digest_per_rank"])) == 1
+    assert resumed["metrics"]["train_loss"] == uninterrupted["metrics"]["train_loss"]
+
+
+def test_scancel_stops_a_preemptible_job_for_good(slurm_cluster, tmp_path):
+    """SIGTERM (scancel) is not a pre-emption: the job must end CANCELLED, not requeue itself."""
+    script = two_rank_script(tmp_path)
+    env = {"RESULTS_DIR": str(tmp_path / "results"), "CHECKPOINT_DIR": str(tmp_path / "ckpt"), "HPC_DL_LABS_TINY": "0"}
+    job_id = slurm_cluster.submit(script, script_args=TRAIN_ARGS, env=env)
+    wait_for(lambda: STEP_LINE.search(slurm_cluster.output(job_id)), 240, "the job to train")
+    assert slurm_cluster.command("scancel", str(job_id)).returncode == 0
+    result = slurm_cluster.wait(job_id, timeout=60)
+    assert result.state == "CANCELLED", result
+    time.sleep(1)
+    assert slurm_cluster.job_info(job_id).get("JobState") == "CANCELLED"
+    assert "requeueing" not in slurm_cluster.output(job_id)

@@ -1,0 +1,229 @@
+"""Every sbatch template of the course, rendered for every site, runs on the Slurm test cluster.
+
+What CI submits is exactly what ``python scripts/render_sbatch.py --all-sites OUT chapters labs``
+writes: one script per template and site. Each job runs tiny (``HPC_DL_LABS_TINY=1``), must end
+COMPLETED with exit 0 and must leave a valid result record written by that very job (its Slurm job
+id is in the record) in the folder its ``RESULTS_DIR`` names. The 2-node DDP jobs must reach both
+nodes with every rank and end with identical parameters on all ranks. A request no site can
+satisfy is refused by the renderer before a job exists, and by sbatch when it gets that far.
+
+The jobs run a few at a time (:meth:`SlurmTestCluster.run_all`): each Python process costs a
+second or more of CPU and about 1 GB to import torch, and this machine has 2 cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from common.results import load_records
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE_FOLDERS = [REPO_ROOT / "chapters", REPO_ROOT / "labs"]
+#: The most processes (each importing torch) running at once; a heavier job runs alone.
+MAX_PROCESSES = 6
+#: Seconds one tiny job may take from submission, on a loaded 2-core machine.
+JOB_TIMEOUT = 420
+
+pytestmark = pytest.mark.slurm
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+render_sbatch = _load("render_sbatch", REPO_ROOT / "scripts" / "render_sbatch.py")
+SITES = render_sbatch.site_names()
+
+
+def site_template_pairs() -> list[tuple[str, str]]:
+    """(site, rendered script path) for every template and every site it is for, as --all-sites does."""
+    pairs = []
+    for template, relative in render_sbatch.find_templates(TEMPLATE_FOLDERS):
+        only = render_sbatch.read_template(template).request.get("sites")
+        pairs += [(site, str(relative)) for site in SITES if only is None or site in only]
+    return pairs
+
+
+PAIRS = site_template_pairs()
+
+
+def processes_of(job: dict, text: str) -> int:
+    """How many Python processes a job runs at once: one per task, or torchrun plus one per GPU."""
+    if "torchrun " in text:
+        return job["nodes"] * (1 + job["gpus_per_node"])
+    return job["ntasks"]
+
+
+class RenderedJob(NamedTuple):
+    site: str
+    script: Path
+    job: dict
+    results_dir: Path
+    result: object  # JobResult
+
+
+@pytest.fixture(scope="module")
+def template_jobs(slurm_cluster, tmp_path_factory) -> dict[str, RenderedJob]:
+    """Render every template for every site (--all-sites), run them all: {"site/script": RenderedJob}."""
+    out_dir = tmp_path_factory.mktemp("rendered")
+    runs = tmp_path_factory.mktemp("runs")
+    assert render_sbatch.main(["--all-sites", str(out_dir), *map(str, TEMPLATE_FOLDERS)]) == 0
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    submissions, jobs = [], {}
+    for entry in manifest:
+        key = entry["script"]  # <site>/<path of the template without .j2>
+        script = out_dir / key
+        results_dir = runs / key / "results"
+        env = {"RESULTS_DIR": str(results_dir), "CHECKPOINT_DIR": str(runs / key / "checkpoints")}
+        submissions.append(slurm_cluster_submission(key, script, env, processes_of(entry["job"], script.read_text())))
+        jobs[key] = (entry, script, results_dir)
+    results = slurm_cluster.run_all(submissions, timeout=JOB_TIMEOUT, max_weight=MAX_PROCESSES)
+    return {key: RenderedJob(entry["site"], script, entry["job"], results_dir, results[key])
+            for key, (entry, script, results_dir) in jobs.items()}
+
+
+def slurm_cluster_submission(key: str, script: Path, env: dict[str, str], weight: int):
+    submission = sys.modules["hpc_dl_labs_testbed_cluster"].Submission  # loaded by tests/slurm/conftest.py
+    return submission(key=key, script=script, env=env, weight=weight)
+
+
+def job_log(slurm_cluster, job: RenderedJob) -> str:
+    return slurm_cluster.output(job.result.job_id) if job.result.job_id else job.result.reason
+
+
+def test_every_template_is_rendered_for_every_site_it_names():
+    templates = {Path(script).name for _, script in PAIRS}
+    assert {"single_gpu.sbatch", "multi_gpu.sbatch", "baseline_1gpu.sbatch", "dp_4gpu.sbatch",
+            "ddp_torchrun_4gpu.sbatch", "ddp_srun_2node.sbatch", "ddp_torchrun_2node.sbatch"} <= templates
+    for site in SITES:  # every site runs at least the single-GPU and the 2-node jobs
+        assert (site, "chapters/ch04_deep_learning/sbatch/single_gpu.sbatch") in PAIRS
+        assert (site, "labs/lab01_dp_vs_ddp/sbatch/ddp_srun_2node.sbatch") in PAIRS
+
+
+@pytest.mark.parametrize(("site", "script"), PAIRS, ids=[f"{site}:{Path(script).name}" for site, script in PAIRS])
+def test_rendered_template_completes_and_leaves_its_record(slurm_cluster, template_jobs, site, script):
+    job = template_jobs[f"{site}/{script}"]
+    log = job_log(slurm_cluster, job)
+    assert job.result.ok, (f"{site}/{script}: job {job.result.job_id} ended {job.result.state} "
+                           f"exit {job.result.exit_code}\n{log[-4000:]}")
+    assert f"SLURM_JOB_PARTITION={job.job['partition']}" in log
+    assert "DEVICE=cpu" in log  # the test cluster's GPUs are not real: every job fell back to the CPU
+    loaded = load_records(job.results_dir)
+    assert not loaded.errors, loaded.errors
+    assert loaded.records, f"{site}/{script}: no result record in {job.results_dir}\n{log[-3000:]}"
+    for record in loaded.records:
+        assert record["provenance"]["slurm"]["SLURM_JOB_ID"] == str(job.result.job_id)
+    # Lab-03 records a precision the CPU cannot run as "skipped", with the reason; nothing failed.
+    assert {record["status"] for record in loaded.records} <= {"ok", "skipped"}
+    assert any(record["status"] == "ok" for record in loaded.records)
+
+
+def _generic(template_jobs, script: str) -> tuple[RenderedJob, dict]:
+    job = template_jobs[f"generic/{script}"]
+    assert job.result.ok, job.result
+    records = load_records(job.results_dir).records
+    assert len(records) == 1
+    return job, records[0]
+
+
+def _digests(record: dict) -> list:
+    """Each rank's parameter digest, in rank order (Chapter 4 and Lab-01 name them differently)."""
+    metrics = record["metrics"]
+    if "param_digest_per_rank" in metrics:
+        return metrics["param_digest_per_rank"]
+    return [entry["parameters"] for entry in metrics["replica_digests"]]
+
+
+def test_two_node_ddp_via_srun_runs_one_rank_per_gpu_on_both_nodes(slurm_cluster, template_jobs):
+    job, record = _generic(template_jobs, "labs/lab01_dp_vs_ddp/sbatch/ddp_srun_2node.sbatch")
+    log = slurm_cluster.output(job.result.job_id)
+    placement = sorted(re.findall(r"task (\d) of 4: node (n\d), local rank (\d)", log))
+    assert placement == [("0", "n1", "0"), ("1", "n1", "1"), ("2", "n2", "0"), ("3", "n2", "1")], log
+    assert "ddp: 4 process(es), backend gloo, launcher slurm" in log
+    assert sorted(re.findall(r"\[[^\]:]+:(\d)\] device cpu", log)) == ["0", "1", "2", "3"], log
+    assert "parameters identical on all 4 rank(s): yes" in log
+    assert record["provenance"]["world_size"] == 4
+    assert record["provenance"]["distributed"]["launcher"] == "slurm"
+    digests = _digests(record)
+    assert len(digests) == 4 and len(set(digests)) == 1
+
+
+def test_two_node_ddp_via_torchrun_per_node(slurm_cluster, template_jobs):
+    job, record = _generic(template_jobs, "labs/lab01_dp_vs_ddp/sbatch/ddp_torchrun_2node.sbatch")
+    log = slurm_cluster.output(job.result.job_id)
+    assert "SLURM_JOB_NODELIST=n[1-2]" in log and "SLURM_NNODES=2" in log
+    assert "ddp: 4 process(es), backend gloo, launcher torchrun" in log
+    assert sorted(re.findall(r"\[[^\]:]+:(\d)\] device cpu", log)) == ["0", "1", "2", "3"], log
+    assert "parameters identical on all 4 rank(s): yes" in log
+    assert record["provenance"]["world_size"] == 4
+    digests = _digests(record)
+    assert len(digests) == 4 and len(set(digests)) == 1
+
+
+def test_chapter4_multi_gpu_runs_one_rank_per_gpu(slurm_cluster, template_jobs):
+    job, record = _generic(template_jobs, "chapters/ch04_deep_learning/sbatch/multi_gpu.sbatch")
+    log = slurm_cluster.output(job.result.job_id)
+    assert "DDP: 4 process(es), backend gloo, launcher slurm" in log
+    assert "parameters identical on all 4 ranks: yes" in log
+    digests = record["metrics"]["param_digest_per_rank"]
+    assert len(digests) == 4 and len(set(digests)) == 1
+    assert (job.results_dir.parent / "checkpoints" / f"multi_gpu-{job.result.job_id}.pt").is_file()
+
+
+def test_container_template_says_loudly_that_it_ran_without_a_container(slurm_cluster, template_jobs):
+    job = template_jobs["generic/labs/lab03_precision_benchmark/sbatch/container.sbatch"]
+    log = job_log(slurm_cluster, job)
+    assert job.result.ok, log
+    assert "WARNING: tiny run (HPC_DL_LABS_TINY=1): running the benchmark directly, WITHOUT a container" in log
+
+
+def test_container_template_refuses_to_run_without_a_container_outside_tiny_runs(slurm_cluster, tmp_path):
+    script = tmp_path / "container.sbatch"
+    template = REPO_ROOT / "labs/lab03_precision_benchmark/sbatch/container.sbatch.j2"
+    script.write_text(render_sbatch.render(render_sbatch.read_template(template), render_sbatch.find_site("generic"))[0])
+    result = slurm_cluster.run(script, env={"HPC_DL_LABS_TINY": "0", "RESULTS_DIR": str(tmp_path / "results")},
+                               timeout=60)
+    log = slurm_cluster.output(result.job_id)
+    assert result.state == "FAILED" and result.exit_code == 2, log
+    assert "error: neither apptainer nor singularity is on PATH" in log
+    assert not (tmp_path / "results").exists()
+
+
+# -- requests that no site can satisfy ------------------------------------------------------------
+
+@pytest.mark.parametrize("script", ["labs/lab01_dp_vs_ddp/sbatch/dp_4gpu.sbatch.j2",
+                                    "chapters/ch04_deep_learning/sbatch/multi_gpu.sbatch.j2"])
+def test_the_renderer_refuses_more_gpus_than_any_site_has(script):
+    template = render_sbatch.read_template(REPO_ROOT / script)
+    most = max(part.gpus_per_node for site in render_sbatch.load_sites().values() for part in site.partitions.values())
+    for site in render_sbatch.load_sites().values():
+        with pytest.raises(render_sbatch.UserError, match=r"GPU\(s\) per node but site"):
+            render_sbatch.render(template, site, {"gpus_per_node": most + 1})
+
+
+def test_sbatch_refuses_a_rendered_template_asking_for_a_gpu_model_no_node_has(slurm_cluster, tmp_path):
+    """A site profile that promises H100s (none of the real ones does): the renderer cannot know,
+    the scheduler refuses the job at submission, before it waits in the queue."""
+    site = render_sbatch.find_site("generic")
+    h100 = dataclasses.replace(site.partitions["gpu"], gpu_types=("h100",), typed_gres=True)
+    site = dataclasses.replace(site, partitions={**site.partitions, "gpu": h100})
+    template = render_sbatch.read_template(REPO_ROOT / "labs/lab01_dp_vs_ddp/sbatch/dp_4gpu.sbatch.j2")
+    text, job = render_sbatch.render(template, site, {"gpu_type": "h100"})
+    assert "#SBATCH --gres=gpu:h100:4 " in text
+    script = tmp_path / "dp_4gpu.sbatch"
+    script.write_text(text)
+    with pytest.raises(sys.modules["hpc_dl_labs_testbed_cluster"].SbatchRejected) as raised:
+        slurm_cluster.submit(script)
+    assert "Requested node configuration is not available" in raised.value.stderr
