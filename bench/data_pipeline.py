@@ -3,6 +3,7 @@
 
 Usage:
     python bench/data_pipeline.py                                  # digits, batch 64, 5 rounds
+    python bench/data_pipeline.py --threads 1 --rounds 7              # on a busy shared machine
     python bench/data_pipeline.py --dataset synthetic --synthetic-size 60000 --device cuda
     sbatch --gres=gpu:1 --cpus-per-task=2 --wrap "python bench/data_pipeline.py --dataset mnist --data-dir ~/data"
     (one process, one device: there is no torchrun form)
@@ -18,10 +19,18 @@ precision and memory layout, so only the data side differs:
       training steps run.
 
 It prints the ratios of throughput b/a (what the pipeline buys) and b/c (how close the best pipeline
-gets to the model's own speed; 1.0 means loading costs nothing). Rounds run a, b, c in turn so a change
-in the machine's load hits all three alike; the first round is a warm-up and is dropped; the median of
-the rest is reported with its spread. The 1-minute load average is printed and recorded: on a shared
-machine, read the numbers with it. One record per variant is written to ``--results-dir``.
+gets to the model's own speed; 1.0 means loading costs nothing). Each round runs a, b and c once, one
+epoch each, back to back, starting with a different one each round so no variant always goes first;
+the first round is a warm-up and is dropped. Two estimates are printed: the ratio of the median
+throughputs, and the median over rounds of the ratio within a round. On a quiet machine they agree;
+on a shared one the second is the one to trust, because the three epochs of a round see nearly the
+same machine while separate rounds do not. The 1-minute load average is printed and recorded with
+them. One record per variant is written to ``--results-dir``.
+
+On a machine shared with other jobs, PyTorch's default of one thread per core is fragile: every
+operator waits for its slowest thread, and a thread that loses its core to someone else stalls the
+step, so epoch times jump by several times from one round to the next. ``--threads 1`` keeps the
+comparison stable (and leaves a core for the seed's worker process).
 """
 
 from __future__ import annotations
@@ -91,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="training images of --dataset synthetic (default: %(default)s)")
     parser.add_argument("--rounds", type=positive_int, default=5,
                         help="rounds of a, b, c (one epoch each); the first is a warm-up (default: %(default)s)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="intra-op threads for all three; 1 leaves the other cores to the worker and to other "
+                             "users of a shared machine (default: SLURM_CPUS_PER_TASK, else PyTorch's)")
     parser.add_argument("--channels-last", action="store_true", help="NHWC layout for all three (default: off)")
     parser.add_argument("--amp", choices=amp.PRECISIONS, default="fp32",
                         help="precision of all three: fp32, bf16, fp16 (GPU) (default: %(default)s)")
@@ -106,6 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.rounds, args.max_steps = 2, min(args.max_steps or 2, 2)
     seed_everything(args.seed)
     threads = configure_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+        threads = args.threads
     device = resolve_device(args.device)
     args.amp = amp.check_precision(args.amp, device)
     train_data, _ = pipelines.load_uint8(args.dataset, args.data_dir, seed=args.seed,
@@ -130,10 +145,12 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"precision {args.amp} | threads {threads} | {args.rounds} rounds (first dropped) | "
           f"load average {load_start:.2f} on {os.cpu_count()} CPUs", flush=True)
 
-    times: dict[str, list[float]] = {key: [] for key in VARIANTS}
+    keys = list(VARIANTS)
+    times: dict[str, list[float]] = {key: [] for key in keys}
     samples: dict[str, int] = {}
     for round_index in range(args.rounds):
-        for key in VARIANTS:
+        order = keys[round_index % 3:] + keys[:round_index % 3]  # a b c, b c a, c a b, ...
+        for key in order:
             elapsed, seen = timed(lambda: train_epoch(model, optimizer, sources[key], device, args), device)
             samples[key] = seen
             if round_index > 0:
@@ -142,24 +159,35 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"({seen / elapsed:.0f} samples/s)", flush=True)
     load_end = os.getloadavg()[0]
 
-    rate = {key: samples[key] / statistics.median(times[key]) for key in VARIANTS}
-    b_over_a, b_over_c = rate["b"] / rate["a"], rate["b"] / rate["c"]
+    rate = {key: samples[key] / statistics.median(times[key]) for key in keys}
+    ratios = {}
+    for pair, other in (("b/a", "a"), ("b/c", "c")):
+        within = [(samples["b"] / time_b) / (samples[other] / time_other)  # throughput ratio in one round
+                  for time_b, time_other in zip(times["b"], times[other])]
+        ratios[pair] = {"median_within_round": statistics.median(within), "per_round": within,
+                        "of_medians": rate["b"] / rate[other]}
     print("\nvariant                         median epoch   samples/s   spread (min - max s)")
     for key, (name, what) in VARIANTS.items():
         print(f"({key}) {name:<27} {statistics.median(times[key]):10.3f} s {rate[key]:11.0f}   "
               f"{min(times[key]):.3f} - {max(times[key]):.3f}   {what}")
-    print(f"\nb/a = {b_over_a:.3f}  (the best pipeline over the seed's)")
-    print(f"b/c = {b_over_c:.3f}  (the best pipeline over pure compute; 1.0 = loading is free)")
+    for pair, meaning in (("b/a", "the best pipeline over the seed's"),
+                          ("b/c", "the best pipeline over pure compute; 1.0 = loading is free")):
+        values = ", ".join(f"{value:.3f}" for value in ratios[pair]["per_round"])
+        print(f"\n{pair} = {ratios[pair]['median_within_round']:.3f}  ({meaning})\n"
+              f"      median of the within-round ratios [{values}]; "
+              f"ratio of the medians {ratios[pair]['of_medians']:.3f}")
     print(f"load average (1 min): {load_start:.2f} at the start, {load_end:.2f} at the end, {os.cpu_count()} CPUs")
 
     bench_id = uuid.uuid4().hex[:8]
     method_text = ("time.perf_counter around each epoch, device synchronised before each read; rounds of a, b, c "
-                   "in turn, first round dropped, median of the rest")
+                   "back to back in rotating order, first round dropped; ratios: median over rounds of the "
+                   "within-round ratio")
     for key, (name, what) in VARIANTS.items():
         metrics = {
             "epoch_time_s": times[key], "time_per_epoch_s": statistics.median(times[key]),
             "samples_per_s": rate[key], "samples_per_epoch": samples[key], "global_batch_size": args.batch_size,
-            "world_size": 1, "b_over_a": b_over_a, "b_over_c": b_over_c, "load_average_start": load_start,
+            "world_size": 1, "b_over_a": ratios["b/a"]["median_within_round"],
+            "b_over_c": ratios["b/c"]["median_within_round"], "ratios": ratios, "load_average_start": load_start,
             "load_average_end": load_end, "timing_method": method_text,
         }
         config = config_dict(args, resolved_device=str(device), model="mnist_cnn", threads=threads,
