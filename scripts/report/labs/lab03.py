@@ -190,5 +190,5 @@ def precision_section(ctx: SectionContext) -> Section | None:
         "Correctness: after a few SGD steps the loss of each precision is compared with fp32's; a difference "
         "above the run's tolerance (5% of the initial loss by default) or a NaN/inf flags the precision (⚠).",
     ]
-    notes = [f"Flagged by the loss check: {', '.join(flagged)}."] if flagged else []
+    notes = [f"Flagged by the loss check: {', '.join(dict.fromkeys(flagged))}."] if flagged else []
     return Section("Lab 03: precision benchmark", paragraphs=paragraphs, tables=tables, notes=notes)
