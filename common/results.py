@@ -132,8 +132,20 @@ def device_info(device: Any) -> dict[str, Any]:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return {"type": "cuda", "name": torch.cuda.get_device_name(index), "index": index,
                 "visible_devices": names, "count": len(names)}
-    return {"type": device.type, "name": platform.processor() or platform.machine(),
+    return {"type": device.type, "name": cpu_model_name(),
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+
+
+def cpu_model_name() -> str:
+    """The CPU's marketing name (``/proc/cpuinfo``'s ``model name`` on Linux), else the architecture."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def provenance(device: Any = None, world_size: int = 1, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -32,25 +32,57 @@ DOC_COLUMNS = ("method", "model", "machine", "device", "devices", "global batch"
                "final loss", "test accuracy")
 
 
-def markdown_table(lab: str, runs, records_dir: Path, doc: Path) -> str:
-    """The Markdown table of ``lab``'s runs, with a link to each record."""
-    from scripts.report.core import SUMMARY_COLUMNS
+def _markdown(columns: list[str], rows: list[list[str]]) -> list[str]:
+    escape = lambda text: str(text).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    return ["| " + " | ".join(map(escape, columns)) + " |", "|" + " --- |" * len(columns),
+            *("| " + " | ".join(map(escape, row)) + " |" for row in rows)]
 
-    columns = [(name, cell) for name, cell in SUMMARY_COLUMNS if name in DOC_COLUMNS]
+
+def _cell_text(cell) -> str:
+    return cell if isinstance(cell, str) else cell.text
+
+
+def summary_table(subset, doc: Path) -> list[str]:
+    """The report's summary columns for these runs, minus columns no run has a value in."""
+    from scripts.report.core import SUMMARY_COLUMNS
+    from scripts.report.sections import MISSING
+
+    columns = [(name, make) for name, make in SUMMARY_COLUMNS if name in DOC_COLUMNS]
+    runs = subset.to_dict("records")
+    cells = [[_cell_text(make(run)) for _, make in columns] for run in runs]
+    keep = [i for i in range(len(columns)) if any(row[i] != MISSING for row in cells)]
+    rows = []
+    for run, row in zip(runs, cells):
+        path = Path(run["record"]["_path"]).resolve()
+        link = Path(*([".."] * len(doc.parent.relative_to(REPO).parts))) / path.relative_to(REPO)
+        rows.append([row[i] for i in keep] + [f"[{path.stem[-8:]}]({link.as_posix()})"])
+    return _markdown([columns[i][0] for i in keep] + ["record"], rows)
+
+
+def lab_section_tables(lab: str, subset, runs, records_dir: Path) -> list[str]:
+    """The tables of the report sections a lab registered (e.g. Lab-03's ms/batch per precision)."""
+    from scripts.report.sections import Section, SectionContext, lab_section_builders, load_builtin_lab_sections
+
+    load_builtin_lab_sections()
+    lines: list[str] = []
+    context = SectionContext(runs=subset.reset_index(drop=True), all_runs=runs, results_dir=records_dir, plots=False)
+    for builder in lab_section_builders(lab):
+        built = builder(context)
+        sections = [] if built is None else [built] if isinstance(built, Section) else list(built)
+        for section in sections:
+            for table in section.tables:
+                title = f"{section.title}: {table.caption}" if table.caption else section.title
+                lines += ["", f"**{title}**", "",
+                          *_markdown(table.columns, [[_cell_text(c) for c in row] for row in table.rows])]
+    return lines
+
+
+def markdown_table(lab: str, runs, records_dir: Path, doc: Path) -> str:
+    """The Markdown tables of ``lab``'s reference runs, with a link to each record."""
     subset = runs[runs["lab"] == lab] if runs is not None else None
     if subset is None or subset.empty:
         return f"_No reference records for `{lab}` yet: run the lab and copy its records to `{records_dir.name}/`._\n"
-    lines = ["| " + " | ".join([*(name for name, _ in columns), "record"]) + " |",
-             "|" + " --- |" * (len(columns) + 1)]
-    for run in subset.to_dict("records"):
-        cells = []
-        for _, make in columns:
-            cell = make(run)
-            cells.append((cell if isinstance(cell, str) else cell.text).replace("|", "\\|"))
-        path = Path(run["record"]["_path"]).resolve()
-        link = Path(*([".."] * (len(doc.parent.relative_to(REPO).parts)))) / path.relative_to(REPO)
-        cells.append(f"[{path.stem[-8:]}]({link.as_posix()})")
-        lines.append("| " + " | ".join(cells) + " |")
+    lines = [*summary_table(subset, doc), *lab_section_tables(lab, subset, runs, records_dir)]
     machines = sorted({str(m) for m in subset["machine"].dropna()})
     commits = sorted({str(c)[:10] for c in subset["git_commit"].dropna()})
     lines.append("")
@@ -71,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=Path, default=REPO / "reference-results",
                         help="folder of committed reference records (default: reference-results/)")
+    parser.add_argument("docs", nargs="*", type=Path,
+                        help="Markdown files to update (default: every README and doc with a marker)")
     parser.add_argument("--check", action="store_true",
                         help="change nothing; exit 1 if a table differs from what the records give")
     args = parser.parse_args(argv)
@@ -84,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     runs = runs_frame(loaded.records) if loaded.records else None
     stale = []
-    for doc in docs_with_markers():
+    docs = [doc.resolve() for doc in args.docs] if args.docs else docs_with_markers()
+    for doc in docs:
         text = doc.read_text()
         new = MARKER.sub(lambda m: (f"<!-- results-table:{m['lab']} -->\n"
                                     f"{markdown_table(m['lab'], runs, records_dir, doc)}"
