@@ -90,6 +90,8 @@ class SlurmTestCluster:
         self.start_seconds: float | None = None
         self.stop_seconds: float | None = None
         self.job_seconds: dict[int, float] = {}
+        self.job_names: dict[int, str] = {}
+        self.timings: dict[str, float] = {}  # what tests want reported, e.g. a batch of jobs
         self._submitted_at: dict[int, float] = {}
         self._stdout: dict[int, Path] = {}
         self._running = False
@@ -196,6 +198,7 @@ class SlurmTestCluster:
             time.sleep(poll)
         seconds = time.perf_counter() - began
         self.job_seconds[job_id] = seconds
+        self.job_names[job_id] = info.get("JobName", "")
         exit_code, _, signal = info.get("ExitCode", "0:0").partition(":")
         return JobResult(job_id=job_id, state=state, exit_code=int(exit_code), signal=int(signal or 0),
                          stdout_path=self._stdout.get(job_id), seconds=seconds)

@@ -94,8 +94,17 @@ def test_signalled_mid_epoch_then_requeued_resumes_to_the_same_parameters(slurm_
                 and info.get("Reason") == "BeginTime")
 
     wait_for(requeued, 120, "job A to requeue itself", poll=0.25)
-    released = slurm_cluster.command("scontrol", "update", f"JobId={preempted}", "StartTime=now")
-    assert released.returncode == 0, released.stderr
+    attempts = []
+
+    def released() -> bool:  # Slurm may refuse while it still cleans up after the first run
+        done = slurm_cluster.command("scontrol", "update", f"JobId={preempted}", "StartTime=now")
+        attempts.append(done.stderr.strip())
+        return done.returncode == 0
+
+    try:
+        wait_for(released, 60, "Slurm to release the requeued job", poll=0.5)
+    except AssertionError as err:
+        raise AssertionError(f"{err}; scontrol said: {attempts[-1]!r}") from None
 
     result = slurm_cluster.wait(preempted, timeout=300)
     log = slurm_cluster.output(preempted)
