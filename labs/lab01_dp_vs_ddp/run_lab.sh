@@ -61,6 +61,7 @@ if [[ $DEVICE == cpu ]]; then
 fi
 
 mkdir -p "$RESULTS_DIR"
+RESULTS_DIR=$(cd "$RESULTS_DIR" && pwd)  # absolute, so the report path printed last works from anywhere
 echo "Lab-01 on $(hostname): $MODEL, global batch $GLOBAL_BATCH, $STEPS step(s) x $EPOCHS epoch(s), device $DEVICE"
 echo "results: $RESULTS_DIR"
 
