@@ -82,6 +82,7 @@ def test_torchrun_stops_the_run_when_one_worker_is_killed(tmp_path):
             proc.wait()
     reader.join(timeout=5)
     log = "".join(output)
+    print(f"torchrun: rank 1 killed, the run exited {returncode} after {seconds:.1f} s")
     assert returncode != 0, log[-3000:]
     assert seconds < DEADLINE_S, f"the run took {seconds:.0f} s to fail after rank 1 was killed"
     assert re.search(r"exitcode\s*:\s*-9", log) or "Signal 9 (SIGKILL)" in log, log[-3000:]
@@ -112,6 +113,7 @@ def test_srun_kill_on_bad_exit_stops_the_job_when_one_rank_is_killed(slurm_clust
     result = slurm_cluster.wait(job_id, timeout=DEADLINE_S + 30)
     seconds = time.perf_counter() - killed_at
     log = slurm_cluster.output(job_id)
+    slurm_cluster.timings["srun: rank 1 killed, job failed after"] = seconds
     assert result.state == "FAILED" and result.exit_code != 0, log[-3000:]
     assert seconds < DEADLINE_S, f"the job took {seconds:.0f} s to fail after rank 1 was killed"
     assert re.search(r"task 1: (Killed|Exited with exit code)", log), log[-3000:]
