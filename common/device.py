@@ -67,10 +67,14 @@ def configure_threads(env: dict[str, str] | None = None) -> int:
     """Use the CPUs Slurm gave this task for intra-op threads; return the thread count.
 
     Without this, PyTorch starts one thread per core of the *node*, and several tasks on one node
-    oversubscribe it. Off-cluster the PyTorch default is kept unless ``OMP_NUM_THREADS`` is set.
+    oversubscribe it. An explicit ``OMP_NUM_THREADS`` wins (torchrun sets it to share a task's cores
+    among its workers; the job header sets it too); off-cluster the PyTorch default is kept.
     """
     from common.cli import allocated_cpus
 
+    env = dict(os.environ) if env is None else env
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        return torch.get_num_threads()
     cpus = allocated_cpus(env)
     if cpus is not None:
         torch.set_num_threads(cpus)

@@ -105,8 +105,16 @@ def init_distributed(device_name: str = "auto", *, force_process_group: bool = F
 
 
 def teardown_distributed(ctx: DistContext | None) -> None:
-    """Destroy the process group if this context created it (call it in ``finally``)."""
+    """Destroy the process group if this context created it (call it in ``finally``).
+
+    On a normal exit the ranks first meet at a barrier, so none tears its connections down while
+    another (rank 0 writing the record, say) still uses them. When an exception is on its way out,
+    there is no barrier: the other ranks may be stuck in a different collective, and waiting for
+    them would turn one rank's error into a hang.
+    """
     if ctx is not None and ctx.owns_group and dist.is_available() and dist.is_initialized():
+        if sys.exc_info()[0] is None:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -108,11 +108,11 @@ def software_versions() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
     }
-    try:
-        import torchvision
+    try:  # the installed version, without importing torchvision (about 2 s)
+        from importlib.metadata import PackageNotFoundError, version
 
-        versions["torchvision"] = torchvision.__version__
-    except ImportError:  # pragma: no cover - torchvision is a dependency
+        versions["torchvision"] = version("torchvision")
+    except PackageNotFoundError:
         versions["torchvision"] = None
     try:
         nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None

@@ -317,8 +317,8 @@ def test_readme_commands_name_existing_files_and_accepted_flags():
                 module.build_parser().parse_args(rest[1:])
             except SystemExit:
                 pytest.fail(f"{script.name} does not accept: {' '.join(rest[1:])}")
-            for arg in rest[1:]:  # files the command reads or writes (templates, outputs)
-                if re.search(r"\.(j2|sbatch|yaml|py)$", arg):
+            for previous, arg in zip(rest, rest[1:]):  # files the command reads (an -o output is made by it)
+                if previous != "-o" and re.search(r"\.(j2|sbatch|yaml|py)$", arg):
                     assert (CHAPTER / arg).is_file(), f"README's {script.name} command names {arg}, which does not exist"
             checked_scripts.add(script.name)
         elif program in ("sbatch", "source"):

@@ -222,6 +222,9 @@ def test_threads_follow_slurm_allocation():
     before = torch.get_num_threads()
     try:
         assert configure_threads({"SLURM_CPUS_PER_TASK": "1"}) == 1
+        # torchrun (and the job header) set OMP_NUM_THREADS to share a task's cores: it wins.
+        torch.set_num_threads(2)
+        assert configure_threads({"SLURM_CPUS_PER_TASK": "1", "OMP_NUM_THREADS": "2"}) == 2
     finally:
         torch.set_num_threads(before)
 
