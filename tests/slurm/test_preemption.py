@@ -15,15 +15,14 @@ it inside an epoch.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from common.results import load_records
+from helpers import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO_ROOT / "chapters" / "ch04_deep_learning" / "sbatch" / "multi_gpu.sbatch.j2"
@@ -36,15 +35,9 @@ STEP_LINE = re.compile(r"Train Epoch: 1 \[(\d+)/")
 pytestmark = pytest.mark.slurm
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
-render_sbatch = _load("render_sbatch", REPO_ROOT / "scripts" / "render_sbatch.py")
+render_sbatch = load_script("scripts/render_sbatch.py")
 
 
 def two_rank_script(tmp_path: Path) -> Path:

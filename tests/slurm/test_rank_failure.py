@@ -10,7 +10,6 @@ srun on the test cluster through multi_gpu.sbatch.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "chapters" / "ch04_deep_learning" / "multi_gpu_ddp.py"
@@ -89,17 +89,11 @@ def test_torchrun_stops_the_run_when_one_worker_is_killed(tmp_path):
     assert not processes_with({"HPC_DL_LABS_TEST_MARK": str(tmp_path)}, "multi_gpu_ddp.py")  # rank 0 is gone too
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slurm
 def test_srun_kill_on_bad_exit_stops_the_job_when_one_rank_is_killed(slurm_cluster, tmp_path):
-    render_sbatch = _load("render_sbatch", REPO_ROOT / "scripts" / "render_sbatch.py")
+    render_sbatch = load_script("scripts/render_sbatch.py")
     text, _ = render_sbatch.render(render_sbatch.read_template(TEMPLATE), render_sbatch.find_site("generic"),
                                    {"gpus_per_node": 2, "cpus_per_task": 1})
     script = tmp_path / "multi_gpu_2.sbatch"

@@ -14,7 +14,6 @@ second or more of CPU and about 1 GB to import torch, and this machine has 2 cor
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 import sys
@@ -25,6 +24,7 @@ from typing import NamedTuple
 import pytest
 
 from common.results import load_records
+from helpers import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_FOLDERS = [REPO_ROOT / "chapters", REPO_ROOT / "labs"]
@@ -36,15 +36,9 @@ JOB_TIMEOUT = 420
 pytestmark = pytest.mark.slurm
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
-render_sbatch = _load("render_sbatch", REPO_ROOT / "scripts" / "render_sbatch.py")
+render_sbatch = load_script("scripts/render_sbatch.py")
 SITES = render_sbatch.site_names()
 
 

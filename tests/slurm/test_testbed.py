@@ -9,14 +9,13 @@ that no node has, the way a real cluster does.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TESTBED = REPO_ROOT / "slurm" / "testbed" / "testbed.sh"
@@ -25,15 +24,9 @@ HELLO = REPO_ROOT / "slurm" / "testbed" / "examples" / "hello.sbatch.j2"
 pytestmark = pytest.mark.slurm
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
-render_sbatch = _load("render_sbatch", REPO_ROOT / "scripts" / "render_sbatch.py")
+render_sbatch = load_script("scripts/render_sbatch.py")
 
 
 @pytest.fixture(scope="module")
