@@ -1,0 +1,36 @@
+"""The docs match the code and the records: generated tables current, the README's commands real."""
+
+from __future__ import annotations
+
+import re
+
+from helpers import REPO, run_main
+
+
+def test_results_tables_in_the_docs_match_the_committed_records(capsys):
+    # Every table between <!-- results-table:LAB --> markers is what the reference records give.
+    status = run_main("scripts/update_results_tables.py", ["--check"])
+    assert status == 0, capsys.readouterr()
+
+
+def test_every_lab_and_chapter_readme_with_a_table_has_reference_records():
+    readmes = [p for p in REPO.glob("*/*/README.md") if "<!-- results-table:" in p.read_text()]
+    assert len(readmes) >= 5
+    for readme in readmes:
+        assert "_No reference records" not in readme.read_text(), readme
+
+
+def test_readme_two_commands_exist_and_ci_runs_the_test_command():
+    readme = (REPO / "README.md").read_text()
+    commands = re.findall(r"^bash (scripts/\S+\.sh)", readme, re.M)
+    assert commands[:2] == ["scripts/main_job.sh", "scripts/test.sh"]
+    for command in commands:
+        assert (REPO / command).is_file()
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "exec bash scripts/test.sh" in ci
+
+
+def test_readme_links_point_at_files_that_exist():
+    for readme in [REPO / "README.md", *REPO.glob("*/*/README.md")]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", readme.read_text()):
+            assert (readme.parent / target).exists(), f"{readme.relative_to(REPO)} links to missing {target}"
