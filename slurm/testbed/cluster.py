@@ -249,6 +249,16 @@ class SlurmTestCluster:
                 time.sleep(poll)
         return results
 
+    def daemon_log(self, job_id: int, limit: int = 60) -> str:
+        """What slurmctld and the slurmds logged about the job (its last ``limit`` lines), for
+        failure messages: why a job failed before its script wrote anything is only there."""
+        pattern = re.compile(rf"(JobId={job_id}\b|job[ _]?{job_id}\b|StepId={job_id}\.|\b{job_id}\.(batch|\d+)\b)", re.I)
+        lines = []
+        for log in sorted((self.directory / "log").glob("slurm*.log")):
+            text = log.read_text(encoding="utf-8", errors="replace")
+            lines += [f"{log.name}: {line}" for line in text.splitlines() if pattern.search(line)]
+        return "\n".join(lines[-limit:]) or "(the daemons logged nothing about this job)"
+
     def output(self, job_id: int) -> str:
         """The job's log (stdout and stderr unless the script split them); '' before it exists."""
         path = self._stdout.get(job_id)

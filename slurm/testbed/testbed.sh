@@ -234,7 +234,11 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$dir/munge.sock
+# cred_expire: how long a revoked job credential is remembered, and so how long Slurm holds a
+# requeued job back before it may start again (default 120 s). A node refuses to start a job whose
+# credential it still holds as revoked ("Job credential revoked"), so a requeued job released
+# earlier than this fails on the node it ran on; 15 s keeps the pre-emption test short.
+AuthInfo=socket=$dir/munge.sock,cred_expire=15
 MailProg=/bin/true
 TmpFS=$dir/tmp/%n
 StateSaveLocation=$dir/state
