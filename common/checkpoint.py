@@ -44,6 +44,60 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
     return torch.load(path, map_location=map_location, weights_only=False)
 
 
+class Preempted(Exception):
+    """Raised inside an epoch when the run must stop (a :class:`StopSignal` arrived); carries what
+    the checkpoint needs to resume at that step: the step index and the epoch's running loss."""
+
+    def __init__(self, step: int, loss_sum: float, batches: int) -> None:
+        super().__init__(f"stopped at step {step}")
+        self.step, self.loss_sum, self.batches = step, loss_sum, batches
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
+                   **progress: Any) -> dict[str, Any]:
+    """What a checkpoint must hold for a resumed run to continue bitwise where this one stopped:
+    the weights, the optimiser's and scheduler's state, the GradScaler's scale, every random number
+    generator, and ``progress`` (epoch, step, losses so far: whatever the script needs)."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(), "rng": capture_rng_state(), **progress}
+
+
+def restore_training_state(state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                           scheduler: Any, scaler: Any, *, needs: tuple[str, ...] = (),
+                           path: str | os.PathLike[str] = "the checkpoint") -> dict[str, Any]:
+    """Undo :func:`training_state`: load every state back in place; return the ``progress`` entries.
+
+    ``needs`` names the progress entries the caller reads: a checkpoint without them (written by an
+    older version of the script) is refused with one clear line instead of a ``KeyError``.
+    """
+    from common.errors import UserError
+
+    missing = [key for key in ("model", "optimizer", "scheduler", "scaler", "rng", *needs) if key not in state]
+    if missing:
+        raise UserError(f"{path} lacks {', '.join(missing)} (written by another version of this script?); "
+                        "start fresh without --resume")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    scaler.load_state_dict(state["scaler"])
+    restore_rng_state(state["rng"])
+    return {key: value for key, value in state.items()
+            if key not in ("model", "optimizer", "scheduler", "scaler", "rng")}
+
+
+def check_same_settings(state: dict[str, Any], settings: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Refuse to resume from a checkpoint written with other ``settings`` (batch size, data set ...):
+    the resumed run would silently train something else. ``state["config"]`` is what was saved."""
+    from common.errors import UserError
+
+    saved = state.get("config", {})
+    differ = [f"{key} {saved[key]!r} there, {value!r} here" for key, value in settings.items()
+              if key in saved and saved[key] != value]
+    if differ:
+        raise UserError(f"{path} was written with other settings ({'; '.join(differ)}); "
+                        "resume with the same settings or start fresh without --resume")
+
+
 class StopSignal:
     """Sets ``requested`` when one of ``signals`` arrives (installed by :meth:`install`)."""
 

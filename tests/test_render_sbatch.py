@@ -152,10 +152,12 @@ def resumes(text: str) -> bool:
     return any("--resume" in line for line in text.splitlines() if not line.lstrip().startswith("#"))
 
 
-def test_training_templates_that_can_resume_are_the_ddp_ones():
+def test_the_training_templates_are_the_ones_that_resume():
+    """Chapter 4's two trainings and Lab-01's DDP runs; Lab-01's baseline and DP runs are timings."""
     resumable = sorted(str(path.relative_to(REPO_ROOT)) for path in repository_templates()
                        if resumes(path.read_text().split("#}", 1)[1]))
     assert resumable == ["chapters/ch04_deep_learning/sbatch/multi_gpu.sbatch.j2",
+                         "chapters/ch04_deep_learning/sbatch/single_gpu.sbatch.j2",
                          "labs/lab01_dp_vs_ddp/sbatch/ddp_srun_2node.sbatch.j2",
                          "labs/lab01_dp_vs_ddp/sbatch/ddp_torchrun_2node.sbatch.j2",
                          "labs/lab01_dp_vs_ddp/sbatch/ddp_torchrun_4gpu.sbatch.j2"]

@@ -16,6 +16,12 @@ or ``fp16`` (GPU; uses a GradScaler). Gradients are clipped after ``scaler.unsca
 threshold applies to the true gradients, not the scaled ones. ``amp_training.py`` runs fp32 and AMP
 side by side and compares their speed and accuracy. ``multi_gpu_ddp.py`` is this script under DDP:
 the lines marked ``# >>> single`` are the ones it replaces.
+
+Pre-emption (``sbatch/single_gpu.sbatch``): with ``--checkpoint PATH`` the run saves there after
+every epoch, and on SIGUSR1 (``#SBATCH --signal=B:USR1@120``) or SIGTERM it stops at the next step,
+saves atomically and exits 0. Run it again with ``--resume`` and it continues from that step, ending
+with the same weights as a run that was never stopped. Without ``--checkpoint`` nothing is saved
+and a signal ends the run as usual.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import amp
+from common.checkpoint import (Preempted, StopSignal, check_same_settings, load_checkpoint, restore_training_state,
+                               save_checkpoint, training_state)
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_float
 from common.data import DATASETS, get_dataset, make_loader
 from common.device import configure_threads, describe, resolve_device, seed_everything
-from common.errors import run_main
+from common.errors import UserError, run_main
 from common.models import build_model
 from common.results import make_record, provenance, write_record
 from common.timing import StepTimer, format_bytes, peak_memory, reset_peak_memory
@@ -41,17 +49,21 @@ from common.timing import StepTimer, format_bytes, peak_memory, reset_peak_memor
 SCRIPT = "chapters/ch04_deep_learning/mnist_training.py"
 
 
-# >>> single
-def train(model, device, loader, optimizer, epoch, args, scaler, timer) -> float:
-# <<< single
-    """One epoch; returns the mean training loss."""
+def train(model, device, loader, optimizer, epoch, args, scaler, timer, stop, start_step=0, loss_sum=0.0,
+          batches=0) -> float:
+    """One epoch from ``start_step`` (0, or where a resumed run stopped); returns the mean training loss."""
     model.train()
-    # >>> single
-    total_loss, batches = 0.0, 0
-    # <<< single
+    total_loss = loss_sum
     for batch_idx, (data, target) in enumerate(loader):
         if args.max_steps is not None and batch_idx >= args.max_steps:
             break
+        # Resume mid-epoch: the loader gives this epoch's order again, so skip what was done.
+        if batch_idx < start_step:
+            continue
+        # >>> single: SIGUSR1 or SIGTERM arrived (only with --checkpoint): stop here, main() saves
+        if stop.requested is not None:
+            raise Preempted(batch_idx, total_loss, batches)
+        # <<< single
         with timer.step(samples=len(data)):
             data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
@@ -106,12 +118,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-interval", type=int, default=10, help="steps between loss lines (default: %(default)s)")
     parser.add_argument("--warmup-steps", type=int, default=2, help="steps left out of timing (default: %(default)s)")
     parser.add_argument("--save-model", action="store_true", help="save the trained weights next to the record")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="save here after every epoch and on SIGUSR1/SIGTERM, then exit 0 (default: no checkpoint)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from --checkpoint when it exists (default: start fresh)")
     add_common_args(parser, epochs=3, batch_size=64, num_workers=0)
     return parser
 
 
+#: What the checkpoint holds besides the training state (common.checkpoint.training_state).
+PROGRESS = ("epoch", "step", "loss_sum", "batches", "train_losses", "epoch_times", "test_loss", "accuracy")
+#: Settings a resumed run must share with the run that wrote the checkpoint (more --epochs is fine).
+RESUME_SETTINGS = ("dataset", "model", "batch_size", "seed", "amp", "max_steps")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = apply_dry_run(build_parser().parse_args(argv))
+    if args.resume and args.checkpoint is None:
+        raise UserError("--resume needs --checkpoint PATH (the file to continue from)")
     seed_everything(args.seed)
     threads = configure_threads()
     device = resolve_device(args.device)
@@ -128,18 +152,54 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {describe(device)} | data {args.dataset} {splits.input_shape} train={len(splits.train)} "
           f"test={len(splits.test)} | precision {args.amp} | threads {threads}", flush=True)
 
-    reset_peak_memory(device)
+    first_epoch, start_step, loss_sum, batches = 1, 0, 0.0, 0
     train_losses, epoch_times, test_loss, accuracy = [], [], float("nan"), 0.0
-    for epoch in range(1, args.epochs + 1):
-        start = time.perf_counter()
-        train_losses.append(train(model, device, train_loader, optimizer, epoch, args, scaler, timer))
-        epoch_times.append(time.perf_counter() - start)
-        test_loss, accuracy = test(model, device, test_loader, args)
-        scheduler.step()
-        throughput = timer.summary()["samples_per_s"]
-        print(f"epoch {epoch}: train loss {train_losses[-1]:.4f} | test loss {test_loss:.4f} | "
-              f"accuracy {100 * accuracy:.2f}% | {epoch_times[-1]:.2f} s | "
-              f"{throughput or 0:.0f} samples/s", flush=True)
+    state = load_checkpoint(args.checkpoint) if args.resume else None
+    if state is not None:
+        check_same_settings(state, {key: getattr(args, key) for key in RESUME_SETTINGS}, args.checkpoint)
+        done = restore_training_state(state, model, optimizer, scheduler, scaler, needs=PROGRESS,
+                                      path=args.checkpoint)
+        first_epoch, start_step, loss_sum, batches = done["epoch"], done["step"], done["loss_sum"], done["batches"]
+        train_losses, epoch_times, test_loss, accuracy = (done["train_losses"], done["epoch_times"],
+                                                          done["test_loss"], done["accuracy"])
+        print(f"resumed from {args.checkpoint}: epoch {first_epoch}, step {start_step}", flush=True)
+
+    def checkpoint(epoch: int, step: int, loss_sum: float, batches: int) -> None:
+        if args.checkpoint is not None:
+            save_checkpoint(training_state(model, optimizer, scheduler, scaler, epoch=epoch, step=step,
+                                           loss_sum=loss_sum, batches=batches, train_losses=train_losses,
+                                           epoch_times=epoch_times, test_loss=test_loss, accuracy=accuracy,
+                                           config=config_dict(args)), args.checkpoint)
+
+    stop = StopSignal()
+    if args.checkpoint is not None:  # without a checkpoint there is nothing to save: signals act as usual
+        stop.install()
+    try:
+        reset_peak_memory(device)
+        for epoch in range(first_epoch, args.epochs + 1):
+            # This epoch's shuffle from its number alone (what sampler.set_epoch does under DDP): a
+            # resumed run sees the same order as the run it continues.
+            train_loader.generator.manual_seed(args.seed + epoch)
+            start = time.perf_counter()
+            try:
+                train_losses.append(train(model, device, train_loader, optimizer, epoch, args, scaler, timer, stop,
+                                          start_step, loss_sum, batches))
+            except Preempted as where:
+                checkpoint(epoch, where.step, where.loss_sum, where.batches)
+                print(f"received {stop.name}: saved {args.checkpoint} at epoch {epoch} step {where.step}; "
+                      "exiting so the job can be requeued (resume with --resume)", flush=True)
+                return 0
+            start_step, loss_sum, batches = 0, 0.0, 0
+            epoch_times.append(time.perf_counter() - start)
+            test_loss, accuracy = test(model, device, test_loader, args)
+            scheduler.step()
+            checkpoint(epoch + 1, 0, 0.0, 0)
+            throughput = timer.summary()["samples_per_s"]
+            print(f"epoch {epoch}: train loss {train_losses[-1]:.4f} | test loss {test_loss:.4f} | "
+                  f"accuracy {100 * accuracy:.2f}% | {epoch_times[-1]:.2f} s | "
+                  f"{throughput or 0:.0f} samples/s", flush=True)
+    finally:
+        stop.restore()
 
     step_time = timer.summary()
     memory = peak_memory(device)
@@ -155,8 +215,6 @@ def main(argv: list[str] | None = None) -> int:
                          metrics=metrics, provenance=provenance(device))
     path = write_record(record, args.results_dir)
     if args.save_model:
-        from common.checkpoint import save_checkpoint
-
         save_checkpoint({"model": model.state_dict()}, path.with_suffix(".pt"))
     print(f"final: accuracy {100 * accuracy:.2f}% | final train loss {train_losses[-1]:.6f} | "
           f"median step {1000 * (step_time['median_s'] or 0):.2f} ms | peak memory {format_bytes(memory['peak_bytes'])} "

@@ -37,7 +37,8 @@ from torch.utils.data import Subset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import amp
-from common.checkpoint import StopSignal, capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
+from common.checkpoint import (Preempted, StopSignal, check_same_settings, load_checkpoint, restore_training_state,
+                               save_checkpoint, training_state)
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_float
 from common.data import DATASETS, get_dataset, make_loader
 from common.device import configure_threads, describe, seed_everything
@@ -51,30 +52,19 @@ from common.timing import StepTimer, format_bytes, peak_memory, reset_peak_memor
 SCRIPT = "chapters/ch04_deep_learning/multi_gpu_ddp.py"
 
 
-class Preempted(Exception):
-    """Raised inside the epoch when every rank has agreed to stop; carries the resume position."""
-
-    def __init__(self, step: int, loss_sum: float, batches: int) -> None:
-        super().__init__(f"stopped at step {step}")
-        self.step, self.loss_sum, self.batches = step, loss_sum, batches
-
-
-# >>> ddp: extra arguments to stop on a signal and to resume part-way through an epoch
 def train(model, device, loader, optimizer, epoch, args, scaler, timer, stop, start_step=0, loss_sum=0.0,
           batches=0) -> float:
-# <<< ddp
-    """One epoch; returns the mean training loss."""
+    """One epoch from ``start_step`` (0, or where a resumed run stopped); returns the mean training loss."""
     model.train()
-    # >>> ddp
     total_loss = loss_sum
-    # <<< ddp
     for batch_idx, (data, target) in enumerate(loader):
         if args.max_steps is not None and batch_idx >= args.max_steps:
             break
-        # >>> ddp: resume mid-epoch (the sampler gives the same order, so skip what was done) and
-        # stop cleanly when any rank got the pre-emption signal.
+        # Resume mid-epoch: the loader gives this epoch's order again, so skip what was done.
         if batch_idx < start_step:
             continue
+        # >>> ddp: the signal reaches the ranks at different moments, but they must all stop at the
+        # same step (or the others wait forever in the next all-reduce): agree first.
         if any_rank(stop.requested is not None, device):
             raise Preempted(batch_idx, total_loss, batches)
         # <<< ddp
@@ -142,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: What the checkpoint holds besides the training state (common.checkpoint.training_state).
+PROGRESS = ("epoch", "step", "loss_sum", "batches", "train_losses", "epoch_times", "test_loss", "accuracy")
+#: Settings a resumed run must share with the run that wrote the checkpoint (more --epochs is fine).
+RESUME_SETTINGS = ("dataset", "model", "batch_size", "seed", "amp", "max_steps", "world_size")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = apply_dry_run(build_parser().parse_args(argv))
     seed_everything(args.seed)  # same seed on every rank: every replica starts from the same weights
@@ -170,23 +166,21 @@ def main(argv: list[str] | None = None) -> int:
         first_epoch, start_step, loss_sum, batches = 1, 0, 0.0, 0
         train_losses, epoch_times, test_loss, accuracy = [], [], float("nan"), 0.0
         state = load_checkpoint(args.checkpoint) if args.resume else None
-        if state is not None:
-            model.module.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            scaler.load_state_dict(state["scaler"])
-            restore_rng_state(state["rng"])
-            first_epoch, start_step = state["epoch"], state["step"]
-            loss_sum, batches, train_losses, epoch_times = state["loss_sum"], state["batches"], state["train_losses"], state["epoch_times"]
+        if state is not None:  # every rank loads the same file: the replicas start equal again
+            check_same_settings(state, {key: getattr(args, key) for key in RESUME_SETTINGS}, args.checkpoint)
+            done = restore_training_state(state, model.module, optimizer, scheduler, scaler, needs=PROGRESS,
+                                          path=args.checkpoint)
+            first_epoch, start_step, loss_sum, batches = done["epoch"], done["step"], done["loss_sum"], done["batches"]
+            train_losses, epoch_times, test_loss, accuracy = (done["train_losses"], done["epoch_times"],
+                                                              done["test_loss"], done["accuracy"])
             print0(f"resumed from {args.checkpoint}: epoch {first_epoch}, step {start_step}")
 
         def checkpoint(epoch: int, step: int, loss_sum: float, batches: int) -> None:
             if ctx.is_main:
-                save_checkpoint({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                                 "rng": capture_rng_state(), "epoch": epoch, "step": step, "loss_sum": loss_sum,
-                                 "batches": batches, "train_losses": train_losses, "epoch_times": epoch_times,
-                                 "config": config_dict(args)}, args.checkpoint)
+                save_checkpoint(training_state(model.module, optimizer, scheduler, scaler, epoch=epoch, step=step,
+                                               loss_sum=loss_sum, batches=batches, train_losses=train_losses,
+                                               epoch_times=epoch_times, test_loss=test_loss, accuracy=accuracy,
+                                               config=config_dict(args)), args.checkpoint)
 
         reset_peak_memory(device)
         for epoch in range(first_epoch, args.epochs + 1):
