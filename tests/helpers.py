@@ -45,6 +45,21 @@ def run_main(relpath: str, argv: list[str]) -> int:
     return 0
 
 
+def signalling_timer(timer_class: type, during_step: int, signum: int | None = None) -> type:
+    """``timer_class`` (a script's real ``StepTimer``) that raises ``signum`` (default SIGUSR1, what
+    ``#SBATCH --signal=B:USR1@120`` sends) while step ``during_step`` (0-based, counted over the
+    whole run) is under way: a pre-emption arriving mid-epoch, at a step the test chooses."""
+    import signal
+
+    class SignallingTimer(timer_class):  # type: ignore[misc, valid-type]
+        def step(self, samples):
+            if self.seen == during_step:
+                signal.raise_signal(signal.SIGUSR1 if signum is None else signum)
+            return super().step(samples)
+
+    return SignallingTimer
+
+
 def script_env(**extra: str) -> dict[str, str]:
     """The environment for a script subprocess: this interpreter's, the repo importable."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",

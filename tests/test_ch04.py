@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from helpers import REPO, load_script, run_main, run_script, torchrun
+from helpers import REPO, load_script, run_main, run_script, signalling_timer, torchrun
 
 TRAIN = "chapters/ch04_deep_learning/mnist_training.py"
 DDP = "chapters/ch04_deep_learning/multi_gpu_ddp.py"
@@ -83,13 +83,7 @@ def test_preempted_single_device_run_resumes_to_the_same_weights(tmp_path, monke
 
     assert run("whole") == 0
 
-    class SignalDuringStep7(train.StepTimer):  # the real timer; the signal arrives while step 7 runs
-        def step(self, samples):
-            if self.seen == 6:
-                signal.raise_signal(signal.SIGUSR1)
-            return super().step(samples)
-
-    monkeypatch.setattr(train, "StepTimer", SignalDuringStep7)
+    monkeypatch.setattr(train, "StepTimer", signalling_timer(train.StepTimer, during_step=6))
     assert run("cut") == 0
     monkeypatch.undo()
     out = capsys.readouterr().out

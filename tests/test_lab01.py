@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, REPO, load_script, run_main, script_env, torchrun
+from helpers import PYTHON, REPO, load_script, run_main, script_env, signalling_timer, torchrun
 
 LAB = "labs/lab01_dp_vs_ddp"
 ENV_CHECK = f"{LAB}/01_environment_check.py"
@@ -156,8 +156,6 @@ def test_accumulation_with_no_sync_gives_the_big_batch_update(runs):
 
 def test_preempted_ddp_run_resumes_to_the_same_parameters(tmp_path, monkeypatch, capsys):
     """A real SIGUSR1 (what ``#SBATCH --signal=B:USR1@120`` sends) mid-epoch, then ``--resume``."""
-    import signal
-
     import torch
 
     ddp = load_script(DDP)
@@ -169,13 +167,7 @@ def test_preempted_ddp_run_resumes_to_the_same_parameters(tmp_path, monkeypatch,
 
     assert run("whole") == 0
 
-    class SignalDuringStep9(ddp.StepTimer):  # the real timer; the signal arrives while step 9 runs
-        def step(self, samples):
-            if self.seen == 8:
-                signal.raise_signal(signal.SIGUSR1)
-            return super().step(samples)
-
-    monkeypatch.setattr(ddp, "StepTimer", SignalDuringStep9)
+    monkeypatch.setattr(ddp, "StepTimer", signalling_timer(ddp.StepTimer, during_step=8))
     assert run("cut") == 0
     monkeypatch.undo()
     out = capsys.readouterr().out
