@@ -68,6 +68,7 @@ def job_environment(bytecode_cache: Path | None = None) -> dict[str, str]:
         "HPC_DL_LABS_TINY": "1",
         "HPC_DL_LABS_SKIP_MODULES": "1",
         "OMP_WAIT_POLICY": "PASSIVE",
+        "PYTHONFAULTHANDLER": "1",  # a rank that crashes (SIGSEGV, SIGABRT) prints where it was
     }
     if bytecode_cache is not None:
         env["PYTHONPYCACHEPREFIX"] = str(bytecode_cache)
