@@ -105,6 +105,11 @@ def test_preempted_single_device_run_resumes_to_the_same_weights(tmp_path, monke
     assert len(err) == 1 and "batch_size 32 there, 16 here" in err[0], err
     assert run_main(TRAIN, [*argv, "--resume", "--results-dir", str(tmp_path / "none")]) == 2
     assert "--resume needs --checkpoint" in capsys.readouterr().err
+    torch.save({"model": whole["model"], "epoch": 2}, tmp_path / "old.pt")  # another version's checkpoint
+    assert run_main(TRAIN, [*argv, "--resume", "--checkpoint", str(tmp_path / "old.pt"),
+                            "--results-dir", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "old.pt lacks optimizer, scheduler, scaler, rng, step" in err[0], err
     assert not (tmp_path / "none").exists()
 
 
