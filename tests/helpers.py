@@ -11,6 +11,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -43,6 +44,17 @@ def run_main(relpath: str, argv: list[str]) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     return 0
+
+
+def wait_for(condition, timeout: float, what: str, poll: float = 0.1):
+    """Poll ``condition()`` until it returns something true (returned); fail after ``timeout`` s."""
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def signalling_timer(timer_class: type, during_step: int, signum: int | None = None) -> type:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from common.results import load_records
-from helpers import load_script
+from helpers import load_script, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO_ROOT / "chapters" / "ch04_deep_learning" / "sbatch" / "multi_gpu.sbatch.j2"
@@ -54,16 +54,6 @@ def two_rank_script(tmp_path: Path) -> Path:
     script = tmp_path / "multi_gpu_2.sbatch"
     script.write_text(text)
     return script
-
-
-def wait_for(condition, timeout: float, what: str, poll: float = 0.1):
-    deadline = time.perf_counter() + timeout
-    while time.perf_counter() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def test_signalled_mid_epoch_then_requeued_resumes_to_the_same_parameters(slurm_cluster, tmp_path):

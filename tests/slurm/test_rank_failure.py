@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import load_script
+from helpers import load_script, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "chapters" / "ch04_deep_learning" / "multi_gpu_ddp.py"
@@ -46,16 +46,6 @@ def processes_with(variables: dict[str, str], command_part: str) -> list[int]:
         if command_part in cmdline and all(environ.get(k) == v for k, v in variables.items()):
             found.append(int(proc.name))
     return found
-
-
-def wait_for(condition, timeout: float, what: str, poll: float = 0.1):
-    deadline = time.perf_counter() + timeout
-    while time.perf_counter() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 @pytest.mark.slow
