@@ -11,7 +11,7 @@ column, one table per machine, process count and mode; repeats of a cell are com
 from __future__ import annotations
 
 import statistics
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pandas as pd
 
@@ -91,27 +91,31 @@ class _Grid:
             return Cell(MISSING)
         return None
 
+    def rows(self, measured: Callable[[str, str, pd.DataFrame], Cell]) -> list[list[Cell]]:
+        """A row per model and a cell per precision: ``measured(model, precision, records)`` where
+        something was measured, else what :meth:`missing` shows."""
+        rows = []
+        for model in self.models:
+            cells = [Cell(model)]
+            for precision in self.precisions:
+                empty = self.missing(model, precision)
+                cells.append(empty if empty is not None else measured(model, precision, self.cell(model, precision)))
+            rows.append(cells)
+        return rows
+
 
 def _ms_table(grid: _Grid, caption: str) -> Table:
-    rows = []
-    for model in grid.models:
-        fp32 = grid.ms(model, "fp32")
-        cells = [Cell(model)]
-        for precision in grid.precisions:
-            empty = grid.missing(model, precision)
-            if empty is not None:
-                cells.append(empty)
-                continue
-            results = grid.cell(model, precision)
-            ms = grid.ms(model, precision)
-            speedup = f" · {fp32 / ms:.2f}×" if fp32 and ms and precision != "fp32" else ""
-            diverged = bool(results["diverged"].any())
-            title = (f"median of {len(results)} run(s); std {fmt_number(_median(results['ms_std']), 3)} ms; "
-                     f"run {', '.join(results['run_id'])}")
-            cells.append(Cell(f"{ms:.2f}{speedup}{' ⚠' if diverged else ''}",
-                              title=title + ("; the loss check flagged it" if diverged else ""),
-                              style="num warn" if diverged else "num"))
-        rows.append(cells)
+    def measured(model: str, precision: str, results: pd.DataFrame) -> Cell:
+        fp32, ms = grid.ms(model, "fp32"), grid.ms(model, precision)
+        speedup = f" · {fp32 / ms:.2f}×" if fp32 and ms and precision != "fp32" else ""
+        diverged = bool(results["diverged"].any())
+        title = (f"median of {len(results)} run(s); std {fmt_number(_median(results['ms_std']), 3)} ms; "
+                 f"run {', '.join(results['run_id'])}")
+        return Cell(f"{ms:.2f}{speedup}{' ⚠' if diverged else ''}",
+                    title=title + ("; the loss check flagged it" if diverged else ""),
+                    style="num warn" if diverged else "num")
+
+    rows = grid.rows(measured)
     means = [Cell("mean of models")]
     for precision in grid.precisions:
         values = [grid.ms(model, precision) for model in grid.models]
@@ -123,44 +127,26 @@ def _ms_table(grid: _Grid, caption: str) -> Table:
 
 
 def _tflops_table(grid: _Grid, caption: str) -> Table:
-    rows = []
-    for model in grid.models:
-        cells = [Cell(model)]
-        for precision in grid.precisions:
-            empty = grid.missing(model, precision)
-            if empty is not None:
-                cells.append(empty)
-                continue
-            results = grid.cell(model, precision)
-            tflops, peak = _median(results["tflops"]), _median(results["peak"])
-            share = f" ({fmt_percent(tflops / peak)} of {peak:g})" if tflops is not None and peak else ""
-            source = next((s for s in results["peak_source"] if isinstance(s, str)), "")
-            cells.append(Cell(f"{fmt_number(tflops, 3)}{share}", title=f"peak: {source}" if source else None,
-                              style="num"))
-        rows.append(cells)
-    return Table(columns=["model", *grid.precisions], rows=rows, caption=caption)
+    def measured(model: str, precision: str, results: pd.DataFrame) -> Cell:
+        tflops, peak = _median(results["tflops"]), _median(results["peak"])
+        share = f" ({fmt_percent(tflops / peak)} of {peak:g})" if tflops is not None and peak else ""
+        source = next((s for s in results["peak_source"] if isinstance(s, str)), "")
+        return Cell(f"{fmt_number(tflops, 3)}{share}", title=f"peak: {source}" if source else None, style="num")
+
+    return Table(columns=["model", *grid.precisions], rows=grid.rows(measured), caption=caption)
 
 
 def _loss_table(grid: _Grid, caption: str) -> Table:
-    rows = []
-    for model in grid.models:
-        cells = [Cell(model)]
-        for precision in grid.precisions:
-            empty = grid.missing(model, precision)
-            if empty is not None:
-                cells.append(empty)
-                continue
-            results = grid.cell(model, precision)
-            diverged = bool(results["diverged"].any())
-            relative = _median(results["loss_rel"])
-            text = "NaN/inf" if relative is None and diverged else fmt_percent(relative, 2)
-            first = results.iloc[0]
-            title = (f"loss {fmt_number(first['loss'])} vs fp32 {fmt_number(first['fp32_loss'])}"
-                     + (f"; {first['check_reason']}" if diverged and first["check_reason"] else ""))
-            cells.append(Cell(text + (" ⚠ diverged" if diverged else ""), title=title,
-                              style="num warn" if diverged else "num"))
-        rows.append(cells)
-    return Table(columns=["model", *grid.precisions], rows=rows, caption=caption)
+    def measured(model: str, precision: str, results: pd.DataFrame) -> Cell:
+        diverged = bool(results["diverged"].any())
+        relative = _median(results["loss_rel"])
+        text = "NaN/inf" if relative is None and diverged else fmt_percent(relative, 2)
+        first = results.iloc[0]
+        title = (f"loss {fmt_number(first['loss'])} vs fp32 {fmt_number(first['fp32_loss'])}"
+                 + (f"; {first['check_reason']}" if diverged and first["check_reason"] else ""))
+        return Cell(text + (" ⚠ diverged" if diverged else ""), title=title, style="num warn" if diverged else "num")
+
+    return Table(columns=["model", *grid.precisions], rows=grid.rows(measured), caption=caption)
 
 
 @register_section("lab03")
