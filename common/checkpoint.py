@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from common.errors import UserError
+
 
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``."""
@@ -70,8 +72,6 @@ def restore_training_state(state: dict[str, Any], model: torch.nn.Module, optimi
     ``needs`` names the progress entries the caller reads: a checkpoint without them (written by an
     older version of the script) is refused with one clear line instead of a ``KeyError``.
     """
-    from common.errors import UserError
-
     missing = [key for key in ("model", "optimizer", "scheduler", "scaler", "rng", *needs) if key not in state]
     if missing:
         raise UserError(f"{path} lacks {', '.join(missing)} (written by another version of this script?); "
@@ -88,8 +88,6 @@ def restore_training_state(state: dict[str, Any], model: torch.nn.Module, optimi
 def check_same_settings(state: dict[str, Any], settings: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Refuse to resume from a checkpoint written with other ``settings`` (batch size, data set ...):
     the resumed run would silently train something else. ``state["config"]`` is what was saved."""
-    from common.errors import UserError
-
     saved = state.get("config", {})
     differ = [f"{key} {saved[key]!r} there, {value!r} here" for key, value in settings.items()
               if key in saved and saved[key] != value]
