@@ -44,7 +44,7 @@ from common.device import configure_threads, describe, resolve_device, seed_ever
 from common.errors import UserError, run_main
 from common.models import build_model
 from common.results import make_record, provenance, write_record
-from common.timing import StepTimer, format_bytes, peak_memory, reset_peak_memory
+from common.timing import StepTimer, format_bytes, format_rate, peak_memory, reset_peak_memory
 
 SCRIPT = "chapters/ch04_deep_learning/mnist_training.py"
 
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             throughput = timer.summary()["samples_per_s"]
             print(f"epoch {epoch}: train loss {train_losses[-1]:.4f} | test loss {test_loss:.4f} | "
                   f"accuracy {100 * accuracy:.2f}% | {epoch_times[-1]:.2f} s | "
-                  f"{throughput or 0:.0f} samples/s", flush=True)
+                  f"{format_rate(throughput, 0)} samples/s", flush=True)
     finally:
         stop.restore()
 

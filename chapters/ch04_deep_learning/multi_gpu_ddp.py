@@ -47,7 +47,7 @@ from common.distributed import (all_reduce_sum, any_rank, gather_objects, init_d
 from common.errors import run_main
 from common.models import build_model, parameter_digest
 from common.results import make_record, provenance, write_record
-from common.timing import StepTimer, format_bytes, peak_memory, reset_peak_memory
+from common.timing import StepTimer, format_bytes, format_rate, peak_memory, reset_peak_memory, scaled
 
 SCRIPT = "chapters/ch04_deep_learning/multi_gpu_ddp.py"
 
@@ -199,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
             test_loss, accuracy = test(model, device, test_loader, args)
             scheduler.step()
             checkpoint(epoch + 1, 0, 0.0, 0)
-            throughput = (timer.summary()["samples_per_s"] or 0) * ctx.world_size
+            throughput = scaled(timer.summary()["samples_per_s"], ctx.world_size)
             print0(f"epoch {epoch}: train loss {train_losses[-1]:.4f} (rank 0) | test loss {test_loss:.4f} | "
-                   f"accuracy {100 * accuracy:.2f}% | {epoch_times[-1]:.2f} s | {throughput:.0f} samples/s (job)")
+                   f"accuracy {100 * accuracy:.2f}% | {epoch_times[-1]:.2f} s | {format_rate(throughput, 0)} samples/s (job)")
 
         step_time = timer.summary()
         memory = peak_memory(device)
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 "global_batch_size": args.batch_size * ctx.world_size, "world_size": ctx.world_size,
                 "epoch_time_s": epoch_times,
                 "time_per_epoch_s": sorted(epoch_times)[len(epoch_times) // 2] if epoch_times else None,
-                "samples_per_s": (step_time["samples_per_s"] or 0) * ctx.world_size,
+                "samples_per_s": scaled(step_time["samples_per_s"], ctx.world_size),
                 "step_time": step_time, "memory": [memory], "param_digest_per_rank": digests,
             }
             record = make_record(lab="ch04", script=SCRIPT, method="ddp",

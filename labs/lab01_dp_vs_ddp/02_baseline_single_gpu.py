@@ -34,7 +34,7 @@ from common.data import get_dataset, make_loader
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.errors import run_main
 from common.results import make_record, provenance, write_record
-from common.timing import StepTimer, format_bytes, peak_memory, reset_peak_memory
+from common.timing import StepTimer, format_bytes, format_rate, peak_memory, reset_peak_memory
 from labs.lab01_dp_vs_ddp.lab01_shared import LAB, add_lab_args, build_lab_model, make_train_loader
 
 SCRIPT = "labs/lab01_dp_vs_ddp/02_baseline_single_gpu.py"
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         train_losses.append(statistics.fmean(losses))
         loss_at_step.extend(losses[:max(0, args.record_steps - len(loss_at_step))])
         print(f"epoch {epoch}: train loss {train_losses[-1]:.4f} | {epoch_times[-1]:.2f} s | "
-              f"{timer.summary()['samples_per_s'] or 0:.1f} samples/s", flush=True)
+              f"{format_rate(timer.summary()['samples_per_s'])} samples/s", flush=True)
 
     test_loss, accuracy = test(model, device, test_loader, args)
     print(f"test: loss {test_loss:.4f} | accuracy {100 * accuracy:.2f}%", flush=True)
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     record = make_record(lab=LAB, script=SCRIPT, method="baseline", config=config, metrics=metrics,
                          provenance=provenance(device))
     path = write_record(record, args.results_dir)
-    print(f"final: train loss {train_losses[-1]:.4f} | {step_time['samples_per_s'] or 0:.1f} samples/s | "
+    print(f"final: train loss {train_losses[-1]:.4f} | {format_rate(step_time['samples_per_s'])} samples/s | "
           f"median step {1000 * (step_time['median_s'] or 0):.1f} ms | peak memory "
           f"{format_bytes(memory['peak_bytes'])} ({memory['source']})")
     print(f"record: {path}")

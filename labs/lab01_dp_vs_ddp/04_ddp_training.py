@@ -59,7 +59,7 @@ from common.distributed import (all_reduce_sum, any_rank, gather_objects, init_d
                                 teardown_distributed)
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
-from common.timing import StepTimer, format_bytes, peak_memory, reset_peak_memory
+from common.timing import StepTimer, format_bytes, format_rate, peak_memory, reset_peak_memory
 from labs.lab01_dp_vs_ddp.lab01_shared import (LAB, add_lab_args, build_lab_model, has_batchnorm, make_train_loader,
                                                replica_digests)
 
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             start_step, epoch_losses = 0, []
             checkpoint(epoch + 1, 0)
             print0(f"epoch {epoch}: train loss {train_losses[-1]:.4f} | {epoch_times[-1]:.2f} s | "
-                   f"{timer.summary()['samples_per_s'] or 0:.1f} samples/s (job)")
+                   f"{format_rate(timer.summary()['samples_per_s'])} samples/s (job)")
 
         test_loss, accuracy = test(model, device, test_loader, args)
         print0(f"test: loss {test_loss:.4f} | accuracy {100 * accuracy:.2f}%")
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             record = make_record(lab=LAB, script=SCRIPT, method=method, config=config, metrics=metrics, notes=notes,
                                  provenance=provenance(device, world_size, {"distributed": ctx.describe()}))
             path = write_record(record, args.results_dir)
-            print0(f"final: train loss {metrics['final_loss']:.4f} | {step_time['samples_per_s'] or 0:.1f} samples/s "
+            print0(f"final: train loss {metrics['final_loss']:.4f} | {format_rate(step_time['samples_per_s'])} samples/s "
                    f"(job) | median step {1000 * (step_time['median_s'] or 0):.1f} ms (rank 0)")
             for entry in memory:
                 print0(f"peak memory rank {entry['rank']} {entry['device']}: {format_bytes(entry['peak_bytes'])} "
