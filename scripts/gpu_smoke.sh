@@ -31,12 +31,13 @@ ONLY=""
 
 CHECKS=(gpu_check pytorch_basics ch04_fp32 ch04_fp16 ch04_bf16 amp_training ch04_ddp
         lab01_env lab01_baseline lab01_dp lab01_ddp lab01_run_lab refuse_ranks refuse_bf16
-        lab02_line_profile lab02_trace lab03_precisions lab03_compile lab03_channels_last
+        lab02_line_profile lab02_trace lab02_sweep lab03_precisions lab03_compile lab03_channels_last
         ch16_memory ch16_profiling ch16_benchmark ch16_loading)
 # Python modules a check needs beyond torch and torchvision (a missing one skips the check, by name).
 declare -A NEEDS=(
     [ch04_fp32]=sklearn [ch04_fp16]=sklearn [ch04_bf16]=sklearn [amp_training]=sklearn [ch04_ddp]=sklearn
-    [lab01_run_lab]="pandas jinja2 matplotlib" [lab02_line_profile]=line_profiler [ch16_loading]=sklearn
+    [lab01_run_lab]="pandas jinja2 matplotlib" [lab02_line_profile]=line_profiler [lab02_sweep]=line_profiler
+    [ch16_loading]=sklearn
 )
 
 while (( $# )); do
@@ -44,7 +45,8 @@ while (( $# )); do
         --only) ONLY=${2:-}; shift 2 ;;
         --out) OUT=${2:-}; shift 2 ;;
         --list) printf '%s\n' "${CHECKS[@]}"; exit 0 ;;
-        -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 && !/shellcheck/ {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"
+                   exit 0 ;;
         *) echo "error: unknown argument $1 (see bash scripts/gpu_smoke.sh --help)" >&2; exit 2 ;;
     esac
 done
@@ -55,7 +57,11 @@ for name in ${ONLY//,/ }; do
     fi
 done
 
-GPUS=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null)
+# What this interpreter's PyTorch sees: "<GPUs> <torch version> <name of GPU 0>".
+PROBE=$("$PYTHON" -c 'import torch
+n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+print(n, torch.__version__, torch.cuda.get_device_name(0) if n else "")' 2>/dev/null)
+GPUS=${PROBE%% *}
 if [[ ! $GPUS =~ ^[0-9]+$ ]]; then
     echo "gpu_smoke: $PYTHON cannot import torch; set PYTHON to the course environment's interpreter" >&2
     exit 1
@@ -69,8 +75,7 @@ mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
 SUMMARY="$OUT/summary.tsv"
 : >"$SUMMARY"
-echo "gpu_smoke: $GPUS GPU(s), $("$PYTHON" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))'),"\
-     "results in $OUT, $TIMEOUT s per command"
+echo "gpu_smoke: $GPUS GPU(s), torch ${PROBE#* }; results in $OUT, at most $TIMEOUT s per command"
 
 # --- helpers -----------------------------------------------------------------------------------
 DIR=""  # the current check's folder
@@ -157,6 +162,10 @@ run_lab02_trace() {
     t "$PYTHON" "$LAB02"/profile_trace.py --device cuda --dataset synthetic --pipeline tensor --num-workers 0 \
         --wait 1 --warmup 1 \
         --active 2 --trace "$DIR/trace.json" --results-dir "$DIR"
+}
+run_lab02_sweep() {
+    t "$PYTHON" "$LAB02"/sweep.py --device cuda --dataset synthetic --synthetic-size 4096 --epochs 1 --max-steps 20 \
+        --steps baseline,pin-memory,device,amp --results-dir "$DIR"
 }
 run_lab03_precisions() { t "$PYTHON" "$LAB03" "${TINY_LAB03[@]}" --folder "$DIR/csv" --results-dir "$DIR"; }
 run_lab03_compile() {

@@ -336,6 +336,22 @@ def check_lab02_trace(run: Run) -> list[str]:
     return problems + exited(run) + on_cuda(records) + kernel_events(run.folder / "trace.json")
 
 
+LAB02_SWEEP_STEPS = ("baseline", "pin-memory", "device", "amp")
+
+
+def check_lab02_sweep(run: Run) -> list[str]:
+    """Each step of the optimisation path under kernprof: a record with its speed-up and data-loading share."""
+    problems = exited(run)
+    steps = {r.get("method"): r for r in run.records}
+    problems += [f"no record of the sweep's {step!r} step" for step in LAB02_SWEEP_STEPS if step not in steps]
+    problems += status_ok(steps.values()) + on_cuda(steps.values()) + allocator_memory(steps.values())
+    for step, record in steps.items():
+        for key in ("speedup_vs_seed", "data_loading_share"):
+            if not isinstance(get(record, "metrics", key), (int, float)):
+                problems.append(f"{step}: {key} is {get(record, 'metrics', key)!r}")
+    return problems
+
+
 def _lab03(run: Run, modes: Sequence[str], precisions: Sequence[str]) -> list[str]:
     problems = exited(run)
     failed = [name_of(r) for r in run.records if r.get("status") == "failed"]
@@ -427,6 +443,7 @@ CHECKS: dict[str, Callable[[Run], list[str]]] = {
     "refuse_bf16": check_refuse_bf16,
     "lab02_line_profile": check_lab02_line_profile,
     "lab02_trace": check_lab02_trace,
+    "lab02_sweep": check_lab02_sweep,
     "lab03_precisions": check_lab03_precisions,
     "lab03_compile": check_lab03_compile,
     "lab03_channels_last": check_lab03_channels_last,

@@ -35,6 +35,34 @@ def test_without_a_gpu_the_smoke_check_says_so_in_one_line_and_exits_0(tmp_path)
     assert not (tmp_path / "smoke").exists()
 
 
+def test_each_check_is_isolated_timed_out_skipped_or_judged_and_all_land_in_one_table(tmp_path):
+    """The harness, with a stand-in interpreter: a GPU probe that says 1, a gpu_check.py that answers,
+    a torchrun that hangs past the time limit, a missing line_profiler; the checker runs for real."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/bash
+case "$1 $2" in
+    "-c import torch"*) echo "1 2.15.0 NVIDIA H100 80GB HBM3" ;;
+    "-c import line_profiler") exit 1 ;;
+    "-c import "*) exit 0 ;;
+    "scripts/gpu_smoke_check.py "*) exec {PYTHON} "$@" ;;
+    *gpu_check.py*) echo '{{"torch_gpus": 1, "gpus": [{{"index": 0, "smoke_test": "ok"}}], "backends": {{"nccl_built": true}}}}' ;;
+    "-m torch.distributed.run") sleep 60 ;;
+    *) echo "unexpected: $*" >&2; exit 99 ;;
+esac
+""")
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(REPO / "scripts/gpu_smoke.sh"), "--only", "gpu_check,ch04_ddp,lab02_line_profile",
+                           "--out", str(tmp_path / "smoke")], env=script_env(PYTHON=str(fake), SMOKE_TIMEOUT="2"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    table = proc.stdout[proc.stdout.index("check "):]
+    assert re.search(r"gpu_check +ok", table)
+    assert re.search(r"ch04_ddp +FAIL .*command 1 exited 124, expected 0 \(timed out\)", table)
+    assert re.search(r"lab02_line_profile +SKIP +needs the Python module\(s\) line_profiler", table)
+    assert "3 check(s): 1 ok, 1 failed, 1 skipped" in table
+    assert (tmp_path / "smoke" / "ch04_ddp" / "log.txt").is_file()
+
+
 def test_the_script_and_the_checker_list_the_same_checks():
     listed = subprocess.run(["bash", str(REPO / "scripts/gpu_smoke.sh"), "--list"], capture_output=True, text=True,
                             timeout=30).stdout.split()
@@ -167,3 +195,46 @@ def test_the_table_and_its_exit_status(tmp_path, capsys):
     assert smoke.main(["--table", str(summary)]) == 1
     out = capsys.readouterr().out
     assert re.search(r"lab01_ddp +ok +12", out) and "3 check(s): 1 ok, 1 failed, 1 skipped" in out
+
+
+@pytest.mark.parametrize("check", list(smoke.CHECKS))
+def test_every_check_fails_on_a_run_that_left_nothing(check, tmp_path):
+    problems = smoke.judge(check, run_folder(tmp_path, []), GPUS)
+    assert problems and not any(p.startswith("the checker failed") for p in problems), problems
+
+
+def good_run(check: str, folder: Path) -> None:
+    """What a healthy GPU run of ``check`` leaves (as far as its checker looks)."""
+    ddp = {"distributed": {"backend": "nccl"}}
+    if check == "lab01_dp":
+        record(folder, "dp", metrics={"memory": memory(GPUS)}, provenance={"dataparallel": {"device_ids": [0, 1]}})
+    elif check == "ch04_ddp":
+        record(folder, "ddp", lab="ch04", provenance=ddp,
+               metrics={"world_size": GPUS, "param_digest_per_rank": ["ab", "ab"]})
+    elif check == "amp_training":
+        for precision in ("fp32", "fp16", "bf16"):
+            record(folder, precision, lab="ch04")
+        record(folder, "amp-comparison", lab="ch04", metrics={"runs": [
+            {"precision": p, "speedup_vs_fp32": s} for p, s in (("fp32", 1.0), ("fp16", 2.1), ("bf16", 2.0))]})
+    elif check == "ch16_memory":
+        (folder / "log.txt").write_text("|  PyTorch CUDA memory summary, device ID 0  |\n")
+        record(folder, "memory-management", lab="ch16", metrics={"accumulation_match": True, "phases": [
+            {"phase": "forward", "allocated_change_bytes": 600_000, "source": "cuda_memory_allocated"}]})
+    elif check == "lab02_sweep":
+        for step in smoke.LAB02_SWEEP_STEPS:
+            record(folder, step, lab="lab02", metrics={"speedup_vs_seed": 1.5, "data_loading_share": 0.2})
+    elif check == "gpu_check":
+        (folder / "gpu_check.json").write_text(json.dumps({"torch_gpus": GPUS, "backends": {"nccl_built": True},
+                                                           "gpus": [{"index": i, "smoke_test": "ok"} for i in (0, 1)]}))
+    elif check == "lab01_env":
+        record(folder, "env", metrics={"gpus": GPUS, "multi_gpu": {
+            "backend_tests": {"nccl": {"ok": True}}, "topology": {"available": True},
+            "cuda_to_topology": [{"cuda": 0, "topology_name": "GPU1"}, {"cuda": 1, "topology_name": "GPU0"}]}})
+
+
+@pytest.mark.parametrize("check", ["lab01_dp", "ch04_ddp", "amp_training", "ch16_memory", "lab02_sweep", "gpu_check",
+                                   "lab01_env"])
+def test_a_healthy_run_passes_its_check(check, tmp_path):
+    folder = run_folder(tmp_path, [0])
+    good_run(check, folder)
+    assert smoke.judge(check, folder, GPUS) == []
