@@ -176,6 +176,19 @@ def all_reduce_sum(value: torch.Tensor | float, device: torch.device | None = No
     return float(tensor.item())
 
 
+def mean_over_ranks(values: list[float], device: torch.device | None = None) -> list[float]:
+    """Element-wise mean of a list of numbers over all ranks, in one all-reduce.
+
+    Each rank's loss is the mean over its slice of the global batch; the slices are equal in size,
+    so the mean of the ranks' losses is the loss over the global batch.
+    """
+    if not values or not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)  # Gloo has no AVG: sum, then divide
+    return (tensor / dist.get_world_size()).tolist()
+
+
 def any_rank(flag: bool, device: torch.device | None = None) -> bool:
     """True on every rank when ``flag`` is true on at least one (e.g. a stop signal arrived).
 
