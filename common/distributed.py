@@ -118,6 +118,21 @@ def teardown_distributed(ctx: DistContext | None) -> None:
         dist.destroy_process_group()
 
 
+def ddp_buffer_sync(enabled: bool) -> dict[str, bool]:
+    """DDP's "copy rank 0's buffers to every rank before each forward" option, as this PyTorch names it.
+
+    Recent PyTorch renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (same meaning) and
+    warns about the old name; older releases know only the old one.
+    """
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": enabled}
+    return {"broadcast_buffers": enabled}
+
+
 def get_rank() -> int:
     """Global rank, 0 when not distributed."""
     if dist.is_available() and dist.is_initialized():

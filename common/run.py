@@ -138,6 +138,10 @@ def _unwrap(model: Any) -> Any:
     return model.module if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else model
 
 
+def _has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
 def _batch_size(batch: Any) -> int:
     first = batch[0] if isinstance(batch, (list, tuple)) else batch
     return len(first)
@@ -185,6 +189,8 @@ class TrainingRun:
         self.threads = 0
         self._local_losses: list[float] = []
         self._global_batch: int | None = None  # samples per optimiser step over all ranks
+        self._current_epoch: int | None = None  # inside run.epochs()' loop body
+        self.memory_devices: list[torch.device] = []  # where peak memory is read (default: run.device)
 
     # ---------------------------------------------------------------------------------- context
     def __enter__(self) -> "TrainingRun":
@@ -239,6 +245,13 @@ class TrainingRun:
         return (f"{self.world_size} process(es), backend {self.ctx.backend}, launcher {self.ctx.launch.launcher} | "
                 f"device {where} (rank 0) | threads {self.threads}")
 
+    def use_devices(self, devices: list[torch.device]) -> None:
+        """One process driving several GPUs (DataParallel): time on the first, report every one's memory."""
+        self.device, self.memory_devices = devices[0], list(devices)
+        self.timer.device = devices[0]  # each step ends on the primary GPU: synchronising it is enough
+        for device in devices:
+            reset_peak_memory(device)
+
     # ---------------------------------------------------------------------------------- checkpoints
     def track(self, **objects: Any) -> None:
         """Name what a checkpoint holds (``model=``, ``optimizer=``, ``scheduler=``, ``scaler=``...);
@@ -290,7 +303,9 @@ class TrainingRun:
             self.epoch = epoch
             if loader is not None:
                 set_loader_epoch(loader, epoch, self.args.seed)
+            self._current_epoch = epoch
             yield epoch
+            self._current_epoch = None
             self._reduce_epoch_losses()
             losses = self.progress.epoch_losses
             self.progress.train_loss.append(statistics.fmean(losses) if losses else float("nan"))
@@ -336,7 +351,8 @@ class TrainingRun:
 
     def evaluated(self, test_loss: float, test_accuracy: float) -> None:
         """The held-out loss and accuracy after this epoch (kept with the training time so far)."""
-        self.progress.eval_history.append({"epoch": self.epoch, "elapsed_s": self.progress.train_time_s,
+        epoch = self._current_epoch or len(self.progress.train_loss)  # after the loop: the last epoch
+        self.progress.eval_history.append({"epoch": epoch, "elapsed_s": self.progress.train_time_s,
                                            "test_loss": test_loss, "test_accuracy": test_accuracy})
 
     def _reduce_epoch_losses(self) -> None:
@@ -361,7 +377,9 @@ class TrainingRun:
                notes: Iterable[str] = (), method: str | None = None) -> Path | None:
         """Gather what every rank measured and have rank 0 write the record; returns its path on rank 0."""
         step_time = self.timer.summary()
-        memory = gather_objects({**peak_memory(self.device), "rank": self.rank})
+        memory = [entry for entries in gather_objects([{**peak_memory(device), "rank": self.rank}
+                                                       for device in self.memory_devices or [self.device]])
+                  for entry in entries]
         model = self.tracked.get("model")
         digests = None
         if self.distributed and model is not None:
@@ -381,6 +399,9 @@ class TrainingRun:
         notes = list(notes)
         if digests is not None and not all_metrics["parameters_identical"]:
             notes.append("parameters differ between ranks: the replicas drifted apart (this is a bug)")
+        if digests is not None and not all_metrics["buffers_identical"] and _has_batchnorm(model):
+            notes.append("BatchNorm running statistics differ between ranks: each rank keeps its own unless DDP "
+                         "broadcasts buffers before every forward; the checkpoint holds rank 0's")
         extra = {"distributed": self.ctx.describe()} if self.ctx is not None else None
         record = make_record(lab=self.lab, script=self.script, method=method or self.method,
                              config=config_dict(self.args, resolved_device=str(self.device),
