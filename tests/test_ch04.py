@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from helpers import code_diff, load_script, run_main, run_script, signalling_timer, torchrun
+from helpers import REPO, code_diff, load_script, run_main, run_script, signalling_timer, torchrun
 
 TRAIN = "chapters/ch04_deep_learning/mnist_training.py"
 DDP = "chapters/ch04_deep_learning/multi_gpu_ddp.py"
@@ -179,6 +179,45 @@ def test_bad_input_one_line_and_nothing_written(argv, message, tmp_path, capsys)
     assert status == 2
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("flag, place, message", [
+    ("--results-dir", "a-file", "exists and is not a folder"),
+    ("--results-dir", "a-file/sub", "is a file, not a folder"),
+    ("--checkpoint", "a-file/ckpt.pt", "is a file, not a folder"),
+    ("--checkpoint", "a-folder", "is a folder, expected a file path"),
+    ("--results-dir", "/proc/no-such-place", "cannot write under /proc"),
+])
+def test_unusable_output_location_is_one_line_before_training(flag, place, message, tmp_path, capsys):
+    """A file where a folder is needed (or the reverse), or a place nobody can write: found at start."""
+    (tmp_path / "a-file").write_text("keep me")
+    (tmp_path / "a-folder").mkdir()
+    target = place if place.startswith("/") else str(tmp_path / place)
+    argv = ["--device", "cpu", "--results-dir", str(tmp_path / "results"), flag, target]
+    assert run_main(DDP, argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and err[0].startswith("error: argument " + flag), err
+    assert (tmp_path / "a-file").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "a-folder"]  # nothing written
+
+
+def test_a_ddp_dry_run_leaves_nothing_in_the_current_folder(tmp_path):
+    """The default checkpoint lives under --results-dir: a run elsewhere leaves its cwd as it was."""
+    cwd, results = tmp_path / "cwd", tmp_path / "results"
+    cwd.mkdir()
+    proc = run_script(DDP, "--device", "cpu", "--dry-run", "--results-dir", str(results), cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert list(cwd.iterdir()) == []
+    assert (results / "checkpoints" / "multi_gpu_ddp.pt").is_file() and len(list(results.glob("ch04_ddp_*.json"))) == 1
+
+
+def test_what_a_run_from_a_lab_folder_writes_is_ignored_by_git():
+    import subprocess
+
+    paths = ["labs/lab01_dp_vs_ddp/results/lab01_ddp_x.json", "chapters/ch04_deep_learning/results/checkpoints/x.pt",
+             "chapters/ch04_deep_learning/checkpoints/old.pt", "results/lab01/comparison_report.html"]
+    proc = subprocess.run(["git", "-C", str(REPO), "check-ignore", *paths], capture_output=True, text=True)
+    assert proc.stdout.split() == paths
 
 
 def test_bad_input_as_a_real_process_has_no_traceback(tmp_path):
