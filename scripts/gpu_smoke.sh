@@ -36,7 +36,7 @@ CHECKS=(gpu_check pytorch_basics ch04_fp32 ch04_fp16 ch04_bf16 amp_training ch04
 # Python modules a check needs beyond torch and torchvision (a missing one skips the check, by name).
 declare -A NEEDS=(
     [ch04_fp32]=sklearn [ch04_fp16]=sklearn [ch04_bf16]=sklearn [amp_training]=sklearn [ch04_ddp]=sklearn
-    [lab01_run_lab]="pandas jinja2 matplotlib" [lab02_line_profile]=line_profiler [lab02_sweep]=line_profiler
+    [lab01_run_lab]="sklearn pandas jinja2 matplotlib" [lab02_line_profile]=line_profiler [lab02_sweep]=line_profiler
     [ch16_loading]=sklearn
 )
 

@@ -231,15 +231,26 @@ def check_amp_training(run: Run) -> list[str]:
     return problems + more + fp32_math(fp32_runs + records) + on_cuda(run.records) + allocator_memory(fp32_runs)
 
 
+def identical_replicas(records: Iterable[dict[str, Any]], world_size: int) -> list[str]:
+    """Every rank hashed its replica (``metrics.replica_digests``) and the parameters agree."""
+    problems = []
+    for record in records:
+        digests = get(record, "metrics", "replica_digests") or []
+        if len(digests) != world_size or get(record, "metrics", "parameters_identical") is not True:
+            problems.append(f"{name_of(record)}: {len(digests)} rank digest(s), parameters identical: "
+                            f"{get(record, 'metrics', 'parameters_identical')!r} (every rank's replica must agree)")
+    return problems
+
+
+def dp_devices(records: Iterable[dict[str, Any]], gpus: int) -> list[str]:
+    return [f"DataParallel over GPUs {get(r, 'config', 'dp_device_ids')}, expected all {gpus} visible (the same "
+            "GPUs as DDP)" for r in records if get(r, "config", "dp_device_ids") != list(range(gpus))]
+
+
 def check_ch04_ddp(run: Run) -> list[str]:
     records, problems = records_of(run, "ddp")
-    problems += exited(run) + on_cuda(records) + nccl(records, run.gpus) + allocator_memory(records)
-    for record in records:
-        digests = get(record, "metrics", "param_digest_per_rank") or []
-        if len(digests) != run.gpus or len(set(digests)) != 1:
-            problems.append(f"parameter digests of {len(digests)} rank(s), {len(set(digests))} distinct: "
-                            "the replicas must be identical")
-    return problems
+    return problems + exited(run) + on_cuda(records) + nccl(records, run.gpus) + allocator_memory(records, run.gpus) \
+        + identical_replicas(records, run.gpus)
 
 
 def check_lab01_env(run: Run) -> list[str]:
@@ -267,21 +278,14 @@ def check_lab01_baseline(run: Run) -> list[str]:
 
 def check_lab01_dp(run: Run) -> list[str]:
     records, problems = records_of(run, "dp")
-    problems += exited(run) + on_cuda(records) + allocator_memory(records, run.gpus) + positive_rate(records)
-    for record in records:
-        ids = get(record, "provenance", "dataparallel", "device_ids")
-        if ids != list(range(run.gpus)):
-            problems.append(f"DataParallel over GPUs {ids}, expected all {run.gpus} visible")
-    return problems
+    return problems + exited(run) + on_cuda(records) + allocator_memory(records, run.gpus) + positive_rate(records) \
+        + dp_devices(records, run.gpus)
 
 
 def check_lab01_ddp(run: Run) -> list[str]:
     records, problems = records_of(run, "ddp")
-    problems += exited(run) + on_cuda(records) + nccl(records, run.gpus) + allocator_memory(records, run.gpus)
-    for record in records:
-        if get(record, "metrics", "parameters_identical") is not True:
-            problems.append("the DDP replicas' parameters are not identical")
-    return problems + positive_rate(records)
+    return problems + exited(run) + on_cuda(records) + nccl(records, run.gpus) + allocator_memory(records, run.gpus) \
+        + identical_replicas(records, run.gpus) + positive_rate(records)
 
 
 def check_lab01_run_lab(run: Run) -> list[str]:
@@ -291,12 +295,7 @@ def check_lab01_run_lab(run: Run) -> list[str]:
     if not (run.folder / "comparison_report.html").is_file():
         problems.append("no comparison_report.html")
     training = [r for r in run.records if r.get("method") in ("baseline", "dp", "ddp")]
-    problems += on_cuda(training) + nccl(run.methods("ddp"), run.gpus)
-    for record in run.methods("dp"):
-        if get(record, "provenance", "dataparallel", "device_ids") != list(range(run.gpus)):
-            problems.append(f"DataParallel used GPUs {get(record, 'provenance', 'dataparallel', 'device_ids')}, "
-                            f"DDP {run.gpus} processes: run_lab.sh must give both the same GPUs")
-    return problems
+    return problems + on_cuda(training) + nccl(run.methods("ddp"), run.gpus) + dp_devices(run.methods("dp"), run.gpus)
 
 
 def check_refuse_ranks(run: Run) -> list[str]:

@@ -54,6 +54,7 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: free_total)
         monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
         monkeypatch.setattr(cuda, "max_memory_reserved", lambda device=None: 4 * 2**30)
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device=None: None)
         monkeypatch.setattr(cuda, "can_device_access_peer", lambda i, j: True)
 
     yield install

@@ -103,7 +103,8 @@ def run_folder(tmp_path: Path, statuses: list[int], log: str = "") -> Path:
 
 def ddp_run(tmp_path: Path, **changes: Any) -> Path:
     folder = run_folder(tmp_path, changes.pop("statuses", [0]))
-    metrics = {"memory": memory(GPUS), "world_size": GPUS, "parameters_identical": True, **changes.pop("metrics", {})}
+    metrics = {"memory": memory(GPUS), "world_size": GPUS, "parameters_identical": True,
+               "replica_digests": [{"parameters": "ab", "buffers": "cd"}] * GPUS, **changes.pop("metrics", {})}
     record(folder, "ddp", metrics=metrics, provenance={"distributed": {"backend": changes.pop("backend", "nccl")}},
            **changes)
     return folder
@@ -114,7 +115,7 @@ def test_lab01_ddp_passes_a_good_run_and_names_each_defect(tmp_path):
     cases = {
         "backend 'gloo', expected nccl": dict(backend="gloo"),
         "ran on 'cpu', not cuda": dict(device="cpu"),
-        "parameters are not identical": dict(metrics={"parameters_identical": False}),
+        "parameters identical: False": dict(metrics={"parameters_identical": False}),
         "from 'process_max_rss'": dict(metrics={"memory": memory(GPUS, source="process_max_rss")}),
         "lacks the device-level": dict(metrics={"memory": memory(GPUS, used=False)}),
         "expected 2 GPUs": dict(metrics={"memory": memory(1)}),
@@ -207,10 +208,11 @@ def good_run(check: str, folder: Path) -> None:
     """What a healthy GPU run of ``check`` leaves (as far as its checker looks)."""
     ddp = {"distributed": {"backend": "nccl"}}
     if check == "lab01_dp":
-        record(folder, "dp", metrics={"memory": memory(GPUS)}, provenance={"dataparallel": {"device_ids": [0, 1]}})
+        record(folder, "dp", metrics={"memory": memory(GPUS)}, config={"dp_device_ids": [0, 1]})
     elif check == "ch04_ddp":
-        record(folder, "ddp", lab="ch04", provenance=ddp,
-               metrics={"world_size": GPUS, "param_digest_per_rank": ["ab", "ab"]})
+        record(folder, "ddp", lab="ch04", provenance=ddp, metrics={
+            "world_size": GPUS, "memory": memory(GPUS), "parameters_identical": True,
+            "replica_digests": [{"parameters": "ab", "buffers": "cd"}] * GPUS})
     elif check == "amp_training":
         for precision in ("fp32", "fp16", "bf16"):
             record(folder, precision, lab="ch04")
