@@ -1,4 +1,4 @@
-"""scripts/render_sbatch.py and slurm/lib/job_header.sh, without Slurm.
+"""scripts/render_sbatch.py (common/sites.py, scripts/sbatch_render/) and slurm/lib/job_header.sh, without Slurm.
 
 Every site profile loads; every template in the repository renders for every site and keeps the
 template contract (comments on every #SBATCH line, the job header, srun --kill-on-bad-exit=1,
@@ -21,16 +21,16 @@ from pathlib import Path
 import pytest
 from helpers import load_script
 
+from common import sites
+from common.errors import UserError
+from scripts.sbatch_render import jobs, rendering, testbed
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "render_sbatch.py"
 HELLO = REPO_ROOT / "slurm" / "testbed" / "examples" / "hello.sbatch.j2"
 
-
-
-
-rs = load_script("scripts/render_sbatch.py")
-UserError = rs.UserError
-SITES = rs.site_names()
+rs = load_script("scripts/render_sbatch.py")  # the command line
+SITES = sites.site_names()
 
 
 def repository_templates() -> list[Path]:
@@ -40,7 +40,7 @@ def repository_templates() -> list[Path]:
 
 
 def render_text(template: Path, site: str, *settings: str) -> str:
-    text, _ = rs.render(rs.read_template(template), rs.find_site(site), rs.parse_settings(settings))
+    text, _ = rendering.render(jobs.read_template(template), sites.find_site(site), jobs.parse_settings(settings))
     return text
 
 
@@ -58,25 +58,25 @@ def test_the_seed_sites_and_generic_exist():
 
 @pytest.mark.parametrize("name", SITES)
 def test_site_profile_is_consistent(name):
-    site = rs.find_site(name)
+    site = sites.find_site(name)
     gpu = site.partitions[site.default_partitions["gpu"]]
     assert gpu.gpus_per_node >= 1 and gpu.cpus_per_gpu >= 1
     assert gpu.cpus_per_gpu * gpu.gpus_per_node <= gpu.cpus_per_node
-    assert rs.time_to_seconds(site.max_time) >= 3600
+    assert sites.time_to_seconds(site.max_time) >= 3600
     assert site.setup, "a site says how jobs get Python (setup lines)"
     if site.account_required:
         assert site.account
 
 
 def test_seed_facts_are_in_the_profiles():
-    lanta = rs.find_site("lanta")
+    lanta = sites.find_site("lanta")
     assert lanta.partitions["gpu"].gpu_types == ("a100",) and lanta.partitions["gpu"].gpu_memory == "40G"
     assert lanta.account_required
-    pi, siyuan = rs.find_site("sjtu-pi"), rs.find_site("sjtu-siyuan")
+    pi, siyuan = sites.find_site("sjtu-pi"), sites.find_site("sjtu-siyuan")
     assert pi.partitions["dgx2"].gpu_types == ("v100",) and pi.partitions["dgx2"].cpus_per_gpu == 6
     assert siyuan.partitions["a100"].cpus_per_gpu == 6
     assert "module load miniconda3" in pi.setup and "module use /dssg/share/imgs/" in siyuan.setup
-    carc = rs.find_site("carc-discovery")
+    carc = sites.find_site("carc-discovery")
     assert carc.default_partitions["gpu"] == "gpu" and carc.account and carc.reservation
 
 
@@ -91,7 +91,7 @@ def test_a_broken_profile_is_reported_with_its_file(tmp_path):
     (tmp_path / "bad.yaml").write_text("name: bad\nmax_time: '1:00:00'\ndefault_partitions: {cpu: c, gpu: g}\n"
                                        "partitions:\n  c: {cpus_per_node: 4}\n  g: {cpus_per_node: 4, gpus_per_node: 2}\n")
     with pytest.raises(UserError, match=r"bad\.yaml: partitions\.g: a partition with GPUs needs cpus_per_gpu"):
-        rs.load_sites(tmp_path)
+        sites.load_sites(tmp_path)
 
 
 # -- rendering -----------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ def test_a_broken_profile_is_reported_with_its_file(tmp_path):
 @pytest.mark.parametrize("site", SITES)
 def test_hello_renders_for_every_site(site, tmp_path):
     text = render_text(HELLO, site)
-    profile = rs.find_site(site)
+    profile = sites.find_site(site)
     partition = profile.partitions[profile.default_partitions["gpu"]]
     assert text.startswith("#!/bin/bash\n")
     assert "{#" not in text and "{{" not in text
@@ -119,7 +119,7 @@ def test_hello_renders_for_every_site(site, tmp_path):
 
 @pytest.mark.parametrize("template", repository_templates(), ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_every_repository_template_renders_for_every_site_and_keeps_the_contract(template):
-    only = rs.read_template(template).request.get("sites")
+    only = jobs.read_template(template).request.get("sites")
     for site in SITES if only is None else only:
         try:
             text = render_text(template, site)
@@ -163,30 +163,30 @@ def test_the_training_templates_are_the_ones_that_resume():
                          "labs/lab01_dp_vs_ddp/sbatch/ddp_torchrun_4gpu.sbatch.j2"]
 
 
-@pytest.mark.parametrize("template", sorted(rs.COMMITTED_RENDERINGS))
+@pytest.mark.parametrize("template", sorted(rendering.COMMITTED_RENDERINGS))
 def test_committed_renderings_equal_a_fresh_rendering(template):
     """`sbatch sbatch/single_gpu.sbatch` needs a plain file; it must never drift from its template.
     Refresh with: python scripts/render_sbatch.py --write-committed"""
-    committed = rs.committed_path(template)
-    assert committed.read_text() == rs.committed_text(template), (
+    committed = rendering.committed_path(template)
+    assert committed.read_text() == rendering.committed_text(template), (
         f"{committed.relative_to(REPO_ROOT)} differs from {template} rendered for "
-        f"{rs.COMMITTED_RENDERINGS[template]}: run python scripts/render_sbatch.py --write-committed")
+        f"{rendering.COMMITTED_RENDERINGS[template]}: run python scripts/render_sbatch.py --write-committed")
     assert os.access(committed, os.X_OK)
     lines = committed.read_text().splitlines(keepends=True)
     assert lines[1].startswith("# Generated from ") and "--write-committed" in lines[1]
-    assert "".join(lines[:1] + lines[3:]) == render_text(REPO_ROOT / template, rs.COMMITTED_RENDERINGS[template])
+    assert "".join(lines[:1] + lines[3:]) == render_text(REPO_ROOT / template, rendering.COMMITTED_RENDERINGS[template])
 
 
 def test_write_committed_writes_them(tmp_path, monkeypatch):
-    monkeypatch.setattr(rs, "REPO_ROOT", tmp_path)
-    for template in rs.COMMITTED_RENDERINGS:  # the templates, copied into a scratch repository
+    monkeypatch.setattr(rendering, "REPO_ROOT", tmp_path)
+    for template in rendering.COMMITTED_RENDERINGS:  # the templates, copied into a scratch repository
         (tmp_path / template).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / template).write_text((REPO_ROOT / template).read_text())
     (tmp_path / "slurm" / "lib").mkdir(parents=True)
     (tmp_path / "slurm" / "lib" / "preemptible_step.j2").write_text(
         (REPO_ROOT / "slurm" / "lib" / "preemptible_step.j2").read_text())
     assert rs.main(["--write-committed"]) == 0
-    for template in rs.COMMITTED_RENDERINGS:
+    for template in rendering.COMMITTED_RENDERINGS:
         written = tmp_path / template.removesuffix(".j2")
         assert written.read_text() == (REPO_ROOT / template.removesuffix(".j2")).read_text()
 
@@ -202,13 +202,13 @@ def test_lab03_a100_and_dgx2_templates_differ_only_in_the_gpu():
 
     a100, dgx2 = commands("a100.sbatch.j2"), commands("dgx2.sbatch.j2")
     assert [line.replace("v100", "a100") for line in dgx2] == a100
-    assert rs.read_template(folder / "dgx2.sbatch.j2").request["gpu_type"] == "v100"
-    assert rs.read_template(folder / "a100.sbatch.j2").request["gpu_type"] == "a100"
+    assert jobs.read_template(folder / "dgx2.sbatch.j2").request["gpu_type"] == "v100"
+    assert jobs.read_template(folder / "a100.sbatch.j2").request["gpu_type"] == "a100"
 
 
 def test_one_task_per_gpu_follows_the_gpu_count():
     template = REPO_ROOT / "chapters" / "ch04_deep_learning" / "sbatch" / "multi_gpu.sbatch.j2"
-    assert rs.read_template(template).request["ntasks_per_node"] == "gpus"
+    assert jobs.read_template(template).request["ntasks_per_node"] == "gpus"
     text = render_text(template, "lanta", "gpus_per_node=2")
     assert "#SBATCH --ntasks-per-node=2 " in text and "#SBATCH --gres=gpu:2 " in text
     assert "#SBATCH --cpus-per-task=16 " in text  # each task keeps one GPU's share of the node
@@ -240,10 +240,10 @@ def test_cpu_jobs_use_the_cpu_partition_and_no_gres(tmp_path):
 
 
 def test_base_60_looking_times_stay_text():
-    assert rs.parse_settings(["time=10:00"]) == {"time": "10:00"}
-    assert rs.time_to_seconds("10:00") == 600
-    assert rs.time_to_seconds("1-02:00") == 26 * 3600
-    assert rs.time_to_seconds("00:05:00") == 300
+    assert jobs.parse_settings(["time=10:00"]) == {"time": "10:00"}
+    assert sites.time_to_seconds("10:00") == 600
+    assert sites.time_to_seconds("1-02:00") == 26 * 3600
+    assert sites.time_to_seconds("00:05:00") == 300
 
 
 def test_preamble_finds_the_repository_root_from_a_folder_inside_it(tmp_path):
@@ -351,13 +351,13 @@ def test_template_without_job_block_is_refused(tmp_path):
     template = tmp_path / "plain.sbatch.j2"
     template.write_text("#!/bin/bash\necho hi\n")
     with pytest.raises(UserError, match="must start with its job block"):
-        rs.read_template(template)
+        jobs.read_template(template)
 
 
 def test_unknown_job_block_key_is_refused(tmp_path):
     template = write_template(tmp_path, "", "job:\n  gpus: 2\n")
     with pytest.raises(UserError, match=r"unknown key\(s\) gpus"):
-        rs.read_template(template)
+        jobs.read_template(template)
 
 
 def test_syntax_error_names_the_line(tmp_path):
@@ -409,10 +409,10 @@ def test_a_template_may_name_the_sites_it_is_for(tmp_path):
 
 
 def test_testbed_resources_cover_every_site():
-    resources = rs.testbed_resources(rs.load_sites())
+    resources = testbed.testbed_resources(sites.load_sites())
     partitions = resources["partitions"].split(",")
     gpus = dict(item.split(":") for item in resources["gpus"].split(","))
-    for site in rs.load_sites().values():
+    for site in sites.load_sites().values():
         for partition in site.partitions.values():
             assert partition.name in partitions
             assert partition.cpus_per_node <= int(resources["cpus"])

@@ -24,7 +24,9 @@ from typing import NamedTuple
 import pytest
 
 from common.results import load_records
+from common.sites import site_names
 from helpers import load_script
+from scripts.sbatch_render.rendering import find_templates
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_FOLDERS = [REPO_ROOT / "chapters", REPO_ROOT / "labs"]
@@ -39,13 +41,13 @@ pytestmark = pytest.mark.slurm
 
 
 render_sbatch = load_script("scripts/render_sbatch.py")
-SITES = render_sbatch.site_names()
+SITES = site_names()
 
 
 def site_template_pairs() -> list[tuple[str, str]]:
     """(site, rendered script path) for every template and every site it is for, as --all-sites does."""
     pairs = []
-    for template, relative in render_sbatch.find_templates(TEMPLATE_FOLDERS):
+    for template, relative in find_templates(TEMPLATE_FOLDERS):
         only = render_sbatch.read_template(template).request.get("sites")
         pairs += [(site, str(relative)) for site in SITES if only is None or site in only]
     return pairs
