@@ -468,36 +468,80 @@ def test_job_header_device_can_be_forced():
     assert "RESULT cuda" in done.stdout
 
 
+def node_tools(tmp_path: Path, gpus: int | None) -> str:
+    """A PATH holding only what the header runs, plus a stand-in nvidia-smi listing ``gpus`` GPUs
+    as the real one prints them (none at all when ``gpus`` is None)."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("hostname", "date", "grep", "sort", "nproc"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    if gpus is not None:
+        fake = tools / "nvidia-smi"
+        fake.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-5d1e-{i})'\n"
+                                                for i in range(gpus)))
+        fake.chmod(0o755)
+    return str(tools)
+
+
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
         ({}, "cuda"),                                                # outside Slurm: every GPU
         ({"CUDA_VISIBLE_DEVICES": "0,1"}, "cuda"),
-        ({"CUDA_VISIBLE_DEVICES": "GPU-5d1e-b"}, "cuda"),            # Slurm may hand out UUIDs
-        ({"CUDA_VISIBLE_DEVICES": "1,2"}, "cpu"),                    # index 2 is no real GPU (test cluster)
+        ({"CUDA_VISIBLE_DEVICES": "GPU-5d1e-1"}, "cuda"),            # Slurm may hand out UUIDs
+        ({"CUDA_VISIBLE_DEVICES": "1,2"}, "cpu"),                    # index 2 is no GPU of this machine
         ({"CUDA_VISIBLE_DEVICES": ""}, "cpu"),
         ({"SLURM_JOB_ID": "7"}, "cpu"),                              # a job without a GPU allocation
         ({"SLURM_JOB_ID": "7", "CUDA_VISIBLE_DEVICES": "0"}, "cuda"),
     ],
 )
-def test_job_header_trusts_only_gpus_nvidia_smi_lists(tmp_path, env, expected):
-    """A stand-in nvidia-smi that lists two GPUs, as the real one prints them."""
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\n"
-                    "echo 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-5d1e-a)'\n"
-                    "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-5d1e-b)'\n")
-    fake.chmod(0o755)
-    path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
-    done = run_header({"PATH": path, **env}, 'echo "RESULT $DEVICE"')
+def test_job_header_without_a_gpu_allocation_takes_the_gpus_nvidia_smi_lists(tmp_path, env, expected):
+    done = run_header({"PATH": node_tools(tmp_path, gpus=2), **env}, 'echo "RESULT $DEVICE"')
     assert done.returncode == 0, done.stderr
     assert f"RESULT {expected}" in done.stdout
 
 
-def test_job_header_without_nvidia_smi_is_cpu(tmp_path):
-    tools = tmp_path / "bin"  # a PATH holding only what the header runs, and no nvidia-smi
-    tools.mkdir()
-    for tool in ("hostname", "date", "grep", "sort", "nproc"):
-        (tools / tool).symlink_to(shutil.which(tool))
-    done = run_header({"PATH": str(tools), "CUDA_VISIBLE_DEVICES": "0"}, 'echo "RESULT $DEVICE"')
+def test_job_header_without_nvidia_smi_or_allocation_is_cpu(tmp_path):
+    done = run_header({"PATH": node_tools(tmp_path, gpus=None), "CUDA_VISIBLE_DEVICES": "0"}, 'echo "RESULT $DEVICE"')
     assert done.returncode == 0, done.stderr
     assert "RESULT cpu" in done.stdout
+
+
+GPU_JOB = {"SLURM_JOB_ID": "7", "SLURM_GPUS_ON_NODE": "2"}
+
+
+@pytest.mark.parametrize(
+    ("gpus", "env", "warning"),
+    [
+        (None, {**GPU_JOB, "CUDA_VISIBLE_DEVICES": "0,1"}, "nvidia-smi is not on PATH"),
+        (0, {**GPU_JOB, "CUDA_VISIBLE_DEVICES": "0,1"}, "nvidia-smi lists no GPU"),
+        (1, {**GPU_JOB, "CUDA_VISIBLE_DEVICES": "0,1"}, "CUDA_VISIBLE_DEVICES=0,1 names GPUs nvidia-smi does not list"),
+        (None, GPU_JOB, "nvidia-smi is not on PATH"),                # and CUDA_VISIBLE_DEVICES unset
+        (2, GPU_JOB, None),                                          # unset: every GPU of the node
+        (2, {**GPU_JOB, "CUDA_VISIBLE_DEVICES": "1"}, None),
+        (None, {"SLURM_JOB_ID": "7", "SLURM_JOB_GPUS": "3"}, "nvidia-smi is not on PATH"),  # older Slurm
+    ],
+)
+def test_job_header_asks_for_cuda_whenever_slurm_allocated_gpus(tmp_path, gpus, env, warning):
+    """A job with GPUs never turns into a CPU run that looks like a GPU result: it asks for cuda, and
+    a GPU PyTorch cannot use stops the training with one error line (--device cuda)."""
+    done = run_header({"PATH": node_tools(tmp_path, gpus), **env}, 'echo "RESULT $DEVICE"')
+    assert done.returncode == 0, done.stderr
+    assert "RESULT cuda" in done.stdout and "DEVICE=cuda" in done.stdout
+    notes = [line for line in done.stdout.splitlines() if line.startswith("== warning:")]
+    if warning is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and warning in notes[0] and "the training stops with an error" in notes[0], notes
+
+
+def test_fake_gpus_switch_runs_a_gpu_job_on_the_cpu_and_says_so(tmp_path):
+    """The test cluster's GPUs are device files with nothing behind them: it sets HPC_DL_LABS_FAKE_GPUS=1."""
+    env = {"PATH": node_tools(tmp_path, gpus=None), **GPU_JOB, "CUDA_VISIBLE_DEVICES": "0,1"}
+    done = run_header({**env, "HPC_DL_LABS_FAKE_GPUS": "1"}, 'echo "RESULT $DEVICE"')
+    assert done.returncode == 0, done.stderr
+    assert "RESULT cpu" in done.stdout
+    assert "== note: HPC_DL_LABS_FAKE_GPUS=1 (the test cluster): the allocated GPU(s) are not real; running on the CPU" \
+        in done.stdout
+    forced = run_header({**env, "HPC_DL_LABS_DEVICE": "cpu"}, 'echo "RESULT $DEVICE"')
+    assert "RESULT cpu" in forced.stdout and "== warning" not in forced.stdout

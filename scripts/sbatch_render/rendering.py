@@ -61,7 +61,7 @@ if [[ "${{HPC_DL_LABS_SKIP_MODULES:-0}}" != 1 ]]; then
 fi
 
 # Prints the host, date and SLURM_* variables; exports MASTER_ADDR, MASTER_PORT, OMP_NUM_THREADS,
-# NUM_WORKERS, NPROC_PER_NODE, DEVICE (cuda, or cpu when the GPUs are not real), TINY_ARGS and
+# NUM_WORKERS, NPROC_PER_NODE, DEVICE (cuda when the job has GPUs, else cpu), TINY_ARGS and
 # RESULTS_DIR (see the header of that file).
 # shellcheck source=slurm/lib/job_header.sh
 source slurm/lib/job_header.sh"""

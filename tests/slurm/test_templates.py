@@ -119,7 +119,7 @@ def test_rendered_template_completes_and_leaves_its_record(slurm_cluster, templa
     assert job.result.ok, (f"{site}/{script}: job {job.result.job_id} ended {job.result.state} "
                            f"exit {job.result.exit_code}\n{log[-4000:]}")
     assert f"SLURM_JOB_PARTITION={job.job['partition']}" in log
-    assert "DEVICE=cpu" in log  # the test cluster's GPUs are not real: every job fell back to the CPU
+    assert "DEVICE=cpu" in log  # the test cluster's GPUs are not real (HPC_DL_LABS_FAKE_GPUS=1): every job ran on the CPU
     loaded = load_records(job.results_dir)
     assert not loaded.errors, loaded.errors
     assert loaded.records, f"{site}/{script}: no result record in {job.results_dir}\n{log[-3000:]}"
