@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -545,3 +546,105 @@ def test_fake_gpus_switch_runs_a_gpu_job_on_the_cpu_and_says_so(tmp_path):
         in done.stdout
     forced = run_header({**env, "HPC_DL_LABS_DEVICE": "cpu"}, 'echo "RESULT $DEVICE"')
     assert "RESULT cpu" in forced.stdout and "== warning" not in forced.stdout
+
+
+# -- the committed Chapter 4 jobs, as the seed's commands submit them ----------------------------
+
+def job_root(tmp_path: Path) -> Path:
+    """A repository root with what a job's preamble runs (the job header, pytorch.sh) and no .venv."""
+    root = tmp_path / "repo"
+    for relative in ("slurm/lib/job_header.sh", "slurm/module-loads/pytorch.sh"):
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO_ROOT / relative, root / relative)
+    return root
+
+
+def stand_ins(folder: Path, *, python: bool | None) -> Path:
+    """``srun`` that prints which python it would start and its arguments, and (unless None) a
+    ``python`` that answers pytorch.sh's "is torch importable?" with yes or no."""
+    folder.mkdir(parents=True)
+    (folder / "srun").write_text('#!/bin/sh\necho "SRUN $(command -v python) $*"\n')
+    if python is not None:
+        (folder / "python").write_text(f"#!/bin/sh\nexit {0 if python else 1}\n")
+    for tool in folder.iterdir():
+        tool.chmod(0o755)
+    return folder
+
+
+def run_committed_job(name: str, tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``bash <committed sbatch> ARGS`` as a job would run it (SLURM_JOB_ID set, one GPU allocated,
+    the test cluster's fake-GPU switch), from a repository root without .venv, in ``env``."""
+    clean = {key: value for key, value in os.environ.items()
+             if not key.startswith(("SLURM_", "HPC_DL_LABS_", "MASTER_", "CUDA_", "CONDA", "VIRTUAL_ENV", "DATA_DIR"))}
+    job = {"SLURM_JOB_ID": "41", "SLURM_JOB_NAME": name, "SLURM_GPUS_ON_NODE": "1", "HPC_DL_LABS_FAKE_GPUS": "1",
+           "HOME": str(tmp_path / "home"), "HPC_DL_LABS_ROOT": str(job_root(tmp_path))}
+    script = REPO_ROOT / "chapters" / "ch04_deep_learning" / "sbatch" / f"{name}.sbatch"
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, cwd=tmp_path,
+                          env={**clean, **job, **env}, timeout=60)
+
+
+@pytest.mark.parametrize("name", ["single_gpu", "multi_gpu"])
+@pytest.mark.parametrize("environment", ["conda", "venv", "module"])
+def test_committed_chapter4_jobs_run_in_the_environment_the_user_has_active(tmp_path, name, environment):
+    """Seed 000: `source slurm/module-loads/pytorch.sh`, then `sbatch sbatch/single_gpu.sbatch`.
+    Slurm passes the submitting shell's environment to the job: a conda environment, a venv or a
+    module's python must be what the job runs, with or without the repository's .venv."""
+    active = stand_ins(tmp_path / "env" / "bin", python=True)
+    env = {"PATH": f"{active}:/usr/bin:/bin"}
+    if environment == "conda":
+        env.update(CONDA_PREFIX=str(active.parent), CONDA_DEFAULT_ENV="mine")
+    elif environment == "venv":
+        env.update(VIRTUAL_ENV=str(active.parent))
+    else:
+        env.update(HPC_DL_LABS_MODULES="pytorch/2.4")  # no `module` command here: a note, and the python stays
+    done = run_committed_job(name, tmp_path, env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    launches = [line for line in done.stdout.splitlines() if line.startswith("SRUN ")]
+    assert launches and all(line.startswith(f"SRUN {active / 'python'} ") for line in launches), done.stdout
+
+
+def test_committed_job_falls_back_to_the_repository_venv_and_stops_without_any_python(tmp_path):
+    bare = stand_ins(tmp_path / "bin", python=False)  # a python without PyTorch, like the system's
+    venv = job_root(tmp_path) / ".venv" / "bin"
+    stand_ins(venv, python=True)
+    (venv / "activate").write_text(f'export PATH="{venv}:$PATH"\n')
+    done = run_committed_job("single_gpu", tmp_path, {"PATH": f"{bare}:/usr/bin:/bin"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SRUN {venv / 'python'} --kill-on-bad-exit=1 python chapters/ch04_deep_learning/mnist_training.py" \
+        in done.stdout
+    shutil.rmtree(venv.parent)
+    done = run_committed_job("single_gpu", tmp_path, {"PATH": f"{bare}:/usr/bin:/bin"})
+    assert done.returncode == 1 and "SRUN" not in done.stdout
+    assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: pytorch.sh: no python with PyTorch (python is {bare / 'python'}); activate your environment before "
+        "sbatch (mamba env create -f environments/ml-gpu.yaml, or load your site's PyTorch module, or bash "
+        "scripts/bootstrap.sh)"]
+
+
+def readme_download_folder(home: Path, monkeypatch) -> Path:
+    """Where the Chapter 4 README's download command puts MNIST for a user whose home is ``home``."""
+    readme = (REPO_ROOT / "chapters" / "ch04_deep_learning" / "README.md").read_text()
+    (line,) = [line for line in readme.splitlines() if "download_data.py mnist" in line and line.startswith("python")]
+    words = shlex.split(line, comments=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("DATA_DIR", raising=False)
+    args = load_script("scripts/download_data.py").build_parser().parse_args(words[2:])
+    return args.data_dir.expanduser()
+
+
+@pytest.mark.parametrize("data_dir", [None, "/scratch/me/data"])
+def test_the_readme_downloads_mnist_where_the_committed_jobs_read_it(tmp_path, monkeypatch, data_dir):
+    """One data setting: DATA_DIR (default ~/data) for the download on the login node and for the jobs."""
+    env = {"PATH": f"{stand_ins(tmp_path / 'env' / 'bin', python=True)}:/usr/bin:/bin", "HOME": str(tmp_path / "home")}
+    if data_dir:
+        env["DATA_DIR"] = data_dir
+        monkeypatch.setenv("DATA_DIR", data_dir)
+        downloaded = load_script("scripts/download_data.py").build_parser().parse_args(["mnist"]).data_dir
+    else:
+        downloaded = readme_download_folder(tmp_path / "home", monkeypatch)
+    for name in ("single_gpu", "multi_gpu"):
+        done = run_committed_job(name, tmp_path / name, env, "--dataset", "mnist")
+        assert done.returncode == 0, done.stdout + done.stderr
+        (training,) = [line for line in done.stdout.splitlines() if line.startswith("SRUN ") and "--resume" in line]
+        assert f" --data-dir {downloaded} " in training and training.endswith(" --dataset mnist"), training
+    assert downloaded == (Path(data_dir) if data_dir else tmp_path / "home" / "data")

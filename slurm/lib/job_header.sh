@@ -16,6 +16,8 @@
 #                    them), else cpu; see "the device" below
 #   TINY_ARGS        bash array of extra flags for a run of seconds (HPC_DL_LABS_TINY=1), else empty
 #   RESULTS_DIR      where result records go: $RESULTS_DIR when the submitter set it, else results
+#   DATA_DIR         where downloaded data sets (MNIST, CIFAR-10) are: $DATA_DIR when set, else
+#                    ~/data, the folder scripts/download_data.py fills by default on a login node
 #   SRUN_CPUS_PER_TASK  = SLURM_CPUS_PER_TASK, so that every srun step gets the cores sbatch asked for
 #
 # Use them as:  srun --kill-on-bad-exit=1 python lab.py --device "$DEVICE" \
@@ -136,6 +138,9 @@ export NUM_WORKERS
 # --- where records go: RESULTS_DIR=/scratch/me/run1 sbatch job.sbatch keeps runs apart ----------
 export RESULTS_DIR="${RESULTS_DIR:-results}"
 
+# --- where data sets are: one setting for the download (login node) and the jobs ----------------
+export DATA_DIR="${DATA_DIR:-$HOME/data}"
+
 # share_cores_between N: N processes of one task (torchrun's workers) share its cores, so each
 # gets OMP_NUM_THREADS / N threads and that many DataLoader workers minus one (still 0 when tiny).
 share_cores_between() {
@@ -150,7 +155,7 @@ share_cores_between() {
 
 echo "== MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT OMP_NUM_THREADS=$OMP_NUM_THREADS" \
     "NUM_WORKERS=$NUM_WORKERS NPROC_PER_NODE=$NPROC_PER_NODE DEVICE=$DEVICE" \
-    "TINY_ARGS=(${TINY_ARGS[*]}) RESULTS_DIR=$RESULTS_DIR"
+    "TINY_ARGS=(${TINY_ARGS[*]}) RESULTS_DIR=$RESULTS_DIR DATA_DIR=$DATA_DIR"
 if [[ -n "$_hdl_note" ]]; then
     echo "== $_hdl_note"
 fi
