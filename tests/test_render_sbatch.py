@@ -648,3 +648,33 @@ def test_the_readme_downloads_mnist_where_the_committed_jobs_read_it(tmp_path, m
         (training,) = [line for line in done.stdout.splitlines() if line.startswith("SRUN ") and "--resume" in line]
         assert f" --data-dir {downloaded} " in training and training.endswith(" --dataset mnist"), training
     assert downloaded == (Path(data_dir) if data_dir else tmp_path / "home" / "data")
+
+
+@pytest.mark.parametrize("has_seff", [True, False])
+def test_lab02_jobs_end_with_seff(tmp_path, has_seff):
+    """Seed 003 runs `seff <jobid>` after the job: both Lab-02 jobs print it at their end (or, where
+    the cluster has no seff, how to get the same numbers), without failing the job either way."""
+    tools = stand_ins(tmp_path / "bin", python=True)
+    stand_in = {"kernprof": "KERNPROF", **({"seff": "SEFF"} if has_seff else {})}
+    for name, word in stand_in.items():
+        (tools / name).write_text(f'#!/bin/sh\necho "{word} $*"\n')
+        (tools / name).chmod(0o755)
+    clean = {key: value for key, value in os.environ.items()
+             if not key.startswith(("SLURM_", "HPC_DL_LABS_", "MASTER_", "CUDA_", "CONDA", "VIRTUAL_ENV"))}
+    env = {**clean, "PATH": f"{tools}:/usr/bin:/bin", "SLURM_JOB_ID": "88", "SLURM_JOBID": "88",
+           "RESULTS_DIR": str(tmp_path / "results")}
+    seed_job = subprocess.run(["bash", str(REPO_ROOT / "labs" / "lab02_profiling" / "job.slurm")], capture_output=True,
+                              text=True, cwd=tmp_path, timeout=60,
+                              env={**env, "SLURM_SUBMIT_DIR": str(REPO_ROOT / "labs" / "lab02_profiling")})
+    rendered = tmp_path / "profile.sbatch"
+    rendered.write_text(render_text(REPO_ROOT / "labs" / "lab02_profiling" / "sbatch" / "profile.sbatch.j2", "generic"))
+    template_job = subprocess.run(["bash", str(rendered)], capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                                  env={**env, "HPC_DL_LABS_ROOT": str(job_root(tmp_path))})
+    for done in (seed_job, template_job):
+        assert done.returncode == 0, done.stdout + done.stderr
+        lines = done.stdout.splitlines()
+        assert any(line.startswith(("KERNPROF ", "SRUN ")) for line in lines)
+        if has_seff:
+            assert lines[-1] == "SEFF 88"
+        else:
+            assert "seff" in lines[-1] and "sacct -j 88 --format=JobID,Elapsed,TotalCPU,MaxRSS" in lines[-1]
