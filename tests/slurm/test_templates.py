@@ -120,6 +120,8 @@ def test_rendered_template_completes_and_leaves_its_record(slurm_cluster, templa
                            f"exit {job.result.exit_code}\n{log[-4000:]}")
     assert f"SLURM_JOB_PARTITION={job.job['partition']}" in log
     assert "DEVICE=cpu" in log  # the test cluster's GPUs are not real (HPC_DL_LABS_FAKE_GPUS=1): every job ran on the CPU
+    if job.job["gpus_per_node"]:  # the header saw Slurm's GPU allocation: on a real cluster it would ask for cuda
+        assert "== note: HPC_DL_LABS_FAKE_GPUS=1 (the test cluster): the allocated GPU(s) are not real" in log
     loaded = load_records(job.results_dir)
     assert not loaded.errors, loaded.errors
     assert loaded.records, f"{site}/{script}: no result record in {job.results_dir}\n{log[-3000:]}"
