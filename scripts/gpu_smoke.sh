@@ -116,8 +116,9 @@ TINY_LAB03=(--device cuda --models resnet18 --image-size 64 -b 8 -w 2 -n 3 --che
 
 run_gpu_check() { t_out "$DIR/gpu_check.json" "$PYTHON" "$CH04"/gpu_check.py --json; }
 run_pytorch_basics() { t "$PYTHON" "$CH04"/pytorch_basics.py --device cuda --size 2048 --repeats 3 --results-dir "$DIR"; }
-run_ch04() {  # fp32|fp16|bf16: one epoch with a checkpoint, then resumed to two
-    local args=(--device cuda --amp "$1" --max-steps 6 --num-workers 0 --checkpoint "$DIR/ck.pt" --results-dir "$DIR")
+run_ch04() {  # fp32|fp16|bf16: one epoch with a checkpoint, then resumed to two (deterministic, as the jobs run)
+    local args=(--device cuda --amp "$1" --max-steps 6 --num-workers 0 --checkpoint "$DIR/ck.pt" --deterministic
+                --results-dir "$DIR")
     t "$PYTHON" "$CH04"/mnist_training.py "${args[@]}" --epochs 1 &&
         t "$PYTHON" "$CH04"/mnist_training.py "${args[@]}" --epochs 2 --resume
 }

@@ -228,6 +228,7 @@ def check_amp_training(run: Run) -> list[str]:
         problems += [f"{row.get('precision')}: speed-up {row.get('speedup_vs_fp32')!r}" for row in runs
                      if not isinstance(row.get("speedup_vs_fp32"), (int, float))]
     fp32_runs, more = records_of(run, "fp32")
+    problems += in_log(run, "fp32 baseline maths: ieee matmuls, ieee convolutions")
     return problems + more + fp32_math(fp32_runs + records) + on_cuda(run.records) + allocator_memory(fp32_runs)
 
 

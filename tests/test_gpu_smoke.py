@@ -214,6 +214,7 @@ def good_run(check: str, folder: Path) -> None:
             "world_size": GPUS, "memory": memory(GPUS), "parameters_identical": True,
             "replica_digests": [{"parameters": "ab", "buffers": "cd"}] * GPUS})
     elif check == "amp_training":
+        (folder / "log.txt").write_text("fp32 baseline maths: ieee matmuls, ieee convolutions (ieee: real fp32)\n")
         for precision in ("fp32", "fp16", "bf16"):
             record(folder, precision, lab="ch04")
         record(folder, "amp-comparison", lab="ch04", metrics={"runs": [

@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print("speed-up = samples/s of the precision / samples/s of fp32 (timed steps after warm-up); "
           "Δ acc = test accuracy minus fp32's, in percentage points")
+    if device.type == "cuda":  # is the baseline real fp32, or half TF32? (common.device.resolve_device decides)
+        print("fp32 baseline maths: {matmul} matmuls, {cudnn_conv} convolutions (ieee: real fp32; tf32: tensor "
+              "cores)".format(**records[BASELINE]["provenance"].get("fp32_math", {"matmul": "?", "cudnn_conv": "?"})))
 
     record = make_record(
         lab="ch04", script=SCRIPT, method="amp-comparison",
