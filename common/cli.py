@@ -2,8 +2,10 @@
 
 ``add_common_args(parser)`` adds ``--device --seed --epochs --batch-size --max-steps --dry-run
 --data-dir --results-dir --num-workers`` with the same names and meaning everywhere; a script passes
-its own defaults. It also accepts (and ignores) the ``--local-rank`` that ``torch.distributed.launch``
-passes. Argument types reject bad values with one clear argparse error line.
+its own defaults; a script that does not train (a benchmark) takes ``add_run_args(parser)``, the
+``--device --seed --dry-run --results-dir`` part. Both also accept (and ignore) the ``--local-rank``
+that ``torch.distributed.launch`` passes. Argument types reject bad values with one clear argparse
+error line.
 
 This module must not import torch.
 """
@@ -137,6 +139,33 @@ def accept_launcher_local_rank(parser: argparse.ArgumentParser) -> argparse.Argu
     return parser
 
 
+def add_run_args(
+    parser: argparse.ArgumentParser,
+    *,
+    seed: int = 1,
+    results_dir: str = "results",
+    dry_run: str = "one epoch of two steps: checks that everything runs",
+) -> argparse._ArgumentGroup:
+    """Add the flags of every script, training or not: ``--device --seed --dry-run --results-dir``.
+
+    A script that does not train (a benchmark) takes these alone; :func:`add_common_args` adds the
+    training flags to the same group. ``dry_run`` says what ``--dry-run`` does in this script. The
+    helps name their defaults through ``%(default)s``, so they read the same with or without
+    ``argparse.ArgumentDefaultsHelpFormatter``. Also switches the parser to :func:`one_line_errors`
+    and accepts the ``--local-rank`` of the old launcher.
+    """
+    one_line_errors(parser)
+    group = parser.add_argument_group("common options (same in every script)")
+    group.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                       help="where to run: auto picks cuda when a GPU is visible (default: %(default)s)")
+    group.add_argument("--seed", type=int, default=seed, help="random seed (default: %(default)s)")
+    group.add_argument("--dry-run", action="store_true", help=f"{dry_run} (default: %(default)s)")
+    group.add_argument("--results-dir", type=output_dir, default=results_dir,
+                       help="folder where the result records are written (default: %(default)s)")
+    accept_launcher_local_rank(parser)
+    return group
+
+
 def add_common_args(
     parser: argparse.ArgumentParser,
     *,
@@ -147,31 +176,22 @@ def add_common_args(
     results_dir: str = "results",
     num_workers: int | None = None,
 ) -> argparse.ArgumentParser:
-    """Add the flags every script shares, with the script's own defaults shown in ``--help``.
+    """Add the flags every training script shares, with the script's own defaults shown in ``--help``.
 
-    Also switches the parser to :func:`one_line_errors`.
+    Those of :func:`add_run_args`, then ``--epochs --batch-size --max-steps --data-dir --num-workers``.
     """
-    one_line_errors(parser)
-    group = parser.add_argument_group("common options (same in every script)")
-    group.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                       help="where to run: auto picks cuda when a GPU is visible (default: %(default)s)")
-    group.add_argument("--seed", type=int, default=seed, help="random seed (default: %(default)s)")
+    group = add_run_args(parser, seed=seed, results_dir=results_dir)
     group.add_argument("--epochs", type=positive_int, default=epochs,
                        help="number of epochs to train (default: %(default)s)")
     group.add_argument("--batch-size", type=positive_int, default=batch_size,
                        help="samples per step on each process (default: %(default)s)")
     group.add_argument("--max-steps", type=positive_int, default=None,
                        help="stop each epoch after this many steps, for tiny runs (default: whole epoch)")
-    group.add_argument("--dry-run", action="store_true",
-                       help="one epoch of two steps: checks that everything runs (default: off)")
     group.add_argument("--data-dir", type=Path, default=Path(data_dir),
                        help="folder holding downloaded data sets (default: %(default)s)")
-    group.add_argument("--results-dir", type=output_dir, default=results_dir,
-                       help="folder where the result record is written (default: %(default)s)")
     workers = default_num_workers() if num_workers is None else num_workers
     group.add_argument("--num-workers", type=non_negative_int, default=workers,
                        help="DataLoader worker processes; from SLURM_CPUS_PER_TASK when set (default: %(default)s)")
-    accept_launcher_local_rank(parser)
     return parser
 
 

@@ -239,8 +239,11 @@ def test_lab03_compile_resets_dynamo_per_configuration_and_records_whether_it_co
     import torch
     import torch._dynamo  # already imported with torchvision, which uses it
 
+    from torch._dynamo.utils import counters
+
     from common.distributed import DistContext
     from common.launch import LaunchInfo
+    from labs.lab03_precision_benchmark.lab03_shared import RECOMPILE_LIMIT_HIT, compile_outcome
 
     bench = load_script("labs/lab03_precision_benchmark/benchmark_models.py")
     # The eager backend: dynamo captures graphs (what is checked) without a C++ compiler (what CI lacks).
@@ -259,16 +262,16 @@ def test_lab03_compile_resets_dynamo_per_configuration_and_records_whether_it_co
     for dtype in (torch.float32, torch.float64):  # no reset in between: the second is past the limit
         compiled = torch.compile(bench.make_model(base, "fp32", cpu, False).to(dtype))
         compiled(images.to(dtype))
-    missed = bench.compile_outcome()
+    missed = compile_outcome(counters)
     assert missed["compiled"] is False and missed["recompile_limit_hits"] >= 1
     ctx = DistContext(launch=LaunchInfo("single", 0, 0, 1, 0, None, None), device=cpu)
     timer, memory, _ = bench.time_mode("inference", base, images, labels, "fp32", cpu, args, False)
     check = {**bench.compare_losses([2.3], [2.3]), "scaler_skipped_steps": 0}
-    bench.Output(args, ctx, "single").measured("resnet18", "inference", "fp32", timer, memory, check, 10**6, missed)
+    bench.Output(args, ctx).measured("resnet18", "inference", "fp32", timer, memory, check, 10**6, missed)
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
     assert record["metrics"]["compile"] == missed
     assert any(note.startswith("NOT COMPILED") and "eager" in note for note in record["notes"])
-    assert bench.RECOMPILE_LIMIT_HIT.search("cache_size_limit reached")  # the older releases' words
+    assert RECOMPILE_LIMIT_HIT.search("cache_size_limit reached")  # the older releases' words
 
 
 # --------------------------------------------------------------------------------------------

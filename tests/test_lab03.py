@@ -10,7 +10,8 @@ What is checked, from real runs:
   (bfloat16 really was used) but stays inside the 5% tolerance, and a precision over the tolerance is
   flagged in the record, the notes and the summary CSV;
 - a clear one-line error for unknown model names and for an image size a model cannot take;
-- ``-g 2`` runs DDP in two spawned Gloo processes and the record says so;
+- ``-g 2`` runs the torchrun command it prints (DDP in two Gloo processes) and the record says so; ``-g``
+  that cannot work (more processes than GPUs, or another count than the launcher's) is one error line;
 - the report renders the lab's precision section from the records.
 
 Why 64x64 and not 32x32: at 32x32 ResNet's last stage is 1x1 pixels, so its BatchNorm normalises
@@ -25,6 +26,8 @@ import contextlib
 import csv
 import io
 import math
+import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -209,22 +212,54 @@ def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, argv, 
 
 
 def test_two_processes_run_ddp_on_the_cpu(tmp_path):
-    """-g 2 on a CPU: two Gloo processes spawned by the script, DDP in training; rank 0 writes."""
+    """-g 2 on a CPU: torchrun starts two Gloo processes, DDP in training; rank 0 writes."""
     result = run_script(SCRIPT, "--device", "cpu", "-g", "2", "--models", "resnet18", "--image-size", "32",
                         "-b", "2", "-w", "1", "-n", "2", "--check-steps", "1", "--precisions", "fp32",
                         "--modes", "train", "--folder", str(tmp_path / "csv"),
                         "--results-dir", str(tmp_path / "records"), timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "spawning 2 processes" in result.stdout and "2 process(es) with DDP" in result.stdout
+    assert f"-g 2: running torchrun --standalone --nproc_per_node=2 {REPO / SCRIPT} --device cpu -g 2" in result.stdout
+    assert "2 process(es) with DDP" in result.stdout
     (record,) = records_by_method(tmp_path / "records")["train-fp32"]
     assert record["config"]["parallel"] == "ddp" and record["metrics"]["world_size"] == 2
     assert record["metrics"]["global_batch_size"] == 4
     distributed = record["provenance"]["distributed"]
     assert distributed["backend"] == "gloo" and distributed["world_size"] == 2
-    assert distributed["launcher"] == "torch.multiprocessing.spawn"
+    assert distributed["launcher"] == "torchrun"  # the ranks saw torchrun's variables
     assert record["notes"] == ["2 DDP processes: the times are rank 0's"]
     rows = read_csv(tmp_path / "csv" / "cpu_2_procs_fp32_model_train_benchmark.csv")
     assert rows[0] == ["resnet18"] and len(rows) == 3
+
+
+def test_g_runs_the_torchrun_command_it_prints_or_is_one_error_line(monkeypatch, capsys, tmp_path):
+    """-g N from plain python: the printed torchrun command is what runs, its exit status is the script's.
+    -g that cannot work fails before anything starts: more processes than GPUs, or -g against a launcher."""
+    import subprocess
+
+    import torch
+
+    started = []
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(subprocess, "run", lambda command, env: started.append((command, env)) or
+                        subprocess.CompletedProcess(command, returncode=3))
+    argv = ["-g", "4", "--device", "cpu", "--models", "resnet18", "--image-size", "32", "--results-dir", str(tmp_path)]
+    assert run_main(SCRIPT, argv) == 3
+    ((command, env),) = started
+    printed = capsys.readouterr().out.strip()
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]  # torchrun, from this Python
+    assert printed == "-g 4: running " + shlex.join(["torchrun", *command[3:]])
+    assert command[3:] == ["--standalone", "--nproc_per_node=4", str(REPO / SCRIPT), *argv]
+    assert int(env["OMP_NUM_THREADS"]) == max(1, torch.get_num_threads() // 4)  # the cores shared out
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert run_main(SCRIPT, [*argv[:2], "--device", "cuda", *argv[4:]]) == 2
+    assert "error: 4 processes on this node but only 2 GPU(s) visible" in capsys.readouterr().err
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    assert run_main(SCRIPT, argv) == 2
+    assert capsys.readouterr().err == "error: -g 4 but torchrun started 2 processes; under a launcher leave -g out\n"
+    assert len(started) == 1 and not any(tmp_path.iterdir())
 
 
 def test_report_renders_the_precision_section(cpu_run, tmp_path):
@@ -268,16 +303,21 @@ def test_shared_rules_without_torch():
 
 
 def test_flags_are_the_seeds_plus_the_labs_and_say_their_defaults():
-    parser = load_script(SCRIPT).build_parser()
+    script = load_script(SCRIPT)
+    parser = script.build_parser()
     options = {option: action for action in parser._actions for option in action.option_strings}
     for flag in ("--folder", "-w", "--warmup", "-n", "--num-iters", "-b", "--batch-size", "-g", "--num-gpus",
                  "--models", "--modes", "--precisions", "--channels-last", "--compile", "--image-size", "--device",
                  "--results-dir", "--seed", "--dry-run", "--check-steps", "--loss-tolerance"):
         assert flag in options, flag
+    formatter = parser._get_formatter()  # what --help prints for each flag, default included
     for action in set(options.values()):
         if action.dest != "help" and action.help != argparse.SUPPRESS:  # hidden: torch.distributed.launch's --local-rank
-            assert "(default" in action.help, action.dest
-    assert parser.parse_args([]).models.split(",") == list(shared().SEED_MODELS)
+            help_text = formatter._get_help_string(action) % {"default": action.default}
+            assert help_text.count("(default: ") == 1 and "(default: None)" not in help_text, (action.dest, help_text)
+    assert "(default: resnet18, resnet34, resnet50," in " ".join(parser.format_help().split())
+    args = script.parse_args([])
+    assert args.models == list(shared().SEED_MODELS) and args.precisions == list(shared().PRECISIONS)
 
 
 def test_container_definition_installs_the_course_dependencies():

@@ -4,8 +4,8 @@
 Usage:
     python labs/lab03_precision_benchmark/benchmark_models.py --folder a100 -w 10 -n 5 -b 12 -g 1  # the seed's
     python labs/lab03_precision_benchmark/benchmark_models.py --device cpu --models resnet18 --image-size 64 -b 4
-    python labs/lab03_precision_benchmark/benchmark_models.py -g 2 --models resnet50   # DDP, 2 processes it spawns
     torchrun --standalone --nproc_per_node=4 labs/lab03_precision_benchmark/benchmark_models.py --models resnet50
+    python labs/lab03_precision_benchmark/benchmark_models.py -g 4 --models resnet50   # the same: runs that torchrun
     sbatch a100.sbatch   # rendered from sbatch/a100.sbatch.j2 (also dgx2, container): see the README
 
 What it teaches: the same model at fp64, fp32, tf32, half, amp-fp16 and amp-bf16, timed honestly
@@ -16,12 +16,14 @@ is flagged. Speed without that check can hide a model that no longer learns.
 
 Differences from the seed's ``benchmark_models.py``: a training iteration includes the optimiser step
 (SGD with momentum); the batch stays on the device (this times the model, not host-to-device copies);
-``-g N`` runs DDP with one process per GPU and ``-b`` per process, not DataParallel; precisions the
-device cannot run are skipped with the reason, in the summary CSV and in the records.
+several GPUs run DDP with one process per GPU and ``-b`` per process, not DataParallel: under
+``torchrun`` or ``srun``, or with the seed's ``-g N``, which prints the ``torchrun`` command and runs
+it; precisions the device cannot run are skipped with the reason, in the summary CSV and the records.
 
-Output: in ``--folder``, the seed's CSV layout (one file per mode and precision, a column per model,
-a row per timed iteration, milliseconds per batch) plus ``<tag>_summary.csv``; in ``--results-dir``,
-one result record per model, mode and precision (lab ``lab03``, method ``<mode>-<precision>``).
+Output (``lab03_shared.Output``): in ``--folder``, the seed's CSV layout (one file per mode and
+precision, a column per model, a row per timed iteration, milliseconds per batch) plus
+``<tag>_summary.csv``; in ``--results-dir``, one result record per model, mode and precision (lab
+``lab03``, method ``<mode>-<precision>``).
 """
 
 from __future__ import annotations
@@ -29,89 +31,72 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import platform
-import re
+import shlex
+import subprocess
 import sys
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch._dynamo.utils import counters as dynamo_counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import amp
-from common.cli import (accept_launcher_local_rank, config_dict, non_negative_int, output_dir, positive_float,
-                        positive_int)
+from common.cli import add_run_args, non_negative_int, output_dir, positive_float, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.distributed import DistContext, init_distributed, print0, teardown_distributed
 from common.errors import UserError, run_main
-from common.launch import detect_launch, free_port
+from common.launch import detect_launch
 from common.models import build_model, zoo_models
-from common.results import fp32_math_info, make_record, provenance, write_record, write_text_atomic
-from common.timing import StepTimer, peak_memory, reset_peak_memory, scaled
+from common.timing import StepTimer, peak_memory, reset_peak_memory
 from labs.lab03_precision_benchmark.lab03_shared import (
-    DEFAULT_LOSS_TOLERANCE, LAB, MODES, NUM_CLASSES, PRECISIONS, SCRIPT, SEED_MODELS, compare_losses, csv_name,
-    device_tag, iterations_csv, parse_list, peak_tflops, summary_csv, unsupported_reason,
+    DEFAULT_LOSS_TOLERANCE, MODES, MOMENTUM, NUM_CLASSES, PRECISIONS, SEED_MODELS, Output, compare_losses,
+    compile_outcome, parse_list, unsupported_reason,
 )
 
 #: Precisions that cast the whole model; the others keep float32 weights.
 WEIGHT_DTYPES = {"fp64": torch.float64, "half": torch.float16}
 #: Precisions that autocast, by their name in common.amp.
 AUTOCAST = {"amp-fp16": "fp16", "amp-bf16": "bf16"}
-MOMENTUM = 0.9
-#: How dynamo names giving up on a function after too many recompilations (older releases: cache_size_limit).
-RECOMPILE_LIMIT_HIT = re.compile(r"(recompile|cache.size).{0,3}limit", re.IGNORECASE)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # --help shows defaults
     seed_flags = parser.add_argument_group("the seed's flags")
-    seed_flags.add_argument("--folder", type=output_dir, default="results/lab03_csv",
-                            help="folder for the CSV files (default: %(default)s)")
+    seed_flags.add_argument("--folder", type=output_dir, default="results/lab03_csv", help="folder for the CSV files")
     seed_flags.add_argument("-w", "--warmup", type=non_negative_int, default=10,
-                            help="iterations run but not timed: cuDNN autotuning, allocator growth, "
-                                 "torch.compile (default: %(default)s)")
+                            help="iterations run but not timed: cuDNN autotuning, allocator growth, torch.compile")
     seed_flags.add_argument("-n", "--num-iters", type=positive_int, default=20,
-                            help="timed iterations per model, mode and precision (default: %(default)s)")
+                            help="timed iterations per model, mode and precision")
     seed_flags.add_argument("-b", "--batch-size", type=positive_int, default=12,
-                            help="images per iteration on each process (default: %(default)s)")
+                            help="images per iteration on each process")
     seed_flags.add_argument("-g", "--num-gpus", type=positive_int, default=1,
-                            help="processes, one per GPU; above 1 the model is trained with DDP (on a CPU: "
-                                 "Gloo processes sharing the cores) (default: %(default)s)")
+                            help="processes, one per GPU, training with DDP: above 1 this command runs under torchrun "
+                                 "--nproc_per_node=N (on a CPU: Gloo processes); under torchrun or srun leave it out")
     what = parser.add_argument_group("what to measure")
-    what.add_argument("--models", default=",".join(SEED_MODELS),
-                      help="comma-separated torchvision classification models (default: the seed's nine)")
-    what.add_argument("--modes", default=",".join(MODES), help="train, inference or both (default: %(default)s)")
-    what.add_argument("--precisions", default=",".join(PRECISIONS),
-                      help=f"comma-separated, from: {', '.join(PRECISIONS)} (default: all)")
+    what.add_argument("--models", default=", ".join(SEED_MODELS),
+                      help="comma-separated torchvision classification models; the default is the seed's nine")
+    what.add_argument("--modes", default=", ".join(MODES), help="train, inference or both")
+    what.add_argument("--precisions", default=", ".join(PRECISIONS), help="comma-separated, any of the default's")
     what.add_argument("--image-size", type=positive_int, default=224,
-                      help="side of the square input images; tiny runs use 32-64 (default: %(default)s)")
+                      help="side of the square input images; tiny runs use 32-64")
     what.add_argument("--channels-last", action="store_true",
-                      help="NHWC memory format, which tensor-core convolutions prefer (default: off)")
+                      help="NHWC memory format, which tensor-core convolutions prefer")
     what.add_argument("--compile", action="store_true",
-                      help="torch.compile the model; compilation happens in the warm-up iterations (default: off)")
+                      help="torch.compile the model; compilation happens in the warm-up iterations")
     check = parser.add_argument_group("correctness check against fp32")
     check.add_argument("--check-steps", type=positive_int, default=3,
-                       help="training steps from the same weights on the same batch (default: %(default)s)")
+                       help="training steps from the same weights on the same batch")
     check.add_argument("--loss-tolerance", type=positive_float, default=DEFAULT_LOSS_TOLERANCE,
                        help="flag a precision whose loss after the check steps is off fp32's by more than this "
-                            "fraction of the initial loss (default: %(default)s)")
+                            "fraction of the initial loss")
     check.add_argument("--lr", type=positive_float, default=0.01,
-                       help=f"SGD learning rate (momentum {MOMENTUM}) for the check and the timed training "
-                            "(default: %(default)s)")
-    common = parser.add_argument_group("common options (same in every script)")
-    common.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="where to run: auto picks cuda when a GPU is visible (default: %(default)s)")
-    common.add_argument("--seed", type=int, default=1, help="random seed of weights and batch (default: %(default)s)")
-    common.add_argument("--results-dir", type=output_dir, default="results",
-                        help="folder where the result records are written (default: %(default)s)")
-    common.add_argument("--dry-run", action="store_true",
-                        help="-w 1 -n 2 --check-steps 2: checks that everything runs (default: off)")
-    accept_launcher_local_rank(parser)  # python -m torch.distributed.launch passes --local-rank
+                       help=f"SGD learning rate (momentum {MOMENTUM}) for the check and the timed training")
+    add_run_args(parser, dry_run="-w 1 -n 2 --check-steps 2: checks that everything runs")
     return parser
 
 
@@ -126,16 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------------------------
-# What a precision changes: the weights' dtype, TF32 on or off, and the autocast context
-
-
-def set_tf32(enabled: bool) -> None:
-    """Let cuDNN convolutions and cuBLAS matmuls use TF32 tensor cores (Ampere and newer), or not.
-
-    PyTorch turns TF32 on for convolutions by default, so "float32" on an A100 is TF32 unless it is
-    switched off: the fp32 rows of this benchmark switch it off, the tf32 rows on.
-    """
-    amp.set_fp32_math("tf32" if enabled else "ieee")
+# What a precision changes: the weights' dtype, TF32 on or off (see benchmark), and the autocast context
 
 
 def forward_context(precision: str, device: torch.device) -> AbstractContextManager:
@@ -146,9 +122,7 @@ def forward_context(precision: str, device: torch.device) -> AbstractContextMana
 def make_model(base: torch.nn.Module, precision: str, device: torch.device, channels_last: bool) -> torch.nn.Module:
     """A copy of ``base`` (the same initial weights for every precision) cast and placed for ``precision``."""
     model = copy.deepcopy(base).to(device=device, dtype=WEIGHT_DTYPES.get(precision, torch.float32))
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    return model
+    return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
 def make_inputs(images: torch.Tensor, precision: str, channels_last: bool) -> torch.Tensor:
@@ -203,10 +177,9 @@ def time_inference(model, images, precision, device, args) -> StepTimer:
 def check_losses(base, images, labels, precision, device, args) -> tuple[list[float], int]:
     """The loss at each of ``--check-steps`` training steps from ``base``'s weights on one batch.
 
-    The same for every precision: same initial weights, same batch, same optimiser. Run apart from
-    the timing, on the plain model (no DDP, no compile), so only the precision differs. Also returns
-    how many steps amp-fp16's GradScaler skipped (inf/NaN gradients at its scale: the weights stay
-    put for that step, which alone moves the loss away from fp32's).
+    The same initial weights, batch and optimiser for every precision, on the plain model (no DDP, no
+    compile), so only the precision differs. Also how many steps amp-fp16's GradScaler skipped
+    (inf/NaN gradients at its scale: the weights stay put, which alone moves the loss from fp32's).
     """
     model = make_model(base, precision, device, args.channels_last).train()
     optimizer, scaler = make_optimizer(model, precision, device, args)
@@ -255,29 +228,16 @@ def compile_fresh(model: torch.nn.Module) -> torch.nn.Module:
     """``torch.compile(model)`` after resetting dynamo, so this configuration gets its own compile budget.
 
     The ResNet family shares ``ResNet.forward``: without a reset, the models x precisions x modes of
-    one run are all recompilations of that one function, and past dynamo's recompile limit (8) the
-    rest silently run eager while labelled compiled (``TORCH_LOGS=recompiles`` shows it).
+    one run are all recompilations of that one function, and past dynamo's recompile limit (8) the rest
+    silently run eager while labelled compiled (``TORCH_LOGS=recompiles`` shows it, and ``compile_outcome``).
     """
-    from torch._dynamo.utils import counters
-
     torch._dynamo.reset()
-    counters.clear()
+    dynamo_counters.clear()
     return torch.compile(model)
 
 
-def compile_outcome() -> dict[str, Any]:
-    """Did the configuration just timed really run compiled? Graphs dynamo captured, recompile-limit hits."""
-    from torch._dynamo.utils import counters
-
-    graphs = int(counters["stats"]["unique_graphs"])
-    limit_hits = sum(count for reason, count in counters["unimplemented"].items() if RECOMPILE_LIMIT_HIT.search(reason))
-    return {"compiled": graphs > 0 and limit_hits == 0, "graphs": graphs, "recompile_limit_hits": limit_hits}
-
-
-def time_mode(mode, base, images, labels, precision, device, args,
-              distributed) -> tuple[StepTimer, dict[str, Any], dict[str, Any] | None]:
-    """Time ``mode`` on a fresh copy of ``base``; returns the timer, the peak memory and (with
-    ``--compile``) whether compilation really happened."""
+def time_mode(mode, base, images, labels, precision, device, args, distributed) -> tuple[StepTimer, dict, dict | None]:
+    """Time ``mode`` on a fresh copy of ``base``: the timer, the peak memory, with --compile whether it compiled."""
     model = make_model(base, precision, device, args.channels_last)
     inputs = make_inputs(images, precision, args.channels_last)
     reset_peak_memory(device)
@@ -288,36 +248,26 @@ def time_mode(mode, base, images, labels, precision, device, args,
     else:  # no gradients, so no DDP: each process infers on its own
         timer = time_inference(compile_fresh(model) if args.compile else model, inputs, precision, device, args)
     memory = peak_memory(device)
-    compilation = compile_outcome() if args.compile else None
+    compilation = compile_outcome(dynamo_counters) if args.compile else None
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the next precision starts from an empty allocator
     return timer, memory, compilation
 
 
-def run(args: argparse.Namespace, flops: dict[str, dict[str, int]], launcher: str) -> int:
-    ctx = init_distributed(args.device)
-    try:
-        return benchmark(args, flops, ctx, launcher)
-    finally:
-        teardown_distributed(ctx)
-
-
-def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: DistContext, launcher: str) -> int:
+def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: DistContext) -> int:
     device, distributed = ctx.device, ctx.world_size > 1
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # cuDNN tries its algorithms per shape, in the warm-up
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    out = Output(args, ctx, launcher)
+    out = Output(args, ctx)
     skipped = {p: r for p in args.precisions if (r := unsupported_reason(p, device.type, out.device_name, capability))}
     runnable = [p for p in args.precisions if p not in skipped]
     print0(f"lab03 precision benchmark | {describe(device)} | {ctx.world_size} process(es)"
            f"{' with DDP' if distributed else ''} | batch {args.batch_size} per process, "
            f"{args.image_size}x{args.image_size} | warm-up {args.warmup}, timed {args.num_iters}")
     for precision, reason in skipped.items():
-        print0(f"skipping {precision}: {reason}")
-        for mode in args.modes:
-            out.skipped(mode, precision, reason)
+        out.skipped(args.modes, precision, reason)
 
     for model_name in args.models:
         seed_everything(args.seed)  # the same initial weights and batch for every precision
@@ -325,10 +275,12 @@ def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: D
         generator = torch.Generator().manual_seed(args.seed)
         images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator).to(device)
         labels = torch.randint(0, NUM_CLASSES, (args.batch_size,), generator=generator).to(device)
-        set_tf32(False)
+        amp.set_fp32_math("ieee")
         reference, _ = check_losses(base, images, labels, "fp32", device, args)
         for precision in runnable:
-            set_tf32(precision == "tf32")
+            # PyTorch runs cuDNN convolutions on TF32 tensor cores (Ampere and newer) by default, so
+            # "float32" on an A100 is TF32 unless switched off: the fp32 rows switch it off, tf32 rows on.
+            amp.set_fp32_math("tf32" if precision == "tf32" else "ieee")
             done: list[str] = []
             try:
                 losses, skipped_steps = ((reference, 0) if precision == "fp32"
@@ -344,191 +296,42 @@ def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: D
             except RuntimeError as err:  # out of memory, or an operator without a kernel for this dtype
                 if distributed:
                     raise  # the other ranks would wait for this one forever: let the launcher stop them all
-                for mode in args.modes:
-                    if mode not in done:
-                        out.failed(model_name, mode, precision, f"{type(err).__name__}: {str(err).splitlines()[0]}")
+                out.failed(model_name, [mode for mode in args.modes if mode not in done], precision, err)
         out.write_csvs()  # after every model, so a job that runs out of time keeps what it measured
-    set_tf32(False)
+    amp.set_fp32_math("ieee")
     return out.finish()
 
 
-class Output:
-    """What a run writes (on rank 0 only): a record per result, the seed's CSVs, the summary CSV."""
-
-    def __init__(self, args: argparse.Namespace, ctx: DistContext, launcher: str) -> None:
-        self.args, self.ctx = args, ctx
-        self.device = ctx.device
-        self.device_name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
-                            else platform.processor() or platform.machine())
-        self.tag = device_tag(self.device.type, self.device_name, ctx.world_size)
-        distributed = {"distributed": {**ctx.describe(), "launcher": launcher}} if ctx.world_size > 1 else None
-        self.provenance = provenance(self.device, ctx.world_size, distributed)
-        self.ms_by_run: dict[tuple[str, str], dict[str, list[float]]] = {}
-        self.rows: list[dict[str, Any]] = []
-        self.records = self.failures = 0
-
-    def _record(self, mode: str, precision: str, model: str | None, metrics: dict[str, Any], *,
-                status: str = "ok", notes: list[str]) -> None:
-        if not self.ctx.is_main:
-            return
-        args, world = self.args, self.ctx.world_size
-        config = config_dict(args, model=model, mode=mode, precision=precision, precision_meaning=PRECISIONS[precision],
-                             resolved_device=str(self.device), parallel="ddp" if world > 1 else "none",
-                             world_size=world, global_batch_size=args.batch_size * world,
-                             image_shape=[3, args.image_size, args.image_size], num_classes=NUM_CLASSES,
-                             optimizer=f"SGD(lr={args.lr}, momentum={MOMENTUM})")
-        # The fp32 maths changes with the precision (TF32 on for the tf32 rows only): read it per record.
-        write_record(make_record(lab=LAB, script=SCRIPT, method=f"{mode}-{precision}", status=status, notes=notes,
-                                 config=config, metrics={"world_size": world, **metrics},
-                                 provenance={**self.provenance, "fp32_math": fp32_math_info(self.device)}),
-                     args.results_dir)
-        self.records += 1
-
-    def skipped(self, mode: str, precision: str, reason: str) -> None:
-        """One record per mode and precision: the reason is the device's, not a model's."""
-        self._record(mode, precision, None, {"skip_reason": reason}, status="skipped", notes=[reason])
-        self.rows += [{"mode": mode, "precision": precision, "model": model, "status": "skipped", "reason": reason}
-                      for model in self.args.models]
-
-    def failed(self, model: str, mode: str, precision: str, reason: str) -> None:
-        self.failures += 1
-        print0(f"{model:<18} {mode:<9} {precision:<9} FAILED: {reason}")
-        self._record(mode, precision, model, {}, status="failed", notes=[reason])
-        self.rows.append({"mode": mode, "precision": precision, "model": model, "status": "failed", "reason": reason})
-
-    def measured(self, model: str, mode: str, precision: str, timer: StepTimer, memory: dict[str, Any],
-                 check: dict[str, Any], flops: int, compilation: dict[str, Any] | None = None) -> None:
-        world = self.ctx.world_size
-        step_time = timer.summary()
-        ms = {key: step_time[f"{key}_s"] * 1000 for key in ("median", "mean", "std", "min", "max")}
-        achieved = flops / (step_time["median_s"] * 1e12)  # per device: each process ran its own batch
-        peak, peak_source = peak_tflops(self.device.type, self.device_name, precision)
-        metrics = {
-            "ms_per_batch": ms,
-            "ms_per_batch_samples": [t * 1000 for t in timer.times],
-            "samples_per_s": scaled(step_time["samples_per_s"], world),
-            "global_batch_size": self.args.batch_size * world,
-            "step_time": step_time,
-            "flops_per_batch": flops,
-            "achieved_tflops": achieved,
-            "peak_tflops": peak,
-            "peak_tflops_source": peak_source,
-            "fraction_of_peak": achieved / peak if peak else None,
-            "loss_check": check,
-            "loss_diff_vs_fp32": check["abs_diff"],
-            "loss_relative_diff_vs_fp32": check["relative_diff"],
-            "diverged": check["diverged"],
-            "memory": [memory],
-            "compile": compilation,
-        }
-        # How the clock was read is in metrics.step_time.method; notes are for what needs attention.
-        notes = [f"{world} DDP processes: the times are rank 0's"] if world > 1 else []
-        if check["diverged"]:
-            notes.append(f"DIVERGED: {check['reason']}")
-        if compilation is not None and not compilation["compiled"]:
-            notes.append(f"NOT COMPILED: --compile was given but dynamo captured {compilation['graphs']} graph(s) and "
-                         f"hit its recompile limit {compilation['recompile_limit_hits']} time(s): these times are eager")
-        if check["scaler_skipped_steps"]:
-            notes.append(f"GradScaler skipped {check['scaler_skipped_steps']} of the {check['steps']} check steps "
-                         "(inf/NaN gradients), leaving the weights unchanged for them")
-        if precision == "half" and self.device.type == "cpu":
-            notes.append("float16 on a CPU without float16 arithmetic is converted to float32 inside each kernel: "
-                         "expect it slower than fp32")
-        self._record(mode, precision, model, metrics, notes=notes)
-        self.ms_by_run.setdefault((mode, precision), {})[model] = metrics["ms_per_batch_samples"]
-        self.rows.append({"mode": mode, "precision": precision, "model": model, "status": "ok",
-                          "ms_per_batch_median": ms["median"], "ms_per_batch_mean": ms["mean"],
-                          "ms_per_batch_std": ms["std"], "samples_per_s": metrics["samples_per_s"],
-                          "achieved_tflops": achieved, "peak_tflops": peak, "check_loss": check["loss"],
-                          "fp32_check_loss": check["fp32_loss"], "loss_relative_diff": check["relative_diff"],
-                          "diverged": check["diverged"], "reason": check["reason"]})
-        relative = "—" if check["relative_diff"] is None else f"{check['relative_diff']:.2%}"
-        share = f" = {achieved / peak:.0%} of {peak:g}" if peak else ""
-        print0(f"{model:<18} {mode:<9} {precision:<9} {ms['median']:9.2f} ms/batch (mean {ms['mean']:.2f} "
-               f"± {ms['std']:.2f}) | {metrics['samples_per_s']:8.1f} img/s | {achieved:7.3f} TFLOP/s{share} | "
-               f"loss {check['loss']:.4f}, fp32 {check['fp32_loss']:.4f} ({relative})"
-               f"{'  DIVERGED' if check['diverged'] else ''}"
-               f"{'  NOT COMPILED (eager)' if compilation is not None and not compilation['compiled'] else ''}")
-
-    def write_csvs(self) -> None:
-        if not self.ctx.is_main:
-            return
-        folder = self.args.folder
-        for (mode, precision), ms_by_model in self.ms_by_run.items():
-            write_text_atomic(iterations_csv(ms_by_model), folder / csv_name(self.tag, precision, mode))
-        write_text_atomic(summary_csv(self.rows), folder / f"{self.tag}_summary.csv")
-
-    def finish(self) -> int:
-        """Write the CSVs, print the seed-style table; exit status 1 when something failed."""
-        self.write_csvs()
-        if self.ctx.is_main:
-            print_table(self.rows, self.args.modes, self.args.precisions)
-            print(f"csv: {self.args.folder}/{self.tag}_*.csv | {self.records} record(s) in {self.args.results_dir}",
-                  flush=True)
-            if self.failures:
-                print(f"{self.failures} result(s) failed; their records say why", flush=True)
-        return 1 if self.failures else 0
-
-
-def print_table(rows: list[dict[str, Any]], modes: list[str], precisions: list[str]) -> None:
-    """Median ms/batch, model by precision, and the mean over the models as the seed's table gives it."""
-    for mode in modes:
-        ok = {(r["model"], r["precision"]): r["ms_per_batch_median"] for r in rows
-              if r["mode"] == mode and r["status"] == "ok"}
-        models = list(dict.fromkeys(r["model"] for r in rows if r["mode"] == mode))
-        print(f"\n{mode}: median ms/batch")
-        print(f"{'model':<18}" + "".join(f"{p:>10}" for p in precisions))
-        for model in models:
-            print(f"{model:<18}" + "".join(f"{ok[(model, p)]:10.2f}" if (model, p) in ok else f"{'—':>10}"
-                                           for p in precisions))
-        means = []
-        for p in precisions:
-            values = [ok[(m, p)] for m in models if (m, p) in ok]
-            means.append(f"{sum(values) / len(values):10.2f}" if len(values) == len(models) else f"{'—':>10}")
-        print(f"{'mean of models':<18}" + "".join(means), flush=True)
-
-
-# --------------------------------------------------------------------------------------------
-# Launching: plain python, one spawned process per GPU (-g N), or torchrun/srun
-
-
-def _spawned_worker(rank: int, args: argparse.Namespace, flops: dict[str, dict[str, int]], port: int,
-                    threads: int) -> None:
-    """One of the ``-g N`` processes: torchrun's variables, then the same code as under torchrun."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.num_gpus),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(threads)
-    status = run(args, flops, launcher="torch.multiprocessing.spawn")
-    if status:
-        sys.exit(status)
+def run_under_torchrun(args: argparse.Namespace, argv: list[str]) -> int:
+    """The seed's ``-g N`` from a plain ``python``: torchrun starts the N processes, as for every distributed
+    script of the course, and the command is printed, so it can be typed directly next time."""
+    resolve_device(args.device, local_world_size=args.num_gpus)  # more processes than GPUs: one error line, now
+    script = sys.argv[0] if Path(sys.argv[0]).resolve() == Path(__file__).resolve() else __file__  # as typed
+    torchrun = ["--standalone", f"--nproc_per_node={args.num_gpus}", script, *argv]
+    print(f"-g {args.num_gpus}: running torchrun {shlex.join(torchrun)}", flush=True)
+    # torchrun would give each process one CPU thread: share this process's cores out instead.
+    env = {"OMP_NUM_THREADS": str(max(1, torch.get_num_threads() // args.num_gpus)), **os.environ}
+    # python -m torch.distributed.run is torchrun, from this Python's environment.
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun], env=env).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     configure_threads()
     # Every model must take the image size before anything is timed (and the FLOPs are counted once).
     flops = {name: count_flops(name, args.batch_size, args.image_size) for name in args.models}
     launch = detect_launch()
-    if launch.world_size > 1:  # torchrun or srun started the processes
-        if args.num_gpus not in (1, launch.world_size):
-            raise UserError(f"-g {args.num_gpus} but {launch.launcher} started {launch.world_size} processes; "
-                            "under a launcher leave -g out")
-        return run(args, flops, launcher=launch.launcher)
-    if args.num_gpus == 1:
-        return run(args, flops, launcher="single")
-
-    device = resolve_device(args.device)
-    if device.type == "cuda" and torch.cuda.device_count() < args.num_gpus:
-        raise UserError(f"-g {args.num_gpus} but only {torch.cuda.device_count()} GPU(s) are visible")
-    # On a CPU the processes share the cores: split them, or every process starts one thread per core.
-    threads = torch.get_num_threads() if device.type == "cuda" else max(1, torch.get_num_threads() // args.num_gpus)
-    how = "one per GPU" if device.type == "cuda" else f"Gloo on the CPU, {threads} thread(s) each"
-    print(f"spawning {args.num_gpus} processes ({how})", flush=True)
+    if launch.world_size == 1 and args.num_gpus > 1:
+        return run_under_torchrun(args, argv)
+    if launch.world_size > 1 and args.num_gpus not in (1, launch.world_size):
+        raise UserError(f"-g {args.num_gpus} but {launch.launcher} started {launch.world_size} processes; "
+                        "under a launcher leave -g out")
+    ctx = init_distributed(args.device)
     try:
-        mp.spawn(_spawned_worker, args=(args, flops, free_port(), threads), nprocs=args.num_gpus, join=True)
-    except mp.ProcessExitedException as err:
-        return err.exit_code if err.exit_code and err.exit_code > 0 else 1
-    return 0
+        return benchmark(args, flops, ctx)
+    finally:
+        teardown_distributed(ctx)
 
 
 if __name__ == "__main__":

@@ -11,18 +11,23 @@ can use these without importing torch:
 - :func:`csv_name`, :func:`iterations_csv`, :func:`summary_csv`: the CSV layout of the seed's
   ``benchmark_models.py`` (one file per mode and precision, a column per model, a row per
   iteration, milliseconds per batch), plus one summary file that also lists what was skipped.
+- :class:`Output`: what a run writes and prints from what it measured (a record per result, those
+  CSVs, a line per result and the seed's table at the end), on rank 0 only.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import math
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
+from common.cli import config_dict
 from common.errors import UserError
 from common.gpu_peaks import gpu_peaks
+from common.results import fp32_math_info, make_record, provenance, write_record, write_text_atomic
 
 LAB = "lab03"
 SCRIPT = "labs/lab03_precision_benchmark/benchmark_models.py"
@@ -33,6 +38,8 @@ SEED_MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "re
 MODES = ("train", "inference")
 #: ImageNet's classes, as the seed's models had.
 NUM_CLASSES = 1000
+#: The optimiser's momentum, for the check and the timed training (SGD, as the seed's training).
+MOMENTUM = 0.9
 
 PRECISIONS: dict[str, str] = {
     "fp64": "float64 weights and inputs (model.double()): the seed's 'double'",
@@ -142,6 +149,21 @@ def compare_losses(losses: Sequence[float], reference: Sequence[float],
 
 
 # --------------------------------------------------------------------------------------------
+# --compile: did it really compile?
+
+#: How dynamo names giving up on a function after too many recompilations (older releases: cache_size_limit).
+RECOMPILE_LIMIT_HIT = re.compile(r"(recompile|cache.size).{0,3}limit", re.IGNORECASE)
+
+
+def compile_outcome(counters: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
+    """Did the configuration just timed run compiled? From dynamo's counters (``torch._dynamo.utils.counters``,
+    cleared before it compiled): the graphs dynamo captured, and how often it hit its recompile limit."""
+    graphs = int(counters["stats"]["unique_graphs"])
+    limit_hits = sum(count for reason, count in counters["unimplemented"].items() if RECOMPILE_LIMIT_HIT.search(reason))
+    return {"compiled": graphs > 0 and limit_hits == 0, "graphs": graphs, "recompile_limit_hits": limit_hits}
+
+
+# --------------------------------------------------------------------------------------------
 # CSV output
 
 
@@ -193,3 +215,156 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     return str(value)
+
+
+# --------------------------------------------------------------------------------------------
+# What a run writes and prints
+
+
+class Output:
+    """What a run writes, on rank 0 only: a record per result, the seed's CSVs, the summary CSV, the table.
+
+    ``ctx`` is the run's ``common.distributed.DistContext``, each ``timer`` a ``common.timing.StepTimer``
+    that has timed one model, mode and precision. The device's name comes from the records' provenance.
+    """
+
+    def __init__(self, args: argparse.Namespace, ctx: Any) -> None:
+        self.args, self.ctx, self.device = args, ctx, ctx.device
+        distributed = {"distributed": ctx.describe()} if ctx.world_size > 1 else None
+        self.provenance = provenance(self.device, ctx.world_size, distributed)
+        self.device_name = self.provenance["device"]["name"]
+        self.tag = device_tag(self.device.type, self.device_name, ctx.world_size)
+        self.ms_by_run: dict[tuple[str, str], dict[str, list[float]]] = {}
+        self.rows: list[dict[str, Any]] = []
+        self.records = self.failures = 0
+
+    def print(self, line: str) -> None:
+        if self.ctx.is_main:
+            print(line, flush=True)
+
+    def _record(self, mode: str, precision: str, model: str | None, metrics: dict[str, Any], *,
+                status: str = "ok", notes: list[str]) -> None:
+        if not self.ctx.is_main:
+            return
+        args, world = self.args, self.ctx.world_size
+        config = config_dict(args, model=model, mode=mode, precision=precision, precision_meaning=PRECISIONS[precision],
+                             resolved_device=str(self.device), parallel="ddp" if world > 1 else "none",
+                             world_size=world, global_batch_size=args.batch_size * world,
+                             image_shape=[3, args.image_size, args.image_size], num_classes=NUM_CLASSES,
+                             optimizer=f"SGD(lr={args.lr}, momentum={MOMENTUM})")
+        # The fp32 maths changes with the precision (TF32 on for the tf32 rows only): read it per record.
+        write_record(make_record(lab=LAB, script=SCRIPT, method=f"{mode}-{precision}", status=status, notes=notes,
+                                 config=config, metrics={"world_size": world, **metrics},
+                                 provenance={**self.provenance, "fp32_math": fp32_math_info(self.device)}),
+                     args.results_dir)
+        self.records += 1
+
+    def skipped(self, modes: Sequence[str], precision: str, reason: str) -> None:
+        """The device cannot run ``precision``: one record per mode (the reason is the device's, not a model's)."""
+        self.print(f"skipping {precision}: {reason}")
+        for mode in modes:
+            self._record(mode, precision, None, {"skip_reason": reason}, status="skipped", notes=[reason])
+            self.rows += [{"mode": mode, "precision": precision, "model": model, "status": "skipped", "reason": reason}
+                          for model in self.args.models]
+
+    def failed(self, model: str, modes: Sequence[str], precision: str, err: Exception) -> None:
+        """``model`` at ``precision`` raised ``err`` (out of memory, no kernel for a dtype) before ``modes`` ran."""
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+        for mode in modes:
+            self.failures += 1
+            self.print(f"{model:<18} {mode:<9} {precision:<9} FAILED: {reason}")
+            self._record(mode, precision, model, {}, status="failed", notes=[reason])
+            self.rows.append({"mode": mode, "precision": precision, "model": model, "status": "failed",
+                              "reason": reason})
+
+    def measured(self, model: str, mode: str, precision: str, timer: Any, memory: dict[str, Any],
+                 check: dict[str, Any], flops: int, compilation: dict[str, Any] | None = None) -> None:
+        world = self.ctx.world_size
+        step_time = timer.summary()
+        ms = {key: step_time[f"{key}_s"] * 1000 for key in ("median", "mean", "std", "min", "max")}
+        achieved = flops / (step_time["median_s"] * 1e12)  # per device: each process ran its own batch
+        peak, peak_source = peak_tflops(self.device.type, self.device_name, precision)
+        metrics = {
+            "ms_per_batch": ms,
+            "ms_per_batch_samples": [t * 1000 for t in timer.times],
+            "samples_per_s": step_time["samples_per_s"] * world,  # rank 0's rate; every rank ran a batch
+            "global_batch_size": self.args.batch_size * world,
+            "step_time": step_time,
+            "flops_per_batch": flops,
+            "achieved_tflops": achieved,
+            "peak_tflops": peak,
+            "peak_tflops_source": peak_source,
+            "fraction_of_peak": achieved / peak if peak else None,
+            "loss_check": check,
+            "loss_diff_vs_fp32": check["abs_diff"],
+            "loss_relative_diff_vs_fp32": check["relative_diff"],
+            "diverged": check["diverged"],
+            "memory": [memory],
+            "compile": compilation,
+        }
+        eager = compilation is not None and not compilation["compiled"]
+        # How the clock was read is in metrics.step_time.method; notes are for what needs attention.
+        notes = [f"{world} DDP processes: the times are rank 0's"] if world > 1 else []
+        if check["diverged"]:
+            notes.append(f"DIVERGED: {check['reason']}")
+        if eager:
+            notes.append(f"NOT COMPILED: --compile was given but dynamo captured {compilation['graphs']} graph(s) "
+                         f"and hit its recompile limit {compilation['recompile_limit_hits']} time(s): these times are "
+                         "eager")
+        if check["scaler_skipped_steps"]:
+            notes.append(f"GradScaler skipped {check['scaler_skipped_steps']} of the {check['steps']} check steps "
+                         "(inf/NaN gradients), leaving the weights unchanged for them")
+        if precision == "half" and self.device.type == "cpu":
+            notes.append("float16 on a CPU without float16 arithmetic is converted to float32 inside each kernel: "
+                         "expect it slower than fp32")
+        self._record(mode, precision, model, metrics, notes=notes)
+        self.ms_by_run.setdefault((mode, precision), {})[model] = metrics["ms_per_batch_samples"]
+        self.rows.append({"mode": mode, "precision": precision, "model": model, "status": "ok",
+                          "ms_per_batch_median": ms["median"], "ms_per_batch_mean": ms["mean"],
+                          "ms_per_batch_std": ms["std"], "samples_per_s": metrics["samples_per_s"],
+                          "achieved_tflops": achieved, "peak_tflops": peak, "check_loss": check["loss"],
+                          "fp32_check_loss": check["fp32_loss"], "loss_relative_diff": check["relative_diff"],
+                          "diverged": check["diverged"], "reason": check["reason"]})
+        relative = "—" if check["relative_diff"] is None else f"{check['relative_diff']:.2%}"
+        share = f" = {achieved / peak:.0%} of {peak:g}" if peak else ""
+        self.print(f"{model:<18} {mode:<9} {precision:<9} {ms['median']:9.2f} ms/batch (mean {ms['mean']:.2f} "
+                   f"± {ms['std']:.2f}) | {metrics['samples_per_s']:8.1f} img/s | {achieved:7.3f} TFLOP/s{share} | "
+                   f"loss {check['loss']:.4f}, fp32 {check['fp32_loss']:.4f} ({relative})"
+                   f"{'  DIVERGED' if check['diverged'] else ''}{'  NOT COMPILED (eager)' if eager else ''}")
+
+    def write_csvs(self) -> None:
+        if not self.ctx.is_main:
+            return
+        folder = self.args.folder
+        for (mode, precision), ms_by_model in self.ms_by_run.items():
+            write_text_atomic(iterations_csv(ms_by_model), folder / csv_name(self.tag, precision, mode))
+        write_text_atomic(summary_csv(self.rows), folder / f"{self.tag}_summary.csv")
+
+    def finish(self) -> int:
+        """Write the CSVs, print the seed-style table; exit status 1 when something failed."""
+        self.write_csvs()
+        if self.ctx.is_main:
+            print(seed_table(self.rows, self.args.modes, self.args.precisions), flush=True)
+        self.print(f"csv: {self.args.folder}/{self.tag}_*.csv | {self.records} record(s) in {self.args.results_dir}")
+        if self.failures:
+            self.print(f"{self.failures} result(s) failed; their records say why")
+        return 1 if self.failures else 0
+
+
+def seed_table(rows: Sequence[Mapping[str, Any]], modes: Sequence[str], precisions: Sequence[str]) -> str:
+    """Median ms/batch, model by precision, and the mean over the models as the seed's table gives it."""
+    lines = []
+    for mode in modes:
+        ok = {(r["model"], r["precision"]): r["ms_per_batch_median"] for r in rows
+              if r["mode"] == mode and r["status"] == "ok"}
+        models = list(dict.fromkeys(r["model"] for r in rows if r["mode"] == mode))
+        lines += ["", f"{mode}: median ms/batch", f"{'model':<18}" + "".join(f"{p:>10}" for p in precisions)]
+        for model in models:
+            lines.append(f"{model:<18}" + "".join(f"{ok[(model, p)]:10.2f}" if (model, p) in ok else f"{'—':>10}"
+                                                  for p in precisions))
+        means = []
+        for p in precisions:
+            values = [ok[(m, p)] for m in models if (m, p) in ok]
+            means.append(f"{sum(values) / len(values):10.2f}" if len(values) == len(models) else f"{'—':>10}")
+        lines.append(f"{'mean of models':<18}" + "".join(means))
+    return "\n".join(lines)
