@@ -121,13 +121,3 @@ def peak_memory(device: torch.device) -> dict[str, Any]:
                 "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
                 "source": "cuda_max_memory_allocated"}
     return {"device": "cpu", "peak_bytes": process_peak_rss_bytes(), "source": "process_max_rss"}
-
-
-def format_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from common import cli, launch, results
+from common import cli, cpus, launch, results
 
 # --------------------------------------------------------------------------------------------
 # launch: who started us (pure environment logic, no torch)
@@ -158,7 +158,8 @@ def test_provenance_carries_slurm_and_git(monkeypatch):
 
 
 def test_results_module_does_not_import_torch():
-    code = "import sys; import common.results, common.launch, common.cli, common.errors; print('torch' in sys.modules)"
+    modules = "common.results, common.launch, common.cli, common.cpus, common.units, common.atomic, common.errors"
+    code = f"import sys; import {modules}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(__import__('helpers').REPO)})
     assert out.stdout.strip() == "False"
@@ -180,10 +181,10 @@ def test_common_flags_and_defaults(monkeypatch):
 
 def test_allocation_is_capped_at_usable_cpus(monkeypatch):
     # A test cluster (or a node without cgroups) may claim 64 CPUs on a 2-core machine.
-    monkeypatch.setattr(cli, "usable_cpus", lambda: 2)
-    assert cli.allocated_cpus({"SLURM_CPUS_PER_TASK": "64"}) == 2
-    assert cli.default_num_workers({"SLURM_CPUS_PER_TASK": "64"}) == 1
-    assert cli.allocated_cpus({}) is None and cli.default_num_workers({}) == 2
+    monkeypatch.setattr(cpus, "usable_cpus", lambda: 2)
+    assert cpus.allocated_cpus({"SLURM_CPUS_PER_TASK": "64"}) == 2
+    assert cpus.default_num_workers({"SLURM_CPUS_PER_TASK": "64"}) == 1
+    assert cpus.allocated_cpus({}) is None and cpus.default_num_workers({}) == 2
 
 
 @pytest.mark.parametrize("flag", [["--batch-size", "0"], ["--epochs", "-1"], ["--batch-size", "abc"],

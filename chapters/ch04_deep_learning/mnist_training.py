@@ -44,7 +44,8 @@ from common.device import configure_threads, describe, resolve_device, seed_ever
 from common.errors import UserError, run_main
 from common.models import build_model
 from common.results import make_record, provenance, write_record
-from common.timing import StepTimer, format_bytes, peak_memory, reset_peak_memory
+from common.timing import StepTimer, peak_memory, reset_peak_memory
+from common.units import format_bytes
 
 SCRIPT = "chapters/ch04_deep_learning/mnist_training.py"
 

@@ -47,7 +47,8 @@ from common.distributed import (all_reduce_sum, any_rank, gather_objects, init_d
 from common.errors import run_main
 from common.models import build_model, parameter_digest
 from common.results import make_record, provenance, write_record
-from common.timing import StepTimer, format_bytes, peak_memory, reset_peak_memory
+from common.timing import StepTimer, peak_memory, reset_peak_memory
+from common.units import format_bytes
 
 SCRIPT = "chapters/ch04_deep_learning/multi_gpu_ddp.py"
 

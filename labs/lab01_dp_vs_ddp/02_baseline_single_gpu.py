@@ -34,7 +34,8 @@ from common.data import get_dataset, make_loader
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.errors import run_main
 from common.results import make_record, provenance, write_record
-from common.timing import StepTimer, format_bytes, peak_memory, reset_peak_memory
+from common.timing import StepTimer, peak_memory, reset_peak_memory
+from common.units import format_bytes
 from labs.lab01_dp_vs_ddp.lab01_shared import LAB, add_lab_args, build_lab_model, make_train_loader
 
 SCRIPT = "labs/lab01_dp_vs_ddp/02_baseline_single_gpu.py"

@@ -40,7 +40,8 @@ from common.data import get_dataset, make_loader
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
-from common.timing import StepTimer, format_bytes, peak_memory, reset_peak_memory
+from common.timing import StepTimer, peak_memory, reset_peak_memory
+from common.units import format_bytes
 from labs.lab01_dp_vs_ddp.lab01_shared import (LAB, add_lab_args, build_lab_model, check_gpu_ids, make_train_loader,
                                                parse_gpu_ids)
 

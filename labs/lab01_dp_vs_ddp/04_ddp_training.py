@@ -59,7 +59,8 @@ from common.distributed import (all_reduce_sum, any_rank, gather_objects, init_d
                                 teardown_distributed)
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
-from common.timing import StepTimer, format_bytes, peak_memory, reset_peak_memory
+from common.timing import StepTimer, peak_memory, reset_peak_memory
+from common.units import format_bytes
 from labs.lab01_dp_vs_ddp.lab01_shared import (LAB, add_lab_args, build_lab_model, has_batchnorm, make_train_loader,
                                                replica_digests)
 

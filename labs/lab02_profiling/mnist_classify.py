@@ -38,7 +38,8 @@ from common.device import configure_threads, describe, resolve_device, seed_ever
 from common.errors import run_main
 from common.models import MnistNet
 from common.results import make_record, provenance, write_record
-from common.timing import format_bytes, peak_memory, reset_peak_memory
+from common.timing import peak_memory, reset_peak_memory
+from common.units import format_bytes
 from labs.lab02_profiling import pipelines
 
 SCRIPT = "labs/lab02_profiling/mnist_classify.py"
