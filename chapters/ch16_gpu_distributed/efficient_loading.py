@@ -16,9 +16,9 @@ DataLoader options in one block. Here each is measured on its own:
 2. ``torch.backends.cudnn.benchmark``: on a GPU, the first step with it on tries several convolution
    algorithms (slow), later steps use the fastest. Only for fixed input shapes. Skipped on a CPU,
    where there is no cuDNN.
-3. DataLoader options on the seed's per-sample PIL pipeline (Lab-02's ``pipelines.py``): how fast
-   one epoch of batches arrives with 0, 1 and more workers, and with ``persistent_workers`` in the
-   second epoch. ``pin_memory`` only matters with a GPU. Lab-02's ``sweep.py`` measures the same
+3. DataLoader options on the seed's per-sample PIL pipeline (Lab-02's, in ``common/pipelines.py``):
+   how fast one epoch of batches arrives with 0, 1 and more workers, and with ``persistent_workers``
+   in the second epoch. ``pin_memory`` only matters with a GPU. Lab-02's ``sweep.py`` measures the same
    options inside real training, together with the pipelines that make most of them unnecessary.
 """
 
@@ -35,13 +35,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+from common import pipelines
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.errors import run_main
 from common.models import MnistNet
 from common.results import make_record, provenance, write_record
 from common.timing import time_function
-from labs.lab02_profiling import pipelines
 
 SCRIPT = "chapters/ch16_gpu_distributed/efficient_loading.py"
 

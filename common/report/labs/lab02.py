@@ -13,8 +13,8 @@ from typing import Any
 
 import pandas as pd
 
-from scripts.report.runs import get, number
-from scripts.report.sections import (
+from common.report.runs import get, number
+from common.report.sections import (
     Section, SectionContext, fmt_number, fmt_percent, fmt_rate, fmt_ratio, fmt_seconds, fmt_text, num,
     register_section, table_from_frame,
 )
@@ -46,7 +46,7 @@ def _sweep_rows(runs: pd.DataFrame) -> pd.DataFrame:
 def _sweep_figure(sweep: pd.DataFrame, title: str) -> Any:
     from matplotlib.figure import Figure as MplFigure
 
-    from scripts.report.plots import plain, png_figure
+    from common.report.plots import plain, png_figure
 
     ok = sweep[sweep["status"] == "ok"]
     labels = [plain(str(step)) for step in ok["step"]]

@@ -18,8 +18,8 @@ from matplotlib.figure import Figure as MplFigure  # noqa: E402  (after choosing
 
 import pandas as pd  # noqa: E402
 
-from scripts.report.checks import DDP_MIN_EFFICIENCY  # noqa: E402
-from scripts.report.sections import Figure, is_missing  # noqa: E402
+from common.report.checks import DDP_MIN_EFFICIENCY  # noqa: E402
+from common.report.sections import Figure, is_missing  # noqa: E402
 
 #: More bars than this make an unreadable plot; the tables still list every configuration.
 MAX_BARS = 40

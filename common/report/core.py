@@ -7,9 +7,9 @@ from typing import Any
 
 import pandas as pd
 
-from scripts.report.checks import DDP_MIN_EFFICIENCY, Finding, is_ddp, missing_baselines
-from scripts.report.runs import BASELINE_METHOD, SUMMARY_METRICS, get, number
-from scripts.report.sections import (
+from common.report.checks import DDP_MIN_EFFICIENCY, Finding, is_ddp, missing_baselines
+from common.report.runs import BASELINE_METHOD, SUMMARY_METRICS, get, number
+from common.report.sections import (
     MISSING, Cell, Row, Section, fmt_int, fmt_memory, fmt_number, fmt_percent, fmt_rate,
     fmt_ratio, fmt_seconds, fmt_text, is_missing, num, table_from_frame,
 )
@@ -113,7 +113,7 @@ def configurations_section(configs: pd.DataFrame) -> Section | None:
 
 
 def plots_section(configs: pd.DataFrame) -> Section | None:
-    from scripts.report import plots  # matplotlib is imported only when plots are wanted
+    from common.report import plots  # matplotlib is imported only when plots are wanted
 
     figures = [fig for fig in (plots.throughput_figure(configs), plots.memory_figure(configs),
                                plots.efficiency_figure(configs)) if fig is not None]

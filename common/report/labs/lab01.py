@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from scripts.report.runs import BASELINE_METHOD, get
-from scripts.report.sections import (
+from common.report.runs import BASELINE_METHOD, get
+from common.report.sections import (
     Section, SectionContext, fmt_bytes, fmt_int, fmt_number, fmt_ratio, fmt_text, num, register_section,
     table_from_frame,
 )
