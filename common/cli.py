@@ -1,4 +1,4 @@
-"""One set of command-line flags for every script (STYLE.md convention 3).
+"""One set of command-line flags for every script (docs/conventions.md, convention 3).
 
 ``add_common_args(parser)`` adds ``--device --seed --epochs --batch-size --max-steps --dry-run
 --data-dir --results-dir --num-workers`` with the same names and meaning everywhere; a script passes

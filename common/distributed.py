@@ -1,4 +1,4 @@
-"""One distributed setup and teardown for every script (STYLE.md convention 4).
+"""One distributed setup and teardown for every script (docs/conventions.md, convention 4).
 
     ctx = init_distributed(args.device)        # torchrun, srun, or plain python
     try:

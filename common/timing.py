@@ -1,4 +1,4 @@
-"""Honest timing (STYLE.md convention 7) and peak memory.
+"""Honest timing (docs/conventions.md, convention 8) and peak memory.
 
 - The device is synchronised before every clock read: CUDA kernels run asynchronously, so without
   it a "step time" measures only how fast Python queued the work.
