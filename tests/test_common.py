@@ -149,12 +149,39 @@ def test_atomic_write_leaves_old_file_when_serialisation_fails(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
-def test_provenance_carries_slurm_and_git(monkeypatch):
+def _git(repo, *args):
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True,
+                          env=env).stdout.strip()
+
+
+def test_git_revision_is_the_commit_and_says_when_the_tree_is_dirty(tmp_path):
+    # A repository made here, so the expected commit is known whatever checkout the tests run from.
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "train.py").write_text("print('v1')\n")
+    _git(tmp_path, "add", "train.py")
+    _git(tmp_path, "commit", "-q", "-m", "v1")
+    head = _git(tmp_path, "rev-parse", "HEAD")
+    assert results.git_revision(tmp_path) == {"commit": head, "dirty": False}
+    (tmp_path / "train.py").write_text("print('v2')\n")
+    assert results.git_revision(tmp_path) == {"commit": head, "dirty": True}
+    assert results.git_revision(tmp_path / "not-a-repo") == {"commit": None, "dirty": None}
+
+
+def test_provenance_carries_slurm_and_git(monkeypatch, tmp_path):
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "commit", "-q", "--allow-empty", "-m", "empty")
+    head = _git(tmp_path, "rev-parse", "HEAD")
+    real_git_revision = results.git_revision
+    monkeypatch.setattr(results, "git_revision", lambda: real_git_revision(tmp_path))
     monkeypatch.setenv("SLURM_JOB_ID", "777")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")
+    monkeypatch.setenv("NOT_SLURM_SECRET", "x")
     prov = results.provenance(world_size=4)
-    assert prov["slurm"]["SLURM_JOB_ID"] == "777"
+    assert prov["slurm"] == {"SLURM_JOB_ID": "777", "SLURM_CPUS_PER_TASK": "4"}
     assert prov["world_size"] == 4
-    assert prov["git"]["commit"] is None or len(prov["git"]["commit"]) == 40
+    assert prov["git"] == {"commit": head, "dirty": False}
 
 
 def test_results_module_does_not_import_torch():
@@ -343,7 +370,17 @@ def test_checkpoint_is_atomic_and_stop_signal_sets_flag(tmp_path):
     path = save_checkpoint({"w": torch.arange(3)}, tmp_path / "c.pt")
     assert torch.equal(load_checkpoint(path)["w"], torch.arange(3))
     assert load_checkpoint(tmp_path / "none.pt") is None
-    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+
+    class DiesMidWrite:
+        """Fails while the new checkpoint is being written, as a job killed at its time limit does."""
+
+        def __reduce__(self):
+            raise KeyboardInterrupt("killed while writing")
+
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint({"w": torch.zeros(100_000), "then": DiesMidWrite()}, path)
+    assert torch.equal(load_checkpoint(path)["w"], torch.arange(3))  # the old checkpoint, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # and no temporary file left behind
     stop = StopSignal().install()
     try:
         os.kill(os.getpid(), signal.SIGUSR1)
