@@ -174,7 +174,7 @@ def test_provenance_carries_slurm_and_git(monkeypatch, tmp_path):
     _git(tmp_path, "commit", "-q", "--allow-empty", "-m", "empty")
     head = _git(tmp_path, "rev-parse", "HEAD")
     real_git_revision = results.git_revision
-    monkeypatch.setattr(results, "git_revision", lambda: real_git_revision(tmp_path))
+    monkeypatch.setattr(results, "git_revision", lambda *args, **kwargs: real_git_revision(tmp_path))
     monkeypatch.setenv("SLURM_JOB_ID", "777")
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")
     monkeypatch.setenv("NOT_SLURM_SECRET", "x")
@@ -358,6 +358,39 @@ def test_amp_choices():
         out = torch.nn.Linear(4, 4)(torch.ones(1, 4))
     assert out.dtype == torch.bfloat16
     assert not amp.grad_scaler(cpu, "bf16").is_enabled()
+
+
+def test_reductions_over_ranks_sum_mean_and_max_numbers_and_lists(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    from common import distributed
+
+    # Not distributed: values come back as they were (as floats), nothing is communicated.
+    assert distributed.all_reduce_sum(3) == 3.0 and distributed.all_reduce_mean([1, 2]) == [1.0, 2.0]
+    assert distributed.any_rank(True) is True and distributed.any_rank(False) is False
+    assert distributed.all_reduce_mean([]) == []
+
+    # Two ranks: this one, and a peer whose values are ``peer["values"]``; all_reduce combines them as Gloo does.
+    peer = {"values": [10.0, 20.0]}
+
+    def all_reduce(tensor, op):
+        assert tensor.dtype == torch.float64
+        other = torch.tensor(peer["values"], dtype=torch.float64)
+        tensor.copy_(torch.maximum(tensor, other) if op == dist.ReduceOp.MAX else tensor + other)
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    assert distributed.all_reduce_sum([1, 2]) == [11.0, 22.0]
+    assert distributed.all_reduce_mean([1, 2]) == [5.5, 11.0]  # element-wise over the two ranks
+    peer["values"] = [4.0]
+    assert distributed.all_reduce_sum(torch.tensor(2.0)) == 6.0
+    assert distributed.all_reduce_mean(2) == 3.0
+    peer["values"] = [1.0]
+    assert distributed.any_rank(False) is True  # the peer got the signal: both stop
+    peer["values"] = [0.0]
+    assert distributed.any_rank(False) is False
 
 
 def test_checkpoint_is_atomic_and_stop_signal_sets_flag(tmp_path):
