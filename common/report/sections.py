@@ -203,9 +203,24 @@ def num(text: str) -> Cell:
     return Cell(text, style="num")
 
 
+#: A table column: its header, and what a row shows under it (text or a :class:`Cell`).
+Column = tuple[str, Callable[[Row], "str | Cell"]]
+
+
+def text_column(header: str, key: str | None = None) -> Column:
+    """A column showing ``row[key]`` as text (``key`` defaults to the header)."""
+    key = key or header
+    return header, lambda row: fmt_text(row[key])
+
+
+def number_column(header: str, key: str, fmt: Callable[..., str], *args: Any) -> Column:
+    """A right-aligned column showing ``fmt(row[key], *args)``, e.g. ``fmt_percent`` with 1 digit."""
+    return header, lambda row: num(fmt(row[key], *args))
+
+
 def table_from_frame(
     frame: pd.DataFrame,
-    columns: Sequence[tuple[str, Callable[[Row], str | Cell]]],
+    columns: Sequence[Column],
     *,
     id: str | None = None,
     caption: str | None = None,

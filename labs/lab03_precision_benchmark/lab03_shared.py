@@ -22,7 +22,7 @@ import re
 from typing import Any, Iterable, Mapping, Sequence
 
 from common.errors import UserError
-from common.precision_names import MODES, PRECISIONS  # defined once: the report orders its tables by them
+from common.precision_names import PRECISIONS
 
 LAB = "lab03"
 SCRIPT = "labs/lab03_precision_benchmark/benchmark_models.py"
