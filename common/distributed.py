@@ -30,8 +30,8 @@ from common.device import resolve_device, set_device
 from common.launch import LaunchInfo, detect_launch, free_port, rank_tag
 
 __all__ = [
-    "DistContext", "backend_for", "init_distributed", "teardown_distributed", "print0", "print_rank",
-    "all_reduce_sum", "all_reduce_mean", "any_rank", "gather_objects",
+    "DistContext", "backend_for", "init_distributed", "teardown_distributed", "ddp_buffer_sync", "print0",
+    "print_rank", "all_reduce_sum", "all_reduce_mean", "any_rank", "gather_objects",
 ]
 
 
@@ -116,6 +116,21 @@ def teardown_distributed(ctx: DistContext | None) -> None:
         if sys.exc_info()[0] is None:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def ddp_buffer_sync(enabled: bool) -> dict[str, bool]:
+    """DDP's "copy rank 0's buffers to every rank before each forward" option, as this PyTorch names it.
+
+    Recent PyTorch renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (same meaning) and
+    warns about the old name; older releases know only the old one.
+    """
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": enabled}
+    return {"broadcast_buffers": enabled}
 
 
 def _global_rank() -> int:

@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
+from common.cli import output_file
 from common.report import build_report
 from common.report.render import DEFAULT_REPORT_NAME
 
@@ -21,9 +22,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Turn a folder of result records into one self-contained HTML report and a CSV summary.")
     parser.add_argument("--results-dir", type=Path, default=Path("results"),
                         help="folder of result records, searched recursively (default: %(default)s)")
-    parser.add_argument("--output-report", type=Path, default=None,
+    parser.add_argument("--output-report", type=output_file, default=None,
                         help=f"HTML file to write (default: RESULTS_DIR/{DEFAULT_REPORT_NAME})")
-    parser.add_argument("--csv", type=Path, default=None,
+    parser.add_argument("--csv", type=output_file, default=None,
                         help="CSV summary to write, one row per run (default: the report's path with .csv)")
     parser.add_argument("--generate-plots", dest="plots", action="store_true", default=True,
                         help="draw throughput, memory and efficiency plots (default: on)")
