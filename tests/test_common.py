@@ -423,6 +423,22 @@ def test_checkpoint_is_atomic_and_stop_signal_sets_flag(tmp_path):
         stop.restore()
 
 
+def test_the_atomic_writer_replaces_whole_and_makes_scripts_executable(tmp_path):
+    from common.atomic import atomic_path, write_text_atomic
+
+    script = tmp_path / "job.sbatch"
+    old = os.umask(0o022)
+    try:
+        write_text_atomic("#!/bin/bash\necho one\n", script, executable=True)
+        assert script.stat().st_mode & 0o777 == 0o755
+        with pytest.raises(OSError), atomic_path(script) as tmp:
+            tmp.write_text("#!/bin/bash\necho half")
+            raise OSError("disk full")
+    finally:
+        os.umask(old)
+    assert script.read_text() == "#!/bin/bash\necho one\n" and [p.name for p in tmp_path.iterdir()] == ["job.sbatch"]
+
+
 def test_records_are_readable_by_the_group(tmp_path):
     # mkstemp alone makes owner-only files; shared course results must follow the umask.
     old = os.umask(0o022)
