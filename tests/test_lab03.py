@@ -263,7 +263,7 @@ def test_g_runs_the_torchrun_command_it_prints_or_is_one_error_line(monkeypatch,
 
 
 def test_report_renders_the_precision_section(cpu_run, tmp_path):
-    from scripts.report import build_report
+    from common.report import build_report
 
     outcome = build_report(cpu_run["records"], tmp_path / "report.html", plots=False)
     page = outcome.report_path.read_text()

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch._dynamo.utils import counters as dynamo_counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
@@ -51,10 +50,10 @@ from common.distributed import DistContext, init_distributed, print0, teardown_d
 from common.errors import UserError, run_main
 from common.launch import detect_launch
 from common.models import build_model, zoo_models
+from common.precision_names import MODES, PRECISIONS
 from common.timing import StepTimer, peak_memory, reset_peak_memory
 from labs.lab03_precision_benchmark.lab03_shared import (
-    DEFAULT_LOSS_TOLERANCE, MODES, MOMENTUM, NUM_CLASSES, PRECISIONS, SEED_MODELS, Output, compare_losses,
-    compile_outcome, parse_list, unsupported_reason,
+    DEFAULT_LOSS_TOLERANCE, MOMENTUM, NUM_CLASSES, SEED_MODELS, Output, compare_losses, compile_outcome, parse_list,
 )
 
 #: Precisions that cast the whole model; the others keep float32 weights.
@@ -231,8 +230,10 @@ def compile_fresh(model: torch.nn.Module) -> torch.nn.Module:
     one run are all recompilations of that one function, and past dynamo's recompile limit (8) the rest
     silently run eager while labelled compiled (``TORCH_LOGS=recompiles`` shows it, and ``compile_outcome``).
     """
+    from torch._dynamo.utils import counters  # PyTorch >= 2.0: imported after common's version check
+
     torch._dynamo.reset()
-    dynamo_counters.clear()
+    counters.clear()
     return torch.compile(model)
 
 
@@ -248,7 +249,7 @@ def time_mode(mode, base, images, labels, precision, device, args, distributed) 
     else:  # no gradients, so no DDP: each process infers on its own
         timer = time_inference(compile_fresh(model) if args.compile else model, inputs, precision, device, args)
     memory = peak_memory(device)
-    compilation = compile_outcome(dynamo_counters) if args.compile else None
+    compilation = compile_outcome(torch._dynamo.utils.counters) if args.compile else None
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the next precision starts from an empty allocator
@@ -259,15 +260,12 @@ def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: D
     device, distributed = ctx.device, ctx.world_size > 1
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # cuDNN tries its algorithms per shape, in the warm-up
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     out = Output(args, ctx)
-    skipped = {p: r for p in args.precisions if (r := unsupported_reason(p, device.type, out.device_name, capability))}
-    runnable = [p for p in args.precisions if p not in skipped]
     print0(f"lab03 precision benchmark | {describe(device)} | {ctx.world_size} process(es)"
            f"{' with DDP' if distributed else ''} | batch {args.batch_size} per process, "
            f"{args.image_size}x{args.image_size} | warm-up {args.warmup}, timed {args.num_iters}")
-    for precision, reason in skipped.items():
-        out.skipped(args.modes, precision, reason)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    runnable = out.runnable(capability)  # a precision this device cannot run is skipped, saying why
 
     for model_name in args.models:
         seed_everything(args.seed)  # the same initial weights and batch for every precision

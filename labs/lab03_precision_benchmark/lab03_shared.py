@@ -3,8 +3,8 @@
 Kept apart so that the benchmark script shows the measuring, and so that the report and the tests
 can use these without importing torch:
 
-- :data:`PRECISIONS`: what each precision name means, and :func:`unsupported_reason`, which says
-  why a precision cannot run on a device (the reason goes into the CSV summary and the record).
+- :func:`unsupported_reason`, which says why a precision of :data:`common.precision_names.PRECISIONS`
+  cannot run on a device (the reason goes into the CSV summary and the record).
 - :func:`peak_tflops`: the datasheet peak of known GPUs per precision (``common.gpu_peaks``), to
   put an achieved TFLOP/s next to what the device could do.
 - :func:`compare_losses`: the correctness check of a precision against fp32, and its threshold.
@@ -24,10 +24,12 @@ import math
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
+from common.atomic import write_text_atomic
 from common.cli import config_dict
 from common.errors import UserError
 from common.gpu_peaks import gpu_peaks
-from common.results import fp32_math_info, make_record, provenance, write_record, write_text_atomic
+from common.precision_names import PRECISIONS
+from common.results import fp32_math_info, make_record, provenance, write_record
 
 LAB = "lab03"
 SCRIPT = "labs/lab03_precision_benchmark/benchmark_models.py"
@@ -35,21 +37,11 @@ SCRIPT = "labs/lab03_precision_benchmark/benchmark_models.py"
 #: The models of the seed's table, in its order.
 SEED_MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d",
                "resnext101_32x8d", "wide_resnet50_2", "wide_resnet101_2")
-MODES = ("train", "inference")
 #: ImageNet's classes, as the seed's models had.
 NUM_CLASSES = 1000
 #: The optimiser's momentum, for the check and the timed training (SGD, as the seed's training).
 MOMENTUM = 0.9
 
-PRECISIONS: dict[str, str] = {
-    "fp64": "float64 weights and inputs (model.double()): the seed's 'double'",
-    "fp32": "float32 with TF32 off: true IEEE single precision, the seed's 'float' (PyTorch 1.6 had no TF32)",
-    "tf32": "float32 storage, convolutions and matmuls on TF32 tensor cores (10-bit mantissa); "
-            "PyTorch's default for cuDNN convolutions on Ampere and newer",
-    "half": "the whole model cast to float16 (model.half()), no loss scaling: the seed's 'half'",
-    "amp-fp16": "float32 weights, autocast to float16 for convolutions and matmuls, GradScaler against underflow",
-    "amp-bf16": "float32 weights, autocast to bfloat16 (float32's exponent range, so no scaler)",
-}
 
 #: A precision is flagged when its loss after the check steps is off fp32's by more than this
 #: fraction of the initial loss (or is NaN/inf). Why 5%: bfloat16 keeps 8 significant bits (a
@@ -259,13 +251,24 @@ class Output:
                      args.results_dir)
         self.records += 1
 
-    def skipped(self, modes: Sequence[str], precision: str, reason: str) -> None:
-        """The device cannot run ``precision``: one record per mode (the reason is the device's, not a model's)."""
-        self.print(f"skipping {precision}: {reason}")
-        for mode in modes:
-            self._record(mode, precision, None, {"skip_reason": reason}, status="skipped", notes=[reason])
-            self.rows += [{"mode": mode, "precision": precision, "model": model, "status": "skipped", "reason": reason}
-                          for model in self.args.models]
+    def runnable(self, capability: tuple[int, int] | None) -> list[str]:
+        """The precisions asked for that this device can run (``capability``: CUDA's, else ``None``).
+
+        Each of the others is printed with the reason and written as one ``skipped`` record per mode
+        (the reason is the device's, not a model's) and as rows of the summary CSV.
+        """
+        runnable = []
+        for precision in self.args.precisions:
+            reason = unsupported_reason(precision, self.device.type, self.device_name, capability)
+            if reason is None:
+                runnable.append(precision)
+                continue
+            self.print(f"skipping {precision}: {reason}")
+            for mode in self.args.modes:
+                self._record(mode, precision, None, {"skip_reason": reason}, status="skipped", notes=[reason])
+                self.rows += [{"mode": mode, "precision": precision, "model": model, "status": "skipped",
+                               "reason": reason} for model in self.args.models]
+        return runnable
 
     def failed(self, model: str, modes: Sequence[str], precision: str, err: Exception) -> None:
         """``model`` at ``precision`` raised ``err`` (out of memory, no kernel for a dtype) before ``modes`` ran."""
