@@ -239,7 +239,7 @@ def test_g_runs_the_torchrun_command_it_prints_or_is_one_error_line(monkeypatch,
     import torch
 
     started = []
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")  # this process's threads (the job header sets it): shared out
     monkeypatch.setattr(subprocess, "run", lambda command, env: started.append((command, env)) or
                         subprocess.CompletedProcess(command, returncode=3))
     argv = ["-g", "4", "--device", "cpu", "--models", "resnet18", "--image-size", "32", "--results-dir", str(tmp_path)]

@@ -307,8 +307,8 @@ def run_under_torchrun(args: argparse.Namespace, argv: list[str]) -> int:
     script = sys.argv[0] if Path(sys.argv[0]).resolve() == Path(__file__).resolve() else __file__  # as typed
     torchrun = ["--standalone", f"--nproc_per_node={args.num_gpus}", script, *argv]
     print(f"-g {args.num_gpus}: running torchrun {shlex.join(torchrun)}", flush=True)
-    # torchrun would give each process one CPU thread: share this process's cores out instead.
-    env = {"OMP_NUM_THREADS": str(max(1, torch.get_num_threads() // args.num_gpus)), **os.environ}
+    # Share this process's threads (OMP_NUM_THREADS, the Slurm allocation) out among the N processes.
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, torch.get_num_threads() // args.num_gpus))}
     # python -m torch.distributed.run is torchrun, from this Python's environment.
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun], env=env).returncode
 
