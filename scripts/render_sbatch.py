@@ -179,7 +179,8 @@ class Site:
 SITE_KEYS = {"name", "title", "source", "account", "account_required", "reservation", "max_time",
              "default_partitions", "partitions", "setup", "notes"}
 PARTITION_KEYS = {"description", "cpus_per_node", "mem_per_node", "gpus_per_node", "gpu_types",
-                  "gpu_memory", "typed_gres", "cpus_per_gpu", "features", "max_time"}
+                  "gpu_memory", "typed_gres", "cpus_per_gpu", "features", "max_time",
+                  "links"}  # links: the link peaks Lab-05 compares bus bandwidth with (read there)
 
 
 def _display(path: Path) -> str:
