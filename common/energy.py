@@ -12,8 +12,8 @@ Three sources, each read at the start and the end of the region (never estimated
   Each rank reads its own GPU, found by PCI bus id so ``CUDA_VISIBLE_DEVICES`` cannot confuse it.
 - **RAPL** (``/sys/class/powercap/intel-rapl:N/energy_uj``): the CPU packages of the node, read on
   local rank 0 only (the counter is the node's, not a process's). The counter wraps at
-  ``max_energy_range_uj`` (a few hundred kJ, minutes at full power), so it is also read every
-  ``RAPL_POLL_S`` seconds by a small thread and the wraps are added back. Linux lets only root read
+  ``max_energy_range_uj`` (about 262 kJ on most Intel CPUs: under 20 minutes at 250 W), so it is
+  also read every ``RAPL_POLL_S`` seconds by a small thread and the wraps are added back. Linux lets only root read
   it since 5.10 (CVE-2020-8694), so on most clusters it is unreadable: the record says so.
 - **Slurm** (``sstat --format=ConsumedEnergyRaw``): the job step's energy as Slurm accounts it,
   read on global rank 0, where the cluster gathers energy (``AcctGatherEnergyType``). It updates
@@ -289,7 +289,9 @@ class EnergyMeter:
     """Reads every source this rank is responsible for at the start and end of a region.
 
     ``sources`` replaces the default set (tests pass fakes); by default a rank reads NVML for its
-    own GPU, local rank 0 also RAPL, and global rank 0 also Slurm.
+    own GPU, local rank 0 also RAPL, and global rank 0 also Slurm. A region may come in pieces:
+    every ``with meter:`` (or ``start()`` ... ``stop()``) adds to the same totals, e.g. the epochs of
+    one variant of a benchmark that interleaves several.
     """
 
     def __init__(self, device: Any = "cpu", *, sources: Sequence[Any] | None = None) -> None:
@@ -307,8 +309,11 @@ class EnergyMeter:
         self.seconds: float | None = None
 
     def start(self) -> EnergyMeter:
-        self._readings, self._active = {}, []
+        """Read every source's start value (a source that could not be read before stays unavailable)."""
+        self._active = []
         for source in self.sources:
+            if self._readings.get(source.name, {}).get("status") == "unavailable":
+                continue
             try:
                 source.begin()
             except EnergyUnavailable as why:
@@ -316,21 +321,22 @@ class EnergyMeter:
             else:
                 self._active.append(source)
         self._started = time.perf_counter()
-        self.seconds = None
         return self
 
     def stop(self) -> EnergyMeter:
-        """Read the end values (no communication; safe on an error path). Idempotent."""
-        if self._started is None or self.seconds is not None:
+        """Read the end values and add them up (no communication; safe on an error path); idempotent."""
+        if self._started is None:
             return self
-        self.seconds = time.perf_counter() - self._started
+        self.seconds = (self.seconds or 0.0) + time.perf_counter() - self._started
+        self._started = None
         for source in self._active:
             try:
                 joules = source.end()
             except EnergyUnavailable as why:
                 self._readings[source.name] = _unavailable(str(why))
             else:
-                self._readings[source.name] = {"status": "ok", "joules": joules, "key": source.key}
+                before = self._readings.get(source.name, {}).get("joules", 0.0)
+                self._readings[source.name] = {"status": "ok", "joules": before + joules, "key": source.key}
         self._active = []
         return self
 

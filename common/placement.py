@@ -110,8 +110,10 @@ def check_placement(device: Any, num_workers: int | None, *, sysfs: Path = SYSFS
     owned = set(_affinity() if cpus is None else cpus)
     nodes = numa_nodes(sysfs)
     cpu_nodes = sorted(node for node, node_cpus in nodes.items() if owned & node_cpus)
+    host = socket.gethostname()
     info: dict[str, Any] = {
-        "host": socket.gethostname(), "rank": rank, "cpus": cpu_list(owned), "cpu_count": len(owned),
+        # Slurm's name for the node (what its node list says; emulated nodes share one host name).
+        "host": host, "node": os.environ.get("SLURMD_NODENAME") or host, "rank": rank, "cpus": cpu_list(owned), "cpu_count": len(owned),
         "cpu_numa_nodes": cpu_nodes or None, "device": str(device), "gpu_bus_id": None, "gpu_numa_node": None,
         "cpus_on_gpu_numa_node": None, "numa_match": None, "num_workers": num_workers, "warnings": [],
     }

@@ -259,6 +259,17 @@ def test_meter_falls_back_to_slurm_and_otherwise_says_unavailable_with_every_rea
     assert validate_record(record) == []
 
 
+def test_a_meter_adds_up_a_region_that_comes_in_pieces():
+    fake = FakeNvml({"0000:3b:00.0": [1_000, 3_000, 10_000, 10_500]})  # two laps: 2 J and 0.5 J
+    meter = EnergyMeter(sources=[_nvml(fake), Fixed("rapl", reason="no RAPL")])
+    for _ in range(2):
+        with meter:
+            pass
+    entry = meter.result(samples=5)
+    assert entry["joules"] == pytest.approx(2.5) and entry["joules_per_sample"] == pytest.approx(0.5)
+    assert entry["sources"]["rapl"]["status"] == "unavailable"
+
+
 def test_combine_counts_a_counter_read_by_several_ranks_once():
     def rank(nvml_key, rapl_key):
         return {"seconds": 2.0, "readings": {"nvml": {"status": "ok", "joules": 100.0, "key": nvml_key},

@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))      # lab05_shared
 from common.cli import add_common_args, config_dict, positive_float, positive_int
 from common.device import configure_threads, resolve_device, synchronize
 from common.distributed import barrier, gather_objects, init_distributed, print0, teardown_distributed
@@ -47,9 +46,10 @@ from common.errors import UserError, run_main
 from common.launch import detect_launch
 from common.placement import record_placement
 from common.results import make_record, provenance, write_record
-from lab05_shared import (ELEMENT_BYTES, LAB, bandwidths, bus_factor, describe_gloo, describe_nccl, format_size,
-                          link_reference, measure_memcpy, message_sizes, nccl_debug_environment, nccl_log_files,
-                          parse_collectives, parse_nccl_log, parse_size, site_links)
+from labs.lab05_scaling.lab05_shared import (ELEMENT_BYTES, LAB, Reference, bandwidths, bus_factor, describe_gloo,
+                                             describe_nccl, format_size, link_reference, measure_memcpy,
+                                             message_sizes, nccl_debug_environment, nccl_log_files,
+                                             parse_collectives, parse_nccl_log, parse_size, site_links)
 
 SCRIPT = "labs/lab05_scaling/01_allreduce_bench.py"
 
@@ -124,7 +124,6 @@ def time_collective(collective: str, size_bytes: int, args, ctx) -> dict:
 def reference_for(args, ctx, nodes: int):
     """The peak busbw is compared with: the link's (GPU) or the measured memory copy (CPU)."""
     if args.peak_gbps is not None:
-        from lab05_shared import Reference
         return Reference("link", "given with --peak-gbps", args.peak_gbps, args.peak_source)
     if ctx.device.type == "cuda":
         if args.site is None:
@@ -224,7 +223,7 @@ def benchmark(args, ctx, collectives: list[str], sizes: list[int], threads: int)
             raise UserError(f"--max-bytes {format_size(sizes[-1])} needs about {format_size(2.5 * sizes[-1])} of GPU "
                             f"memory; {format_size(free)} is free on {device}")
     placement = record_placement(device, args.num_workers)
-    hosts = [entry["host"] for entry in placement]
+    hosts = [entry["node"] for entry in placement]
     nodes = len(set(hosts))
     reference = reference_for(args, ctx, nodes)
     print0(f"bandwidth: {ranks} rank(s) on {nodes} node(s), backend {ctx.backend}, {len(sizes)} sizes "

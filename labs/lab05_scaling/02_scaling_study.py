@@ -44,13 +44,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))      # lab05_shared
 from common.cli import add_common_args, apply_dry_run, non_negative_int, positive_int
 from common.energy import not_measured
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
-from lab05_shared import (LAB, REPO, Allocation, check_points, current_allocation, evaluations, nodes_for,
-                          parse_modes, parse_points, per_process_batch, time_to_target)
+from labs.lab05_scaling.lab05_shared import (LAB, REPO, Allocation, check_points, current_allocation, evaluations,
+                                             nodes_for, parse_modes, parse_points, per_process_batch,
+                                             time_to_target)
 
 SCRIPT = "labs/lab05_scaling/02_scaling_study.py"
 #: The training every point runs: Lab-01's DDP script, which students already know.

@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))      # lab05_shared
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_float, positive_int
 from common.device import configure_threads, seed_everything, synchronize
 from common.distributed import barrier, init_distributed, print0, teardown_distributed
@@ -45,7 +44,7 @@ from common.errors import UserError, run_main
 from common.models import build_model
 from common.placement import record_placement
 from common.results import make_record, provenance, write_record
-from lab05_shared import LAB, MiB, format_size
+from labs.lab05_scaling.lab05_shared import LAB, MiB, format_size
 
 SCRIPT = "labs/lab05_scaling/03_overlap.py"
 
