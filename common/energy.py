@@ -109,7 +109,8 @@ class NvmlSource:
         except nvml.NVMLError as err:
             self._shutdown()
             if isinstance(err, getattr(nvml, "NVMLError_NotSupported", ())):
-                raise EnergyUnavailable(f"the GPU at {bus_id} has no energy counter (NVML needs Volta or newer)") from None
+                raise EnergyUnavailable(f"the GPU at {bus_id} has no energy counter "
+                                        "(NVML needs Volta or newer)") from None
             raise EnergyUnavailable(f"NVML could not read the GPU at {bus_id}: {err}") from None
 
     def end(self) -> float:
@@ -272,7 +273,8 @@ class SlurmSource:
                                     "gather energy (AcctGatherEnergyType is none)")
         if end <= self._start:
             raise EnergyUnavailable(f"ConsumedEnergy of step {self.step} did not grow during the {seconds:.0f} s "
-                                    "region: Slurm samples energy every AcctGatherNodeFreq seconds; time a longer region")
+                                    "region: Slurm samples energy every AcctGatherNodeFreq seconds; "
+                                    "time a longer region")
         return end - self._start
 
 

@@ -113,7 +113,8 @@ def check_placement(device: Any, num_workers: int | None, *, sysfs: Path = SYSFS
     host = socket.gethostname()
     info: dict[str, Any] = {
         # Slurm's name for the node (what its node list says; emulated nodes share one host name).
-        "host": host, "node": os.environ.get("SLURMD_NODENAME") or host, "rank": rank, "cpus": cpu_list(owned), "cpu_count": len(owned),
+        "host": host, "node": os.environ.get("SLURMD_NODENAME") or host, "rank": rank,
+        "cpus": cpu_list(owned), "cpu_count": len(owned),
         "cpu_numa_nodes": cpu_nodes or None, "device": str(device), "gpu_bus_id": None, "gpu_numa_node": None,
         "cpus_on_gpu_numa_node": None, "numa_match": None, "num_workers": num_workers, "warnings": [],
     }

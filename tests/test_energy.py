@@ -73,7 +73,8 @@ def test_nvml_counts_the_millijoules_its_gpu_used_between_start_and_end():
 
 @pytest.mark.parametrize(("fake", "device", "reason"), [
     (FakeNvml({}), "cpu", "no GPU in this run"),
-    (FakeNvml({}, init_error=FakeNvml.NVMLError("Driver Not Loaded")), Cuda(), "NVML did not start (Driver Not Loaded)"),
+    (FakeNvml({}, init_error=FakeNvml.NVMLError("Driver Not Loaded")), Cuda(),
+     "NVML did not start (Driver Not Loaded)"),
     (FakeNvml({"0000:3b:00.0": [None]}), Cuda(), "has no energy counter (NVML needs Volta or newer)"),
     (FakeNvml({"0000:af:00.0": [1]}), Cuda(), "NVML could not read the GPU at 0000:3b:00.0"),
 ])

@@ -208,8 +208,8 @@ def runs(tmp_path_factory):
                       folders["bench4"], ranks=4),
         "scaling": Job([PYTHON, str(REPO / SCALING), "--device", "cpu", "--processes", "1,2", "--epochs", "1",
                         "--max-steps", "3", "--batch-size", "8", "--dataset", "synthetic",
-                        "--target-accuracy", "0", "--results-dir", str(folders["scaling"]),
-                        "--", "--image-size", "8", "--synthetic-size", "64", "--warmup-steps", "1"],
+                        "--image-size", "8", "--target-accuracy", "0", "--results-dir", str(folders["scaling"]),
+                        "--", "--synthetic-size", "64", "--warmup-steps", "1"],
                        env, folders["scaling"]),
         "overlap": Job([PYTHON, str(REPO / OVERLAP), "--device", "cpu", "--model", "resnet18", "--image-size", "16",
                         "--batch-size", "2", "--bucket-cap-mb", "1,1000", "--steps", "2", "--warmup-steps", "1",
@@ -244,7 +244,8 @@ def test_cpu_bandwidth_run_records_every_size_with_busbw_and_the_memcpy_referenc
             assert row["busbw_pct_of_reference"] == pytest.approx(100 * busbw / reference["gb_per_s"])
         assert metrics["transport"]["summary"].startswith("Gloo: TCP over the loopback interface")
         assert len(record["provenance"]["placement"]) == ranks
-    assert "transport: Gloo" in runs["outputs"][name] and "reference: memory copy of this machine" in runs["outputs"][name]
+    output = runs["outputs"][name]
+    assert "transport: Gloo" in output and "reference: memory copy of this machine" in output
 
 
 def test_scaling_study_writes_strong_and_weak_points_at_one_and_two_processes(runs):
@@ -271,7 +272,8 @@ def test_overlap_measures_exposed_communication_for_every_bucket_size(runs):
     (record,) = runs["records"]["overlap"]
     buckets = record["metrics"]["buckets"]
     assert [b["bucket_cap_mb"] for b in buckets] == [1.0, 1000.0]
-    # resnet18's 11.7 M gradients (44.7 MB) in buckets of at most 1 MiB, except larger single tensors; one bucket at 1000.
+    # resnet18's 11.7 M gradients (44.7 MB): buckets of at most 1 MiB (a larger tensor gets one of its own);
+    # at 1000 MiB all in one bucket.
     assert buckets[0]["buckets"] > 5 and buckets[1]["buckets"] == 1
     for b in buckets:
         assert b["step_s"] > 0 and b["no_sync_step_s"] > 0 and b["comm_alone_s"] > 0
@@ -327,3 +329,25 @@ def test_the_bandwidth_benchmark_ends_with_no_gloo_thread_alive(tmp_path):
     assert not {name for name in threads if name.startswith(("pt_gloo", "gloo_tcp"))}, threads
     (record,) = [r for r in _records(tmp_path) if r["method"] == "all_reduce"]
     assert record["metrics"]["sizes"][-1]["bytes"] == 16 * 1024 and record["metrics"]["bus_factor"] == 0
+
+
+@pytest.mark.gpu
+def test_on_gpus_nccl_reports_its_transport_and_nvml_the_energy(tmp_path):
+    """On a GPU node (skipped elsewhere): every visible GPU (up to 4) all-reduces through NCCL."""
+    import torch
+
+    ranks = min(torch.cuda.device_count(), 4)
+    env = script_env()
+    job = Job([PYTHON, str(REPO / BENCH), "--device", "cuda", "--collectives", "all_reduce", "--max-bytes", "64M",
+               "--iters", "5", "--results-dir", str(tmp_path)], env, tmp_path, ranks=ranks)
+    status, output = job.wait()
+    assert status == 0, output[-4000:]
+    (record,) = _records(tmp_path)
+    metrics = record["metrics"]
+    assert metrics["sizes"][-1]["bytes"] == 64 * 2**20 and all(row["correct"] for row in metrics["sizes"])
+    assert metrics["transport"]["backend"] == "nccl"
+    if ranks > 1:  # one rank opens no channel to anyone
+        assert metrics["transport"]["nccl"]["via"], metrics["transport"]
+        assert metrics["sizes"][-1]["busbw_gbps"] > 1
+    nvml = record["energy"]["sources"]["nvml"]
+    assert nvml["status"] == "ok" or "energy counter" in nvml["reason"], nvml

@@ -84,6 +84,7 @@ def launcher(args: argparse.Namespace, processes: int, nodes: int, allocation: A
 def training_flags(args: argparse.Namespace, batch_size: int, records: Path, checkpoint: Path) -> list[str]:
     flags = ["--device", args.device, "--seed", str(args.seed), "--epochs", str(args.epochs),
              "--batch-size", str(batch_size), "--model", args.model, "--dataset", args.dataset,
+             "--image-size", str(args.image_size),
              "--data-dir", str(args.data_dir), "--num-workers", str(args.num_workers),
              "--results-dir", str(records), "--checkpoint", str(checkpoint)]
     if args.max_steps is not None:
@@ -107,9 +108,16 @@ def run_point(command: list[str], tag: str, env: dict[str, str]) -> tuple[int, l
 
 
 def point_environment() -> dict[str, str]:
-    """The training's environment: inside Slurm, each srun step finds its own rendezvous
-    (the first node of *its* node list, a port from its step id), so the job's values are dropped."""
+    """The training's environment.
+
+    Every process of every point gets the same CPU threads: ``OMP_NUM_THREADS`` as you (or the job
+    header, from ``--cpus-per-task``) set it, else 1, which is what torchrun gives each of several
+    processes; without it the 1-process point would use every core and the curve would compare
+    unlike things. Inside Slurm, each srun step finds its own rendezvous (the first node of *its*
+    node list, a port from its step id), so the job's ``MASTER_ADDR``/``MASTER_PORT`` are dropped.
+    """
     env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
     if env.get("SLURM_JOB_ID"):
         env.pop("MASTER_ADDR", None)
         env.pop("MASTER_PORT", None)
@@ -134,7 +142,8 @@ def point_record(mode: str, processes: int, nodes: int, batch: int, training: di
     config = {"mode": mode, "processes": processes, "nodes": nodes, "per_process_batch_size": batch,
               "global_batch_size": batch * processes, "batch_size": args.batch_size,
               "strong_global_batch_size": args.global_batch_size, "target_accuracy": args.target_accuracy,
-              "model": training_config.get("model", args.model), "dataset": training_config.get("dataset", args.dataset),
+              "model": training_config.get("model", args.model),
+              "dataset": training_config.get("dataset", args.dataset),
               "training_script": TRAINING, "training_command": command, "training_config": training_config,
               "study": study}
     prov = dict(training["provenance"]) if training else provenance()
@@ -173,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--model", default="plain_cnn", help="model (default: %(default)s)")
     group.add_argument("--dataset", default="digits",
                        help="data set; digits is real and offline (default: %(default)s)")
-    add_common_args(parser, epochs=3, batch_size=64, num_workers=0)
+    group.add_argument("--image-size", type=positive_int, default=16,
+                       help="side of the images (digits are resized to it) (default: %(default)s)")
+    add_common_args(parser, epochs=3, batch_size=32, num_workers=0)
     parser.add_argument("training_args", nargs=argparse.REMAINDER,
                         help="after --: more flags for the training, e.g. -- --lr 0.1 --warmup-steps 1")
     return parser

@@ -60,7 +60,8 @@ def message_sizes(min_bytes: int, max_bytes: int, factor: int, device_type: str)
     """``min_bytes, min_bytes*factor, ...`` up to ``max_bytes`` (included), checked against the device's range."""
     limit = MAX_BYTES["cuda" if device_type == "cuda" else "cpu"]
     if min_bytes < MIN_BYTES:
-        raise UserError(f"--min-bytes {format_size(min_bytes)} is below the smallest size timed, {format_size(MIN_BYTES)}")
+        raise UserError(f"--min-bytes {format_size(min_bytes)} is below the smallest size timed, "
+                        f"{format_size(MIN_BYTES)}")
     if max_bytes < min_bytes:
         raise UserError(f"--max-bytes {format_size(max_bytes)} is below --min-bytes {format_size(min_bytes)}")
     if max_bytes > limit:

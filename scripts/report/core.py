@@ -183,7 +183,8 @@ def _energy_cells(run: Row) -> list[Cell]:
     if energy.get("status") != "ok":
         return [Cell("unavailable", title=fmt_text(energy.get("reason"))), *[num(MISSING)] * 4]
     return [Cell("ok"), num(fmt_number(number(energy.get("joules")), 4)), Cell(fmt_text(energy.get("source"))),
-            num(fmt_number(number(energy.get("joules_per_sample")), 3)), num(fmt_number(number(energy.get("watts")), 3))]
+            num(fmt_number(number(energy.get("joules_per_sample")), 3)),
+            num(fmt_number(number(energy.get("watts")), 3))]
 
 
 ENERGY_COLUMNS = ["run", "lab", "method", "energy", "joules", "source", "J / sample", "mean W"]

@@ -25,7 +25,7 @@ import pandas as pd
 
 from scripts.report.runs import get, number
 from scripts.report.sections import (
-    MISSING, Cell, Section, SectionContext, Table, fmt_int, fmt_number, fmt_percent, fmt_rate, fmt_ratio,
+    MISSING, Cell, Section, SectionContext, Table, fmt_bytes, fmt_int, fmt_number, fmt_percent, fmt_rate, fmt_ratio,
     fmt_seconds, fmt_text, num, register_section,
 )
 
@@ -38,13 +38,6 @@ COLORS = {"all_reduce": "tab:blue", "all_gather": "tab:orange", "reduce_scatter"
 def _median(values: Iterable[Any]) -> float | None:
     finite = [v for v in (number(x) for x in values) if v is not None]
     return statistics.median(finite) if finite else None
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= scale:
-            return f"{n / scale:g} {unit}"
-    return f"{int(n)} B"
 
 
 # --- bandwidth ---------------------------------------------------------------------------------
@@ -81,7 +74,7 @@ def _bandwidth_table(group: pd.DataFrame, caption: str) -> Table:
         columns += [f"{collective} busbw GB/s"] + ([f"{collective} % of ref."] if reference else [])
     rows = []
     for size in sorted(set(group["bytes"])):
-        cells = [Cell(_size(size), style="num")]
+        cells = [Cell(fmt_bytes(size), style="num")]
         for collective in collectives:
             cell = group[(group["bytes"] == size) & (group["collective"] == collective)]
             busbw = _median(cell["busbw"])
@@ -115,7 +108,7 @@ def _bandwidth_figure(group: pd.DataFrame, title: str) -> Any:
     measured = [v for v in group["busbw"] if v]
     if measured and max(measured) > 100 * min(measured):  # latency-bound small sizes would sit on the axis
         ax.set_yscale("log")
-    ax.set_xticks(sorted(set(group["bytes"])), [_size(b) for b in sorted(set(group["bytes"]))], rotation=45,
+    ax.set_xticks(sorted(set(group["bytes"])), [fmt_bytes(b) for b in sorted(set(group["bytes"]))], rotation=45,
                   fontsize="small")
     ax.set_xlabel("message size S")
     ax.set_ylabel("bus bandwidth (GB/s, one direction)")
@@ -210,7 +203,8 @@ def _scaling_table(curves: pd.DataFrame, caption: str) -> Table:
         target = p["target"]
         if p["time_to_target"] is not None:
             reached = Cell(fmt_seconds(p["time_to_target"]), style="num",
-                           title=f"first validation accuracy ≥ {fmt_percent(target)}; median of {p['reached']} run(s)")
+                           title=f"first validation accuracy ≥ {fmt_percent(target)}; "
+                                 f"median of {p['reached']} run(s)")
         else:
             reached = Cell(f"not reached ({fmt_percent(target)})" if target is not None else MISSING, style="num")
         rows.append([Cell(p["mode"]), num(fmt_int(p["processes"])), num(fmt_int(p["nodes"])),
