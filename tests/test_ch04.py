@@ -64,17 +64,19 @@ def test_same_seed_gives_same_final_loss(tmp_path, capsys):
     assert _records(tmp_path / "2")[0]["metrics"]["final_loss"] != finals[0]
 
 
-def test_preempted_single_device_run_resumes_to_the_same_weights(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_preempted_single_device_run_resumes_to_the_same_weights(device, tmp_path, monkeypatch, capsys):
     """A real SIGUSR1 (what ``#SBATCH --signal=B:USR1@120`` sends) mid-epoch, then ``--resume``:
     the same weights, losses and accuracy as a run that was never stopped (MnistNet has dropout, so
-    the random generators must come back too)."""
+    the random generators must come back too). On a GPU that needs ``--deterministic``."""
     import signal
 
     import torch
 
     import common.run
 
-    argv = ["--device", "cpu", "--epochs", "2", "--max-steps", "5", "--batch-size", "32", "--log-interval", "1000"]
+    argv = ["--device", device, "--epochs", "2", "--max-steps", "5", "--batch-size", "32", "--log-interval", "1000"]
+    argv += ["--deterministic"] if device == "cuda" else []
 
     def run(name: str, *extra: str) -> int:
         return run_main(TRAIN, [*argv, "--results-dir", str(tmp_path / name),
@@ -138,6 +140,12 @@ def test_ddp_two_gloo_processes_agree_and_only_rank0_writes(tmp_path):
     assert record["metrics"]["world_size"] == 2 and record["metrics"]["global_batch_size"] == 128
     assert record["provenance"]["distributed"]["backend"] == "gloo"
     assert [p.name for p in ckpt.iterdir()] == ["ddp.pt"]  # one checkpoint, no temp file left
+    # Every rank's own random generators are saved (restored per rank on resume), and they differ:
+    # after the wrap each rank is reseeded with its rank, so dropout masks are not the same everywhere.
+    import torch
+
+    rng = torch.load(ckpt / "ddp.pt", weights_only=False)["rng"]
+    assert len(rng) == 2 and not torch.equal(rng[0]["torch"], rng[1]["torch"])
 
 
 def test_ddp_single_process_without_launcher(tmp_path, capsys):

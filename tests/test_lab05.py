@@ -97,10 +97,17 @@ def test_nccl_writes_its_debug_output_to_a_file_per_process_unless_told_otherwis
 
 
 def test_link_peaks_come_from_the_site_profile_with_their_source():
+    from common.sites import Link
+
     lanta = shared.site_links("lanta")
     reference = shared.link_reference(lanta, nodes=1, site="lanta")
-    assert reference.gb_per_s == 300 and "per GPU, one direction" in reference.name
+    assert (reference.gb_per_s, reference.name) == (300, "NVLink (per GPU, one direction)")
     assert "A100" in reference.source and reference.source.startswith("site profile lanta:")
+    assert shared.link_reference(lanta, nodes=2, site="lanta") is None  # the profile lists no network peak
+    # Across nodes the node's network bounds busbw; without NVLink, PCIe is the GPUs' link.
+    links = {"pcie": Link("pcie", 31.5, "gpu", "PCIe 4.0"), "infiniband": Link("infiniband", 100.0, "node", "4 x HDR")}
+    assert shared.link_reference(links, nodes=2, site="x").name == "InfiniBand (per node, one direction)"
+    assert shared.link_reference(links, nodes=1, site="x").gb_per_s == 31.5
     with pytest.raises(shared.UserError, match=r"unknown site 'nowhere'"):
         shared.site_links("nowhere")
 

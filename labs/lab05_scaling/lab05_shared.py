@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from common.errors import UserError
+from common.sites import Link, find_site
 
 LAB = "lab05"
 REPO = Path(__file__).resolve().parents[2]
-SITES_DIR = REPO / "slurm" / "sites"
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 #: Smallest message the benchmark times, and the largest it allows on each device.
@@ -232,34 +232,33 @@ class Reference:
         return {"kind": self.kind, "name": self.name, "gb_per_s": self.gb_per_s, "source": self.source}
 
 
-def site_links(site: str, partition: str | None = None, sites_dir: Path = SITES_DIR) -> dict[str, Any]:
-    """The ``links`` of a partition of a site profile (``slurm/sites/<site>.yaml``); ``{}`` when it has none.
-
-    A small reader of the one field this lab needs; the profiles' full loader checks the rest.
-    """
-    import yaml
-
-    path = sites_dir / f"{site}.yaml"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in sites_dir.glob("*.yaml")))
-        raise UserError(f"unknown site {site!r} (known sites: {known})")
-    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    partitions = data.get("partitions") or {}
-    name = partition or (data.get("default_partitions") or {}).get("gpu")
-    if name not in partitions:
-        raise UserError(f"site {site} has no partition {name!r} (it has: {', '.join(partitions)})")
-    return dict(partitions[name].get("links") or {})
+def site_links(site: str, partition: str | None = None) -> dict[str, Link]:
+    """The link peaks of a partition of a site profile (``slurm/sites/<site>.yaml``, its GPU partition
+    by default); ``{}`` when the profile lists none."""
+    profile = find_site(site)
+    name = partition or profile.default_partitions["gpu"]
+    if name not in profile.partitions:
+        raise UserError(f"site {site} has no partition {name!r} (it has: {', '.join(profile.partitions)})")
+    return dict(profile.partitions[name].links)
 
 
-def link_reference(links: Mapping[str, Any], nodes: int, site: str) -> Reference | None:
-    """The link that bounds busbw: the GPUs' link within one node, the node's network across nodes."""
-    key = "inter_node" if nodes > 1 else "intra_node"
-    link = links.get(key) or {}
-    if not link.get("gb_per_s"):
-        return None
-    scope = "per node, one direction" if key == "inter_node" else "per GPU, one direction"
-    return Reference("link", f"{link.get('name') or key} ({scope})", float(link["gb_per_s"]),
-                     f"site profile {site}: {link.get('source') or 'no source given'}")
+#: The link that bounds busbw, in order of preference: the GPUs' own link within one node; across
+#: nodes, the node's network.
+GPU_LINKS = ("nvlink", "pcie")
+NODE_LINKS = ("infiniband", "slingshot", "ethernet")
+LINK_NAMES = {"nvlink": "NVLink", "pcie": "PCIe", "infiniband": "InfiniBand", "slingshot": "Slingshot",
+              "ethernet": "Ethernet"}
+
+
+def link_reference(links: Mapping[str, Link], nodes: int, site: str) -> Reference | None:
+    """The peak busbw is compared with: NVLink (else PCIe) per GPU within a node, the node's network across nodes."""
+    for kind in NODE_LINKS if nodes > 1 else GPU_LINKS:
+        link = links.get(kind)
+        if link is not None:
+            scope = "per node" if link.per == "node" else "per GPU"
+            return Reference("link", f"{LINK_NAMES[kind]} ({scope}, one direction)", link.gb_per_s,
+                             f"site profile {site}: {link.source}")
+    return None
 
 
 def measure_memcpy(size_bytes: int = 64 * MiB, repeats: int = 5) -> Reference:
