@@ -50,9 +50,9 @@ def test_message_sizes_and_their_limits():
     assert shared.message_sizes(1024, 64 * 1024, 4, "cpu") == SIZES
     assert shared.message_sizes(1024, 2**30, 2, "cuda")[-1] == 2**30  # 1 KiB .. 1 GiB on a GPU: 21 sizes
     assert shared.parse_size("64M") == 64 * 2**20 and shared.parse_size("1GiB") == 2**30
-    with pytest.raises(shared.UserError, match=r"--max-bytes 128 MiB is above the cpu limit of 64 MiB"):
+    with pytest.raises(shared.UserError, match=r"--max-bytes 128.0 MiB is above the cpu limit of 64.0 MiB"):
         shared.message_sizes(1024, 128 * 2**20, 2, "cpu")
-    with pytest.raises(shared.UserError, match=r"below the smallest size timed, 1 KiB"):
+    with pytest.raises(shared.UserError, match=r"below the smallest size timed, 1.0 KiB"):
         shared.message_sizes(512, 2048, 2, "cpu")
 
 
@@ -149,7 +149,7 @@ def test_time_to_target_from_the_evaluation_history_or_the_final_evaluation():
 
 @pytest.mark.parametrize(("script", "argv", "message"), [
     (BENCH, ["--device", "cpu", "--max-bytes", "1G"],
-     "error: --max-bytes 1 GiB is above the cpu limit of 64 MiB"),
+     "error: --max-bytes 1.0 GiB is above the cpu limit of 64.0 MiB"),
     (BENCH, ["--device", "cpu", "--min-bytes", "100"], "error: --min-bytes 100 B is below the smallest size timed"),
     (BENCH, ["--device", "cpu", "--collectives", "all_reduce,broadcast"],
      "error: unknown collective broadcast; choose from all_reduce, all_gather, reduce_scatter"),
@@ -305,7 +305,7 @@ def test_every_record_has_an_energy_entry_and_says_why_when_it_is_unavailable(ru
 
 
 def test_the_report_shows_bandwidth_both_scaling_curves_and_overlap(runs, tmp_path):
-    from scripts.report import build_report
+    from common.report import build_report
 
     folder = tmp_path / "all"
     folder.mkdir()

@@ -40,14 +40,15 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import add_common_args, config_dict, positive_float, positive_int
 from common.device import configure_threads, resolve_device, synchronize
-from common.distributed import barrier, gather_objects, init_distributed, print0, teardown_distributed
+from common.distributed import all_reduce_max, gather_objects, init_distributed, print0, teardown_distributed
 from common.energy import EnergyMeter
 from common.errors import UserError, run_main
 from common.launch import detect_launch
 from common.placement import record_placement
 from common.results import make_record, provenance, write_record
+from common.units import format_bytes
 from labs.lab05_scaling.lab05_shared import (ELEMENT_BYTES, LAB, Reference, bandwidths, bus_factor, describe_gloo,
-                                             describe_nccl, format_size, link_reference, measure_memcpy,
+                                             describe_nccl, link_reference, measure_memcpy,
                                              message_sizes, nccl_debug_environment, nccl_log_files,
                                              parse_collectives, parse_nccl_log, parse_size, site_links)
 
@@ -103,18 +104,15 @@ def time_collective(collective: str, size_bytes: int, args, ctx) -> dict:
     times = []
     for _ in range(args.iters):
         refill()
-        barrier()                      # the ranks start together; a late rank's wait is not the link's time
+        dist.barrier()                 # the ranks start together; a late rank's wait is not the link's time
         synchronize(device)
         start = time.perf_counter()
         run()
         synchronize(device)
         times.append(time.perf_counter() - start)
-    # Per iteration, the slowest rank: a collective is done when the last rank is done.
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    # Per call, the slowest rank: a collective is done when the last rank is done.
+    seconds = all_reduce_max(times, device)
     every_rank_ok = all(gather_objects(ok))
-    seconds = slowest.tolist()
     median = statistics.median(seconds)
     algbw, busbw = bandwidths(collective, actual, median, ctx.world_size)
     return {"bytes": actual, "elements": actual // ELEMENT_BYTES, "time_s": median, "time_min_s": min(seconds),
@@ -220,14 +218,14 @@ def benchmark(args, ctx, collectives: list[str], sizes: list[int], threads: int)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         if 2.5 * sizes[-1] > free:  # the input, the output (all-gather: S), the expected result, NCCL's buffers
-            raise UserError(f"--max-bytes {format_size(sizes[-1])} needs about {format_size(2.5 * sizes[-1])} of GPU "
-                            f"memory; {format_size(free)} is free on {device}")
+            raise UserError(f"--max-bytes {format_bytes(sizes[-1])} needs about {format_bytes(2.5 * sizes[-1])} of GPU "
+                            f"memory; {format_bytes(free)} is free on {device}")
     placement = record_placement(device, args.num_workers)
     hosts = [entry["node"] for entry in placement]
     nodes = len(set(hosts))
     reference = reference_for(args, ctx, nodes)
     print0(f"bandwidth: {ranks} rank(s) on {nodes} node(s), backend {ctx.backend}, {len(sizes)} sizes "
-           f"{format_size(sizes[0])}..{format_size(sizes[-1])}, {args.warmup} warm-up + {args.iters} timed calls each")
+           f"{format_bytes(sizes[0])}..{format_bytes(sizes[-1])}, {args.warmup} warm-up + {args.iters} timed calls each")
     if reference is None:
         print0("reference: none (no link peak: pass --site or --peak-gbps); busbw is shown without a percentage")
     else:
@@ -249,7 +247,7 @@ def benchmark(args, ctx, collectives: list[str], sizes: list[int], threads: int)
                                                  if reference is not None and reference.gb_per_s else None)
                 results.append(row)
                 pct = row["busbw_pct_of_reference"]
-                print0(f"{format_size(row['bytes']):>10} {1e6 * row['time_s']:>11.1f} {row['algbw_gbps']:>11.3f} "
+                print0(f"{format_bytes(row['bytes']):>10} {1e6 * row['time_s']:>11.1f} {row['algbw_gbps']:>11.3f} "
                        f"{row['busbw_gbps']:>11.3f} {'' if pct is None else f'{pct:.1f}':>7} "
                        f"{'yes' if row['correct'] else 'NO':>3}")
         energy = meter.result()

@@ -38,13 +38,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_float, positive_int
 from common.device import configure_threads, seed_everything, synchronize
-from common.distributed import barrier, init_distributed, print0, teardown_distributed
+from common.distributed import all_reduce_max, init_distributed, print0, teardown_distributed
 from common.energy import EnergyMeter
 from common.errors import UserError, run_main
 from common.models import build_model
 from common.placement import record_placement
 from common.results import make_record, provenance, write_record
-from labs.lab05_scaling.lab05_shared import LAB, MiB, format_size
+from common.units import format_bytes
+from labs.lab05_scaling.lab05_shared import LAB, MiB
 
 SCRIPT = "labs/lab05_scaling/03_overlap.py"
 
@@ -59,15 +60,9 @@ def parse_buckets(text: str) -> list[float]:
     return values
 
 
-def median_of(times: list[float]) -> float:
+def median_of(times: list[float], device: torch.device) -> float:
     """Slowest rank per step (a step ends when the last rank ends), then the median over steps."""
-    tensor = torch.tensor(times, dtype=torch.float64)
-    if dist.is_initialized() and dist.get_backend() != "nccl":
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    elif dist.is_initialized():
-        tensor = tensor.cuda()
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return statistics.median(tensor.tolist())
+    return statistics.median(all_reduce_max(times, device))
 
 
 def train_step(model, optimizer, images, labels, sync: bool) -> None:
@@ -90,13 +85,13 @@ def time_steps(model, optimizer, images, labels, args, device) -> tuple[float, f
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.steps):
         for sync in (True, False):
-            barrier()
+            dist.barrier()
             synchronize(device)
             start = time.perf_counter()
             train_step(model, optimizer, images, labels, sync)
             synchronize(device)
             times[sync].append(time.perf_counter() - start)
-    return median_of(times[True]), median_of(times[False])
+    return median_of(times[True], device), median_of(times[False], device)
 
 
 def bucket_sizes(model: DDP) -> list[int]:
@@ -116,14 +111,14 @@ def communication_alone(buckets: list[int], device: torch.device, args) -> float
         dist.all_reduce(flat)
     times = []
     for _ in range(args.steps):
-        barrier()
+        dist.barrier()
         synchronize(device)
         start = time.perf_counter()
         for flat in flats:
             dist.all_reduce(flat)
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return median_of(times)
+    return median_of(times, device)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         generator = torch.Generator().manual_seed(args.seed + ctx.rank)
         images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator).to(device)
         labels = torch.randint(0, 10, (args.batch_size,), generator=generator).to(device)
-        print0(f"overlap: {ranks} rank(s), backend {ctx.backend} | {args.model}, {format_size(parameter_bytes)} of "
+        print0(f"overlap: {ranks} rank(s), backend {ctx.backend} | {args.model}, {format_bytes(parameter_bytes)} of "
                f"gradients | batch {args.batch_size} per rank, {args.image_size}px | {args.steps} timed steps "
                f"per setting | threads {threads}")
         print0(f"{'bucket_cap_mb':>13} {'buckets':>7} {'step (ms)':>10} {'no_sync (ms)':>13} {'exposed (ms)':>13} "

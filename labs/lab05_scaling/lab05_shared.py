@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from common.cpus import usable_cpus
 from common.errors import UserError
 from common.sites import Link, find_site
+from common.units import format_bytes
 
 LAB = "lab05"
 REPO = Path(__file__).resolve().parents[2]
@@ -47,28 +49,19 @@ def parse_size(text: str) -> int:
     return int(float(match["number"]) * _UNITS[match["unit"].upper()])
 
 
-def format_size(n: float) -> str:
-    """``1048576`` -> ``1 MiB``; sizes between the powers of two keep one decimal."""
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= scale:
-            value = n / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
-    return f"{int(n)} B"
-
-
 def message_sizes(min_bytes: int, max_bytes: int, factor: int, device_type: str) -> list[int]:
     """``min_bytes, min_bytes*factor, ...`` up to ``max_bytes`` (included), checked against the device's range."""
     limit = MAX_BYTES["cuda" if device_type == "cuda" else "cpu"]
     if min_bytes < MIN_BYTES:
-        raise UserError(f"--min-bytes {format_size(min_bytes)} is below the smallest size timed, "
-                        f"{format_size(MIN_BYTES)}")
+        raise UserError(f"--min-bytes {format_bytes(min_bytes)} is below the smallest size timed, "
+                        f"{format_bytes(MIN_BYTES)}")
     if max_bytes < min_bytes:
-        raise UserError(f"--max-bytes {format_size(max_bytes)} is below --min-bytes {format_size(min_bytes)}")
+        raise UserError(f"--max-bytes {format_bytes(max_bytes)} is below --min-bytes {format_bytes(min_bytes)}")
     if max_bytes > limit:
         why = ("Gloo copies every message through host memory and the run would take minutes; use a GPU for "
                "larger messages" if device_type != "cuda" else "larger buffers do not fit beside NCCL's own")
-        raise UserError(f"--max-bytes {format_size(max_bytes)} is above the {device_type} limit of "
-                        f"{format_size(limit)} ({why})")
+        raise UserError(f"--max-bytes {format_bytes(max_bytes)} is above the {device_type} limit of "
+                        f"{format_bytes(limit)} ({why})")
     if factor < 2:
         raise UserError(f"--step-factor must be at least 2, got {factor}")
     sizes, size = [], min_bytes
@@ -280,7 +273,7 @@ def measure_memcpy(size_bytes: int = 64 * MiB, repeats: int = 5) -> Reference:
     times.sort()
     rate = size_bytes / times[len(times) // 2] / GB
     return Reference("memcpy", "memory copy of this machine (measured)", rate,
-                     f"torch copy_ of {format_size(size_bytes)}, median of {repeats}, "
+                     f"torch copy_ of {format_bytes(size_bytes)}, median of {repeats}, "
                      f"{torch.get_num_threads()} thread(s), rank 0 alone while the others waited")
 
 
@@ -336,8 +329,7 @@ def current_allocation(device_type: str, env: Mapping[str, str] | None = None, *
                                                   f"{nodes} node(s), {per_node} per node")
     if device_type == "cuda":
         return Allocation(gpus, 1, gpus, f"{gpus} GPU(s) visible on this machine")
-    cores = cpus if cpus is not None else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else os.cpu_count() or 1
+    cores = usable_cpus() if cpus is None else cpus
     return Allocation(cores, 1, cores, f"{cores} CPU core(s) this process may use (one process per core)")
 
 

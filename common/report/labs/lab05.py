@@ -23,8 +23,8 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from scripts.report.runs import get, number
-from scripts.report.sections import (
+from common.report.runs import get, number
+from common.report.sections import (
     MISSING, Cell, Section, SectionContext, Table, fmt_bytes, fmt_int, fmt_number, fmt_percent, fmt_rate, fmt_ratio,
     fmt_seconds, fmt_text, num, register_section,
 )
@@ -90,7 +90,7 @@ def _bandwidth_table(group: pd.DataFrame, caption: str) -> Table:
 def _bandwidth_figure(group: pd.DataFrame, title: str) -> Any:
     from matplotlib.figure import Figure as MplFigure
 
-    from scripts.report.plots import plain, png_figure
+    from common.report.plots import plain, png_figure
 
     fig = MplFigure(figsize=(8, 4))
     ax = fig.add_subplot()
@@ -222,7 +222,7 @@ def _scaling_table(curves: pd.DataFrame, caption: str) -> Table:
 def _scaling_figure(curves: pd.DataFrame, title: str) -> Any:
     from matplotlib.figure import Figure as MplFigure
 
-    from scripts.report.plots import plain, png_figure
+    from common.report.plots import plain, png_figure
 
     fig = MplFigure(figsize=(11, 4))
     throughput, efficiency = fig.subplots(1, 2)
@@ -253,7 +253,7 @@ def _accuracy_figure(rows: pd.DataFrame, title: str) -> Any | None:
     """Validation accuracy against elapsed time for every point that recorded more than one evaluation."""
     from matplotlib.figure import Figure as MplFigure
 
-    from scripts.report.plots import plain, png_figure
+    from common.report.plots import plain, png_figure
 
     curves = [(r, r["evaluations"]) for r in rows.to_dict("records") if len(r["evaluations"]) > 1]
     if not curves:
@@ -330,7 +330,7 @@ def overlap_parts(runs: pd.DataFrame, plots: bool) -> tuple[list[Table], list[An
 def _overlap_figure(buckets: list[dict], title: str) -> Any:
     from matplotlib.figure import Figure as MplFigure
 
-    from scripts.report.plots import plain, png_figure
+    from common.report.plots import plain, png_figure
 
     labels = [f"{b.get('bucket_cap_mb'):g}" for b in buckets]
     fig = MplFigure(figsize=(8, 3.6))
