@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["EnergyMeter", "EnergyUnavailable", "NvmlSource", "RaplSource", "SlurmSource", "not_measured",
-           "combine", "POWERCAP", "RAPL_POLL_S"]
+           "combine", "POWERCAP", "RAPL_POLL_S", "SLURM_TIMEOUT_S", "SOURCE_NAMES"]
 
 POWERCAP = Path("/sys/class/powercap")
 #: Seconds between RAPL reads while a region runs (a counter wraps after minutes at full power).

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 __all__ = ["check_placement", "record_placement", "placement_lines", "gpu_pci_bus_id", "cpu_list",
-           "parse_cpu_list", "numa_nodes", "gpu_numa_node"]
+           "parse_cpu_list", "numa_nodes", "gpu_numa_node", "SYSFS"]
 
 SYSFS = Path("/sys")
 

@@ -72,7 +72,7 @@ def message_sizes(min_bytes: int, max_bytes: int, factor: int, device_type: str)
 
 
 # --------------------------------------------------------------------------------------------
-# Bus bandwidth, as nccl-tests defines it (its doc/PERFORMANCE.md)
+# Bus bandwidth, as NVIDIA's nccl-tests define it (their performance notes)
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
