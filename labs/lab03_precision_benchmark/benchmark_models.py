@@ -344,7 +344,7 @@ def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: D
                                                                distributed)
                     energy = meter.result(samples=(args.warmup + args.num_iters) * args.batch_size * ctx.world_size)
                     out.measured(model_name, mode, precision, timer, memory, check, flops[model_name][mode],
-                                 energy, compilation)
+                                 compilation, energy=energy)
                     done.append(mode)
             except RuntimeError as err:  # out of memory, or an operator without a kernel for this dtype
                 if distributed:
@@ -402,8 +402,8 @@ class Output:
         self.rows.append({"mode": mode, "precision": precision, "model": model, "status": "failed", "reason": reason})
 
     def measured(self, model: str, mode: str, precision: str, timer: StepTimer, memory: dict[str, Any],
-                 check: dict[str, Any], flops: int, energy: dict[str, Any],
-                 compilation: dict[str, Any] | None = None) -> None:
+                 check: dict[str, Any], flops: int, compilation: dict[str, Any] | None = None, *,
+                 energy: dict[str, Any] | None = None) -> None:
         world = self.ctx.world_size
         step_time = timer.summary()
         ms = {key: step_time[f"{key}_s"] * 1000 for key in ("median", "mean", "std", "min", "max")}
