@@ -158,6 +158,8 @@ def test_time_to_target_from_the_evaluation_history_or_the_final_evaluation():
     (SCALING, ["--device", "cpu", "--processes", "1,2,4096"],
      "error: scaling point of 4096 processes is larger than the allocation"),
     (SCALING, ["--device", "cpu", "--modes", "diagonal"], "error: unknown scaling mode diagonal"),
+    (SCALING, ["--device", "cpu", "--target-accuracy", "90"], "error: argument --target-accuracy: an accuracy is a "
+                                                              "fraction from 0 to 1 (0.9 for 90%), got 90"),
     (SCALING, ["--device", "cpu", "--processes", "1,2", "--global-batch-size", "63"],
      "error: strong scaling splits the global batch 63 over 2 processes"),
     (OVERLAP, ["--device", "cpu", "--bucket-cap-mb", "25,zero"], "error: --bucket-cap-mb takes numbers"),

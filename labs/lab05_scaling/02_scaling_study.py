@@ -57,6 +57,17 @@ SCRIPT = "labs/lab05_scaling/02_scaling_study.py"
 TRAINING = "labs/lab01_dp_vs_ddp/04_ddp_training.py"
 
 
+def fraction(text: str) -> float:
+    """argparse type: an accuracy, a number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"an accuracy is a fraction from 0 to 1 (0.9 for 90%), got {text}")
+    return value
+
+
 def allocation_for(args: argparse.Namespace) -> Allocation:
     gpus = 0
     if args.device != "cpu":
@@ -171,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--global-batch-size", type=positive_int, default=None,
                        help="strong scaling's global batch, split over the processes (default: --batch-size, so "
                             "the 1-process run is shared by both modes)")
-    group.add_argument("--target-accuracy", type=float, default=0.9,
+    group.add_argument("--target-accuracy", type=fraction, default=0.9,
                        help="validation accuracy whose first arrival is timed (default: %(default)s)")
     group.add_argument("--point", type=non_negative_int, default=None,
                        help="run only the point with this index in --processes, e.g. $SLURM_ARRAY_TASK_ID "
