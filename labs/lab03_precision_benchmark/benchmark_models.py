@@ -47,6 +47,7 @@ from common import amp
 from common.cli import add_run_args, non_negative_int, output_dir, positive_float, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.distributed import DistContext, init_distributed, print0, teardown_distributed
+from common.energy import EnergyMeter
 from common.errors import UserError, run_main
 from common.launch import detect_launch
 from common.models import build_model, zoo_models
@@ -83,10 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--precisions", default=", ".join(PRECISIONS), help="comma-separated, any of the default's")
     what.add_argument("--image-size", type=positive_int, default=224,
                       help="side of the square input images; tiny runs use 32-64")
-    what.add_argument("--channels-last", action="store_true",
-                      help="NHWC memory format, which tensor-core convolutions prefer")
-    what.add_argument("--compile", action="store_true",
-                      help="torch.compile the model; compilation happens in the warm-up iterations")
+    what.add_argument("--channels-last", action="store_true", help="NHWC memory format (tensor cores prefer it)")
+    what.add_argument("--compile", action="store_true", help="torch.compile the model; it compiles in the warm-up")
     check = parser.add_argument_group("correctness check against fp32")
     check.add_argument("--check-steps", type=positive_int, default=3,
                        help="training steps from the same weights on the same batch")
@@ -192,13 +191,12 @@ def check_losses(base, images, labels, precision, device, args) -> tuple[list[fl
 
 
 def count_flops(model_name: str, batch_size: int, image_size: int) -> dict[str, int]:
-    """FLOPs of one batch per mode, counted once per model and shape.
+    """FLOPs of one batch per mode, counted once per model and shape, on the ``meta`` device.
 
-    On the ``meta`` device: tensors with shapes but no data, so nothing is computed or allocated
-    and a wide_resnet101_2 is counted in a blink. FlopCounterMode counts the matrix maths
-    (convolutions, matmuls: 2 FLOPs per multiply-add), not element-wise work such as BatchNorm or
-    ReLU, so the achieved TFLOP/s compares with the tensor-core peaks. A shape the model cannot
-    take fails here, before anything is timed.
+    Meta tensors have shapes but no data: nothing is computed or allocated. FlopCounterMode counts
+    the matrix maths (convolutions, matmuls: 2 FLOPs per multiply-add), not element-wise work such
+    as BatchNorm or ReLU, so the achieved TFLOP/s compares with the tensor-core peaks. A shape the
+    model cannot take fails here, before anything is timed.
     """
     from torch.utils.flop_counter import FlopCounterMode  # PyTorch >= 2.1: imported after common's version check
 
@@ -286,10 +284,12 @@ def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: D
                 check = {**compare_losses(losses, reference, args.loss_tolerance),
                          "scaler_skipped_steps": skipped_steps}
                 for mode in args.modes:
-                    timer, memory, compilation = time_mode(mode, base, images, labels, precision, device, args,
-                                                           distributed)
+                    with EnergyMeter(device) as meter:
+                        timer, memory, compilation = time_mode(mode, base, images, labels, precision, device, args,
+                                                               distributed)
+                    energy = meter.result(samples=(args.warmup + args.num_iters) * args.batch_size * ctx.world_size)
                     out.measured(model_name, mode, precision, timer, memory, check, flops[model_name][mode],
-                                 compilation)
+                                 compilation, energy=energy)
                     done.append(mode)
             except RuntimeError as err:  # out of memory, or an operator without a kernel for this dtype
                 if distributed:

@@ -235,7 +235,7 @@ class Output:
             print(line, flush=True)
 
     def _record(self, mode: str, precision: str, model: str | None, metrics: dict[str, Any], *,
-                status: str = "ok", notes: list[str]) -> None:
+                status: str = "ok", notes: list[str], energy: dict[str, Any] | None = None) -> None:
         if not self.ctx.is_main:
             return
         args, world = self.args, self.ctx.world_size
@@ -247,8 +247,8 @@ class Output:
         # The fp32 maths changes with the precision (TF32 on for the tf32 rows only): read it per record.
         write_record(make_record(lab=LAB, script=SCRIPT, method=f"{mode}-{precision}", status=status, notes=notes,
                                  config=config, metrics={"world_size": world, **metrics},
-                                 provenance={**self.provenance, "fp32_math": fp32_math_info(self.device)}),
-                     args.results_dir)
+                                 provenance={**self.provenance, "fp32_math": fp32_math_info(self.device)},
+                                 energy=energy), args.results_dir)
         self.records += 1
 
     def runnable(self, capability: tuple[int, int] | None) -> list[str]:
@@ -281,7 +281,9 @@ class Output:
                               "reason": reason})
 
     def measured(self, model: str, mode: str, precision: str, timer: Any, memory: dict[str, Any],
-                 check: dict[str, Any], flops: int, compilation: dict[str, Any] | None = None) -> None:
+                 check: dict[str, Any], flops: int, compilation: dict[str, Any] | None = None, *,
+                 energy: dict[str, Any] | None = None) -> None:
+        """One result: ``energy`` is ``common.energy.EnergyMeter.result()`` over its warm-up and timed iterations."""
         world = self.ctx.world_size
         step_time = timer.summary()
         ms = {key: step_time[f"{key}_s"] * 1000 for key in ("median", "mean", "std", "min", "max")}
@@ -320,7 +322,7 @@ class Output:
         if precision == "half" and self.device.type == "cpu":
             notes.append("float16 on a CPU without float16 arithmetic is converted to float32 inside each kernel: "
                          "expect it slower than fp32")
-        self._record(mode, precision, model, metrics, notes=notes)
+        self._record(mode, precision, model, metrics, notes=notes, energy=energy)
         self.ms_by_run.setdefault((mode, precision), {})[model] = metrics["ms_per_batch_samples"]
         self.rows.append({"mode": mode, "precision": precision, "model": model, "status": "ok",
                           "ms_per_batch_median": ms["median"], "ms_per_batch_mean": ms["mean"],
