@@ -46,6 +46,24 @@ def run_main(relpath: str, argv: list[str]) -> int:
     return 0
 
 
+def code_diff(path_a: str, path_b: str) -> list[str]:
+    """The code lines that differ between two scripts (``-`` only in ``a``, ``+`` only in ``b``).
+
+    Module docstrings and blank lines are left out: what remains is what a student sees when they
+    diff a lesson script against the next one, and that should be the lesson and little else.
+    """
+    import ast
+    import difflib
+
+    def code(relpath: str) -> list[str]:
+        source = (REPO / relpath).read_text()
+        docstring_end = ast.parse(source).body[0].end_lineno
+        return [line for line in source.splitlines()[docstring_end:] if line.strip()]
+
+    return [line for line in difflib.unified_diff(code(path_a), code(path_b), lineterm="", n=0)
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+
+
 def wait_for(condition, timeout: float, what: str, poll: float = 0.1):
     """Poll ``condition()`` until it returns something true (returned); fail after ``timeout`` s."""
     deadline = time.perf_counter() + timeout

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, REPO, load_script, run_main, script_env, signalling_timer, torchrun
+from helpers import PYTHON, REPO, code_diff, load_script, run_main, script_env, signalling_timer, torchrun
 
 LAB = "labs/lab01_dp_vs_ddp"
 ENV_CHECK = f"{LAB}/01_environment_check.py"
@@ -158,7 +158,8 @@ def test_preempted_ddp_run_resumes_to_the_same_parameters(tmp_path, monkeypatch,
     """A real SIGUSR1 (what ``#SBATCH --signal=B:USR1@120`` sends) mid-epoch, then ``--resume``."""
     import torch
 
-    ddp = load_script(DDP)
+    import common.run
+
     argv = [*TINY, "--batch-size", str(GLOBAL_BATCH)]
 
     def run(name: str, *extra: str) -> int:
@@ -167,7 +168,7 @@ def test_preempted_ddp_run_resumes_to_the_same_parameters(tmp_path, monkeypatch,
 
     assert run("whole") == 0
 
-    monkeypatch.setattr(ddp, "StepTimer", signalling_timer(ddp.StepTimer, during_step=8))
+    monkeypatch.setattr(common.run, "StepTimer", signalling_timer(common.run.StepTimer, during_step=8))
     assert run("cut") == 0
     monkeypatch.undo()
     out = capsys.readouterr().out
@@ -180,12 +181,19 @@ def test_preempted_ddp_run_resumes_to_the_same_parameters(tmp_path, monkeypatch,
     assert _record(tmp_path / "cut")["metrics"]["loss_at_step"] == _record(tmp_path / "whole")["metrics"]["loss_at_step"]
 
 
-def test_dp_and_baseline_training_code_is_the_same():
-    import inspect
-
-    baseline, dp = load_script(BASELINE), load_script(DP)
-    for function in ("train", "test"):
-        assert inspect.getsource(getattr(baseline, function)) == inspect.getsource(getattr(dp, function))
+def test_each_script_is_the_previous_one_plus_its_lesson():
+    """Students diff 02 -> 03 -> 04: each diff must be the lesson (DataParallel, then DDP) and little else."""
+    dp = code_diff(BASELINE, DP)
+    added = "\n".join(line for line in dp if line.startswith("+"))
+    assert len(dp) <= 45, "\n".join(dp)
+    for lesson in ("nn.DataParallel(model, device_ids=gpus)", "torch.cuda.set_device(gpus[0])", "model.module"):
+        assert lesson in added, lesson
+    assert not [line for line in dp if line.lstrip("+-").strip().startswith(("def train", "def test", "loss ="))]
+    ddp = code_diff(DP, DDP)
+    added = "\n".join(line for line in ddp if line.startswith("+"))
+    assert len(ddp) <= 130, "\n".join(ddp)
+    for lesson in ("model = DDP(model", "model.no_sync()", "distributed=True", "rank=run.rank", "all_reduce_sum"):
+        assert lesson in added, lesson
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,7 +202,7 @@ def test_dp_and_baseline_training_code_is_the_same():
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_ranks_split_each_global_batch_without_overlap(world_size):
-    from labs.lab01_dp_vs_ddp.lab01_shared import GlobalBatchSampler
+    from common.data import GlobalBatchSampler
 
     single = GlobalBatchSampler(50, 8, seed=5)
     ranks = [GlobalBatchSampler(50, 8, rank=r, world_size=world_size, seed=5) for r in range(world_size)]
@@ -210,13 +218,13 @@ def test_ranks_split_each_global_batch_without_overlap(world_size):
     first = list(single)
     single.set_epoch(2)
     assert list(single) != first  # a new order every epoch
-    single.set_epoch(1, start_step=4)
-    assert list(single) == first[4:]  # resuming skips what was done
+    single.set_epoch(1)
+    assert list(single) == first  # the order depends on the seed and the epoch alone (what a resume relies on)
 
 
 def test_sampler_rejects_uneven_or_too_large_batches():
     from common.errors import UserError
-    from labs.lab01_dp_vs_ddp.lab01_shared import GlobalBatchSampler
+    from common.data import GlobalBatchSampler
 
     with pytest.raises(UserError, match="divide evenly"):
         GlobalBatchSampler(100, 10, rank=0, world_size=4)

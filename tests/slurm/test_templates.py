@@ -137,11 +137,8 @@ def _generic(template_jobs, script: str) -> tuple[RenderedJob, dict]:
 
 
 def _digests(record: dict) -> list:
-    """Each rank's parameter digest, in rank order (Chapter 4 and Lab-01 name them differently)."""
-    metrics = record["metrics"]
-    if "param_digest_per_rank" in metrics:
-        return metrics["param_digest_per_rank"]
-    return [entry["parameters"] for entry in metrics["replica_digests"]]
+    """Each rank's parameter digest, in rank order."""
+    return [entry["parameters"] for entry in record["metrics"]["replica_digests"]]
 
 
 def test_two_node_ddp_via_srun_runs_one_rank_per_gpu_on_both_nodes(slurm_cluster, template_jobs):
@@ -174,8 +171,8 @@ def test_chapter4_multi_gpu_runs_one_rank_per_gpu(slurm_cluster, template_jobs):
     job, record = _generic(template_jobs, "chapters/ch04_deep_learning/sbatch/multi_gpu.sbatch")
     log = slurm_cluster.output(job.result.job_id)
     assert "DDP: 4 process(es), backend gloo, launcher slurm" in log
-    assert "parameters identical on all 4 ranks: yes" in log
-    digests = record["metrics"]["param_digest_per_rank"]
+    assert "parameters identical on all 4 rank(s): yes" in log
+    digests = _digests(record)
     assert len(digests) == 4 and len(set(digests)) == 1
     assert (job.results_dir.parent / "checkpoints" / f"multi_gpu-{job.result.job_id}.pt").is_file()
 
