@@ -38,7 +38,6 @@ measured are printed side by side and written as one record (lab ``lab04``, meth
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,14 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_int
 from common.device import configure_threads, seed_everything
 from common.distributed import gather_objects, init_distributed, print0, teardown_distributed
-from common.errors import UserError, run_main
+from common.errors import run_main
 from common.models import TransformerShape, transformer_parameter_count
 from common.results import make_record, provenance, write_record
-from common.timing import format_bytes, peak_memory, reset_peak_memory
-from labs.lab04_sharded_training.lab04_shared import (
-    LAB, SavedActivations, add_model_args, build_model, check_strategy, language_model_loss,
-    process_rss_bytes, random_batch, shape_from_args, tensor_bytes,
-)
+from common.timing import format_bytes
+from labs.lab04_sharded_training.lab04_shared import LAB, add_model_args, check_strategy, measure_step, shape_from_args
 
 SCRIPT = "labs/lab04_sharded_training/01_memory_budget.py"
 #: (name, strategy, precision, activation checkpointing)
@@ -93,28 +89,6 @@ def predict(shape: TransformerShape, variant: str, world_size: int, batch_size: 
         "optimizer": 8 * params // shards + 4 * parameter_tensors(shape),
         "activations": per_token * tokens + 8 * shape.context,  # + the position ids, shared by the batch
     }
-
-
-def measure(shape: TransformerShape, variant: str, device: torch.device, batch_size: int, seed: int) -> dict[str, Any]:
-    """One training step of ``variant`` on this rank; what it holds afterwards, from the tensors."""
-    strategy, precision, checkpointed = VARIANTS[variant]
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    reset_peak_memory(device)
-    model = build_model(shape, strategy, device, precision=precision, activation_checkpointing=checkpointed,
-                        seed=seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens, targets = random_batch(shape, batch_size, device, seed=seed)
-    with SavedActivations() as saved:
-        loss = language_model_loss(model, tokens, targets)
-    loss.backward()
-    optimizer.step()  # creates AdamW's state: now every part of the budget exists
-    held = tensor_bytes(model, optimizer)
-    measured = {**{part: held[part] for part in PARTS[:3]}, "activations": saved.bytes,
-                "peak": peak_memory(device), "rss_bytes": process_rss_bytes()}
-    del model, optimizer, loss, saved
-    return measured
 
 
 def add_totals(parts: dict[str, int]) -> dict[str, int]:
@@ -158,11 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         seed_everything(args.seed)
         rows = []
         for variant in args.variants:
+            strategy, precision, checkpointed = VARIANTS[variant]
             row: dict[str, Any] = {"variant": variant, "world_size": world_size,
                                    "predicted": add_totals(predict(shape, variant, world_size, args.batch_size))}
             if measured_here:
-                per_rank = gather_objects({**measure(shape, variant, device, args.batch_size, args.seed),
-                                           "rank": ctx.rank})
+                measured = measure_step(shape, strategy, device, batch_size=args.batch_size, precision=precision,
+                                        activation_checkpointing=checkpointed, seed=args.seed)
+                per_rank = gather_objects({**measured, "rank": ctx.rank})
                 row["measured_per_rank"] = per_rank
                 row["measured"] = add_totals({part: max(rank[part] for rank in per_rank) for part in PARTS})
             rows.append(row)

@@ -17,6 +17,9 @@ model and wrap it the same way, or their numbers would not compare.
 from __future__ import annotations
 
 import argparse
+import gc
+import re
+import warnings
 from typing import Any
 
 import torch
@@ -58,6 +61,19 @@ def add_model_args(parser: argparse.ArgumentParser, *, layers: int = 8, width: i
 def shape_from_args(args: argparse.Namespace) -> TransformerShape:
     return TransformerShape(layers=args.layers, width=args.width, heads=args.heads, context=args.context,
                             vocab_size=TEXT_VOCAB_SIZE).check()
+
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def byte_size(text: str) -> int:
+    """argparse type: ``512MiB``, ``2GiB``, ``1.5GB`` or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512MiB, 2GiB or 1e9, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,15 +237,62 @@ def process_rss_bytes() -> int | None:
 
 
 def build_model(shape: TransformerShape, strategy: str, device: torch.device, *, precision: str = "fp32",
-                activation_checkpointing: bool = False, seed: int = 0) -> nn.Module:
-    """The transformer, seeded (every rank and every strategy start from the same weights), wrapped."""
+                activation_checkpointing: bool = False, seed: int = 0, on_meta: bool = False) -> nn.Module:
+    """The transformer, seeded (every rank and every strategy start from the same weights), wrapped.
+
+    ``on_meta=True`` never holds the whole model on a rank: it is built on the ``meta`` device (shapes,
+    no memory), sharded, and only then given memory and initialised, shard by shard. That is how a
+    model larger than one device is built; the weights then depend on the number of ranks.
+    """
     torch.manual_seed(seed)
-    model = DecoderOnlyTransformer(shape)
-    return apply_strategy(model, strategy, device, precision=precision,
-                          activation_checkpointing=activation_checkpointing)
+    if not on_meta:
+        return apply_strategy(DecoderOnlyTransformer(shape), strategy, device, precision=precision,
+                              activation_checkpointing=activation_checkpointing)
+    with torch.device("meta"):
+        model = DecoderOnlyTransformer(shape)
+    if strategy == "ddp":  # DDP copies rank 0's weights to the others: they must exist first
+        model.to_empty(device=device)
+        model.init_weights()
+    model = apply_strategy(model, strategy, device, precision=precision,
+                           activation_checkpointing=activation_checkpointing)
+    if strategy == "fsdp":
+        model.to_empty(device=device)
+        with warnings.catch_warnings():  # DTensor warns that its random numbers on CPU are not coordinated
+            warnings.filterwarnings("ignore", message="DTensor random operators")  # (fine for a memory test)
+            model.init_weights()
+    return model
 
 
 def variant_name(strategy: str, precision: str = "fp32", activation_checkpointing: bool = False) -> str:
     """``ddp``, ``fsdp``, ``fsdp+ac``, ``fsdp+bf16``, ``fsdp+ac+bf16``: the method of a record."""
     parts = [strategy] + (["ac"] if activation_checkpointing else []) + ([precision] if precision != "fp32" else [])
     return "+".join(parts)
+
+
+def measure_step(shape: TransformerShape, strategy: str, device: torch.device, *, batch_size: int,
+                 precision: str = "fp32", activation_checkpointing: bool = False, seed: int = 0,
+                 on_meta: bool = False) -> dict[str, Any]:
+    """One AdamW training step on this rank; what it holds afterwards, measured from the tensors.
+
+    ``parameters``, ``gradients`` and ``optimizer``: this rank's tensors (local shards under FSDP2);
+    ``activations``: what the forward pass saved for backward; ``peak``: the CUDA allocator's peak
+    over the whole step (on CPU the process's peak resident memory, which includes PyTorch itself);
+    ``rss_bytes``: the resident memory after the step.
+    """
+    from common.timing import peak_memory, reset_peak_memory
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    reset_peak_memory(device)
+    model = build_model(shape, strategy, device, precision=precision, activation_checkpointing=activation_checkpointing,
+                        seed=seed, on_meta=on_meta)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens, targets = random_batch(shape, batch_size, device, seed=seed)
+    with SavedActivations() as saved:
+        loss = language_model_loss(model, tokens, targets)
+    loss.backward()
+    optimizer.step()  # creates AdamW's state: now every part of the budget exists
+    held = tensor_bytes(model, optimizer)
+    return {"parameters": held["parameters"], "gradients": held["gradients"], "optimizer": held["optimizer"],
+            "activations": saved.bytes, "peak": peak_memory(device), "rss_bytes": process_rss_bytes()}
