@@ -160,20 +160,26 @@ class TransformerShape:
                             "(each head gets width / heads features)")
         return self
 
-    def describe(self) -> dict[str, int]:
-        return {"layers": self.layers, "width": self.width, "heads": self.heads, "context": self.context,
-                "vocab_size": self.vocab_size, "parameters": transformer_parameter_count(self)}
+    @property
+    def name(self) -> str:
+        """``transformer-8x512``: blocks x width, what a report's model column shows."""
+        return f"transformer-{self.layers}x{self.width}"
+
+    def describe(self) -> dict[str, int | str]:
+        return {"model": self.name, "layers": self.layers, "width": self.width, "heads": self.heads,
+                "context": self.context, "vocab_size": self.vocab_size,
+                "parameters": transformer_parameter_count(self)}
 
 
 def transformer_parameter_count(shape: TransformerShape) -> int:
     """The parameter count from the shape alone, without building anything.
 
-    Per block: attention (q, k, v and the output projection: 4 d² + 4 d), the MLP (d -> 4d -> d:
-    8 d² + 5 d) and two LayerNorms (4 d): 12 d² + 13 d. Around the blocks: token and position
-    embeddings (V d + T d), the final LayerNorm (2 d) and the output head (d V, no bias).
+    Per block: attention (q, k, v without bias and the output projection: 4 d² + d), the MLP
+    (d -> 4d -> d: 8 d² + 5 d) and two LayerNorms (4 d): 12 d² + 10 d. Around the blocks: token and
+    position embeddings (V d + T d), the final LayerNorm (2 d) and the output head (d V, no bias).
     """
     d, V, T = shape.width, shape.vocab_size, shape.context
-    return shape.layers * (12 * d * d + 13 * d) + V * d + T * d + 2 * d + d * V
+    return shape.layers * (12 * d * d + 10 * d) + V * d + T * d + 2 * d + d * V
 
 
 class CausalSelfAttention(nn.Module):
@@ -182,7 +188,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
-        self.qkv = nn.Linear(width, 3 * width)  # queries, keys and values in one matrix multiply
+        # Queries, keys and values in one matrix multiply, without a bias: a bias on the keys would get
+        # a zero gradient (softmax ignores a constant added to a whole row of scores), and AdamW would
+        # turn the rounding noise in that gradient into updates as large as any other.
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
         self.proj = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -66,8 +66,8 @@ PARTS = ("parameters", "gradients", "optimizer", "activations")
 
 
 def parameter_tensors(shape: TransformerShape) -> int:
-    """How many parameter tensors: 12 per block (6 weights, 6 biases), 2 embeddings, the final norm's 2, the head."""
-    return 12 * shape.layers + 5
+    """How many parameter tensors: 11 per block (6 weights, 5 biases), 2 embeddings, the final norm's 2, the head."""
+    return 11 * shape.layers + 5
 
 
 def predict(shape: TransformerShape, variant: str, world_size: int, batch_size: int) -> dict[str, int]:
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         if ctx.is_main:
             print_table(rows, device)
             metrics = {"budget": rows, "parameters": params, "world_size": world_size, "measured": measured_here,
-                       "memory": [rank["peak"] | {"rank": rank["rank"]} for rank in rows[-1].get("measured_per_rank", [])]}
+                       "memory": peak_per_rank(rows)}
             config = config_dict(args, resolved_device=str(device), world_size=world_size, **shape.describe())
             record = make_record(lab=LAB, script=SCRIPT, method="memory", config=config, metrics=metrics,
                                  provenance=provenance(device, launched, {"distributed": ctx.describe()}))
@@ -153,6 +153,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         teardown_distributed(ctx)
+
+
+def peak_per_rank(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every rank's highest peak over the variants, in the schema's ``metrics.memory`` form."""
+    ranks: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        for measured in row.get("measured_per_rank", []):
+            peak = {**measured["peak"], "rank": measured["rank"]}
+            if peak["peak_bytes"] > ranks.get(measured["rank"], {"peak_bytes": -1})["peak_bytes"]:
+                ranks[measured["rank"]] = peak
+    return [ranks[rank] for rank in sorted(ranks)]
 
 
 def print_table(rows: list[dict[str, Any]], device: torch.device) -> None:

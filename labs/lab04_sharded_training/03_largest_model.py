@@ -167,7 +167,7 @@ def summarise(rows: list[dict[str, Any]], ctx: Any, args: argparse.Namespace, de
              for row in rows if row["limited_by_doublings"]]
     metrics = {"largest": rows, "budget_bytes": args.budget, "world_size": ctx.world_size,
                "measured_by": "cuda_max_memory_allocated" if device.type == "cuda" else "tensor_bytes_and_saved_activations"}
-    config = config_dict(args, resolved_device=str(device))
+    config = config_dict(args, resolved_device=str(device), model=f"{shape_from_args(args).name} (start)")
     record = make_record(lab=LAB, script=SCRIPT, method="largest-model", config=config, metrics=metrics, notes=notes,
                          provenance=provenance(device, ctx.world_size, {"distributed": ctx.describe()}))
     for note in notes:
