@@ -52,7 +52,7 @@ from common.checkpoint import (StopSignal, capture_rng_state, check_same_setting
                                restore_rng_state, save_checkpoint)
 from common.cli import config_dict, output_file
 from common.data import set_loader_epoch
-from common.device import configure_threads, describe, resolve_device
+from common.device import configure_threads, describe, resolve_device, use_deterministic_algorithms
 from common.distributed import (DistContext, any_rank, gather_objects, init_distributed, mean_over_ranks, print0,
                                 print_rank, teardown_distributed)
 from common.errors import UserError
@@ -60,11 +60,19 @@ from common.models import replica_digests
 from common.results import make_record, provenance, training_metrics, write_record
 from common.timing import StepTimer, format_bytes, format_rate, peak_memory, reset_peak_memory
 
-__all__ = ["TrainingRun", "TorchCheckpointer", "Checkpointer", "Preempted", "add_checkpoint_args"]
+__all__ = ["TrainingRun", "TorchCheckpointer", "Checkpointer", "Preempted", "add_checkpoint_args",
+           "add_determinism_arg"]
 
 #: What a run's own progress entry holds (besides the tracked objects and the random generators).
 _PROGRESS_KEYS = ("train_loss", "loss_at_step", "epoch_losses", "epoch_time_s", "eval_history", "steps",
                   "train_time_s")
+
+
+def add_determinism_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--deterministic``: on a GPU, deterministic algorithms, so runs (and resumed runs) repeat bitwise."""
+    parser.add_argument("--deterministic", action="store_true",
+                        help="GPU only: deterministic cuDNN/cuBLAS algorithms, so a run and its resumed twin "
+                             "end bitwise equal (a little slower; CPU runs are deterministic anyway) (default: off)")
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser, *, always: bool = False) -> argparse.ArgumentParser:
@@ -81,6 +89,7 @@ def add_checkpoint_args(parser: argparse.ArgumentParser, *, always: bool = False
                             f"(default: {default_text})")
     group.add_argument("--resume", action="store_true",
                        help="continue from --checkpoint when it exists (default: start fresh)")
+    add_determinism_arg(group)
     return parser
 
 
@@ -203,6 +212,8 @@ class TrainingRun:
             print_rank(f"device {describe(self.device)}")
         else:
             self.device = resolve_device(self.args.device)
+        if getattr(self.args, "deterministic", False):
+            use_deterministic_algorithms(self.device)
         if self.checkpointer is not None:  # without a checkpoint there is nothing to save: signals act as usual
             self.stop.install()
         self.timer = StepTimer(self.device, warmup_steps=getattr(self.args, "warmup_steps", 2))

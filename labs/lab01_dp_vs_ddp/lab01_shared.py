@@ -23,6 +23,7 @@ from typing import Sequence
 from common.cli import non_negative_int, positive_float, positive_int
 from common.data import DATASETS, DataSplits, get_dataset
 from common.errors import UserError
+from common.run import add_determinism_arg
 
 LAB = "lab01"
 
@@ -56,6 +57,7 @@ def add_lab_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--record-steps", type=non_negative_int, default=200,
                        help="how many of the first optimiser steps keep their loss in the record "
                             "(metrics.loss_at_step) (default: %(default)s)")
+    add_determinism_arg(group)  # on GPUs the three methods then agree step by step as on CPUs
     return parser
 
 
