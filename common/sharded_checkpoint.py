@@ -61,6 +61,9 @@ def add_distributed_checkpoint_args(parser: argparse.ArgumentParser, *, default_
     group.add_argument("--async-checkpoint", action="store_true",
                        help="save with dcp.async_save: training continues while a background thread writes "
                             "(default: off, the loop waits for the files)")
+    from common.run import add_determinism_arg
+
+    add_determinism_arg(group)
     return parser
 
 

@@ -52,16 +52,11 @@ from common.errors import run_main
 from common.models import TransformerShape, transformer_parameter_count
 from common.results import make_record, provenance, write_record
 from common.timing import format_bytes
-from labs.lab04_sharded_training.lab04_shared import LAB, add_model_args, check_strategy, measure_step, shape_from_args
+from labs.lab04_sharded_training.lab04_shared import (
+    LAB, VARIANTS, add_model_args, check_strategy, measure_step, shape_from_args,
+)
 
 SCRIPT = "labs/lab04_sharded_training/01_memory_budget.py"
-#: (name, strategy, precision, activation checkpointing)
-VARIANTS = {
-    "ddp": ("ddp", "fp32", False),
-    "fsdp": ("fsdp", "fp32", False),
-    "fsdp+ac": ("fsdp", "fp32", True),
-    "fsdp+bf16": ("fsdp", "bf16", False),
-}
 PARTS = ("parameters", "gradients", "optimizer", "activations")
 
 
@@ -104,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--world-size", type=positive_int, default=None,
                        help="ranks to predict for; measuring needs that many processes "
                             "(default: the processes of this launch)")
-    group.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS),
-                       help="which strategies to predict and measure (default: all)")
+    group.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=["ddp", "fsdp", "fsdp+ac", "fsdp+bf16"],
+                       help="which strategies to predict and measure (default: %(default)s)")
     add_common_args(parser, batch_size=8)
     return parser
 

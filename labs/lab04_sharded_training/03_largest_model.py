@@ -49,17 +49,10 @@ from common.models import TransformerShape, transformer_parameter_count
 from common.results import make_record, provenance, write_record
 from common.timing import format_bytes
 from labs.lab04_sharded_training.lab04_shared import (
-    LAB, add_model_args, byte_size, check_strategy, measure_step, shape_from_args,
+    LAB, VARIANTS, add_model_args, byte_size, check_strategy, measure_step, shape_from_args,
 )
 
 SCRIPT = "labs/lab04_sharded_training/03_largest_model.py"
-#: (strategy, precision, activation checkpointing)
-VARIANTS = {
-    "ddp": ("ddp", "fp32", False),
-    "fsdp": ("fsdp", "fp32", False),
-    "fsdp+ac": ("fsdp", "fp32", True),
-    "fsdp+ac+bf16": ("fsdp", "bf16", True),
-}
 
 
 def grow(shape: TransformerShape, how: str) -> TransformerShape:

@@ -35,6 +35,14 @@ from common.models import DecoderOnlyTransformer, TransformerShape
 LAB = "lab04"
 STRATEGIES = ("ddp", "fsdp")
 PRECISIONS = ("fp32", "bf16")
+#: The variants 01 and 03 compare: name -> (strategy, precision, activation checkpointing).
+VARIANTS = {
+    "ddp": ("ddp", "fp32", False),
+    "fsdp": ("fsdp", "fp32", False),
+    "fsdp+ac": ("fsdp", "fp32", True),
+    "fsdp+bf16": ("fsdp", "bf16", False),
+    "fsdp+ac+bf16": ("fsdp", "bf16", True),
+}
 #: bf16 matrix units arrived with Ampere (A100, compute capability 8.0).
 BF16_MIN_CAPABILITY = (8, 0)
 
@@ -264,7 +272,7 @@ def build_model(shape: TransformerShape, strategy: str, device: torch.device, *,
 
 
 def variant_name(strategy: str, precision: str = "fp32", activation_checkpointing: bool = False) -> str:
-    """``ddp``, ``fsdp``, ``fsdp+ac``, ``fsdp+bf16``, ``fsdp+ac+bf16``: the method of a record."""
+    """``ddp``, ``fsdp``, ``fsdp+ac``, ``fsdp+bf16``, ``fsdp+ac+bf16`` (the keys of :data:`VARIANTS`): a record's method."""
     parts = [strategy] + (["ac"] if activation_checkpointing else []) + ([precision] if precision != "fp32" else [])
     return "+".join(parts)
 

@@ -189,6 +189,7 @@ def sharded_training(ctx: SectionContext) -> Section | None:
             ("model (layers × width)", lambda r: fmt_text(r["shape"])),
             ("machine", lambda r: fmt_text(r["machine"])),
             ("global batch", lambda r: num(fmt_int(r["global_batch"]))),
+            ("checkpoint", lambda r: fmt_text(r["mode"])),
             ("steps", lambda r: num(fmt_int(len(r["losses"])))),
             ("final loss", lambda r: num(fmt_number(r["final_loss"]))),
             ("largest step difference from DDP", lambda r: num(fmt_number(r["vs_ddp"], 2))),
