@@ -504,3 +504,16 @@ def test_help_shows_defaults():
     for script in (BUDGET, TRAIN, LARGEST):
         text = load_script(script).build_parser().format_help()
         assert text.count("(default: ") >= 10, script
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_allocator_peak_holds_at_least_what_the_tensors_hold(tmp_path):
+    """On a GPU every tensor comes from the caching allocator, so its peak over a step is at least the
+    parameters, gradients, AdamW state and saved activations the step ends with."""
+    assert run_main(BUDGET, [*MEMORY, "--device", "cuda", "--results-dir", str(tmp_path)]) == 0
+    record = _record(tmp_path)
+    for row in record["metrics"]["budget"]:
+        assert row["predicted"]["states"] == pytest.approx(row["measured"]["states"], rel=0.10), row["variant"]
+        (rank,) = row["measured_per_rank"]
+        assert rank["peak"]["source"] == "cuda_max_memory_allocated"
+        assert rank["peak"]["peak_bytes"] >= row["measured"]["total"], row["variant"]

@@ -7,7 +7,7 @@ Usage:
         --layers 4 --width 64 --context 64
     python labs/lab04_sharded_training/01_memory_budget.py --world-size 64 --layers 48 --width 4096  # formula only
     python labs/lab04_sharded_training/01_memory_budget.py --device cpu          # one rank, still measured
-    sbatch memory_budget_4gpu.sbatch  # rendered from sbatch/memory_budget_4gpu.sbatch.j2, see the README
+    LAB04_STEP=memory sbatch sharded_torchrun_4gpu.sbatch  # rendered from sbatch/sharded_torchrun_4gpu.sbatch.j2
 
 What it teaches: where a rank's memory goes when it trains a transformer with AdamW in fp32, and
 what each step of sharding takes away. For P parameters on N ranks:

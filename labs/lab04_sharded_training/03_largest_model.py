@@ -6,7 +6,7 @@ Usage:
     torchrun --standalone --nproc_per_node=4 labs/lab04_sharded_training/03_largest_model.py --budget 20GiB
     torchrun --standalone --nproc_per_node=4 labs/lab04_sharded_training/03_largest_model.py --device cpu \\
         --budget 64MiB --layers 4 --width 128 --context 64
-    sbatch largest_model_4gpu.sbatch  # rendered from sbatch/largest_model_4gpu.sbatch.j2, see the README
+    LAB04_STEP=largest sbatch sharded_torchrun_4gpu.sbatch  # rendered from sbatch/sharded_torchrun_4gpu.sbatch.j2
 
 What it teaches: the headline of sharding. Starting from the model the flags describe, each
 strategy doubles the model (its depth with ``--grow depth``, its width with ``--grow width``) and
