@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -111,3 +112,14 @@ def run_script(relpath: str, *args: str, cwd: Path | None = None, timeout: float
 def torchrun(nproc: int) -> list[str]:
     """argv prefix for ``torchrun --standalone --nproc_per_node=N`` with this interpreter."""
     return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def write_tiny_mnist(root: Path, train: int = 12, test: int = 5) -> None:
+    """MNIST/raw/ in the IDX format torchvision reads (magic 2051 images, 2049 labels, big-endian)."""
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for prefix, count in (("train", train), ("t10k", test)):
+        pixels = bytes((i * 7) % 256 for i in range(count * 28 * 28))
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, count, 28, 28) + pixels)
+        labels = bytes(i % 10 for i in range(count))
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, count) + labels)

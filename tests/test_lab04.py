@@ -291,9 +291,9 @@ def test_both_checkpoint_modes_record_how_long_the_loop_stalled(runs):
 
 def test_report_section_shows_memory_losses_checkpoint_stalls_and_the_largest_model(runs, tmp_path):
     from common.results import load_records
-    from scripts.report import build_report
-    from scripts.report.runs import runs_frame
-    from scripts.report.sections import SectionContext, lab_section_builders, load_builtin_lab_sections
+    from common.report import build_report
+    from common.report.runs import runs_frame
+    from common.report.sections import SectionContext, lab_section_builders, load_builtin_lab_sections
 
     folder = tmp_path / "records"
     folder.mkdir()

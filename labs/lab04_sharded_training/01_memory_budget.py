@@ -51,7 +51,7 @@ from common.distributed import gather_objects, init_distributed, print0, teardow
 from common.errors import run_main
 from common.models import TransformerShape, transformer_parameter_count
 from common.results import make_record, provenance, write_record
-from common.timing import format_bytes
+from common.units import format_bytes
 from labs.lab04_sharded_training.lab04_shared import (
     LAB, VARIANTS, add_model_args, check_strategy, measure_step, shape_from_args,
 )

@@ -52,7 +52,7 @@ from common.errors import UserError, run_main
 from common.models import transformer_parameter_count
 from common.run import TrainingRun
 from common.sharded_checkpoint import DistributedCheckpointer, add_distributed_checkpoint_args
-from common.timing import format_bytes
+from common.units import format_bytes
 from labs.lab04_sharded_training.lab04_shared import (
     LAB, PRECISIONS, STRATEGIES, add_model_args, build_model, check_strategy, language_model_loss, shape_from_args,
     tensor_bytes, variant_name,

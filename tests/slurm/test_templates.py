@@ -24,7 +24,9 @@ from typing import NamedTuple
 import pytest
 
 from common.results import load_records
+from common.sites import site_names
 from helpers import load_script
+from scripts.sbatch_render.rendering import find_templates
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_FOLDERS = [REPO_ROOT / "chapters", REPO_ROOT / "labs"]
@@ -39,13 +41,13 @@ pytestmark = pytest.mark.slurm
 
 
 render_sbatch = load_script("scripts/render_sbatch.py")
-SITES = render_sbatch.site_names()
+SITES = site_names()
 
 
 def site_template_pairs() -> list[tuple[str, str]]:
     """(site, rendered script path) for every template and every site it is for, as --all-sites does."""
     pairs = []
-    for template, relative in render_sbatch.find_templates(TEMPLATE_FOLDERS):
+    for template, relative in find_templates(TEMPLATE_FOLDERS):
         only = render_sbatch.read_template(template).request.get("sites")
         pairs += [(site, str(relative)) for site in SITES if only is None or site in only]
     return pairs
@@ -117,7 +119,9 @@ def test_rendered_template_completes_and_leaves_its_record(slurm_cluster, templa
     assert job.result.ok, (f"{site}/{script}: job {job.result.job_id} ended {job.result.state} "
                            f"exit {job.result.exit_code}\n{log[-4000:]}")
     assert f"SLURM_JOB_PARTITION={job.job['partition']}" in log
-    assert "DEVICE=cpu" in log  # the test cluster's GPUs are not real: every job fell back to the CPU
+    assert "DEVICE=cpu" in log  # the test cluster's GPUs are not real (HPC_DL_LABS_FAKE_GPUS=1): every job ran on the CPU
+    if job.job["gpus_per_node"]:  # the header saw Slurm's GPU allocation: on a real cluster it would ask for cuda
+        assert "== note: HPC_DL_LABS_FAKE_GPUS=1 (the test cluster): the allocated GPU(s) are not real" in log
     loaded = load_records(job.results_dir)
     assert not loaded.errors, loaded.errors
     assert loaded.records, f"{site}/{script}: no result record in {job.results_dir}\n{log[-3000:]}"

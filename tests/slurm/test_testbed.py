@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from common.sites import site_names
 from helpers import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +41,7 @@ def hello_jobs(slurm_cluster, tmp_path_factory):
 
 
 def test_every_site_rendering_completes(slurm_cluster, hello_jobs):
-    assert set(hello_jobs) == set(render_sbatch.site_names())
+    assert set(hello_jobs) == set(site_names())
     for site, (job_id, result) in hello_jobs.items():
         log = slurm_cluster.output(job_id)
         assert result.ok, f"{site}: job {job_id} ended {result.state} exit {result.exit_code}\n{log}"

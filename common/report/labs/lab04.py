@@ -21,8 +21,8 @@ from typing import Any
 
 import pandas as pd
 
-from scripts.report.runs import get, number
-from scripts.report.sections import (
+from common.report.runs import get, number
+from common.report.sections import (
     Section, SectionContext, fmt_bytes, fmt_int, fmt_number, fmt_ratio, fmt_seconds, fmt_text, num,
     register_section, table_from_frame,
 )
@@ -134,7 +134,7 @@ def _loss_difference(training: pd.DataFrame) -> pd.Series:
 def _loss_figure(training: pd.DataFrame) -> Any:
     from matplotlib.figure import Figure as MplFigure
 
-    from scripts.report.plots import plain, png_figure
+    from common.report.plots import plain, png_figure
 
     fig = MplFigure(figsize=(8, 3.6))
     ax = fig.add_subplot()
