@@ -236,11 +236,13 @@ class TrainingRun:
             return False
         finally:
             self.stop.restore()
-            close = getattr(self.checkpointer, "close", None)
-            if close is not None:  # e.g. an asynchronous save still writing: it needs the process group
-                close()
-            self.tracked.clear()  # the last references to the wrapped model and optimiser go before the group
-            teardown_distributed(self.ctx)
+            try:
+                close = getattr(self.checkpointer, "close", None)
+                if close is not None:  # e.g. an asynchronous save still writing: it needs the process group
+                    close()
+            finally:
+                self.tracked.clear()  # the last references to the wrapped model and optimiser go before the group
+                teardown_distributed(self.ctx)
 
     # ---------------------------------------------------------------------------------- who and where
     @property
