@@ -163,14 +163,14 @@ def peak_per_rank(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def print_table(rows: list[dict[str, Any]], device: torch.device) -> None:
     """One line predicted, one measured (the largest over the ranks) per variant."""
-    header = f"{'variant':<11} {'':<9}" + "".join(f"{part:>13}" for part in (*PARTS, "total"))
+    header = f"{'variant':<13} {'':<9}" + "".join(f"{part:>13}" for part in (*PARTS, "total"))
     print(header)
     for row in rows:
         for kind in ("predicted", "measured"):
             if kind not in row:
                 continue
             values = row[kind]
-            line = f"{row['variant']:<11} {kind:<9}" + "".join(f"{format_bytes(values[p]):>13}" for p in (*PARTS, "total"))
+            line = f"{row['variant']:<13} {kind:<9}" + "".join(f"{format_bytes(values[p]):>13}" for p in (*PARTS, "total"))
             if kind == "measured":
                 peak = max(rank["peak"]["peak_bytes"] for rank in row["measured_per_rank"])
                 source = "allocator peak" if device.type == "cuda" else "process peak RSS, includes PyTorch itself"
