@@ -91,6 +91,22 @@ def _saved_at_end_of_epoch_1(source: Path, target: Path) -> None:
     shutil.copytree(folders[0], target / folders[0].name)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _launch_variables_restored():
+    """The runs inside pytest start one-process groups, and ``init_distributed`` exports torchrun's
+    variables (RANK, MASTER_PORT, ...) for them; later test files must not think they run under torchrun."""
+    import os
+
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    saved = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every run the tests read, made once: 4 ranks, then 2 ranks, then 1 rank inside pytest."""
