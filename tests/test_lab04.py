@@ -537,3 +537,25 @@ def test_on_a_gpu_the_allocator_peak_holds_at_least_what_the_tensors_hold(tmp_pa
         (rank,) = row["measured_per_rank"]
         assert rank["peak"]["source"] == "cuda_max_memory_allocated"
         assert rank["peak"]["peak_bytes"] >= row["measured"]["total"], row["variant"]
+
+
+def test_report_section_survives_records_with_missing_or_odd_values():
+    from common.report.runs import runs_frame
+    from common.report.sections import SectionContext, lab_section_builders, load_builtin_lab_sections
+
+    load_builtin_lab_sections()
+    base = {"schema": "hpc-dl-labs/result", "schema_version": 1, "created": "2026-01-01T00:00:00+00:00",
+            "lab": "lab04", "script": "x", "status": "ok", "provenance": {}}
+    records = [
+        {**base, "run_id": "a", "method": "memory", "config": {}, "metrics": {"budget": [{"variant": "fsdp"}, "junk"]}},
+        {**base, "run_id": "b", "method": "fsdp", "config": {"layers": "four"},
+         "metrics": {"checkpoint_saves": [{"mode": "sync"}, 3], "loss_at_step": ["x", None, 2.0], "tensor_bytes": "?"}},
+        {**base, "run_id": "c", "method": "ddp", "config": {}, "metrics": {}},
+        {**base, "run_id": "d", "method": "largest-model", "config": {}, "metrics": {"largest": "none"}},
+        {**base, "run_id": "e", "method": "largest-model", "config": {}, "metrics": {"largest": [{"variant": "ddp"}]}},
+    ]
+    frame = runs_frame(records)
+    context = SectionContext(runs=frame, all_runs=frame, results_dir=Path("."), plots=True)
+    sections = [section for builder in lab_section_builders("lab04") if (section := builder(context))]
+    assert len(sections) == 1 and {table.id for table in sections[0].tables} >= {"lab04-memory", "lab04-training",
+                                                                                 "lab04-largest"}
