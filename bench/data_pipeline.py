@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from common import amp, pipelines
 from common.cli import add_common_args, config_dict, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
+from common.energy import EnergyMeter
 from common.errors import UserError, run_main
 from common.models import MnistNet
 from common.results import make_record, provenance, write_record
@@ -144,10 +145,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys = list(VARIANTS)
     times: dict[str, list[float]] = {key: [] for key in keys}
     samples: dict[str, int] = {}
+    meters = {key: EnergyMeter(device) for key in keys}  # each adds up its own variant's epochs
     for round_index in range(args.rounds):
         order = keys[round_index % 3:] + keys[:round_index % 3]  # a b c, b c a, c a b, ...
         for key in order:
-            elapsed, seen = timed(lambda: train_epoch(model, optimizer, sources[key], device, args), device)
+            with meters[key]:
+                elapsed, seen = timed(lambda: train_epoch(model, optimizer, sources[key], device, args), device)
             samples[key] = seen
             if round_index > 0:
                 times[key].append(elapsed)
@@ -188,8 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         config = config_dict(args, resolved_device=str(device), model="mnist_cnn", threads=threads,
                              bench={"bench_id": bench_id, "variant": key, "what": what})
+        energy = meters[key].result(samples=samples[key] * args.rounds)
         record = make_record(lab="lab02", script=SCRIPT, method=name, config=config, metrics=metrics,
-                             provenance=provenance(device))
+                             provenance=provenance(device), energy=energy)
         print(f"record: {write_record(record, args.results_dir)}")
     return 0
 

@@ -31,7 +31,7 @@ from common.launch import LaunchInfo, detect_launch, free_port, gpus_bound_per_t
 
 __all__ = [
     "DistContext", "backend_for", "init_distributed", "teardown_distributed", "ddp_buffer_sync", "print0",
-    "print_rank", "all_reduce_sum", "all_reduce_mean", "any_rank", "gather_objects",
+    "print_rank", "all_reduce_sum", "all_reduce_mean", "all_reduce_max", "any_rank", "gather_objects",
 ]
 
 
@@ -211,6 +211,11 @@ def all_reduce_mean(value: torch.Tensor | float | list[float], device: torch.dev
     of the ranks' losses is the loss over the global batch.
     """
     return _reduce(value, "mean", device)
+
+
+def all_reduce_max(value: torch.Tensor | float | list[float], device: torch.device | None = None) -> Any:
+    """The largest over all ranks of a number, or element-wise of a list (e.g. each timed call's slowest rank)."""
+    return _reduce(value, "max", device)
 
 
 def any_rank(flag: bool, device: torch.device | None = None) -> bool:

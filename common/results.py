@@ -24,11 +24,15 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from common.atomic import write_text_atomic
+from common.energy import not_measured
 
 SCHEMA_NAME = "hpc-dl-labs/result"
-SCHEMA_VERSION = 1
+#: 2 added the required top-level ``energy`` entry (``common.energy``); version 1 records are still read.
+SCHEMA_VERSION = 2
 #: Versions of the schema this code can read.
-READABLE_VERSIONS = (1,)
+READABLE_VERSIONS = (1, 2)
+#: What an ``energy`` entry's ``status`` may say.
+ENERGY_STATUSES = ("ok", "unavailable")
 #: Top-level keys every record must have, with their JSON types.
 REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
     "schema": str,
@@ -53,6 +57,7 @@ SLURM_KEYS = (
     "SLURM_NTASKS",
     "SLURM_CPUS_PER_TASK",
     "SLURM_GPUS_ON_NODE",
+    "SLURM_ARRAY_JOB_ID",
     "SLURM_ARRAY_TASK_ID",
     "SLURM_RESTART_COUNT",
     "SLURM_CLUSTER_NAME",
@@ -223,8 +228,14 @@ def make_record(
     provenance: Mapping[str, Any],
     status: str = "ok",
     notes: Iterable[str] = (),
+    energy: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Build a record dictionary in the current schema (see ``docs/results-schema.md``)."""
+    """Build a record dictionary in the current schema (see ``docs/results-schema.md``).
+
+    ``energy`` is what ``common.energy.EnergyMeter.result()`` measured over the run's timed region;
+    without it the record says energy was not measured (never a guessed number).
+    """
+
     now = _dt.datetime.now(_dt.timezone.utc)
     return _json_safe({
         "schema": SCHEMA_NAME,
@@ -239,6 +250,7 @@ def make_record(
         "metrics": dict(metrics),
         "provenance": dict(provenance),
         "notes": list(notes),
+        "energy": dict(energy) if energy is not None else not_measured(),
     })
 
 
@@ -273,7 +285,26 @@ def validate_record(record: Any) -> list[str]:
     version = record.get("schema_version")
     if isinstance(version, int) and version not in READABLE_VERSIONS:
         problems.append(f"schema_version {version} is not one this code reads {READABLE_VERSIONS}")
+    if isinstance(version, int) and version >= 2:
+        problems += _energy_problems(record.get("energy"))
     return problems
+
+
+def _energy_problems(energy: Any) -> list[str]:
+    """Why an ``energy`` entry is not one (version 2 and later require it)."""
+    if energy is None:
+        return ["missing key 'energy'"]
+    if not isinstance(energy, Mapping):
+        return ["key 'energy' should be dict"]
+    status = energy.get("status")
+    if status not in ENERGY_STATUSES:
+        return [f"energy.status is {status!r}, not one of {ENERGY_STATUSES}"]
+    joules = energy.get("joules")
+    if status == "ok" and (isinstance(joules, bool) or not isinstance(joules, (int, float)) or joules < 0):
+        return [f"energy.status is 'ok' but energy.joules is {joules!r}, not a number of joules"]
+    if status == "unavailable" and not (isinstance(energy.get("reason"), str) and energy["reason"]):
+        return ["energy.status is 'unavailable' without a reason"]
+    return []
 
 
 @dataclass

@@ -55,8 +55,10 @@ from common.data import set_loader_epoch
 from common.device import configure_threads, describe, resolve_device, use_deterministic_algorithms
 from common.distributed import (DistContext, all_reduce_mean, any_rank, gather_objects, init_distributed, print0,
                                 print_rank, teardown_distributed)
+from common.energy import EnergyMeter
 from common.errors import UserError
 from common.models import replica_digests
+from common.placement import record_placement
 from common.results import make_record, provenance, training_metrics, write_record
 from common.timing import StepTimer, format_rate, peak_memory, reset_peak_memory
 from common.units import format_bytes
@@ -207,6 +209,9 @@ class TrainingRun:
         self._local_losses: list[float] = []
         self._global_batch: int | None = None  # samples per optimiser step over all ranks
         self._current_epoch: int | None = None  # inside run.epochs()' loop body
+        self._samples_run = 0  # samples of every rank through the steps this process ran (energy per sample)
+        self.placement: list[dict[str, Any]] | None = None
+        self.energy: EnergyMeter | None = None
         self.memory_devices: list[torch.device] = []  # where peak memory is read (default: run.device)
 
     # ---------------------------------------------------------------------------------- context
@@ -216,6 +221,8 @@ class TrainingRun:
             self.ctx = init_distributed(self.args.device, force_process_group=True)
             self.device = self.ctx.device
             print_rank(f"device {describe(self.device)}")
+            # Each rank's cores, its GPU's NUMA node, DataLoader workers against cores (warnings printed).
+            self.placement = record_placement(self.device, getattr(self.args, "num_workers", None))
         else:
             self.device = resolve_device(self.args.device)
         if getattr(self.args, "deterministic", False):
@@ -223,6 +230,7 @@ class TrainingRun:
         if self.checkpointer is not None:  # without a checkpoint there is nothing to save: signals act as usual
             self.stop.install()
         self.timer = StepTimer(self.device, warmup_steps=getattr(self.args, "warmup_steps", 2))
+        self.energy = EnergyMeter(self.device)  # read over the training steps only (see steps())
         reset_peak_memory(self.device)
         return self
 
@@ -347,6 +355,13 @@ class TrainingRun:
         """
         total = len(loader) if self.args.max_steps is None else min(len(loader), self.args.max_steps)
         start = time.perf_counter()
+        with self.energy:  # the energy counters are read at the start and end of the epoch's steps
+            yield from self._timed_steps(loader, total)
+        elapsed = time.perf_counter() - start
+        self.progress.epoch_time_s.append(elapsed)
+        self.progress.train_time_s += elapsed
+
+    def _timed_steps(self, loader: Iterable[Any], total: int) -> Iterator[Any]:
         for step, batch in enumerate(loader):
             if step >= total:
                 break
@@ -361,13 +376,11 @@ class TrainingRun:
             with self.timer.step(samples=samples):
                 yield batch
             self.progress.steps += 1
+            self._samples_run += samples
             interval = getattr(self.args, "log_interval", 10)
             if len(self._local_losses) > logged and (step % interval == 0 or step == total - 1):
                 rank0 = " (rank 0's share)" if self.world_size > 1 else ""
                 self.print(f"epoch {self.epoch} step {step + 1}/{total}: loss {self._local_losses[-1]:.4f}{rank0}")
-        elapsed = time.perf_counter() - start
-        self.progress.epoch_time_s.append(elapsed)
-        self.progress.train_time_s += elapsed
 
     def log_loss(self, loss: torch.Tensor | float) -> None:
         """This step's training loss on this rank (averaged over ranks at the end of the epoch)."""
@@ -401,6 +414,7 @@ class TrainingRun:
                notes: Iterable[str] = (), method: str | None = None) -> Path | None:
         """Gather what every rank measured and have rank 0 write the record; returns its path on rank 0."""
         step_time = self.timer.summary()
+        energy = self.energy.result(samples=self._samples_run or None)  # collective, like the gathers below
         memory = [entry for entries in gather_objects([{**peak_memory(device), "rank": self.rank}
                                                        for device in self.memory_devices or [self.device]])
                   for entry in entries]
@@ -428,11 +442,11 @@ class TrainingRun:
         if digests is not None and not all_metrics["buffers_identical"] and _has_batchnorm(model):
             notes.append("BatchNorm running statistics differ between ranks: each rank keeps its own unless DDP "
                          "broadcasts buffers before every forward; the checkpoint holds rank 0's")
-        extra = {"distributed": self.ctx.describe()} if self.ctx is not None else None
+        extra = {"distributed": self.ctx.describe(), "placement": self.placement} if self.ctx is not None else None
         record = make_record(lab=self.lab, script=self.script, method=method or self.method,
                              config=config_dict(self.args, resolved_device=str(self.device),
                                                 global_batch_size=all_metrics["global_batch_size"], **(config or {})),
-                             metrics=all_metrics, notes=notes,
+                             metrics=all_metrics, notes=notes, energy=energy,
                              provenance=provenance(self.device, self.world_size, extra))
         path = write_record(record, self.args.results_dir)
         accuracy = all_metrics.get("test_accuracy")

@@ -146,6 +146,12 @@ def test_ddp_two_gloo_processes_agree_and_only_rank0_writes(tmp_path):
 
     rng = torch.load(ckpt / "ddp.pt", weights_only=False)["rng"]
     assert len(rng) == 2 and not torch.equal(rng[0]["torch"], rng[1]["torch"])
+    # Every distributed run records where each rank ran, and the energy of its training steps
+    # (here every source says why it cannot be read: no GPU, no RAPL files, no Slurm job).
+    assert [p["rank"] for p in record["provenance"]["placement"]] == [0, 1]
+    energy = record["energy"]
+    assert energy["samples"] == 8 * 128 and energy["seconds"] > 0
+    assert energy["status"] == "ok" or (energy["joules"] is None and set(energy["sources"]) >= {"nvml", "rapl"})
 
 
 def test_ddp_single_process_without_launcher(tmp_path, capsys):

@@ -39,6 +39,7 @@ from common import amp
 from common.cli import add_common_args, apply_dry_run, config_dict
 from common.data import DATASETS
 from common.device import describe, resolve_device
+from common.energy import not_measured
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
 from common.timing import format_rate, format_speedup
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         provenance=provenance(device),
         notes=[f"compares the records {', '.join(row['record'] for row in rows)}, written by mnist_training.py "
                "with the same seed and settings"],
+        energy=not_measured("a comparison: each run it compares carries the energy of its own training steps"),
     )
     print(f"record: {write_record(record, args.results_dir)}")
     return 0

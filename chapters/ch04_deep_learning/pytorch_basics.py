@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import config_dict, non_negative_int, one_line_errors, output_dir, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything
+from common.energy import EnergyMeter
 from common.errors import UserError, run_main
 from common.gpu_peaks import gpu_peaks
 from common.results import make_record, provenance, write_record
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"peak figures: {peak_label or 'unknown for this device'}")
     print(f"{'dtype':<6} {'median ms':>10} {'TFLOP/s':>9} {'best':>9} {'peak':>8} {'% peak':>7} {'rel. error':>11}")
     rows = []
+    meter = EnergyMeter(device).start()  # over the timed matmuls
     for name in dtypes:
         row = time_matmul(device, name, size, args.repeats, args.warmup)
         row["peak_tflops"] = peaks.get(name)
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         share = f"{100 * row['fraction_of_peak']:.0f}%" if row["fraction_of_peak"] else "-"
         print(f"{name:<6} {1000 * row['median_s']:>10.3f} {row['tflops']:>9.4g} {row['tflops_best']:>9.4g} "
               f"{peak:>8} {share:>7} {row['rel_error_vs_fp64']:>11.1e}", flush=True)
+    energy = meter.stop().result()
     print("TFLOP/s = 2 n^3 / median time; 'best' uses the fastest repeat; rel. error = |C - C_fp64| / |C_fp64| "
           "on a 64 x 64 corner")
 
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         lab="ch04", script=SCRIPT, method="matmul",
         config=config_dict(args, dtypes=dtypes, size=size, resolved_device=str(device)),
         metrics={"matmul": rows, "peak_source": peak_label, "threads": threads},
-        provenance=provenance(device),
+        provenance=provenance(device), energy=energy,
         notes=[f"peak TFLOP/s from {peak_label}" if peak_label else "no peak figure known for this device"],
     )
     print(f"record: {write_record(record, args.results_dir)}")

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything
+from common.energy import EnergyMeter
 from common.errors import run_main
 from common.models import build_model
 from common.results import make_record, provenance, write_record
@@ -97,8 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     devices = [torch.device("cpu")] + ([gpu] if gpu is not None else [])
     results: dict[str, dict[str, Any]] = {}
+    energy: dict[str, dict[str, Any]] = {}
     for device in devices:
-        summary = benchmark_training(copy.deepcopy(reference), batches, device, args.iterations, args.warmup)
+        with EnergyMeter(device) as meter:
+            summary = benchmark_training(copy.deepcopy(reference), batches, device, args.iterations, args.warmup)
+        energy[device.type] = meter.result(samples=(args.warmup + args.iterations) * args.batch_size)
         results[device.type] = summary
         print(f"{describe(device):<40} median step {1000 * summary['median_s']:8.2f} ms "
               f"(p10 {1000 * summary['p10_s']:.2f}, p90 {1000 * summary['p90_s']:.2f}) | "
@@ -117,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "global_batch_size": args.batch_size, "world_size": 1, "gpu_over_cpu_speedup": speedup}
         record = make_record(lab="ch16", script=SCRIPT, method=f"train-{device.type}",
                              config=config_dict(args, resolved_device=str(device), threads=threads),
-                             metrics=metrics, provenance=provenance(device))
+                             metrics=metrics, provenance=provenance(device), energy=energy[device.type])
         print(f"record: {write_record(record, args.results_dir)}")
     return 0
 

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 from common import pipelines
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything
+from common.energy import EnergyMeter
 from common.errors import run_main
 from common.models import MnistNet
 from common.results import make_record, provenance, write_record
@@ -147,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = resolve_device(args.device)
     print(f"device {describe(device)} | {os.cpu_count()} CPUs visible | intra-op threads {threads}", flush=True)
 
+    meter = EnergyMeter(device).start()  # over all three measurements
     print("\n1. torch.set_num_threads: MnistNet training step on the CPU")
     scaling = thread_scaling(args.batch_size, args.steps, max(threads, 1))
     for row in scaling:
@@ -169,11 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {options:<75} epoch 1 {row['epoch1_s']:6.2f} s, epoch 2 {row['epoch2_s']:6.2f} s "
               f"({row['samples_per_s_epoch2']:,.0f} samples/s)")
     print("  (workers start again every epoch unless persistent_workers=True: compare the epoch-2 column)")
+    energy = meter.stop().result()
 
     metrics = {"thread_scaling": scaling, "cudnn_benchmark": cudnn, "loader_options": loading, "world_size": 1}
     record = make_record(lab="ch16", script=SCRIPT, method="efficient-loading",
                          config=config_dict(args, resolved_device=str(device), threads=threads),
-                         metrics=metrics, provenance=provenance(device))
+                         metrics=metrics, provenance=provenance(device), energy=energy)
     print(f"\nrecord: {write_record(record, args.results_dir)}")
     return 0
 

@@ -52,6 +52,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
+from common.energy import EnergyMeter
 from common.errors import run_main
 from common.results import make_record, provenance, write_record
 from common.timing import peak_memory, process_peak_rss_bytes
@@ -332,6 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{sum(p.numel() for p in model.parameters()):,} parameters | batch {args.batch_size} | threads {threads}")
     print(f"memory figures come from {where}")
 
+    meter = EnergyMeter(device).start()  # over the three measurements
     # 1. forward, backward, step (after one unmeasured pass: see warm_up)
     warm_up(model, data, target, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -377,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"(match: allclose rtol={GRAD_RTOL}, atol={GRAD_ATOL})",
                 ["batch split", "sizes", "loss scaling", "max |diff|", "relative", "match"], rows)
 
+    energy = meter.stop().result()
     # The caching allocator's own report: live and cached memory, allocation counts, fragmentation.
     if device.type == "cuda":
         print("\ntorch.cuda.memory_summary(abbreviated=True), the caching allocator's own report:")
@@ -394,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = config_dict(args, resolved_device=str(device), model=f"deepnet-{args.depth}x{args.width}",
                          threads=threads, cpu_count=os.cpu_count())
     record = make_record(lab="ch16", script=SCRIPT, method="memory-management", config=config,
-                         metrics=metrics, provenance=provenance(device))
+                         metrics=metrics, provenance=provenance(device), energy=energy)
     print(f"\nrecord: {write_record(record, args.results_dir)}")
     return 0
 

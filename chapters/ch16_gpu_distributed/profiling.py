@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 from common.atomic import atomic_path
 from common.cli import add_common_args, apply_dry_run, config_dict, output_file, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
+from common.energy import EnergyMeter
 from common.errors import run_main
 from common.models import build_model
 from common.results import make_record, provenance, write_record
@@ -92,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=args.with_stack) as prof:
+    with EnergyMeter(device) as meter, \
+            profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=args.with_stack) as prof:
         with record_function("model_training"):
             for _ in range(args.iterations):
                 output = model(data)
@@ -111,7 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                "sorted_by": sort_by, "top_operators": top_operators(prof, device, args.row_limit), "world_size": 1}
     record = make_record(lab="ch16", script=SCRIPT, method="torch-profiler",
                          config=config_dict(args, resolved_device=str(device), threads=threads),
-                         metrics=metrics, provenance=provenance(device))
+                         metrics=metrics, provenance=provenance(device),
+                         energy=meter.result(samples=args.iterations * args.batch_size))
     print(f"record: {write_record(record, args.results_dir)}")
     return 0
 

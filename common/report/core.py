@@ -10,7 +10,7 @@ import pandas as pd
 from common.report.checks import DDP_MIN_EFFICIENCY, Finding, is_ddp, missing_baselines
 from common.report.runs import BASELINE_METHOD, SUMMARY_METRICS, get, number
 from common.report.sections import (
-    MISSING, Cell, Column, Row, Section, fmt_int, fmt_memory, fmt_number, fmt_percent, fmt_rate,
+    MISSING, Cell, Column, Row, Section, Table, fmt_int, fmt_memory, fmt_number, fmt_percent, fmt_rate,
     fmt_ratio, fmt_seconds, fmt_text, is_missing, num, number_column, table_from_frame, text_column,
 )
 
@@ -184,6 +184,35 @@ def other_metrics_section(runs: pd.DataFrame) -> Section | None:
         return None
     return Section("Other metrics", paragraphs=["What each lab's scripts measured beyond the summary's columns."],
                    tables=tables)
+
+
+def _energy_cells(run: Row) -> list[Cell]:
+    energy = get(run["record"], "energy")
+    if not isinstance(energy, dict):
+        return [Cell("not recorded", title="written before schema version 2, which added energy"),
+                *[num(MISSING)] * 4]
+    if energy.get("status") != "ok":
+        return [Cell("unavailable", title=fmt_text(energy.get("reason"))), *[num(MISSING)] * 4]
+    return [Cell("ok"), num(fmt_number(number(energy.get("joules")), 4)), Cell(fmt_text(energy.get("source"))),
+            num(fmt_number(number(energy.get("joules_per_sample")), 3)),
+            num(fmt_number(number(energy.get("watts")), 3))]
+
+
+ENERGY_COLUMNS = ["run", "lab", "method", "energy", "joules", "source", "J / sample", "mean W"]
+
+
+def energy_section(runs: pd.DataFrame) -> Section:
+    """Every run's energy over its timed region, or why none could be read."""
+    rows = [[_run_cell(run), Cell(fmt_text(run["lab"])), Cell(fmt_text(run["method"])), *_energy_cells(run)]
+            for run in runs.to_dict("records")]
+    table = Table(columns=ENERGY_COLUMNS, rows=rows, id="energy-table", row_ids=[fmt_text(r) for r in runs["run_id"]])
+    measured = sum(1 for row in rows if row[3].text == "ok")
+    reasons = sorted({row[3].title for row in rows if row[3].text == "unavailable" and row[3].title})
+    notes = [f"Why energy was unavailable: {reason}" for reason in reasons[:5]]
+    return Section("Energy", paragraphs=[
+        f"{measured} of {len(rows)} run(s) measured their energy: NVML's counter of each GPU plus the RAPL counters "
+        "of each node's CPU packages where readable, else Slurm's ConsumedEnergy (common/energy.py). Hover over "
+        "'unavailable' for the reason; no number is estimated."], tables=[table], notes=notes)
 
 
 def _command(value: Any) -> str:

@@ -132,7 +132,7 @@ def build_report(
     sections.append(core.configurations_section(configs))
     sections.append(core.plots_section(configs) if plots else None)
     sections += extra_sections
-    sections += [core.other_metrics_section(runs), core.provenance_section(runs)]
+    sections += [core.energy_section(runs), core.other_metrics_section(runs), core.provenance_section(runs)]
     sections = [s for s in sections if s is not None]
     _unique_ids(sections)
 

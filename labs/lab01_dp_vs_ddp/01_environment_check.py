@@ -42,6 +42,7 @@ from typing import Any, Mapping
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import one_line_errors, output_dir
+from common.energy import EnergyMeter
 from common.envcheck import allocation_agreement, collect_environment, format_environment
 from common.errors import run_main
 from common.results import make_record, provenance, write_record
@@ -264,14 +265,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    env = collect_environment(smoke_test=args.smoke_test)
-    checks = multi_gpu_checks(env, run_backend_tests=not args.skip_backend_test)
+    import torch
+
+    with EnergyMeter("cuda:0" if torch.cuda.is_available() else "cpu") as meter:  # over the checks
+        env = collect_environment(smoke_test=args.smoke_test)
+        checks = multi_gpu_checks(env, run_backend_tests=not args.skip_backend_test)
     allocation_warnings, multi_gpu_warnings = allocation_agreement(env), lab_warnings(env, checks)
     warnings = allocation_warnings + multi_gpu_warnings
     device = "cuda:0" if env["torch_gpus"] else "cpu"
     metrics = {"gpus": env["torch_gpus"], "environment": env, "multi_gpu": checks, "warnings": warnings}
     record = make_record(lab=LAB, script=SCRIPT, method="env", config=vars(args), metrics=metrics,
-                         provenance=provenance(device), notes=warnings)
+                         provenance=provenance(device), notes=warnings, energy=meter.result())
     path = write_record(record, args.results_dir)
     if args.json:
         print(json.dumps({**metrics, "record": str(path)}, indent=2, sort_keys=True, default=str))

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 from common import amp, pipelines
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_float, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything, set_launch_blocking, synchronize
+from common.energy import EnergyMeter
 from common.errors import run_main
 from common.models import MnistNet
 from common.results import make_record, provenance, write_record
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
     reset_peak_memory(device)
     epoch_times, epoch_samples, train_losses, test_loss, accuracy, steps = [], [], [], float("nan"), 0.0, 0
+    meter = EnergyMeter(device).start()  # over the epochs, evaluation included
     for epoch in range(1, args.epochs + 1):
         synchronize(device)
         start = time.perf_counter()
@@ -227,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         scheduler.step()
         print(f"epoch {epoch}: {epoch_times[-1]:.2f} s, {seen / epoch_times[-1]:.0f} samples/s", flush=True)
 
+    energy = meter.stop().result(samples=sum(epoch_samples))
     # The first epoch pays for starting workers, allocator growth and (with --compile) one
     # recompilation; with more than one epoch it is left out of the throughput.
     timed = slice(1, None) if args.epochs > 1 else slice(None)
@@ -245,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                          pin_memory_effective=pin_memory, line_profiler=bool(profile.enabled),
                          train_size=len(train_data), test_size=len(test_data))
     record = make_record(lab="lab02", script=SCRIPT, method=method, config=config, metrics=metrics,
-                         provenance=provenance(device), notes=notes)
+                         provenance=provenance(device), notes=notes, energy=energy)
     path = write_record(record, args.results_dir)
     print(f"final: accuracy {100 * accuracy:.2f}% | time per epoch {metrics['time_per_epoch_s']:.2f} s | "
           f"{samples_per_s:.0f} samples/s | peak memory {format_bytes(memory['peak_bytes'])} ({memory['source']})")

@@ -34,6 +34,7 @@ from common import pipelines
 from common.atomic import atomic_path
 from common.cli import add_common_args, config_dict, non_negative_int, output_file, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
+from common.energy import EnergyMeter
 from common.errors import run_main
 from common.models import MnistNet
 from common.results import make_record, provenance, write_record
@@ -102,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = endless(loader)
     model.train()
     steps = schedule(wait=args.wait, warmup=args.warmup, active=args.active, repeat=1)
-    with profile(activities=activities, schedule=steps, on_trace_ready=on_trace_ready) as prof:
+    with EnergyMeter(device) as meter, \
+            profile(activities=activities, schedule=steps, on_trace_ready=on_trace_ready) as prof:
         for _ in range(args.wait + args.warmup + args.active):
             with record_function("data loading"):
                 data, target = next(batches)
@@ -139,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                "world_size": 1, "global_batch_size": args.batch_size}
     record = make_record(lab="lab02", script=SCRIPT, method=f"torch-profiler-{args.pipeline}",
                          config=config_dict(args, resolved_device=str(device), model="mnist_cnn", threads=threads),
-                         metrics=metrics, provenance=provenance(device))
+                         metrics=metrics, provenance=provenance(device),
+                         energy=meter.result(samples=(args.wait + args.warmup + args.active) * args.batch_size))
     print(f"record: {write_record(record, args.results_dir)}")
     return 0
 

@@ -48,6 +48,7 @@ from common.cli import (accept_launcher_local_rank, config_dict, non_negative_in
                         positive_int)
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.distributed import DistContext, init_distributed, print0, teardown_distributed
+from common.energy import EnergyMeter
 from common.errors import UserError, run_main
 from common.launch import detect_launch, free_port
 from common.models import build_model, zoo_models
@@ -338,10 +339,12 @@ def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: D
                 check = {**compare_losses(losses, reference, args.loss_tolerance),
                          "scaler_skipped_steps": skipped_steps}
                 for mode in args.modes:
-                    timer, memory, compilation = time_mode(mode, base, images, labels, precision, device, args,
-                                                           distributed)
+                    with EnergyMeter(device) as meter:
+                        timer, memory, compilation = time_mode(mode, base, images, labels, precision, device, args,
+                                                               distributed)
+                    energy = meter.result(samples=(args.warmup + args.num_iters) * args.batch_size * ctx.world_size)
                     out.measured(model_name, mode, precision, timer, memory, check, flops[model_name][mode],
-                                 compilation)
+                                 compilation, energy=energy)
                     done.append(mode)
             except RuntimeError as err:  # out of memory, or an operator without a kernel for this dtype
                 if distributed:
@@ -370,7 +373,7 @@ class Output:
         self.records = self.failures = 0
 
     def _record(self, mode: str, precision: str, model: str | None, metrics: dict[str, Any], *,
-                status: str = "ok", notes: list[str]) -> None:
+                status: str = "ok", notes: list[str], energy: dict[str, Any] | None = None) -> None:
         if not self.ctx.is_main:
             return
         args, world = self.args, self.ctx.world_size
@@ -382,8 +385,8 @@ class Output:
         # The fp32 maths changes with the precision (TF32 on for the tf32 rows only): read it per record.
         write_record(make_record(lab=LAB, script=SCRIPT, method=f"{mode}-{precision}", status=status, notes=notes,
                                  config=config, metrics={"world_size": world, **metrics},
-                                 provenance={**self.provenance, "fp32_math": fp32_math_info(self.device)}),
-                     args.results_dir)
+                                 provenance={**self.provenance, "fp32_math": fp32_math_info(self.device)},
+                                 energy=energy), args.results_dir)
         self.records += 1
 
     def skipped(self, mode: str, precision: str, reason: str) -> None:
@@ -399,7 +402,8 @@ class Output:
         self.rows.append({"mode": mode, "precision": precision, "model": model, "status": "failed", "reason": reason})
 
     def measured(self, model: str, mode: str, precision: str, timer: StepTimer, memory: dict[str, Any],
-                 check: dict[str, Any], flops: int, compilation: dict[str, Any] | None = None) -> None:
+                 check: dict[str, Any], flops: int, compilation: dict[str, Any] | None = None, *,
+                 energy: dict[str, Any] | None = None) -> None:
         world = self.ctx.world_size
         step_time = timer.summary()
         ms = {key: step_time[f"{key}_s"] * 1000 for key in ("median", "mean", "std", "min", "max")}
@@ -436,7 +440,7 @@ class Output:
         if precision == "half" and self.device.type == "cpu":
             notes.append("float16 on a CPU without float16 arithmetic is converted to float32 inside each kernel: "
                          "expect it slower than fp32")
-        self._record(mode, precision, model, metrics, notes=notes)
+        self._record(mode, precision, model, metrics, notes=notes, energy=energy)
         self.ms_by_run.setdefault((mode, precision), {})[model] = metrics["ms_per_batch_samples"]
         self.rows.append({"mode": mode, "precision": precision, "model": model, "status": "ok",
                           "ms_per_batch_median": ms["median"], "ms_per_batch_mean": ms["mean"],

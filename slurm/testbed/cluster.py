@@ -170,11 +170,25 @@ class SlurmTestCluster:
         return job_id
 
     def job_info(self, job_id: int) -> dict[str, str]:
-        """``scontrol show job`` as a dict (empty once Slurm has forgotten the job)."""
+        """``scontrol show job`` as a dict (empty once Slurm has forgotten the job).
+
+        A job array (``#SBATCH --array``) is one line per task: its ``JobState`` is final only when
+        every task's is (the first task that did not complete names it), its ``ExitCode`` is the
+        largest, and ``StdOut`` lists every task's log, separated by ``:``.
+        """
         done = self.command("scontrol", "--oneliner", "show", "job", str(job_id))
-        if done.returncode != 0:
+        if done.returncode != 0 or not done.stdout.strip():
             return {}
-        return parse_scontrol_record(done.stdout.splitlines()[0]) if done.stdout.strip() else {}
+        tasks = [parse_scontrol_record(line) for line in done.stdout.splitlines() if line.strip()]
+        if len(tasks) == 1:
+            return tasks[0]
+        states = [task.get("JobState", "UNKNOWN") for task in tasks]
+        running = [state for state in states if state not in FINAL_STATES]
+        failed = [state for state in states if state != "COMPLETED"]
+        codes = [task.get("ExitCode", "0:0") for task in tasks]
+        return {**tasks[0], "JobState": (running or failed or ["COMPLETED"])[0],
+                "ExitCode": max(codes, key=lambda code: tuple(int(part or 0) for part in code.split(":"))),
+                "StdOut": ":".join(task["StdOut"] for task in tasks if task.get("StdOut"))}
 
     def wait(self, job_id: int, timeout: float = 60.0, poll: float = 0.5) -> JobResult:
         """Poll until the job has ended; return its state and exit code.
@@ -265,6 +279,8 @@ class SlurmTestCluster:
         if path is None:
             info = self.job_info(job_id)
             path = Path(info["StdOut"]) if info.get("StdOut") else None
-        if path is None or not path.is_file():
+        if path is None:
             return ""
-        return path.read_text(encoding="utf-8", errors="replace")
+        # A job array's tasks each have their own log (job_info joins their paths with ":").
+        logs = [Path(part) for part in str(path).split(":")]
+        return "".join(log.read_text(encoding="utf-8", errors="replace") for log in logs if log.is_file())

@@ -57,10 +57,11 @@ PAIRS = site_template_pairs()
 
 
 def processes_of(job: dict, text: str) -> int:
-    """How many Python processes a job runs at once: one per task, or torchrun plus one per GPU."""
-    if "torchrun " in text:
-        return job["nodes"] * (1 + job["gpus_per_node"])
-    return job["ntasks"]
+    """How many Python processes a job runs at once: one per task, or torchrun plus one per GPU;
+    a job array's tasks run side by side, each with the job's processes plus the batch script's."""
+    processes = job["nodes"] * (1 + job["gpus_per_node"]) if "torchrun " in text else job["ntasks"]
+    array = re.search(r"^#SBATCH --array=(\d+)-(\d+)", text, re.M)
+    return processes if array is None else (int(array[2]) - int(array[1]) + 1) * (processes + 1)
 
 
 class RenderedJob(NamedTuple):
@@ -125,8 +126,9 @@ def test_rendered_template_completes_and_leaves_its_record(slurm_cluster, templa
     loaded = load_records(job.results_dir)
     assert not loaded.errors, loaded.errors
     assert loaded.records, f"{site}/{script}: no result record in {job.results_dir}\n{log[-3000:]}"
-    for record in loaded.records:
-        assert record["provenance"]["slurm"]["SLURM_JOB_ID"] == str(job.result.job_id)
+    for record in loaded.records:  # written by this job (or by a task of this job array)
+        slurm = record["provenance"]["slurm"]
+        assert slurm.get("SLURM_ARRAY_JOB_ID", slurm["SLURM_JOB_ID"]) == str(job.result.job_id)
     # Lab-03 records a precision the CPU cannot run as "skipped", with the reason; nothing failed.
     assert {record["status"] for record in loaded.records} <= {"ok", "skipped"}
     assert any(record["status"] == "ok" for record in loaded.records)
@@ -179,6 +181,37 @@ def test_chapter4_multi_gpu_runs_one_rank_per_gpu(slurm_cluster, template_jobs):
     digests = _digests(record)
     assert len(digests) == 4 and len(set(digests)) == 1
     assert (job.results_dir.parent / "checkpoints" / f"multi_gpu-{job.result.job_id}.pt").is_file()
+
+
+def test_lab05_bandwidth_across_two_nodes_records_every_size_with_busbw(slurm_cluster, template_jobs):
+    job = template_jobs["generic/labs/lab05_scaling/sbatch/bandwidth_2node.sbatch"]
+    log = job_log(slurm_cluster, job)
+    assert job.result.ok, log
+    assert sorted(re.findall(r"task (\d) of 2: node (n\d)", log)) == [("0", "n1"), ("1", "n2")], log
+    records = {record["method"]: record for record in load_records(job.results_dir).records}
+    assert sorted(records) == ["all_gather", "all_reduce", "reduce_scatter"]
+    for record in records.values():
+        metrics = record["metrics"]
+        assert (metrics["world_size"], metrics["nodes"]) == (2, 2)
+        assert [row["bytes"] for row in metrics["sizes"]] == [1024, 2048, 4096, 8192, 16384]  # --dry-run
+        assert all(row["correct"] and row["busbw_gbps"] > 0 for row in metrics["sizes"])
+        assert metrics["reference"]["kind"] == "memcpy" and metrics["reference"]["gb_per_s"] > 0
+        assert metrics["transport"]["summary"].startswith("Gloo: TCP between 2 hosts")
+        assert record["energy"]["sources"]["slurm"]["status"] == "unavailable"  # the test cluster gathers none
+        assert {entry["node"] for entry in record["provenance"]["placement"]} == {"n1", "n2"}
+
+
+def test_lab05_scaling_array_runs_one_point_per_task(slurm_cluster, template_jobs):
+    job = template_jobs["generic/labs/lab05_scaling/sbatch/scaling_array.sbatch"]
+    log = job_log(slurm_cluster, job)
+    assert job.result.ok, log
+    records = load_records(job.results_dir).records
+    points = sorted((r["config"]["mode"], r["metrics"]["world_size"], r["metrics"]["nodes"]) for r in records)
+    assert points == [("strong", 1, 1), ("strong", 2, 1), ("strong", 4, 2),
+                      ("weak", 1, 1), ("weak", 2, 1), ("weak", 4, 2)], log
+    tasks = {r["provenance"]["slurm"]["SLURM_ARRAY_TASK_ID"] for r in records}
+    assert tasks == {"0", "1", "2"}
+    assert "launcher slurm" in log and "srun --kill-on-bad-exit=1 --nodes=2 --ntasks=4" in log
 
 
 def test_container_template_says_loudly_that_it_ran_without_a_container(slurm_cluster, template_jobs):

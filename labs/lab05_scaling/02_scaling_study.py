@@ -1,0 +1,267 @@
+#!/usr/bin/env python3
+"""Lab-05 step 2: the scaling curve — one training configuration at 1, 2, 4, … processes, in strong
+and in weak scaling, with throughput, efficiency and time to a target validation accuracy.
+
+Usage:
+    python labs/lab05_scaling/02_scaling_study.py --processes 1,2,4 --device cuda      # one GPU node
+    python labs/lab05_scaling/02_scaling_study.py --device cpu --processes 1,2 --epochs 2 --max-steps 10
+    python labs/lab05_scaling/02_scaling_study.py --processes 1,2 -- --lr 0.1 --warmup-steps 1  # flags for the training
+    sbatch scaling_array.sbatch    # rendered from sbatch/scaling_array.sbatch.j2: one array task per point
+
+What it teaches: the training is Lab-01's ``04_ddp_training.py``, unchanged and started as its own
+job for every point (``torchrun --standalone`` here, plain ``python`` for one process; one ``srun``
+step inside a Slurm allocation, spread over as many nodes as the point needs). Two ways to add
+processes:
+
+- **strong scaling**: the *global* batch stays ``--global-batch-size``; each of n processes gets
+  1/n of it. The same optimisation, done faster: ideal throughput grows n-fold, while each process's
+  share of work shrinks until communication and overheads dominate.
+- **weak scaling**: each process keeps ``--batch-size``; the global batch grows n-fold. Ideal
+  throughput also grows n-fold and the step time stays flat, but a larger global batch takes fewer,
+  different optimiser steps per epoch: whether it reaches the target accuracy sooner is the
+  question the time-to-target column answers.
+
+With the default ``--global-batch-size`` (= ``--batch-size``) the 1-process run is the same in both
+modes: it runs once and starts both curves. Every point writes a record (lab ``lab05``, method
+``strong-scaling`` or ``weak-scaling``) holding the training's throughput, its validation accuracy
+over time and the time it took to first reach ``--target-accuracy``; the report draws the curves
+against ideal. A point larger than the allocation (Slurm's tasks and nodes, else this machine's GPUs,
+or its cores on the CPU) stops the study before anything runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+from common.cli import add_common_args, apply_dry_run, non_negative_int, positive_int
+from common.energy import not_measured
+from common.errors import UserError, run_main
+from common.results import make_record, provenance, write_record
+from labs.lab05_scaling.lab05_shared import (LAB, REPO, Allocation, check_points, current_allocation, evaluations,
+                                             nodes_for, parse_modes, parse_points, per_process_batch,
+                                             time_to_target)
+
+SCRIPT = "labs/lab05_scaling/02_scaling_study.py"
+#: The training every point runs: Lab-01's DDP script, which students already know.
+TRAINING = "labs/lab01_dp_vs_ddp/04_ddp_training.py"
+
+
+def fraction(text: str) -> float:
+    """argparse type: an accuracy, a number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"an accuracy is a fraction from 0 to 1 (0.9 for 90%), got {text}")
+    return value
+
+
+def allocation_for(args: argparse.Namespace) -> Allocation:
+    gpus = 0
+    if args.device != "cpu":
+        import torch  # only to count GPUs (about 3 s)
+
+        gpus = torch.cuda.device_count()
+        if args.device == "cuda" and gpus == 0:
+            raise UserError("--device cuda was requested but PyTorch sees no CUDA GPU; use --device cpu")
+        args.device = "cuda" if gpus else "cpu"
+    return current_allocation(args.device, gpus=gpus)
+
+
+def launcher(args: argparse.Namespace, processes: int, nodes: int, allocation: Allocation) -> list[str]:
+    """How one point starts: an srun step inside a Slurm job, else torchrun on this machine
+    (one process needs no launcher: 04_ddp_training.py then makes a one-process group itself)."""
+    if args.launcher == "srun" or (args.launcher == "auto" and os.environ.get("SLURM_JOB_ID")):
+        per_node = min(processes, allocation.per_node)
+        return ["srun", "--kill-on-bad-exit=1", f"--nodes={nodes}", f"--ntasks={processes}",
+                f"--ntasks-per-node={per_node}", sys.executable]
+    if processes == 1 and args.launcher == "auto":
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+
+
+def training_flags(args: argparse.Namespace, batch_size: int, records: Path, checkpoint: Path) -> list[str]:
+    flags = ["--device", args.device, "--seed", str(args.seed), "--epochs", str(args.epochs),
+             "--batch-size", str(batch_size), "--model", args.model, "--dataset", args.dataset,
+             "--image-size", str(args.image_size),
+             "--data-dir", str(args.data_dir), "--num-workers", str(args.num_workers),
+             "--results-dir", str(records), "--checkpoint", str(checkpoint)]
+    if args.max_steps is not None:
+        flags += ["--max-steps", str(args.max_steps)]
+    if args.dry_run:
+        flags.append("--dry-run")
+    return [*flags, *args.training_args]
+
+
+def run_point(command: list[str], tag: str, env: dict[str, str]) -> tuple[int, list[str]]:
+    """Run one point, echoing its output with a tag; return its exit status and last lines."""
+    print(f"\n== {tag}\n$ {shlex.join(command)}", flush=True)
+    tail: deque[str] = deque(maxlen=15)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          cwd=REPO) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            print(f"[{tag}] {line}", end="", flush=True)
+            tail.append(line.rstrip())
+    return process.returncode, list(tail)
+
+
+def point_environment() -> dict[str, str]:
+    """The training's environment.
+
+    Every process of every point gets the same CPU threads: ``OMP_NUM_THREADS`` as you (or the job
+    header, from ``--cpus-per-task``) set it, else 1, which is what torchrun gives each of several
+    processes; without it the 1-process point would use every core and the curve would compare
+    unlike things. Inside Slurm, each srun step finds its own rendezvous (the first node of *its*
+    node list, a port from its step id), so the job's ``MASTER_ADDR``/``MASTER_PORT`` are dropped.
+    """
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if env.get("SLURM_JOB_ID"):
+        env.pop("MASTER_ADDR", None)
+        env.pop("MASTER_PORT", None)
+    return env
+
+
+def point_record(mode: str, processes: int, nodes: int, batch: int, training: dict[str, Any] | None,
+                 command: list[str], args: argparse.Namespace, study: dict[str, Any], notes: list[str],
+                 status: str = "ok") -> dict[str, Any]:
+    """The lab05 record of one point, built from the training's own record (or its failure)."""
+    metrics_in = training["metrics"] if training else {}
+    points, source = evaluations(metrics_in)
+    reached = time_to_target(points, args.target_accuracy)
+    keep = ("samples_per_s", "step_time", "time_per_epoch_s", "epoch_time_s", "final_loss", "train_loss",
+            "test_loss", "test_accuracy", "memory", "steps", "epochs")
+    metrics = {key: metrics_in.get(key) for key in keep if key in metrics_in}
+    metrics.update({"world_size": processes, "nodes": nodes, "per_process_batch_size": batch,
+                    "global_batch_size": batch * processes, "evaluations": points, "evaluations_source": source,
+                    "target_accuracy": args.target_accuracy, "time_to_target_s": reached,
+                    "training_run_id": training.get("run_id") if training else None})
+    training_config = training["config"] if training else {}
+    config = {"mode": mode, "processes": processes, "nodes": nodes, "per_process_batch_size": batch,
+              "global_batch_size": batch * processes, "batch_size": args.batch_size,
+              "strong_global_batch_size": args.global_batch_size, "target_accuracy": args.target_accuracy,
+              "model": training_config.get("model", args.model),
+              "dataset": training_config.get("dataset", args.dataset),
+              "training_script": TRAINING, "training_command": command, "training_config": training_config,
+              "study": study}
+    prov = dict(training["provenance"]) if training else provenance()
+    prov["scaling_study"] = {"command": [sys.executable, *sys.argv], "study_id": study["id"]}
+    energy = training.get("energy") if training else None
+    return make_record(lab=LAB, script=SCRIPT, method=f"{mode}-scaling", config=config, metrics=metrics,
+                       provenance=prov, status=status, notes=notes,
+                       energy=energy or not_measured("the training wrote no energy entry"))
+
+
+def read_only_record(folder: Path) -> dict[str, Any]:
+    files = sorted(folder.glob("*.json"))
+    if len(files) != 1:
+        raise RuntimeError(f"expected one record in {folder}, found {len(files)}")
+    return json.loads(files[0].read_text(encoding="utf-8"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_argument_group("the study")
+    group.add_argument("--processes", default="1,2,4",
+                       help="process counts to run, comma-separated (default: %(default)s)")
+    group.add_argument("--modes", default="strong,weak", help="strong, weak or both (default: %(default)s)")
+    group.add_argument("--global-batch-size", type=positive_int, default=None,
+                       help="strong scaling's global batch, split over the processes (default: --batch-size, so "
+                            "the 1-process run is shared by both modes)")
+    group.add_argument("--target-accuracy", type=fraction, default=0.9,
+                       help="validation accuracy whose first arrival is timed (default: %(default)s)")
+    group.add_argument("--point", type=non_negative_int, default=None,
+                       help="run only the point with this index in --processes, e.g. $SLURM_ARRAY_TASK_ID "
+                            "(default: every point)")
+    group.add_argument("--launcher", choices=("auto", "torchrun", "srun"), default="auto",
+                       help="auto: srun inside a Slurm job, else torchrun (default: %(default)s)")
+    group = parser.add_argument_group("the training (passed to 04_ddp_training.py; more after --)")
+    group.add_argument("--model", default="plain_cnn", help="model (default: %(default)s)")
+    group.add_argument("--dataset", default="digits",
+                       help="data set; digits is real and offline (default: %(default)s)")
+    group.add_argument("--image-size", type=positive_int, default=16,
+                       help="side of the images (digits are resized to it) (default: %(default)s)")
+    add_common_args(parser, epochs=3, batch_size=32, num_workers=0)
+    parser.add_argument("training_args", nargs=argparse.REMAINDER,
+                        help="after --: more flags for the training, e.g. -- --lr 0.1 --warmup-steps 1")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = apply_dry_run(build_parser().parse_args(argv))
+    args.training_args = [a for a in args.training_args if a != "--"] if args.training_args else []
+    points = parse_points(args.processes)
+    modes = parse_modes(args.modes)
+    args.global_batch_size = args.global_batch_size or args.batch_size
+    if args.point is not None:
+        if args.point >= len(points):
+            raise UserError(f"--point {args.point} but --processes {args.processes} has {len(points)} point(s) "
+                            f"(0..{len(points) - 1})")
+        points = [points[args.point]]
+    allocation = allocation_for(args)
+    check_points(points, allocation)
+    for processes in points:  # every batch split is checked before anything runs
+        for mode in modes:
+            per_process_batch(mode, processes, args.batch_size, args.global_batch_size)
+
+    study = {"id": uuid.uuid4().hex[:8], "processes": parse_points(args.processes), "modes": modes,
+             "allocation": allocation.what}
+    print(f"scaling study {study['id']}: points {points}, modes {', '.join(modes)}, {allocation.what}; "
+          f"strong: global batch {args.global_batch_size}, weak: {args.batch_size} per process", flush=True)
+    failures, written = 0, []
+    with tempfile.TemporaryDirectory(prefix="lab05_scaling_") as scratch:
+        for processes in points:
+            nodes = nodes_for(processes, allocation)
+            batches = {mode: per_process_batch(mode, processes, args.batch_size, args.global_batch_size)
+                       for mode in modes}
+            runs: dict[int, list[str]] = {}  # one run per distinct batch: at 1 process strong == weak
+            for mode, batch in batches.items():
+                runs.setdefault(batch, []).append(mode)
+            for batch, shared in runs.items():
+                tag = f"{processes}p {'+'.join(shared)}"
+                folder = Path(scratch) / f"{processes}-{batch}"
+                command = [*launcher(args, processes, nodes, allocation), str(REPO / TRAINING),
+                           *training_flags(args, batch, folder / "records", folder / "checkpoint.pt")]
+                status, tail = run_point(command, tag, point_environment())
+                training, notes = None, []
+                if status != 0:
+                    failures += 1
+                    notes = [f"the training exited with status {status}", *tail]
+                    print(f"point {tag} failed with exit status {status}", file=sys.stderr, flush=True)
+                else:
+                    training = read_only_record(folder / "records")
+                if len(shared) > 1:
+                    notes.append(f"one run at {processes} process(es) serves as the point of both "
+                                 f"{' and '.join(shared)} scaling (the same per-process and global batch)")
+                for mode in shared:
+                    record = point_record(mode, processes, nodes, batch, training, command, args, study, notes,
+                                          status="ok" if training else "failed")
+                    written.append(write_record(record, args.results_dir))
+                    metrics = record["metrics"]
+                    rate, reached = metrics.get("samples_per_s"), metrics["time_to_target_s"]
+                    print(f"== {mode} scaling, {processes} process(es) on {nodes} node(s), batch {batch} per "
+                          f"process: {'n/a' if rate is None else f'{rate:.1f}'} samples/s, "
+                          f"{args.target_accuracy:.0%} accuracy "
+                          f"{'not reached' if reached is None else f'after {reached:.1f} s'} | record {written[-1]}",
+                          flush=True)
+    print(f"\n{len(written)} record(s) in {args.results_dir}; report: "
+          f"python scripts/compare_results.py --results-dir {args.results_dir}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Lab-05 step 3: how much of DDP's communication hides behind the backward pass, for a few bucket sizes.
+
+Usage:
+    torchrun --standalone --nproc_per_node=4 labs/lab05_scaling/03_overlap.py --model resnet50 --batch-size 64
+    torchrun --standalone --nproc_per_node=2 labs/lab05_scaling/03_overlap.py --device cpu --model resnet18 \\
+        --batch-size 8 --image-size 32 --steps 6
+    srun --kill-on-bad-exit=1 python labs/lab05_scaling/03_overlap.py --model resnet50   # one task per GPU
+    sbatch overlap.sbatch   # rendered from sbatch/overlap.sbatch.j2
+
+What it teaches: DDP starts all-reducing a bucket of gradients (``bucket_cap_mb`` MiB) as soon as
+backward has produced all of them, while backward goes on computing the next ones. For each bucket
+size the script times training steps twice, alternating: a normal step, and a step under
+``model.no_sync()`` (forward and backward without any all-reduce: the compute alone). Their
+difference is the **exposed** communication, the part backward did not hide. Beside it, the same
+gradients all-reduced with nothing to overlap (bucket by bucket, one after the other) give the
+communication's full cost, so ``hidden = 1 - exposed / full cost``. One huge bucket cannot start
+before backward ends (nothing hides); tiny buckets pay a latency each; the default 25 MiB is
+usually in between. Steps use one fixed batch on the device (no data loading: compute and
+communication only). One record with every bucket size; whatever it shows on a CPU is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+from common.cli import add_common_args, apply_dry_run, config_dict, positive_float, positive_int
+from common.device import configure_threads, seed_everything, synchronize
+from common.distributed import all_reduce_max, init_distributed, print0, teardown_distributed
+from common.energy import EnergyMeter
+from common.errors import UserError, run_main
+from common.models import build_model
+from common.placement import record_placement
+from common.results import make_record, provenance, write_record
+from common.units import format_bytes
+from labs.lab05_scaling.lab05_shared import LAB, MiB
+
+SCRIPT = "labs/lab05_scaling/03_overlap.py"
+
+
+def parse_buckets(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--bucket-cap-mb takes numbers separated by commas, e.g. 1,25,100; got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise UserError(f"--bucket-cap-mb needs sizes above 0 MiB, got {text!r}")
+    return values
+
+
+def median_of(times: list[float], device: torch.device) -> float:
+    """Slowest rank per step (a step ends when the last rank ends), then the median over steps."""
+    return statistics.median(all_reduce_max(times, device))
+
+
+def train_step(model, optimizer, images, labels, sync: bool) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    # no_sync(): gradients stay local, no all-reduce at all; what is left is the step's compute.
+    with nullcontext() if sync else model.no_sync():
+        F.cross_entropy(model(images), labels).backward()
+    optimizer.step()
+
+
+def time_steps(model, optimizer, images, labels, args, device) -> tuple[float, float]:
+    """Median step time with and without gradient synchronisation, alternating so drift hits both alike."""
+    # DDP's first step all-reduces everything in one bucket and notes the order the gradients arrive
+    # in; the next synchronised step rebuilds the buckets of bucket_cap_mb in that order.
+    for _ in range(2):
+        train_step(model, optimizer, images, labels, sync=True)
+    for _ in range(args.warmup_steps):
+        train_step(model, optimizer, images, labels, sync=True)
+        train_step(model, optimizer, images, labels, sync=False)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(args.steps):
+        for sync in (True, False):
+            dist.barrier()
+            synchronize(device)
+            start = time.perf_counter()
+            train_step(model, optimizer, images, labels, sync)
+            synchronize(device)
+            times[sync].append(time.perf_counter() - start)
+    return median_of(times[True], device), median_of(times[False], device)
+
+
+def bucket_sizes(model: DDP) -> list[int]:
+    """The gradient buckets DDP uses (bytes), as its logging data reports them once rebuilt.
+
+    A bucket holds whole parameters: one larger than ``bucket_cap_mb`` gets a bucket of its own.
+    """
+    data = model._get_ddp_logging_data()
+    sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", ""))
+    return [int(size) for size in sizes.replace(" ", "").split(",") if size]
+
+
+def communication_alone(buckets: list[int], device: torch.device, args) -> float:
+    """The same bytes all-reduced bucket by bucket with nothing to overlap: communication's full cost."""
+    flats = [torch.ones(max(1, size // 4), device=device) for size in buckets]
+    for flat in flats[: args.warmup_steps]:
+        dist.all_reduce(flat)
+    times = []
+    for _ in range(args.steps):
+        dist.barrier()
+        synchronize(device)
+        start = time.perf_counter()
+        for flat in flats:
+            dist.all_reduce(flat)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return median_of(times, device)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_argument_group("what to measure")
+    group.add_argument("--model", default="resnet50", help="torchvision model (default: %(default)s)")
+    group.add_argument("--image-size", type=positive_int, default=224,
+                       help="side of the (random) input images (default: %(default)s)")
+    group.add_argument("--bucket-cap-mb", default="1,25,100,1000",
+                       help="bucket sizes to compare, MiB, comma-separated; 1000 is one bucket for most models "
+                            "(default: %(default)s)")
+    group.add_argument("--steps", type=positive_int, default=10,
+                       help="timed steps per bucket size, each with and without sync (default: %(default)s)")
+    group.add_argument("--warmup-steps", type=positive_int, default=2,
+                       help="untimed steps (of each kind) per bucket size (default: %(default)s)")
+    group.add_argument("--lr", type=positive_float, default=0.01, help="SGD learning rate (default: %(default)s)")
+    add_common_args(parser, batch_size=32)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = apply_dry_run(build_parser().parse_args(argv))
+    buckets_mb = parse_buckets(args.bucket_cap_mb)
+    if args.dry_run:
+        args.steps, args.warmup_steps = min(args.steps, 2), 1
+    threads = configure_threads()
+    ctx = init_distributed(args.device, force_process_group=True)
+    try:
+        device, ranks = ctx.device, ctx.world_size
+        placement = record_placement(device, 0)  # no DataLoader here: the batch is made on the device
+        seed_everything(args.seed)
+        base = build_model(args.model, num_classes=10)
+        parameter_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
+        generator = torch.Generator().manual_seed(args.seed + ctx.rank)
+        images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator).to(device)
+        labels = torch.randint(0, 10, (args.batch_size,), generator=generator).to(device)
+        print0(f"overlap: {ranks} rank(s), backend {ctx.backend} | {args.model}, {format_bytes(parameter_bytes)} of "
+               f"gradients | batch {args.batch_size} per rank, {args.image_size}px | {args.steps} timed steps "
+               f"per setting | threads {threads}")
+        print0(f"{'bucket_cap_mb':>13} {'buckets':>7} {'step (ms)':>10} {'no_sync (ms)':>13} {'exposed (ms)':>13} "
+               f"{'alone (ms)':>11} {'hidden':>7}")
+        rows = []
+        with EnergyMeter(device) as meter:
+            for cap in buckets_mb:
+                replica = copy.deepcopy(base).to(device)
+                model = DDP(replica, device_ids=[device.index] if device.type == "cuda" else None,
+                            bucket_cap_mb=cap, gradient_as_bucket_view=True)
+                optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+                step_sync, step_local = time_steps(model, optimizer, images, labels, args, device)
+                buckets = bucket_sizes(model)
+                alone = communication_alone(buckets or [parameter_bytes], device, args)
+                exposed = step_sync - step_local
+                hidden = 1 - exposed / alone if alone > 0 else None
+                rows.append({"bucket_cap_mb": cap, "buckets": len(buckets), "bucket_bytes": buckets,
+                             "step_s": step_sync, "no_sync_step_s": step_local, "exposed_comm_s": exposed,
+                             "comm_alone_s": alone, "hidden_fraction": hidden})
+                print0(f"{cap:>13g} {len(buckets):>7} {1e3 * step_sync:>10.1f} {1e3 * step_local:>13.1f} "
+                       f"{1e3 * exposed:>13.1f} {1e3 * alone:>11.1f} "
+                       f"{'n/a' if hidden is None else f'{hidden:.0%}':>7}")
+                del model, optimizer, replica
+        steps_run = len(buckets_mb) * (2 + 2 * (args.steps + args.warmup_steps))
+        energy = meter.result(samples=steps_run * args.batch_size * ranks)
+        if ctx.is_main:
+            best = min(rows, key=lambda r: r["exposed_comm_s"])
+            notes = [f"least exposed communication with bucket_cap_mb={best['bucket_cap_mb']:g}: "
+                     f"{1e3 * best['exposed_comm_s']:.1f} ms per step"]
+            if ranks == 1:
+                notes.append("one rank: DDP has nothing to all-reduce, so no communication is exposed")
+            if any(r["exposed_comm_s"] < 0 for r in rows):
+                notes.append("a negative exposed time is noise: the step with sync was no slower than without")
+            metrics = {
+                "world_size": ranks, "parameter_bytes": parameter_bytes, "buckets": rows,
+                "best_bucket_cap_mb": best["bucket_cap_mb"], "samples_per_step": args.batch_size * ranks,
+                "timing_method": ("time.perf_counter per step, device synchronised before each clock read, ranks at "
+                                  "a barrier before each step, steps with and without no_sync() alternating; per "
+                                  "step the slowest rank; median over the timed steps"),
+            }
+            config = config_dict(args, resolved_device=str(device), bucket_caps_mb=buckets_mb,
+                                 parameter_bytes=parameter_bytes, threads=threads, parameter_mib=parameter_bytes / MiB)
+            record = make_record(lab=LAB, script=SCRIPT, method="overlap", config=config, metrics=metrics,
+                                 notes=notes, energy=energy,
+                                 provenance=provenance(device, ranks, {"distributed": ctx.describe(),
+                                                                       "placement": placement}))
+            print0(f"note: {notes[0]}")
+            print0(f"record: {write_record(record, args.results_dir)}")
+        return 0
+    finally:
+        teardown_distributed(ctx)
+
+
+if __name__ == "__main__":
+    run_main(main)
