@@ -11,6 +11,9 @@ name            what                                                where it com
 ``imagefolder`` any ``class/image.jpg`` tree (``train/``, ``val/``)  ``--data-dir``
 ``synthetic``   deterministic random images of any shape with a     generated: always available
                 learnable class signal
+``stdlib-text`` character-level text (Lab-04): the source code of   the Python installation
+                24 standard-library modules, windows of             running the script: always
+                ``context`` characters, 90/10 train/validation      available
 ==============  ==================================================  ==========================
 
 Nothing here downloads. A missing data set raises :class:`~common.errors.UserError` that names
@@ -20,7 +23,7 @@ the command to run on a login node (``scripts/download_data.py``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -45,11 +48,12 @@ class DataSplits:
     name: str
     input_shape: tuple[int, ...]  # C, H, W
     num_classes: int
+    extra: dict[str, Any] = field(default_factory=dict)  # what else a record should know (e.g. a digest)
 
     def describe(self) -> dict[str, Any]:
         return {"dataset": self.name, "input_shape": list(self.input_shape),
                 "num_classes": self.num_classes, "train_size": len(self.train),  # type: ignore[arg-type]
-                "test_size": len(self.test)}  # type: ignore[arg-type]
+                "test_size": len(self.test), **self.extra}  # type: ignore[arg-type]
 
 
 def _missing(name: str, data_dir: Path, detail: str = "") -> UserError:
@@ -295,3 +299,109 @@ def make_global_batch_loader(dataset: Dataset, global_batch_size: int, *, rank: 
                                  world_size=world_size, seed=seed)
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
                       persistent_workers=num_workers > 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Character-level text from the standard library's own source (Lab-04)
+
+#: Pure-Python standard-library modules present from Python 3.9 on; their source is the corpus.
+STDLIB_TEXT_MODULES = (
+    "argparse", "ast", "calendar", "configparser", "csv", "dataclasses", "difflib", "doctest", "enum",
+    "fractions", "functools", "gettext", "heapq", "inspect", "pprint", "pydoc", "random", "shlex",
+    "shutil", "statistics", "subprocess", "tarfile", "textwrap", "threading",
+)
+#: The characters the model knows: newline, tab and printable ASCII; anything else is UNKNOWN.
+TEXT_ALPHABET = "\n\t" + "".join(chr(code) for code in range(32, 127))
+UNKNOWN_CHAR_ID = len(TEXT_ALPHABET)
+#: Vocabulary size of the model: the alphabet plus UNKNOWN, padded to a multiple of 64 (as nanoGPT
+#: pads GPT-2's) so the embedding and the head shard evenly over 1, 2, 4, ... 64 ranks.
+TEXT_VOCAB_SIZE = 128
+
+
+def encode_text(text: str) -> torch.Tensor:
+    """Characters -> ids (uint8): the alphabet's position, or :data:`UNKNOWN_CHAR_ID` for any other."""
+    import numpy as np
+
+    raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    raw = raw[(raw < 0x80) | (raw >= 0xC0)]  # one byte per character: drop UTF-8 continuation bytes
+    table = np.full(256, UNKNOWN_CHAR_ID, dtype=np.uint8)
+    for index, char in enumerate(TEXT_ALPHABET):
+        table[ord(char)] = index
+    return torch.from_numpy(table[raw].copy())
+
+
+def decode_text(ids: torch.Tensor) -> str:
+    """Ids -> characters (``\ufffd`` for UNKNOWN and the padding ids): for printing samples."""
+    return "".join(TEXT_ALPHABET[i] if i < len(TEXT_ALPHABET) else "\ufffd" for i in ids.tolist())
+
+
+def stdlib_sources(modules: tuple[str, ...] = STDLIB_TEXT_MODULES) -> tuple[dict[str, str], list[str]]:
+    """The source text of ``modules`` from this Python installation, and the modules without one.
+
+    The loader reads the source wherever the installation keeps it (a folder or a zip archive); an
+    installation that ships only compiled files has none for a module, which is then left out.
+    """
+    import importlib.util
+
+    sources, missing = {}, []
+    for name in modules:
+        try:
+            spec = importlib.util.find_spec(name)
+            source = spec.loader.get_source(name) if spec and spec.loader else None  # type: ignore[union-attr]
+        except (ImportError, AttributeError, OSError):
+            source = None
+        if source:
+            sources[name] = source
+        else:
+            missing.append(name)
+    return sources, missing
+
+
+class CharWindows(Dataset):
+    """Fixed windows of a token stream: sample ``i`` is ``stream[i*L : i*L + L + 1]`` split into the
+    input (the first ``L`` ids) and the target (the same shifted by one: the next character)."""
+
+    def __init__(self, stream: torch.Tensor, context: int) -> None:
+        if len(stream) < context + 1:
+            raise UserError(f"the text has {len(stream)} characters, fewer than one window of --context "
+                            f"{context} + 1; use a smaller --context")
+        self.stream, self.context = stream, context
+
+    def __len__(self) -> int:
+        return (len(self.stream) - 1) // self.context
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.context
+        window = self.stream[start:start + self.context + 1].long()
+        return window[:-1], window[1:]
+
+
+def load_stdlib_text(context: int, validation_fraction: float = 0.1) -> DataSplits:
+    """Character-level language modelling on the standard library's own source code.
+
+    Offline on every Python installation, and deterministic: a fixed list of modules in a fixed
+    order; the last ``validation_fraction`` of each module's text is the validation split, the rest
+    the training split (so both hold every module's style). The record gets the Python version, the
+    modules used and a SHA-256 of the text: runs compare when these agree.
+    """
+    import hashlib
+    import platform
+
+    sources, missing = stdlib_sources()
+    if len(sources) < len(STDLIB_TEXT_MODULES) // 2:
+        raise UserError(f"this Python installation has no source for {len(missing)} of the "
+                        f"{len(STDLIB_TEXT_MODULES)} standard-library modules the text data set reads "
+                        f"({', '.join(missing[:5])} ...); use a full Python installation")
+    train_parts, validation_parts = [], []
+    digest = hashlib.sha256()
+    for name, text in sources.items():
+        digest.update(name.encode() + b"\0" + text.encode("utf-8") + b"\0")
+        cut = int(len(text) * (1 - validation_fraction))
+        train_parts.append(text[:cut])
+        validation_parts.append(text[cut:])
+    train = CharWindows(encode_text("".join(train_parts)), context)
+    validation = CharWindows(encode_text("".join(validation_parts)), context)
+    extra = {"text_python": platform.python_version(), "text_modules": len(sources),
+             "text_modules_missing": missing, "text_characters": len(train.stream) + len(validation.stream),
+             "text_sha256": digest.hexdigest()}
+    return DataSplits(train, validation, "stdlib-text", (context,), TEXT_VOCAB_SIZE, extra)

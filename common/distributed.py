@@ -121,6 +121,22 @@ def teardown_distributed(ctx: DistContext | None) -> None:
         if sys.exc_info()[0] is None:
             dist.barrier()
         dist.destroy_process_group()
+        _forget_dtensor_caches()
+
+
+def _forget_dtensor_caches() -> None:
+    """Empty DTensor's global caches (FSDP2 fills them): their keys and plans hold device meshes, and
+    a mesh holds its process groups, so a group would outlive ``destroy_process_group`` with its
+    threads. (The model itself holds the mesh too; it goes when the script's ``main`` returns.)"""
+    if "torch.distributed.tensor" not in sys.modules:  # never used: nothing cached
+        return
+    from torch.distributed.tensor import _collective_utils, _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def ddp_buffer_sync(enabled: bool) -> dict[str, bool]:

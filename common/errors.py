@@ -9,6 +9,7 @@ This module must not import torch: the report tool and the test suite use it too
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Callable, NoReturn, Sequence
 
@@ -35,4 +36,8 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
+    # What main held in reference cycles (an FSDP2 model: its hooks point back at it) is freed only
+    # by a collection; without one, the process group it still references would keep its threads
+    # running into interpreter shutdown, which can abort the process after a successful run.
+    gc.collect()
     sys.exit(int(status or 0))

@@ -4,13 +4,19 @@
 course's Chapter 4 and Lab-02), defined once here so it cannot drift between chapters.
 ``build_model("resnet50", num_classes=10)`` is any torchvision classification model, randomly
 initialised: weights are off by default because compute nodes cannot download them.
+``DecoderOnlyTransformer`` is a small GPT-style language model (Lab-04) whose size is set by four
+numbers (layers, width, heads, context); each block is its own module, so sharding wrappers such as
+FSDP2's ``fully_shard`` can be applied block by block.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from common.errors import UserError
 
@@ -123,3 +129,132 @@ def replica_digests(model: nn.Module) -> dict[str, str]:
     before each forward, which is why they are hashed apart.
     """
     return {"parameters": parameter_digest(model, "parameters"), "buffers": parameter_digest(model, "buffers")}
+
+
+# --------------------------------------------------------------------------------------------
+# A decoder-only transformer (Lab-04)
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """The four numbers that size the model, plus the vocabulary (from the data)."""
+
+    layers: int = 4
+    width: int = 256
+    heads: int = 4
+    context: int = 128
+    vocab_size: int = 128
+
+    def check(self) -> "TransformerShape":
+        if self.width % self.heads:
+            raise UserError(f"--width {self.width} must be a multiple of --heads {self.heads} "
+                            "(each head gets width / heads features)")
+        return self
+
+    @property
+    def name(self) -> str:
+        """``transformer-8x512``: blocks x width, what a report's model column shows."""
+        return f"transformer-{self.layers}x{self.width}"
+
+    def describe(self) -> dict[str, int | str]:
+        return {"model": self.name, "layers": self.layers, "width": self.width, "heads": self.heads,
+                "context": self.context, "vocab_size": self.vocab_size,
+                "parameters": transformer_parameter_count(self)}
+
+
+def transformer_parameter_count(shape: TransformerShape) -> int:
+    """The parameter count from the shape alone, without building anything.
+
+    Per block: attention (q, k, v without bias and the output projection: 4 d² + d), the MLP
+    (d -> 4d -> d: 8 d² + 5 d) and two LayerNorms (4 d): 12 d² + 10 d. Around the blocks: token and
+    position embeddings (V d + T d), the final LayerNorm (2 d) and the output head (d V, no bias).
+    """
+    d, V, T = shape.width, shape.vocab_size, shape.context
+    return shape.layers * (12 * d * d + 10 * d) + V * d + T * d + 2 * d + d * V
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where position t sees only positions <= t."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        # Queries, keys and values in one matrix multiply, without a bias: a bias on the keys would get
+        # a zero gradient (softmax ignores a constant added to a whole row of scores), and AdamW would
+        # turn the rounding noise in that gradient into updates as large as any other.
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        # (batch, length, width) -> (batch, heads, length, width / heads)
+        q, k, v = (t.view(batch, length, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, length, width))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attention = CausalSelfAttention(width, heads)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class DecoderOnlyTransformer(nn.Module):
+    """A GPT-style character model: embeddings, ``layers`` blocks, a final norm and the output head.
+
+    ``model.blocks`` is a ``ModuleList`` of :class:`TransformerBlock`: FSDP2 shards each block as
+    one unit (``fully_shard(block)``), DDP sees one model. ``activation_checkpointing = True`` keeps
+    only each block's input during the forward pass and recomputes the rest in backward (less
+    memory, about one more forward pass of compute). No dropout: runs are deterministic, so DDP
+    and FSDP2 can be compared step by step. The head is not tied to the token embedding, so every
+    parameter belongs to exactly one module (simpler to shard and to count).
+    """
+
+    def __init__(self, shape: TransformerShape) -> None:
+        super().__init__()
+        shape.check()
+        self.shape = shape
+        self.token_embedding = nn.Embedding(shape.vocab_size, shape.width)
+        self.position_embedding = nn.Embedding(shape.context, shape.width)
+        self.blocks = nn.ModuleList(TransformerBlock(shape.width, shape.heads) for _ in range(shape.layers))
+        self.norm = nn.LayerNorm(shape.width)
+        self.head = nn.Linear(shape.width, shape.vocab_size, bias=False)
+        self.activation_checkpointing = False
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2's initialisation: normal(0, 0.02) weights, zero biases, LayerNorms at identity.
+
+        A method of its own so that a model built on the ``meta`` device (no memory) can be
+        initialised after it was sharded: ``model.to_empty(device=...); model.init_weights()``.
+        """
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` (batch, length) of ids -> logits (batch, length, vocab_size)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        for block in self.blocks:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)  # keep x, recompute the block in backward
+            else:
+                x = block(x)
+        return self.head(self.norm(x))

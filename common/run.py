@@ -114,6 +114,8 @@ class Checkpointer(Protocol):
 
     ``save`` and ``read`` are called on every rank. ``reshards`` says whether a checkpoint may be
     resumed with another number of processes (the per-rank random state is then not restored).
+    A checkpointer may also have ``close()``, called on every rank when the run ends, before the
+    process group goes (an asynchronous save still writing needs it).
     """
 
     path: Path
@@ -242,8 +244,13 @@ class TrainingRun:
             return False
         finally:
             self.stop.restore()
-            self.tracked.clear()  # the last references to the wrapped model and optimiser go before the group
-            teardown_distributed(self.ctx)
+            try:
+                close = getattr(self.checkpointer, "close", None)
+                if close is not None:  # e.g. an asynchronous save still writing: it needs the process group
+                    close()
+            finally:
+                self.tracked.clear()  # the last references to the wrapped model and optimiser go before the group
+                teardown_distributed(self.ctx)
 
     # ---------------------------------------------------------------------------------- who and where
     @property
@@ -413,7 +420,9 @@ class TrainingRun:
                   for entry in entries]
         model = self.tracked.get("model")
         digests = None
-        if self.distributed and model is not None:
+        # Replicas (DDP) must end identical; sharded parameters (FSDP2's DTensors) differ by design.
+        sharded = model is not None and any(hasattr(p, "to_local") for p in model.parameters())
+        if self.distributed and model is not None and not sharded:
             digests = gather_objects(replica_digests(model))
             same = len({d["parameters"] for d in digests}) == 1
             self.print(f"parameters identical on all {len(digests)} rank(s): {'yes' if same else 'NO'}")

@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""Lab-04 step 2: train the transformer with DDP or with FSDP2, and checkpoint it with DCP.
+
+Usage:
+    torchrun --standalone --nproc_per_node=4 labs/lab04_sharded_training/02_sharded_training.py --strategy fsdp
+    torchrun --standalone --nproc_per_node=4 labs/lab04_sharded_training/02_sharded_training.py --strategy ddp
+    torchrun --standalone --nproc_per_node=4 labs/lab04_sharded_training/02_sharded_training.py \\
+        --activation-checkpointing --mixed-precision bf16 --async-checkpoint
+    torchrun --standalone --nproc_per_node=2 labs/lab04_sharded_training/02_sharded_training.py --resume  # 4 -> 2
+    torchrun --standalone --nproc_per_node=2 labs/lab04_sharded_training/02_sharded_training.py --device cpu \\
+        --layers 4 --width 64 --context 64 --global-batch-size 16 --max-steps 10
+    srun --kill-on-bad-exit=1 python labs/lab04_sharded_training/02_sharded_training.py --strategy fsdp
+    sbatch sharded_torchrun_4gpu.sbatch  # rendered from sbatch/sharded_torchrun_4gpu.sbatch.j2, see the README
+
+What it teaches: the same training loop under two data-parallel strategies. ``--strategy ddp``
+keeps a full replica on every rank and all-reduces gradients; ``--strategy fsdp`` (FSDP2,
+``fully_shard`` on each transformer block, then on the root; see ``lab04_shared.apply_strategy``)
+keeps 1/N of every parameter, gradient and AdamW moment per rank, all-gathers a block just before
+it computes and reduce-scatters its gradients right after. The loop below is the same for both:
+with the same seed and global batch, the losses agree step by step (in fp32, to rounding).
+
+``--global-batch-size`` is the number of sequences per optimiser step over all ranks, whatever the
+number of ranks: each rank takes its share of every global batch and runs it in micro-batches of
+``--batch-size`` (gradient accumulation; gradients are reduced across ranks only after the last
+micro-batch). So 4 ranks and 1 rank take the same optimiser steps, which is what lets a run saved
+on 4 ranks continue on 2. ``--activation-checkpointing`` keeps only each block's input during the
+forward pass and recomputes the rest in backward; ``--mixed-precision bf16`` computes in bf16
+(FSDP2's ``MixedPrecisionPolicy``) while AdamW updates fp32 shards.
+
+Checkpoints use PyTorch Distributed Checkpoint (``common.sharded_checkpoint``): after every epoch
+and on the pre-emption signal (SIGUSR1 from ``#SBATCH --signal=B:USR1@120``, or SIGTERM) every rank
+writes its own shards into ``--checkpoint-dir``; ``--resume`` reads them back with any number of
+ranks (DCP reshards). ``--async-checkpoint`` (``dcp.async_save``) lets training continue while a
+background thread writes; the record keeps how long each save stalled the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+from common.cli import add_common_args, non_negative_int, positive_float, positive_int
+from common.data import GlobalBatchSampler, load_stdlib_text, make_global_batch_loader
+from common.distributed import all_reduce_sum, gather_objects
+from common.errors import UserError, run_main
+from common.models import transformer_parameter_count
+from common.run import TrainingRun
+from common.sharded_checkpoint import DistributedCheckpointer, add_distributed_checkpoint_args
+from common.units import format_bytes
+from labs.lab04_sharded_training.lab04_shared import (
+    LAB, PRECISIONS, STRATEGIES, add_model_args, build_model, check_strategy, language_model_loss, shape_from_args,
+    tensor_bytes, variant_name,
+)
+
+SCRIPT = "labs/lab04_sharded_training/02_sharded_training.py"
+
+
+def train(model, loader, optimizer, args, run) -> None:
+    """One epoch; each step accumulates this rank's share of the global batch in micro-batches."""
+    model.train()
+    for tokens, targets in run.steps(loader):
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = torch.zeros((), device=run.device)
+        micro_batches = list(zip(tokens.chunk(args.accumulation_steps), targets.chunk(args.accumulation_steps)))
+        for micro, (x, y) in enumerate(micro_batches):
+            last = micro == len(micro_batches) - 1
+            # Reduce gradients across ranks once per step, in the last micro-batch's backward.
+            with gradient_sync(model, last):
+                # Divided by K: K backward passes then add up to the gradient of the mean.
+                loss = language_model_loss(model, x.to(run.device), y.to(run.device)) / len(micro_batches)
+                loss.backward()
+            step_loss += loss.detach()
+        optimizer.step()
+        run.log_loss(step_loss)
+
+
+def gradient_sync(model, enabled: bool):
+    """DDP: ``no_sync()`` skips the all-reduce. FSDP2: ``set_requires_gradient_sync(False)`` skips the
+    reduce-scatter (each block then keeps its whole gradient until the last micro-batch)."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+        return nullcontext()
+    return nullcontext() if enabled else model.no_sync()
+
+
+@torch.no_grad()
+def evaluate(model, loader, args, device) -> tuple[float, float]:
+    """Validation loss and next-character accuracy over at most ``--eval-steps`` global batches.
+
+    Every rank runs the same number of batches: under FSDP2 each forward pass is collective.
+    """
+    model.eval()
+    loss_sum, correct, seen = 0.0, 0, 0
+    for batch, (tokens, targets) in enumerate(loader):
+        if batch >= args.eval_steps:
+            break
+        tokens, targets = tokens.to(device), targets.to(device)
+        logits = model(tokens).float()
+        loss_sum += torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
+        correct += (logits.argmax(-1) == targets).sum().item()
+        seen += targets.numel()
+    loss_sum, correct, seen = (all_reduce_sum(v, device) for v in (loss_sum, correct, seen))
+    return loss_sum / max(seen, 1), correct / max(seen, 1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    group = parser.add_argument_group("strategy and training")
+    group.add_argument("--strategy", choices=STRATEGIES, default="fsdp",
+                       help="ddp: a full replica per rank; fsdp: FSDP2, every tensor sharded (default: %(default)s)")
+    group.add_argument("--activation-checkpointing", action="store_true",
+                       help="keep only each block's input in the forward pass, recompute in backward (default: off)")
+    group.add_argument("--mixed-precision", choices=PRECISIONS, default="fp32",
+                       help="bf16: FSDP2 computes in bf16, AdamW updates fp32 shards (default: %(default)s)")
+    group.add_argument("--global-batch-size", type=positive_int, default=64,
+                       help="sequences per optimiser step over all ranks, whatever their number (default: %(default)s)")
+    group.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
+    group.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: %(default)s)")
+    group.add_argument("--eval-steps", type=positive_int, default=20,
+                       help="validation global batches after every epoch (default: %(default)s)")
+    group.add_argument("--log-interval", type=positive_int, default=10,
+                       help="steps between loss lines (default: %(default)s)")
+    group.add_argument("--warmup-steps", type=non_negative_int, default=2,
+                       help="steps left out of the timing (default: %(default)s)")
+    group.add_argument("--record-steps", type=non_negative_int, default=200,
+                       help="how many of the first optimiser steps keep their loss in the record (default: %(default)s)")
+    add_distributed_checkpoint_args(parser, default_dir="RESULTS_DIR/checkpoints/02_sharded_training")
+    add_common_args(parser, epochs=2, batch_size=8, num_workers=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    shape = shape_from_args(args)
+    args.checkpoint_dir = args.checkpoint_dir or args.results_dir / "checkpoints" / "02_sharded_training"
+    checkpointer = DistributedCheckpointer(args.checkpoint_dir, async_save=args.async_checkpoint)
+    method = variant_name(args.strategy, args.mixed_precision, args.activation_checkpointing)
+    with TrainingRun(args, lab=LAB, script=SCRIPT, method=method, distributed=True, checkpointer=checkpointer,
+                     resume_settings=("layers", "width", "heads", "context", "global_batch_size", "seed", "lr",
+                                      "weight_decay")) as run:
+        device = run.device
+        check_strategy(args.strategy, args.mixed_precision, device, world_size=run.world_size, layers=shape.layers)
+        per_rank, remainder = divmod(args.global_batch_size, run.world_size * args.batch_size)
+        if remainder or per_rank == 0:
+            raise UserError(f"--global-batch-size {args.global_batch_size} must be a multiple of {run.world_size} "
+                            f"rank(s) x --batch-size {args.batch_size}")
+        args.accumulation_steps = per_rank
+        splits = load_stdlib_text(shape.context)
+        # Every rank, every strategy and every world size start from the same weights (seeded build).
+        model = build_model(shape, args.strategy, device, precision=args.mixed_precision,
+                            activation_checkpointing=args.activation_checkpointing, seed=args.seed)
+        # The same global batches whatever the number of ranks; this rank takes every world_size-th sequence.
+        train_loader = make_global_batch_loader(splits.train, args.global_batch_size, rank=run.rank,
+                                                world_size=run.world_size, seed=args.seed,
+                                                num_workers=args.num_workers, pin_memory=device.type == "cuda")
+        validation = GlobalBatchSampler(len(splits.test), min(args.global_batch_size, len(splits.test)),
+                                        rank=run.rank, world_size=run.world_size, shuffle=False)
+        validation_loader = DataLoader(splits.test, batch_sampler=validation)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        run.print(f"{method}: {run.describe()} | {transformer_parameter_count(shape) / 1e6:.2f} M parameters "
+                  f"({shape.layers} layers x {shape.width}, {shape.heads} heads, context {shape.context}) | "
+                  f"global batch {args.global_batch_size} = {args.batch_size} x {run.world_size} rank(s) x "
+                  f"{args.accumulation_steps} micro-batch(es) | {splits.name}: {len(splits.train)} sequences | "
+                  f"checkpoints {'async' if args.async_checkpoint else 'sync'} in {args.checkpoint_dir}")
+
+        run.track(model=model, optimizer=optimizer)
+        for _epoch in run.epochs(train_loader):
+            train(model, train_loader, optimizer, args, run)
+            run.evaluated(*evaluate(model, validation_loader, args, device))
+        checkpointer.wait()  # an asynchronous save may still be writing: its timing belongs in the record
+        held = gather_objects({**tensor_bytes(model, optimizer), "rank": run.rank})
+        for entry in held:
+            run.print(f"rank {entry['rank']} holds {format_bytes(entry['total'])}: parameters "
+                      f"{format_bytes(entry['parameters'])}, gradients {format_bytes(entry['gradients'])}, "
+                      f"AdamW state {format_bytes(entry['optimizer'])}")
+        run.finish(config={**splits.describe(), **shape.describe(), "accumulation_steps": args.accumulation_steps},
+                   metrics={"tensor_bytes": held, "checkpoint_saves": checkpointer.timings,
+                            "parameters": transformer_parameter_count(shape)})
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

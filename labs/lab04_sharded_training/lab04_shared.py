@@ -1,0 +1,306 @@
+"""What the three Lab-04 scripts share: the model flags, the two strategies, and memory measured
+from real tensors.
+
+``01_memory_budget.py`` predicts and measures, ``02_sharded_training.py`` trains, and
+``03_largest_model.py`` searches for the largest model that fits; all three must build the same
+model and wrap it the same way, or their numbers would not compare.
+
+- :func:`add_model_args` / :func:`shape_from_args`: ``--layers --width --heads --context``.
+- :func:`apply_strategy`: DDP (a full replica per rank), or FSDP2 (``fully_shard`` per block, then
+  the root), optionally with activation checkpointing and bf16 mixed precision.
+- :func:`tensor_bytes`: parameter, gradient and optimizer-state bytes held by *this* rank, summed
+  over the real tensors (for FSDP2 the local shards of the DTensors).
+- :class:`SavedActivations`: bytes the forward pass saved for backward, measured with autograd's
+  saved-tensor hooks (works on CPU and GPU alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import re
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from common.cli import positive_int
+from common.data import TEXT_VOCAB_SIZE
+from common.errors import UserError
+from common.models import DecoderOnlyTransformer, TransformerShape
+
+LAB = "lab04"
+STRATEGIES = ("ddp", "fsdp")
+PRECISIONS = ("fp32", "bf16")
+#: The variants 01 and 03 compare: name -> (strategy, precision, activation checkpointing).
+VARIANTS = {
+    "ddp": ("ddp", "fp32", False),
+    "fsdp": ("fsdp", "fp32", False),
+    "fsdp+ac": ("fsdp", "fp32", True),
+    "fsdp+bf16": ("fsdp", "bf16", False),
+    "fsdp+ac+bf16": ("fsdp", "bf16", True),
+}
+#: bf16 matrix units arrived with Ampere (A100, compute capability 8.0).
+BF16_MIN_CAPABILITY = (8, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+
+
+def add_model_args(parser: argparse.ArgumentParser, *, layers: int = 8, width: int = 512, heads: int = 8,
+                   context: int = 256) -> argparse.ArgumentParser:
+    """The four numbers that size the transformer (same names in 01, 02 and 03)."""
+    group = parser.add_argument_group("model (a decoder-only transformer, see common/models.py)")
+    group.add_argument("--layers", type=positive_int, default=layers,
+                       help="transformer blocks; FSDP2 shards each block as one unit (default: %(default)s)")
+    group.add_argument("--width", type=positive_int, default=width,
+                       help="model width d: each block holds about 12 d^2 parameters (default: %(default)s)")
+    group.add_argument("--heads", type=positive_int, default=heads,
+                       help="attention heads; must divide --width (default: %(default)s)")
+    group.add_argument("--context", type=positive_int, default=context,
+                       help="characters per training sequence (default: %(default)s)")
+    return parser
+
+
+def shape_from_args(args: argparse.Namespace) -> TransformerShape:
+    return TransformerShape(layers=args.layers, width=args.width, heads=args.heads, context=args.context,
+                            vocab_size=TEXT_VOCAB_SIZE).check()
+
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def byte_size(text: str) -> int:
+    """argparse type: ``512MiB``, ``2GiB``, ``1.5GB`` or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512MiB, 2GiB or 1e9, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+# --------------------------------------------------------------------------------------------
+# Strategies
+
+
+def check_strategy(strategy: str, precision: str, device: torch.device, *, world_size: int,
+                   layers: int) -> None:
+    """Refuse, with one line each, what this device or this launch cannot run.
+
+    - bf16 mixed precision on a GPU older than Ampere: its bf16 runs emulated, slower than fp32.
+    - FSDP2 with more ranks than blocks: each block is gathered whole for its forward and backward,
+      so with more ranks than blocks the gathered block (1/layers of the model) outweighs each
+      rank's shard (1/ranks): adding ranks no longer lowers the peak memory.
+    """
+    if precision == "bf16" and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < BF16_MIN_CAPABILITY:
+            raise UserError(f"--mixed-precision bf16 needs a GPU of compute capability 8.0 (Ampere) or newer; "
+                            f"{torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}; "
+                            "use --mixed-precision fp32")
+    if strategy == "fsdp" and world_size > layers:
+        raise UserError(f"--strategy fsdp on {world_size} ranks needs at least {world_size} blocks to shard, "
+                        f"the model has --layers {layers}: each block is gathered whole, so with more ranks "
+                        "than blocks the gathered block outweighs each rank's shard; use more --layers or "
+                        "fewer ranks")
+
+
+def apply_strategy(model: nn.Module, strategy: str, device: torch.device, *, precision: str = "fp32",
+                   activation_checkpointing: bool = False) -> nn.Module:
+    """Wrap ``model`` for data-parallel training: ``ddp`` or ``fsdp`` (FSDP2).
+
+    DDP keeps the whole model on every rank and all-reduces the gradients. FSDP2 replaces every
+    parameter by a DTensor sharded along dim 0 (each rank keeps 1/N of the rows); ``fully_shard``
+    on each block makes the block one communication unit: all-gather its parameters before its
+    forward (and again before its backward), reduce-scatter its gradients after its backward, and
+    free the gathered copy in between. The root call covers what is left (embeddings, final norm,
+    head). ``precision="bf16"`` gathers the parameters in bf16 and computes in bf16 while the
+    sharded fp32 copy stays the one the optimiser updates, and gradients are reduced in fp32.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise UserError(f"--strategy {strategy} needs a process group (torch.distributed) and none is "
+                        "initialised; start the script with torchrun or srun, or let it create a one-process "
+                        "group (common.distributed.init_distributed(..., force_process_group=True))")
+    model.activation_checkpointing = activation_checkpointing
+    if strategy == "ddp":
+        if precision != "fp32":
+            raise UserError("--mixed-precision bf16 is FSDP2's MixedPrecisionPolicy; use --strategy fsdp "
+                            "(DDP would need autocast, which Lab-01 shows)")
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    if strategy != "fsdp":
+        raise UserError(f"unknown strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision == "bf16" else MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformer inside a DDP wrapper (FSDP2 wraps in place: the model is the transformer)."""
+    return getattr(model, "module", model)
+
+
+def language_model_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting each next character; computed in fp32 whatever the model's dtype."""
+    logits = model(tokens)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def random_batch(shape: TransformerShape, batch_size: int, device: torch.device,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids for a memory measurement: memory does not depend on which characters they are."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, shape.vocab_size, (batch_size, shape.context + 1), generator=generator)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory, measured from tensors
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, the tensor itself otherwise."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    local = local_tensor(tensor)
+    return local.numel() * local.element_size()
+
+
+def tensor_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state that this rank holds, from the tensors.
+
+    Under FSDP2 ``model.parameters()`` are the sharded DTensors (outside forward/backward), so
+    their local shards are what the rank keeps between steps; the gathered copy of a block exists
+    only while that block computes.
+    """
+    params = list(model.parameters())
+    counts = {"parameters": sum(nbytes(p) for p in params),
+              "gradients": sum(nbytes(p.grad) for p in params if p.grad is not None),
+              "optimizer": 0}
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            counts["optimizer"] += sum(nbytes(value) for value in state.values() if isinstance(value, torch.Tensor))
+    counts["total"] = counts["parameters"] + counts["gradients"] + counts["optimizer"]
+    return counts
+
+
+class SavedActivations:
+    """Bytes the forward pass keeps for backward, counted as autograd saves them.
+
+    ``with SavedActivations() as saved: loss = model(x)...`` then ``saved.bytes``. Each storage is
+    counted once (several views of one tensor cost its memory once); parameters and views of
+    parameters are not activations and are left out (under FSDP2 those are the gathered copies).
+    With activation checkpointing, the wrapped blocks save only their input here; their insides
+    are recomputed, and saved again briefly, during backward.
+    """
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}
+        self._hooks: Any = None
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._base is not None else tensor
+        if not (base.is_leaf and base.requires_grad):
+            storage = tensor.untyped_storage()
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def __enter__(self) -> "SavedActivations":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def process_rss_bytes() -> int | None:
+    """This process's resident memory now (Linux ``/proc/self/statm``; ``None`` elsewhere)."""
+    import os
+
+    try:
+        with open("/proc/self/statm", encoding="ascii") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def build_model(shape: TransformerShape, strategy: str, device: torch.device, *, precision: str = "fp32",
+                activation_checkpointing: bool = False, seed: int = 0, on_meta: bool = False) -> nn.Module:
+    """The transformer, seeded (every rank and every strategy start from the same weights), wrapped.
+
+    ``on_meta=True`` never holds the whole model on a rank: it is built on the ``meta`` device (shapes,
+    no memory), sharded, and only then given memory and initialised, shard by shard. That is how a
+    model larger than one device is built; the weights then depend on the number of ranks.
+    """
+    torch.manual_seed(seed)
+    if not on_meta:
+        return apply_strategy(DecoderOnlyTransformer(shape), strategy, device, precision=precision,
+                              activation_checkpointing=activation_checkpointing)
+    with torch.device("meta"):
+        model = DecoderOnlyTransformer(shape)
+    if strategy == "ddp":  # DDP copies rank 0's weights to the others: they must exist first
+        model.to_empty(device=device)
+        model.init_weights()
+    model = apply_strategy(model, strategy, device, precision=precision,
+                           activation_checkpointing=activation_checkpointing)
+    if strategy == "fsdp":
+        model.to_empty(device=device)
+        with warnings.catch_warnings():  # DTensor warns that its random numbers on CPU are not coordinated
+            warnings.filterwarnings("ignore", message="DTensor random operators")  # (fine for a memory test)
+            model.init_weights()
+    return model
+
+
+def variant_name(strategy: str, precision: str = "fp32", activation_checkpointing: bool = False) -> str:
+    """``ddp``, ``fsdp``, ``fsdp+ac``, ``fsdp+bf16``, ``fsdp+ac+bf16`` (the keys of :data:`VARIANTS`): a record's method."""
+    parts = [strategy] + (["ac"] if activation_checkpointing else []) + ([precision] if precision != "fp32" else [])
+    return "+".join(parts)
+
+
+def measure_step(shape: TransformerShape, strategy: str, device: torch.device, *, batch_size: int,
+                 precision: str = "fp32", activation_checkpointing: bool = False, seed: int = 0,
+                 on_meta: bool = False) -> dict[str, Any]:
+    """One AdamW training step on this rank; what it holds afterwards, measured from the tensors.
+
+    ``parameters``, ``gradients`` and ``optimizer``: this rank's tensors (local shards under FSDP2);
+    ``activations``: what the forward pass saved for backward; ``peak``: the CUDA allocator's peak
+    over the whole step (on CPU the process's peak resident memory, which includes PyTorch itself);
+    ``rss_bytes``: the resident memory after the step.
+    """
+    from common.timing import peak_memory, reset_peak_memory
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    reset_peak_memory(device)
+    model = build_model(shape, strategy, device, precision=precision, activation_checkpointing=activation_checkpointing,
+                        seed=seed, on_meta=on_meta)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens, targets = random_batch(shape, batch_size, device, seed=seed)
+    with SavedActivations() as saved:
+        loss = language_model_loss(model, tokens, targets)
+    loss.backward()
+    optimizer.step()  # creates AdamW's state: now every part of the budget exists
+    held = tensor_bytes(model, optimizer)
+    return {"parameters": held["parameters"], "gradients": held["gradients"], "optimizer": held["optimizer"],
+            "activations": saved.bytes, "peak": peak_memory(device), "rss_bytes": process_rss_bytes()}
