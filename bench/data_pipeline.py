@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 from common import amp, pipelines
-from common.cli import add_common_args, config_dict, positive_int
+from common.cli import add_common_args, config_dict, positive_int, script_parser
 from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
 from common.energy import EnergyMeter
 from common.errors import UserError, run_main
@@ -92,8 +92,7 @@ def timed(fn: Callable[[], int], device) -> tuple[float, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     pipelines.add_dataset_args(parser)
     parser.add_argument("--rounds", type=positive_int, default=5,
                         help="rounds of a, b, c (one epoch each); the first is a warm-up (default: %(default)s)")

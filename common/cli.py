@@ -1,7 +1,9 @@
 """One set of command-line flags for every script (docs/conventions.md, convention 3).
 
-``add_common_args(parser)`` adds ``--device --seed --epochs --batch-size --max-steps --dry-run
---data-dir --results-dir --num-workers`` with the same names and meaning everywhere; a script passes
+``script_parser(__doc__)`` makes a script's parser (the docstring's first paragraph as description,
+one-line errors). ``add_common_args(parser)`` adds ``--device --seed --epochs --batch-size
+--max-steps --dry-run --data-dir --results-dir --num-workers`` with the same names and meaning
+everywhere; a script passes
 its own defaults; a script that does not train (a benchmark) takes ``add_run_args(parser)``, the
 ``--device --seed --dry-run --results-dir`` part. Both also accept (and ignore) the ``--local-rank``
 that ``torch.distributed.launch`` passes. Argument types reject bad values with one clear argparse
@@ -96,6 +98,15 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def script_parser(doc: str | None, *,
+                  formatter_class: type[argparse.HelpFormatter] = argparse.RawDescriptionHelpFormatter,
+                  ) -> argparse.ArgumentParser:
+    """The parser of a course script: the first paragraph of its docstring (``doc``) as the
+    description, printed as written, and a bad flag reported as one ``error:`` line (:func:`one_line_errors`)."""
+    return one_line_errors(argparse.ArgumentParser(description=(doc or "").split("\n\n")[0],
+                                                   formatter_class=formatter_class))
+
+
 def accept_launcher_local_rank(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Accept ``--local-rank N`` / ``--local_rank N``, which ``python -m torch.distributed.launch`` passes.
 
@@ -165,11 +176,15 @@ def add_common_args(
     return parser
 
 
-def apply_dry_run(args: argparse.Namespace) -> argparse.Namespace:
-    """``--dry-run`` means one epoch of at most two steps."""
+def apply_dry_run(args: argparse.Namespace, **at_most: int) -> argparse.Namespace:
+    """``--dry-run`` means one epoch of at most two steps, and each of a script's own counts named in
+    ``at_most`` (e.g. ``iterations=2, warmup=1``) at most that value. Without ``--dry-run``: unchanged."""
     if getattr(args, "dry_run", False):
         args.epochs = 1
         args.max_steps = min(args.max_steps or 2, 2)
+        for name, most in at_most.items():
+            value = getattr(args, name)
+            setattr(args, name, most if value is None else min(value, most))
     return args
 
 

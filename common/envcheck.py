@@ -10,12 +10,14 @@ and returns one warning per disagreement, in words a student can act on, for exa
     GPUs are not visible to this process ...
 
 ``chapters/ch04_deep_learning/gpu_check.py`` prints these; Lab-01's environment check extends them.
+Both take the flags of :func:`add_check_args` (``--json --strict --no-smoke-test``).
 Importing this module does not import torch (``allocation_agreement`` is pure logic on the dict);
 ``collect_environment`` does.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import socket
@@ -41,6 +43,18 @@ SLURM_ALLOCATION_KEYS = (
     *SLURM_GPU_KEYS,
     "SLURM_GPUS_PER_TASK",
 )
+
+
+def add_check_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--json``, ``--strict`` and ``--no-smoke-test`` (``smoke_test``): the flags of every environment check."""
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (the findings plus a 'warnings' list) instead of text "
+                             "(default: off)")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit with status 1 when any warning was found (default: off, always exit 0)")
+    parser.add_argument("--no-smoke-test", dest="smoke_test", action="store_false",
+                        help="do not run a tiny computation on each GPU (default: run it)")
+    return parser
 
 
 def count_gpu_spec(value: str | None) -> int | None:

@@ -50,7 +50,7 @@ from torch import nn
 
 from common.checkpoint import (StopSignal, capture_rng_state, check_same_settings, load_checkpoint,
                                restore_rng_state, save_checkpoint)
-from common.cli import config_dict, output_file
+from common.cli import apply_dry_run, config_dict, non_negative_int, output_file, positive_int
 from common.data import set_loader_epoch
 from common.device import configure_threads, describe, resolve_device, use_deterministic_algorithms
 from common.distributed import (DistContext, all_reduce_mean, any_rank, gather_objects, init_distributed, print0,
@@ -64,7 +64,7 @@ from common.timing import StepTimer, format_rate, peak_memory, reset_peak_memory
 from common.units import format_bytes
 
 __all__ = ["TrainingRun", "TorchCheckpointer", "Checkpointer", "Preempted", "add_checkpoint_args",
-           "add_determinism_arg"]
+           "add_determinism_arg", "add_training_args"]
 
 #: What a run's own progress entry holds (besides the tracked objects and the random generators).
 _PROGRESS_KEYS = ("train_loss", "loss_at_step", "epoch_losses", "epoch_time_s", "eval_history", "steps",
@@ -81,6 +81,23 @@ def add_determinism_arg(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     parser.add_argument("--deterministic", action="store_true",
                         help="GPU only: deterministic cuDNN/cuBLAS algorithms, so a run and its resumed twin "
                              "end bitwise equal (a little slower; CPU runs are deterministic anyway) (default: off)")
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The flags :class:`TrainingRun` reads: ``--log-interval --warmup-steps --record-steps --deterministic``.
+
+    Every training script takes them, with the same names, meaning and defaults.
+    """
+    group = parser.add_argument_group("progress, timing and the record (common.run.TrainingRun)")
+    group.add_argument("--log-interval", type=positive_int, default=10,
+                       help="steps between loss lines (default: %(default)s)")
+    group.add_argument("--warmup-steps", type=non_negative_int, default=2,
+                       help="steps left out of the timing (default: %(default)s)")
+    group.add_argument("--record-steps", type=non_negative_int, default=200,
+                       help="how many of the first optimiser steps keep their loss in the record "
+                            "(metrics.loss_at_step) (default: %(default)s)")
+    add_determinism_arg(group)
+    return group
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser, *, always: bool = False) -> argparse.ArgumentParser:
@@ -188,8 +205,7 @@ class TrainingRun:
         self.args, self.lab, self.script, self.method = args, lab, script, method
         self.distributed = distributed
         self.resume_settings = tuple(resume_settings)
-        if getattr(args, "dry_run", False):  # one epoch of at most two steps
-            args.epochs, args.max_steps = 1, min(args.max_steps or 2, 2)
+        apply_dry_run(args)  # --dry-run: one epoch of at most two steps
         if getattr(args, "resume", False) and getattr(args, "checkpoint", None) is None and not distributed:
             raise UserError("--resume needs --checkpoint PATH (the file to continue from)")
         path = getattr(args, "checkpoint", None)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
-from common.cli import one_line_errors
+from common.cli import script_parser
 from common.errors import UserError, run_main
 
 #: name -> (torchvision class, the folder it keeps under --data-dir, approximate download size)
@@ -89,9 +89,7 @@ def default_data_dir() -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    one_line_errors(parser)  # a bad flag is one "error: ..." line, like every course script
+    parser = script_parser(__doc__)
     parser.add_argument("datasets", nargs="+", choices=sorted(DATASETS), metavar="DATASET",
                         help=f"data sets to fetch: {', '.join(sorted(DATASETS))}")
     parser.add_argument("--data-dir", type=Path, default=default_data_dir(),

@@ -91,6 +91,42 @@ def signalling_timer(timer_class: type, during_step: int, signum: int | None = N
     return SignallingTimer
 
 
+def preempt_and_resume(script: str, argv: list[str], folder: Path, monkeypatch, capsys, *, during_step: int,
+                       stopped_at: str):
+    """The pre-emption round trip of a training script, each run in-process under ``folder``:
+    ``whole`` (never stopped), ``cut`` (a real SIGUSR1 while step ``during_step`` runs, see
+    :func:`signalling_timer`), then ``cut`` again with ``--resume``. Asserts that the stop saved the
+    checkpoint ``at {stopped_at}`` (e.g. ``"epoch 2 step 3"``) and wrote no record, that the signal
+    handler is gone again, and that the resumed run ends with the whole run's weights.
+
+    Returns ``run(name, *extra)`` (one more run with ``argv``, ``--results-dir folder/name`` and
+    ``--checkpoint folder/name.pt``) and the whole run's checkpoint. Undoes ``monkeypatch``.
+    """
+    import signal
+
+    import torch
+
+    import common.run
+
+    def run(name: str, *extra: str) -> int:
+        return run_main(script, [*argv, "--results-dir", str(folder / name), "--checkpoint", str(folder / f"{name}.pt"),
+                                 *extra])
+
+    assert run("whole") == 0
+    monkeypatch.setattr(common.run, "StepTimer", signalling_timer(common.run.StepTimer, during_step=during_step))
+    assert run("cut") == 0
+    monkeypatch.undo()
+    out = capsys.readouterr().out
+    assert "received SIGUSR1: saved" in out and f"at {stopped_at}" in out, out
+    assert not (folder / "cut").exists()  # stopped before the end: no record
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the handler is gone again
+    assert run("cut", "--resume") == 0
+    assert "resumed from" in capsys.readouterr().out
+    whole, resumed = (torch.load(folder / f"{name}.pt", weights_only=False) for name in ("whole", "cut"))
+    assert all(torch.equal(whole["model"][key], resumed["model"][key]) for key in whole["model"])
+    return run, whole
+
+
 def script_env(**extra: str) -> dict[str, str]:
     """The environment for a script subprocess: this interpreter's, the repo importable."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from helpers import REPO, code_diff, load_script, run_main, run_script, signalling_timer, torchrun
+from helpers import REPO, code_diff, load_script, preempt_and_resume, run_main, run_script, torchrun
 
 TRAIN = "chapters/ch04_deep_learning/mnist_training.py"
 DDP = "chapters/ch04_deep_learning/multi_gpu_ddp.py"
@@ -69,33 +69,12 @@ def test_preempted_single_device_run_resumes_to_the_same_weights(device, tmp_pat
     """A real SIGUSR1 (what ``#SBATCH --signal=B:USR1@120`` sends) mid-epoch, then ``--resume``:
     the same weights, losses and accuracy as a run that was never stopped (MnistNet has dropout, so
     the random generators must come back too). On a GPU that needs ``--deterministic``."""
-    import signal
-
     import torch
-
-    import common.run
 
     argv = ["--device", device, "--epochs", "2", "--max-steps", "5", "--batch-size", "32", "--log-interval", "1000"]
     argv += ["--deterministic"] if device == "cuda" else []
-
-    def run(name: str, *extra: str) -> int:
-        return run_main(TRAIN, [*argv, "--results-dir", str(tmp_path / name),
-                                "--checkpoint", str(tmp_path / f"{name}.pt"), *extra])
-
-    assert run("whole") == 0
-
-    monkeypatch.setattr(common.run, "StepTimer", signalling_timer(common.run.StepTimer, during_step=6))
-    assert run("cut") == 0
-    monkeypatch.undo()
-    out = capsys.readouterr().out
-    assert "received SIGUSR1: saved" in out and "at epoch 2 step 2" in out, out  # 5 steps per epoch
-    assert not (tmp_path / "cut").exists()  # stopped before the end: no record
-    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the handler is gone again
-
-    assert run("cut", "--resume") == 0
-    assert "resumed from" in capsys.readouterr().out
-    whole, resumed = (torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("whole", "cut"))
-    assert all(torch.equal(whole["model"][k], resumed["model"][k]) for k in whole["model"])
+    run, whole = preempt_and_resume(TRAIN, argv, tmp_path, monkeypatch, capsys, during_step=6,
+                                    stopped_at="epoch 2 step 2")  # 5 steps per epoch
     (whole_record,), (resumed_record,) = _records(tmp_path / "whole"), _records(tmp_path / "cut")
     for key in ("train_loss", "test_loss", "test_accuracy"):
         assert resumed_record["metrics"][key] == whole_record["metrics"][key], key
@@ -163,10 +142,10 @@ def test_ddp_single_process_without_launcher(tmp_path, capsys):
 def test_ddp_script_is_the_single_device_script_plus_the_ddp_lines():
     """A student diffs mnist_training.py against multi_gpu_ddp.py: the diff must be the lesson."""
     diff = code_diff(TRAIN, DDP)
-    assert len(diff) <= 45, "\n".join(diff)
+    assert len(diff) <= 40, "\n".join(diff)
     added = "\n".join(line for line in diff if line.startswith("+"))
     for lesson in ("DistributedDataParallel as DDP", "model = DDP(model", "distributed=True",
-                   "all_reduce_sum", "seed_everything(args.seed + run.rank)"):
+                   "across_ranks=True", "seed_everything(args.seed + run.rank)"):
         assert lesson in added, lesson
     # The training step itself is the same code in both (DDP hides its all-reduce in backward()).
     assert not [line for line in diff if "optimizer.step" in line or "loss = " in line]

@@ -226,6 +226,32 @@ def test_bad_flags_give_one_line(flag, capsys):
     assert len(err) == 1 and err[0].startswith("error: ")
 
 
+def test_script_parser_and_dry_run_caps_a_scripts_own_counts(capsys):
+    parser = cli.add_common_args(cli.script_parser("Time the thing.\n\nUsage:\n    python x.py"))
+    parser.add_argument("--iterations", type=int, default=100)
+    assert parser.description == "Time the thing."
+    assert cli.apply_dry_run(parser.parse_args([]), iterations=2).iterations == 100  # no --dry-run: unchanged
+    args = cli.apply_dry_run(parser.parse_args(["--dry-run"]), iterations=2)
+    assert (args.epochs, args.max_steps, args.iterations) == (1, 2, 2)
+    assert cli.apply_dry_run(parser.parse_args(["--dry-run", "--iterations", "1"]), iterations=2).iterations == 1
+    with pytest.raises(SystemExit) as exit_:
+        cli.script_parser(None).parse_args(["--no-such-flag"])  # one error line, even without add_common_args
+    assert exit_.value.code == 2 and capsys.readouterr().err.startswith("error: unrecognized arguments")
+
+
+def test_training_flags_are_the_ones_training_run_reads(capsys):
+    from common.run import add_training_args
+
+    parser = cli.script_parser(None)
+    add_training_args(parser)
+    args = parser.parse_args([])
+    assert (args.log_interval, args.warmup_steps, args.record_steps, args.deterministic) == (10, 2, 200, False)
+    assert "steps left out of the timing (default: 2)" in " ".join(parser.format_help().split())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--warmup-steps", "-1"])
+    assert capsys.readouterr().err.startswith("error: argument --warmup-steps")
+
+
 # --------------------------------------------------------------------------------------------
 # device, data, models, timing (these import torch, once for the whole session)
 
@@ -392,6 +418,50 @@ def test_reductions_over_ranks_sum_mean_and_max_numbers_and_lists(monkeypatch):
     assert distributed.any_rank(False) is True  # the peer got the signal: both stop
     peer["values"] = [0.0]
     assert distributed.any_rank(False) is False
+
+
+def test_evaluate_scores_classifiers_and_token_models_and_adds_the_ranks_slices(monkeypatch):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from common.evaluation import evaluate
+
+    cpu = torch.device("cpu")
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(10, 4, generator=generator), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
+    model = torch.nn.Linear(4, 3)
+    batches = [(x[:4], y[:4]), (x[4:8], y[4:8]), (x[8:], y[8:])]
+    with torch.no_grad():
+        logits = model(x)
+    loss, accuracy = evaluate(model.train(), batches, cpu)
+    assert not model.training
+    assert loss == pytest.approx(F.cross_entropy(logits, y).item())
+    assert accuracy == pytest.approx((logits.argmax(1) == y).double().mean().item())
+    # Log-probabilities (MnistNet) with nll_loss: the same numbers; --max-steps: the first batches only.
+    log_probabilities = torch.nn.Sequential(model, torch.nn.LogSoftmax(dim=1))
+    assert evaluate(log_probabilities, batches, cpu, loss=F.nll_loss) == pytest.approx((loss, accuracy))
+    assert evaluate(model, batches, cpu, max_batches=1)[0] == pytest.approx(F.cross_entropy(logits[:4], y[:4]).item())
+    assert evaluate(model, batches, cpu, precision="bf16")[0] == pytest.approx(loss, rel=0.05)  # forward in bf16
+
+    # A token model's (batch, time, vocabulary) outputs: one prediction per target token.
+    tokens, targets = torch.randn(2, 5, 4, generator=generator), torch.randint(0, 3, (2, 5), generator=generator)
+    with torch.no_grad():
+        scores = model(tokens)
+    token_loss, token_accuracy = evaluate(model, [(tokens, targets)], cpu)
+    assert token_loss == pytest.approx(F.cross_entropy(scores.flatten(0, 1), targets.flatten()).item())
+    assert token_accuracy == pytest.approx((scores.argmax(-1) == targets).double().mean().item())
+
+    # Two ranks, each with its slice: this one has the first 8 samples, its peer the last 2.
+    peer = [F.cross_entropy(logits[8:], y[8:], reduction="sum").item(), (logits[8:].argmax(1) == y[8:]).sum().item(), 2]
+
+    def all_reduce(tensor, op):
+        tensor += torch.tensor(peer, dtype=tensor.dtype)
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    assert evaluate(model, batches[:2], cpu, across_ranks=True) == pytest.approx((loss, accuracy))  # the whole set's
+    assert evaluate(model, batches[:2], cpu)[0] == pytest.approx(F.cross_entropy(logits[:8], y[:8]).item())
 
 
 def test_checkpoint_is_atomic_and_stop_signal_sets_flag(tmp_path):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, REPO, code_diff, load_script, run_main, script_env, signalling_timer, torchrun
+from helpers import PYTHON, REPO, code_diff, load_script, preempt_and_resume, run_main, script_env, torchrun
 
 LAB = "labs/lab01_dp_vs_ddp"
 ENV_CHECK = f"{LAB}/01_environment_check.py"
@@ -157,28 +157,8 @@ def test_accumulation_with_no_sync_gives_the_big_batch_update(runs):
 
 def test_preempted_ddp_run_resumes_to_the_same_parameters(tmp_path, monkeypatch, capsys):
     """A real SIGUSR1 (what ``#SBATCH --signal=B:USR1@120`` sends) mid-epoch, then ``--resume``."""
-    import torch
-
-    import common.run
-
-    argv = [*TINY, "--batch-size", str(GLOBAL_BATCH)]
-
-    def run(name: str, *extra: str) -> int:
-        return run_main(DDP, [*argv, "--results-dir", str(tmp_path / name),
-                              "--checkpoint", str(tmp_path / f"{name}.pt"), *extra])
-
-    assert run("whole") == 0
-
-    monkeypatch.setattr(common.run, "StepTimer", signalling_timer(common.run.StepTimer, during_step=8))
-    assert run("cut") == 0
-    monkeypatch.undo()
-    out = capsys.readouterr().out
-    assert "received SIGUSR1: saved" in out and "at epoch 2 step 3" in out  # 6 steps per epoch
-    assert not (tmp_path / "cut").exists()  # stopped before the end: no record
-    assert run("cut", "--resume") == 0
-    assert "resumed from" in capsys.readouterr().out
-    whole, resumed = (torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("whole", "cut"))
-    assert all(torch.equal(whole["model"][k], resumed["model"][k]) for k in whole["model"])
+    preempt_and_resume(DDP, [*TINY, "--batch-size", str(GLOBAL_BATCH)], tmp_path, monkeypatch, capsys, during_step=8,
+                       stopped_at="epoch 2 step 3")  # 6 steps per epoch
     assert _record(tmp_path / "cut")["metrics"]["loss_at_step"] == _record(tmp_path / "whole")["metrics"]["loss_at_step"]
 
 
@@ -192,8 +172,8 @@ def test_each_script_is_the_previous_one_plus_its_lesson():
     assert not [line for line in dp if line.lstrip("+-").strip().startswith(("def train", "def test", "loss ="))]
     ddp = code_diff(DP, DDP)
     added = "\n".join(line for line in ddp if line.startswith("+"))
-    assert len(ddp) <= 130, "\n".join(ddp)
-    for lesson in ("model = DDP(model", "model.no_sync()", "distributed=True", "rank=run.rank", "all_reduce_sum"):
+    assert len(ddp) <= 125, "\n".join(ddp)
+    for lesson in ("model = DDP(model", "model.no_sync()", "distributed=True", "rank=run.rank", "across_ranks=True"):
         assert lesson in added, lesson
 
 

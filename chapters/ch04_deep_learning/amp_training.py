@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import amp
-from common.cli import add_common_args, apply_dry_run, config_dict
+from common.cli import add_common_args, apply_dry_run, config_dict, script_parser
 from common.data import DATASETS
 from common.device import describe, resolve_device
 from common.energy import not_measured
@@ -86,8 +86,7 @@ def precisions_for(device: torch.device, requested: list[str]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--precisions", type=parse_precisions, default=["auto"],
                         help="comma-separated precisions to compare with fp32; auto = fp16,bf16 on a GPU "
                              "(fp16 only before compute capability 8.0), bf16 on CPU (default: auto)")

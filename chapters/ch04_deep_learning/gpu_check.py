@@ -26,22 +26,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import one_line_errors
-from common.envcheck import allocation_agreement, collect_environment, format_environment
+from common.cli import script_parser
+from common.envcheck import add_check_args, allocation_agreement, collect_environment, format_environment
 from common.errors import run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    one_line_errors(parser)  # a bad flag is one "error: ..." line, like every course script
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object (the facts plus a 'warnings' list) instead of text (default: off)")
-    parser.add_argument("--strict", action="store_true",
-                        help="exit with status 1 when any warning was found (default: off, always exit 0)")
-    parser.add_argument("--no-smoke-test", dest="smoke_test", action="store_false",
-                        help="do not run a tiny computation on each GPU (default: run it)")
-    return parser
+    return add_check_args(script_parser(__doc__))
 
 
 def main(argv: list[str] | None = None) -> int:

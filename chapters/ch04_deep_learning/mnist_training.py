@@ -22,7 +22,9 @@ every epoch, and on SIGUSR1 (``#SBATCH --signal=B:USR1@120``) or SIGTERM it stop
 saves atomically and exits 0. Run it again with ``--resume`` and it continues from that step, ending
 with the same weights as a run that was never stopped. Without ``--checkpoint`` nothing is saved
 and a signal ends the run as usual. ``common.run.TrainingRun`` does this bookkeeping (and the
-timing and the result record), so that what you read below is the training itself.
+timing and the result record) and ``common.evaluation.evaluate`` scores the held-out split, so that
+what you read below is the training itself. The flags, shared with ``multi_gpu_ddp.py``, are in
+``ch04_shared.py``.
 """
 
 from __future__ import annotations
@@ -36,16 +38,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import amp
-from common.cli import add_common_args, positive_float, positive_int
-from common.data import DATASETS, get_dataset, make_loader
+from common.cli import add_common_args, script_parser
+from common.data import get_dataset, make_loader
 from common.device import seed_everything
 from common.errors import run_main
+from common.evaluation import evaluate
 from common.models import build_model
 from common.run import TrainingRun, add_checkpoint_args
+from chapters.ch04_deep_learning.ch04_shared import RESUME_SETTINGS, add_mnist_args
 
 SCRIPT = "chapters/ch04_deep_learning/mnist_training.py"
-#: Settings a resumed run must share with the run that wrote the checkpoint (more --epochs is fine).
-RESUME_SETTINGS = ("dataset", "model", "batch_size", "seed", "amp", "max_steps")
 
 
 def train(model, device, loader, optimizer, args, scaler, run) -> None:
@@ -66,40 +68,10 @@ def train(model, device, loader, optimizer, args, scaler, run) -> None:
         run.log_loss(loss)
 
 
-@torch.no_grad()
-def test(model, device, loader, args) -> tuple[float, float]:
-    """Mean loss and accuracy on the held-out split."""
-    model.eval()
-    loss_sum, correct, seen = 0.0, 0, 0
-    for data, target in loader:
-        data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
-        with amp.autocast(device, args.amp):
-            output = model(data)
-        loss_sum += F.nll_loss(output.float(), target, reduction="sum").item()
-        correct += (output.argmax(dim=1) == target).sum().item()
-        seen += len(target)
-    return loss_sum / max(seen, 1), correct / max(seen, 1)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", choices=DATASETS, default="digits",
-                        help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
-    parser.add_argument("--model", default="mnist_cnn", help="model name (default: %(default)s)")
-    parser.add_argument("--lr", type=positive_float, default=1.0, help="Adadelta learning rate (default: %(default)s)")
-    parser.add_argument("--gamma", type=positive_float, default=0.7,
-                        help="learning-rate decay per epoch (default: %(default)s)")
-    parser.add_argument("--amp", choices=amp.PRECISIONS, default="fp32",
-                        help="forward-pass precision: fp32 (off), bf16, fp16 (GPU only) (default: %(default)s)")
-    parser.add_argument("--clip-grad-norm", type=float, default=1.0,
-                        help="clip gradients to this norm after unscaling; 0 turns it off (default: %(default)s)")
-    parser.add_argument("--test-batch-size", type=positive_int, default=1000,
-                        help="evaluation batch (default: %(default)s)")
-    parser.add_argument("--log-interval", type=positive_int, default=10,
-                        help="steps between loss lines (default: %(default)s)")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="steps left out of timing (default: %(default)s)")
-    parser.add_argument("--save-model", action="store_true", help="save the trained weights next to the record")
+    parser = script_parser(__doc__)
+    add_mnist_args(parser)
+    parser.add_argument("--save-model", action="store_true", help="save the trained weights next to the record (default: off)")
     add_checkpoint_args(parser)
     add_common_args(parser, epochs=3, batch_size=64, num_workers=0)
     return parser
@@ -125,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         run.track(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         for _epoch in run.epochs(train_loader):  # the epoch's shuffle is seeded from its number
             train(model, device, train_loader, optimizer, args, scaler, run)
-            run.evaluated(*test(model, device, test_loader, args))
+            run.evaluated(*evaluate(model, test_loader, device, loss=F.nll_loss, precision=args.amp))
             scheduler.step()
         record = run.finish(config=splits.describe())
         if args.save_model:

@@ -16,7 +16,8 @@ same order; only rank 0 prints, writes the record and saves the checkpoint.
 This file is ``mnist_training.py`` plus the lines that make it DDP: ``diff mnist_training.py
 multi_gpu_ddp.py`` shows them all (``tests/test_ch04.py`` keeps that diff small, so the pair stays
 in step). ``train()`` is the same function: the ranks agreeing to stop at the same step is done by
-``common.run.TrainingRun``, which also keeps the checkpoints and writes the record.
+``common.run.TrainingRun``, which also keeps the checkpoints and writes the record; the evaluation
+adds up the slices the ranks scored (``across_ranks=True``). The flags are ``ch04_shared.py``'s.
 
 Pre-emption: on SIGUSR1 (``#SBATCH --signal=B:USR1@120``) or SIGTERM, all ranks agree to stop at the
 next step, rank 0 saves ``--checkpoint`` atomically, and the job exits 0; run it again (or let
@@ -38,17 +39,16 @@ from torch.utils.data import Subset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import amp
-from common.cli import add_common_args, positive_float, positive_int
-from common.data import DATASETS, get_dataset, make_loader
+from common.cli import add_common_args, script_parser
+from common.data import get_dataset, make_loader
 from common.device import seed_everything
-from common.distributed import all_reduce_sum
 from common.errors import run_main
+from common.evaluation import evaluate
 from common.models import build_model
 from common.run import TrainingRun, add_checkpoint_args
+from chapters.ch04_deep_learning.ch04_shared import RESUME_SETTINGS, add_mnist_args
 
 SCRIPT = "chapters/ch04_deep_learning/multi_gpu_ddp.py"
-#: Settings a resumed run must share with the run that wrote the checkpoint (more --epochs is fine).
-RESUME_SETTINGS = ("dataset", "model", "batch_size", "seed", "amp", "max_steps")
 
 
 def train(model, device, loader, optimizer, args, scaler, run) -> None:
@@ -69,41 +69,9 @@ def train(model, device, loader, optimizer, args, scaler, run) -> None:
         run.log_loss(loss)
 
 
-@torch.no_grad()
-def test(model, device, loader, args) -> tuple[float, float]:
-    """Mean loss and accuracy on the held-out split."""
-    model.eval()
-    loss_sum, correct, seen = 0.0, 0, 0
-    for data, target in loader:
-        data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
-        with amp.autocast(device, args.amp):
-            output = model(data)
-        loss_sum += F.nll_loss(output.float(), target, reduction="sum").item()
-        correct += (output.argmax(dim=1) == target).sum().item()
-        seen += len(target)
-    # Each rank evaluated its own slice of the test set: add the slices up.
-    loss_sum, correct, seen = (all_reduce_sum(v, device) for v in (loss_sum, correct, seen))
-    return loss_sum / max(seen, 1), correct / max(seen, 1)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", choices=DATASETS, default="digits",
-                        help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
-    parser.add_argument("--model", default="mnist_cnn", help="model name (default: %(default)s)")
-    parser.add_argument("--lr", type=positive_float, default=1.0, help="Adadelta learning rate (default: %(default)s)")
-    parser.add_argument("--gamma", type=positive_float, default=0.7,
-                        help="learning-rate decay per epoch (default: %(default)s)")
-    parser.add_argument("--amp", choices=amp.PRECISIONS, default="fp32",
-                        help="forward-pass precision: fp32 (off), bf16, fp16 (GPU only) (default: %(default)s)")
-    parser.add_argument("--clip-grad-norm", type=float, default=1.0,
-                        help="clip gradients to this norm after unscaling; 0 turns it off (default: %(default)s)")
-    parser.add_argument("--test-batch-size", type=positive_int, default=1000,
-                        help="evaluation batch (default: %(default)s)")
-    parser.add_argument("--log-interval", type=positive_int, default=10,
-                        help="steps between loss lines (default: %(default)s)")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="steps left out of timing (default: %(default)s)")
+    parser = script_parser(__doc__)
+    add_mnist_args(parser)
     add_checkpoint_args(parser, always=True)
     add_common_args(parser, epochs=3, batch_size=64, num_workers=0)
     return parser
@@ -134,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         run.track(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         for _epoch in run.epochs(train_loader):  # sampler.set_epoch(epoch): a new order each epoch, alike on every rank
             train(model, device, train_loader, optimizer, args, scaler, run)
-            run.evaluated(*test(model, device, test_loader, args))
+            run.evaluated(*evaluate(model, test_loader, device, loss=F.nll_loss, precision=args.amp,
+                                    across_ranks=True))  # each rank scored its slice: sums added over ranks
             scheduler.step()
         run.finish(config=splits.describe())  # every rank's memory and parameter hash; rank 0 writes
     return 0

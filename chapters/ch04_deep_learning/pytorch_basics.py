@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import config_dict, non_negative_int, one_line_errors, output_dir, positive_int
+from common.cli import config_dict, non_negative_int, output_dir, positive_int, script_parser
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.energy import EnergyMeter
 from common.errors import UserError, run_main
@@ -147,9 +147,7 @@ def time_matmul(device: torch.device, dtype_name: str, n: int, repeats: int, war
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    one_line_errors(parser)  # a bad flag is one "error: ..." line, like every course script
+    parser = script_parser(__doc__)
     parser.add_argument("--size", type=positive_int, default=None,
                         help="matrix size n of the n x n matmul (default: 8192 on a GPU, 512 on CPU)")
     parser.add_argument("--repeats", type=positive_int, default=10,

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args, apply_dry_run, config_dict, positive_int
+from common.cli import add_common_args, apply_dry_run, config_dict, positive_int, script_parser
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.energy import EnergyMeter
 from common.errors import run_main
@@ -64,8 +64,7 @@ def benchmark_training(model: torch.nn.Module, batches: list[tuple[torch.Tensor,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--model", default="mnist_cnn",
                         help="mnist_cnn or a torchvision classifier (default: %(default)s)")
     parser.add_argument("--image-size", type=positive_int, default=32,
@@ -78,10 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = apply_dry_run(build_parser().parse_args(argv))
-    if args.dry_run:
-        args.iterations, args.warmup = 2, 1
-    elif args.max_steps is not None:
+    args = apply_dry_run(build_parser().parse_args(argv), iterations=2, warmup=1)
+    if args.max_steps is not None:  # --max-steps (and --dry-run) caps the timed steps
         args.iterations = min(args.iterations, args.max_steps)
     seed_everything(args.seed)
     threads = configure_threads()

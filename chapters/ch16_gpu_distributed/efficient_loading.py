@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import pipelines
-from common.cli import add_common_args, apply_dry_run, config_dict, positive_int
+from common.cli import add_common_args, apply_dry_run, config_dict, positive_int, script_parser
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.energy import EnergyMeter
 from common.errors import run_main
@@ -132,17 +132,14 @@ def loader_options(device: torch.device, batch_size: int, max_workers: int, data
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per setting (default: %(default)s)")
     add_common_args(parser, batch_size=64)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = apply_dry_run(build_parser().parse_args(argv))
-    if args.dry_run:
-        args.steps = 1
+    args = apply_dry_run(build_parser().parse_args(argv), steps=1)
     seed_everything(args.seed)
     threads = configure_threads()  # SLURM_CPUS_PER_TASK when set, else PyTorch's default
     device = resolve_device(args.device)

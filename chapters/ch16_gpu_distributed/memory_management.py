@@ -50,7 +50,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args, apply_dry_run, config_dict, positive_int
+from common.cli import add_common_args, apply_dry_run, config_dict, positive_int, script_parser
 from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
 from common.energy import EnergyMeter
 from common.errors import run_main
@@ -297,8 +297,7 @@ def accumulation_check(model: nn.Module, data: torch.Tensor, target: torch.Tenso
 # --- the script -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--width", type=positive_int, default=512, help="features per layer (default: %(default)s)")
     parser.add_argument("--depth", type=positive_int, default=16,
                         help="blocks of Linear-LayerNorm-GELU (default: %(default)s)")
@@ -318,9 +317,7 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = apply_dry_run(build_parser().parse_args(argv))
-    if args.dry_run:
-        args.width, args.depth, args.batch_size, args.repeats = 64, 4, 32, 1
+    args = apply_dry_run(build_parser().parse_args(argv), width=64, depth=4, batch_size=32, repeats=1)
     seed_everything(args.seed)
     threads = configure_threads()
     device = resolve_device(args.device)

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.atomic import atomic_path
-from common.cli import add_common_args, apply_dry_run, config_dict, output_file, positive_int
+from common.cli import add_common_args, apply_dry_run, config_dict, output_file, positive_int, script_parser
 from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
 from common.energy import EnergyMeter
 from common.errors import run_main
@@ -52,8 +52,7 @@ def top_operators(prof, device: torch.device, limit: int) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--model", default="resnet18",
                         help="any torchvision classifier or mnist_cnn (default: %(default)s)")
     parser.add_argument("--image-size", type=positive_int, default=224,
@@ -73,9 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    args = apply_dry_run(build_parser().parse_args(argv))
-    if args.dry_run:
-        args.iterations = 2
+    args = apply_dry_run(build_parser().parse_args(argv), iterations=2)
     seed_everything(args.seed)
     threads = configure_threads()
     device = resolve_device(args.device)

@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import one_line_errors, output_dir
+from common.cli import output_dir, script_parser
 from common.energy import EnergyMeter
-from common.envcheck import allocation_agreement, collect_environment, format_environment
+from common.envcheck import add_check_args, allocation_agreement, collect_environment, format_environment
 from common.errors import run_main
 from common.results import make_record, provenance, write_record
 
@@ -247,15 +247,7 @@ def format_checks(checks: Mapping[str, Any], warnings: list[str]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    one_line_errors(parser)
-    parser.add_argument("--json", action="store_true",
-                        help="print the findings as one JSON document on stdout, nothing else (default: off)")
-    parser.add_argument("--strict", action="store_true",
-                        help="exit with status 1 when any warning was found (default: off, always exit 0)")
-    parser.add_argument("--no-smoke-test", dest="smoke_test", action="store_false",
-                        help="do not run a tiny computation on each GPU (default: run it)")
+    parser = add_check_args(script_parser(__doc__))  # --json, --strict, --no-smoke-test as in Chapter 4's check
     parser.add_argument("--skip-backend-test", action="store_true",
                         help="do not start one-process NCCL/Gloo groups to test them (default: off)")
     parser.add_argument("--results-dir", type=output_dir, default="results",

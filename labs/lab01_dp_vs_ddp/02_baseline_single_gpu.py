@@ -12,10 +12,11 @@ record. ``--batch-size`` is the global batch: compare this run with ``03`` and `
 global batch (the README's commands do), or the scaling efficiency means nothing.
 
 ``03_dataparallel_training.py`` is this script with DataParallel: diff the two files and the
-difference is the lesson (``train()`` and ``test()`` are the same code). Data order and initial
-weights come from the seed alone (``common.data.GlobalBatchSampler``), so with ``--model plain_cnn``
-the three scripts print the same losses step by step. ``common.run.TrainingRun`` times the steps
-and writes the record, so what you read below is the training.
+difference is the lesson (``train()`` is the same code). Data order and initial weights come from
+the seed alone (``common.data.GlobalBatchSampler``), so with ``--model plain_cnn`` the three
+scripts print the same losses step by step. ``common.run.TrainingRun`` times the steps and writes
+the record, and ``common.evaluation.evaluate`` scores the held-out split, so what you read below is
+the training.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args
+from common.cli import add_common_args, script_parser
 from common.data import make_global_batch_loader, make_loader
 from common.device import seed_everything
 from common.errors import run_main
+from common.evaluation import evaluate
 from common.models import build_model
 from common.run import TrainingRun
 from labs.lab01_dp_vs_ddp.lab01_shared import LAB, add_lab_args, lab_data
@@ -52,25 +54,8 @@ def train(model, device, loader, optimizer, run) -> None:
         run.log_loss(loss)
 
 
-@torch.no_grad()
-def test(model, device, loader, args) -> tuple[float, float]:
-    """Mean loss and accuracy on the held-out split (with ``--max-steps``, that many batches only)."""
-    model.eval()
-    loss_sum, correct, seen = 0.0, 0, 0
-    for batch, (data, target) in enumerate(loader):
-        if args.max_steps is not None and batch >= args.max_steps:
-            break
-        data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
-        output = model(data)
-        loss_sum += F.cross_entropy(output, target, reduction="sum").item()
-        correct += (output.argmax(dim=1) == target).sum().item()
-        seen += len(target)
-    return loss_sum / max(seen, 1), correct / max(seen, 1)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     add_lab_args(parser)
     parser.add_argument("--save-model", action="store_true",
                         help="save the trained weights next to the record (default: off)")
@@ -96,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         run.track(model=model, optimizer=optimizer)
         for _epoch in run.epochs(train_loader):
             train(model, device, train_loader, optimizer, run)
-            run.evaluated(*test(model, device, test_loader, args))
+            run.evaluated(*evaluate(model, test_loader, device, max_batches=args.max_steps))
         record = run.finish(config=splits.describe())
         if args.save_model:
             torch.save(model.state_dict(), record.with_suffix(".pt"))

@@ -14,8 +14,8 @@ the record keeps the peak memory of every GPU so that imbalance is measured, not
 
 ``--batch-size`` is the global batch (DataParallel splits it), so ``--batch-size 256`` on 4 GPUs is
 64 per GPU, the same work per step as ``04_ddp_training.py --batch-size 64`` under 4 processes.
-``train()`` and ``test()`` are those of ``02_baseline_single_gpu.py`` unchanged: diff the two files
-to see all that DataParallel adds. Two pitfalls are in those lines: DataParallel does not make the
+``train()`` and the evaluation are those of ``02_baseline_single_gpu.py`` unchanged: diff the two
+files to see all that DataParallel adds. Two pitfalls are in those lines: DataParallel does not make the
 first listed GPU the current device (``torch.cuda.set_device`` does; without it CUDA's context and
 scratch memory land on GPU 0 even with ``--gpus 2,3``), and the wrapped model's state dict has
 ``module.`` before every key, so ``--save-model`` saves ``model.module.state_dict()``, which loads
@@ -37,10 +37,11 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args
+from common.cli import add_common_args, script_parser
 from common.data import make_global_batch_loader, make_loader
 from common.device import seed_everything
 from common.errors import UserError, run_main
+from common.evaluation import evaluate
 from common.models import build_model
 from common.run import TrainingRun
 from labs.lab01_dp_vs_ddp.lab01_shared import LAB, add_lab_args, check_gpu_ids, lab_data, parse_gpu_ids
@@ -61,25 +62,8 @@ def train(model, device, loader, optimizer, run) -> None:
         run.log_loss(loss)
 
 
-@torch.no_grad()
-def test(model, device, loader, args) -> tuple[float, float]:
-    """Mean loss and accuracy on the held-out split (with ``--max-steps``, that many batches only)."""
-    model.eval()
-    loss_sum, correct, seen = 0.0, 0, 0
-    for batch, (data, target) in enumerate(loader):
-        if args.max_steps is not None and batch >= args.max_steps:
-            break
-        data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
-        output = model(data)
-        loss_sum += F.cross_entropy(output, target, reduction="sum").item()
-        correct += (output.argmax(dim=1) == target).sum().item()
-        seen += len(target)
-    return loss_sum / max(seen, 1), correct / max(seen, 1)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     add_lab_args(parser)
     parser.add_argument("--gpus", type=parse_gpu_ids, default=None,
                         help="GPUs to use, e.g. 0,1,2,3; the first one gathers outputs and gradients "
@@ -122,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         run.track(model=model, optimizer=optimizer)
         for _epoch in run.epochs(train_loader):
             train(model, device, train_loader, optimizer, run)
-            run.evaluated(*test(model, device, test_loader, args))
+            run.evaluated(*evaluate(model, test_loader, device, max_batches=args.max_steps))
         notes = [] if gpus else ["DataParallel on CPU is the degenerate one-device case: no GPU to split the batch "
                                  "over, so the model was not wrapped and this run is the baseline's computation"]
         record = run.finish(config={**splits.describe(), "dp_device_ids": gpus}, notes=notes,

@@ -49,11 +49,12 @@ from torch.utils.data import Subset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import amp
-from common.cli import add_common_args, positive_float, positive_int
+from common.cli import add_common_args, positive_float, positive_int, script_parser
 from common.data import make_global_batch_loader, make_loader
 from common.device import seed_everything
-from common.distributed import all_reduce_sum, ddp_buffer_sync
+from common.distributed import ddp_buffer_sync
 from common.errors import run_main
+from common.evaluation import evaluate
 from common.models import build_model
 from common.run import TrainingRun, add_checkpoint_args
 from labs.lab01_dp_vs_ddp.lab01_shared import LAB, add_lab_args, lab_data
@@ -84,28 +85,8 @@ def train(model, device, loader, optimizer, args, scaler, run) -> None:
         run.log_loss(step_loss)
 
 
-@torch.no_grad()
-def test(model, device, loader, args) -> tuple[float, float]:
-    """Mean loss and accuracy on the held-out split (with ``--max-steps``, that many batches only)."""
-    model.eval()
-    loss_sum, correct, seen = 0.0, 0, 0
-    for batch, (data, target) in enumerate(loader):
-        if args.max_steps is not None and batch >= args.max_steps:
-            break
-        data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
-        with amp.autocast(device, args.amp):
-            output = model(data)
-        loss_sum += F.cross_entropy(output.float(), target, reduction="sum").item()
-        correct += (output.argmax(dim=1) == target).sum().item()
-        seen += len(target)
-    # Each rank evaluated its own slice of the test set: add the slices up.
-    loss_sum, correct, seen = (all_reduce_sum(v, device) for v in (loss_sum, correct, seen))
-    return loss_sum / max(seen, 1), correct / max(seen, 1)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     add_lab_args(parser)
     group = parser.add_argument_group("DDP options (the seed's 'optimised DDP' settings are the defaults)")
     group.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction, default=True,
@@ -160,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         run.track(model=model, optimizer=optimizer, scaler=scaler)
         for _epoch in run.epochs(train_loader):
             train(model, device, train_loader, optimizer, args, scaler, run)
-            run.evaluated(*test(model, device, test_loader, args))
+            run.evaluated(*evaluate(model, test_loader, device, precision=args.amp, max_batches=args.max_steps,
+                                    across_ranks=True))  # each rank scored its slice: sums added over ranks
         run.finish(config={**splits.describe(), "per_process_batch_size": args.batch_size})
     return 0
 

@@ -20,10 +20,10 @@ import argparse
 import os
 from typing import Sequence
 
-from common.cli import non_negative_int, positive_float, positive_int
+from common.cli import positive_float, positive_int
 from common.data import DATASETS, DataSplits, get_dataset
 from common.errors import UserError
-from common.run import add_determinism_arg
+from common.run import add_training_args
 
 LAB = "lab01"
 
@@ -33,7 +33,8 @@ LAB = "lab01"
 
 
 def add_lab_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The model, data and optimiser flags of scripts 02, 03 and 04 (same names, same defaults)."""
+    """The model, data and optimiser flags of scripts 02, 03 and 04 (same names, same defaults), then
+    those of :func:`common.run.add_training_args`."""
     group = parser.add_argument_group("model and data (same in 02, 03 and 04)")
     group.add_argument("--model", default="resnet50",
                        help="torchvision model name, or plain_cnn (no BatchNorm: the three methods then agree "
@@ -50,14 +51,7 @@ def add_lab_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (default: %(default)s)")
     group.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: %(default)s)")
     group.add_argument("--weight-decay", type=float, default=5e-4, help="SGD weight decay (default: %(default)s)")
-    group.add_argument("--log-interval", type=positive_int, default=10,
-                       help="steps between loss lines (default: %(default)s)")
-    group.add_argument("--warmup-steps", type=non_negative_int, default=2,
-                       help="steps left out of the timing (default: %(default)s)")
-    group.add_argument("--record-steps", type=non_negative_int, default=200,
-                       help="how many of the first optimiser steps keep their loss in the record "
-                            "(metrics.loss_at_step) (default: %(default)s)")
-    add_determinism_arg(group)  # on GPUs the three methods then agree step by step as on CPUs
+    add_training_args(parser)  # --deterministic among them: on GPUs the three methods then agree step by step
     return parser
 
 

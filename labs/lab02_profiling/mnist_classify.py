@@ -39,7 +39,7 @@ from line_profiler import profile  # a no-op decorator unless the script runs un
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import amp, pipelines
-from common.cli import add_common_args, apply_dry_run, config_dict, positive_float, positive_int
+from common.cli import add_common_args, apply_dry_run, config_dict, positive_float, positive_int, script_parser
 from common.device import configure_threads, describe, resolve_device, seed_everything, set_launch_blocking, synchronize
 from common.energy import EnergyMeter
 from common.errors import run_main
@@ -130,8 +130,7 @@ def default_method(args) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     pipelines.add_dataset_args(parser)
     parser.add_argument("--test-batch-size", type=positive_int, default=1000,
                         help="evaluation batch (default: %(default)s)")

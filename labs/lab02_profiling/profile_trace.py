@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import pipelines
 from common.atomic import atomic_path
-from common.cli import add_common_args, config_dict, non_negative_int, output_file, positive_int
+from common.cli import add_common_args, config_dict, non_negative_int, output_file, positive_int, script_parser
 from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
 from common.energy import EnergyMeter
 from common.errors import run_main
@@ -50,8 +50,7 @@ def endless(loader):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     pipelines.add_dataset_args(parser)
     parser.add_argument("--pipeline", choices=pipelines.PIPELINES, default="pil",
                         help="how batches are made, as in mnist_classify.py (default: %(default)s)")

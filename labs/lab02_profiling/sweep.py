@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args, apply_dry_run, output_dir, positive_int
+from common.cli import add_common_args, apply_dry_run, output_dir, positive_int, script_parser
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
 
@@ -148,8 +148,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--steps", default=None,
                         help="comma-separated steps to run; each still gets the flags of every earlier step "
                              "of the path (default: all)")

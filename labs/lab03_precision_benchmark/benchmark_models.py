@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import amp
-from common.cli import add_run_args, non_negative_int, output_dir, positive_float, positive_int
+from common.cli import add_run_args, non_negative_int, output_dir, positive_float, positive_int, script_parser
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.distributed import DistContext, init_distributed, print0, teardown_distributed
 from common.energy import EnergyMeter
@@ -64,8 +64,7 @@ AUTOCAST = {"amp-fp16": "fp16", "amp-bf16": "bf16"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # --help shows defaults
+    parser = script_parser(__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # --help shows defaults
     seed_flags = parser.add_argument_group("the seed's flags")
     seed_flags.add_argument("--folder", type=output_dir, default="results/lab03_csv", help="folder for the CSV files")
     seed_flags.add_argument("-w", "--warmup", type=non_negative_int, default=10,

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args, apply_dry_run, config_dict, positive_int
+from common.cli import add_common_args, apply_dry_run, config_dict, positive_int, script_parser
 from common.device import configure_threads, seed_everything
 from common.distributed import gather_objects, init_distributed, print0, teardown_distributed
 from common.errors import run_main
@@ -92,8 +92,7 @@ def add_totals(parts: dict[str, int]) -> dict[str, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     add_model_args(parser)
     group = parser.add_argument_group("the budget")
     group.add_argument("--world-size", type=positive_int, default=None,

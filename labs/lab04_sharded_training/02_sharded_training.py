@@ -45,12 +45,13 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args, non_negative_int, positive_float, positive_int
+from common.cli import add_common_args, positive_float, positive_int, script_parser
 from common.data import GlobalBatchSampler, load_stdlib_text, make_global_batch_loader
-from common.distributed import all_reduce_sum, gather_objects
+from common.distributed import gather_objects
 from common.errors import UserError, run_main
+from common.evaluation import evaluate
 from common.models import transformer_parameter_count
-from common.run import TrainingRun
+from common.run import TrainingRun, add_training_args
 from common.sharded_checkpoint import DistributedCheckpointer, add_distributed_checkpoint_args
 from common.units import format_bytes
 from labs.lab04_sharded_training.lab04_shared import (
@@ -89,29 +90,8 @@ def gradient_sync(model, enabled: bool):
     return nullcontext() if enabled else model.no_sync()
 
 
-@torch.no_grad()
-def evaluate(model, loader, args, device) -> tuple[float, float]:
-    """Validation loss and next-character accuracy over at most ``--eval-steps`` global batches.
-
-    Every rank runs the same number of batches: under FSDP2 each forward pass is collective.
-    """
-    model.eval()
-    loss_sum, correct, seen = 0.0, 0, 0
-    for batch, (tokens, targets) in enumerate(loader):
-        if batch >= args.eval_steps:
-            break
-        tokens, targets = tokens.to(device), targets.to(device)
-        logits = model(tokens).float()
-        loss_sum += torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
-        correct += (logits.argmax(-1) == targets).sum().item()
-        seen += targets.numel()
-    loss_sum, correct, seen = (all_reduce_sum(v, device) for v in (loss_sum, correct, seen))
-    return loss_sum / max(seen, 1), correct / max(seen, 1)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     add_model_args(parser)
     group = parser.add_argument_group("strategy and training")
     group.add_argument("--strategy", choices=STRATEGIES, default="fsdp",
@@ -126,12 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: %(default)s)")
     group.add_argument("--eval-steps", type=positive_int, default=20,
                        help="validation global batches after every epoch (default: %(default)s)")
-    group.add_argument("--log-interval", type=positive_int, default=10,
-                       help="steps between loss lines (default: %(default)s)")
-    group.add_argument("--warmup-steps", type=non_negative_int, default=2,
-                       help="steps left out of the timing (default: %(default)s)")
-    group.add_argument("--record-steps", type=non_negative_int, default=200,
-                       help="how many of the first optimiser steps keep their loss in the record (default: %(default)s)")
+    add_training_args(parser)
     add_distributed_checkpoint_args(parser, default_dir="RESULTS_DIR/checkpoints/02_sharded_training")
     add_common_args(parser, epochs=2, batch_size=8, num_workers=0)
     return parser
@@ -174,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         run.track(model=model, optimizer=optimizer)
         for _epoch in run.epochs(train_loader):
             train(model, train_loader, optimizer, args, run)
-            run.evaluated(*evaluate(model, validation_loader, args, device))
+            # Next-character loss and accuracy; every rank runs --eval-steps batches (FSDP2's forward is collective).
+            run.evaluated(*evaluate(model, validation_loader, device, max_batches=args.eval_steps,
+                                    across_ranks=True))
         checkpointer.wait()  # an asynchronous save may still be writing: its timing belongs in the record
         held = gather_objects({**tensor_bytes(model, optimizer), "rank": run.rank})
         for entry in held:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args, apply_dry_run, config_dict, positive_int
+from common.cli import add_common_args, apply_dry_run, config_dict, positive_int, script_parser
 from common.device import configure_threads
 from common.distributed import any_rank, init_distributed, print0, teardown_distributed
 from common.errors import run_main
@@ -84,9 +84,8 @@ def try_step(shape: TransformerShape, variant: str, device: torch.device, args: 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(parser, layers=4, width=512, heads=8, context=256)
+    parser = script_parser(__doc__)
+    add_model_args(parser, layers=4)
     group = parser.add_argument_group("the search")
     group.add_argument("--budget", type=byte_size, default=None,
                        help="memory per rank a step may use, e.g. 512MiB or 20GiB; required on CPU "

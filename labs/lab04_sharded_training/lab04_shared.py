@@ -51,17 +51,17 @@ BF16_MIN_CAPABILITY = (8, 0)
 # The model
 
 
-def add_model_args(parser: argparse.ArgumentParser, *, layers: int = 8, width: int = 512, heads: int = 8,
-                   context: int = 256) -> argparse.ArgumentParser:
-    """The four numbers that size the transformer (same names in 01, 02 and 03)."""
+def add_model_args(parser: argparse.ArgumentParser, *, layers: int = 8) -> argparse.ArgumentParser:
+    """The four numbers that size the transformer (same names and defaults in 01, 02 and 03; 03
+    starts its doubling of the depth from a smaller ``layers``)."""
     group = parser.add_argument_group("model (a decoder-only transformer, see common/models.py)")
     group.add_argument("--layers", type=positive_int, default=layers,
                        help="transformer blocks; FSDP2 shards each block as one unit (default: %(default)s)")
-    group.add_argument("--width", type=positive_int, default=width,
+    group.add_argument("--width", type=positive_int, default=512,
                        help="model width d: each block holds about 12 d^2 parameters (default: %(default)s)")
-    group.add_argument("--heads", type=positive_int, default=heads,
+    group.add_argument("--heads", type=positive_int, default=8,
                        help="attention heads; must divide --width (default: %(default)s)")
-    group.add_argument("--context", type=positive_int, default=context,
+    group.add_argument("--context", type=positive_int, default=256,
                        help="characters per training sequence (default: %(default)s)")
     return parser
 

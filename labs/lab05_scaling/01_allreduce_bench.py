@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args, config_dict, positive_float, positive_int
+from common.cli import add_common_args, config_dict, positive_float, positive_int, script_parser
 from common.device import configure_threads, resolve_device, synchronize
 from common.distributed import all_reduce_max, gather_objects, init_distributed, print0, teardown_distributed
 from common.energy import EnergyMeter
@@ -148,8 +148,7 @@ def transport_of(ctx, hosts: list[str]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     group = parser.add_argument_group("what to measure")
     group.add_argument("--collectives", default="all_reduce,all_gather,reduce_scatter",
                        help="comma-separated: all_reduce, all_gather, reduce_scatter (default: %(default)s)")

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args, apply_dry_run, non_negative_int, positive_int
+from common.cli import add_common_args, apply_dry_run, non_negative_int, positive_int, script_parser
 from common.energy import not_measured
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
@@ -173,8 +173,7 @@ def read_only_record(folder: Path) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     group = parser.add_argument_group("the study")
     group.add_argument("--processes", default="1,2,4",
                        help="process counts to run, comma-separated (default: %(default)s)")

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args, apply_dry_run, config_dict, positive_float, positive_int
+from common.cli import add_common_args, apply_dry_run, config_dict, positive_float, positive_int, script_parser
 from common.device import configure_threads, seed_everything, synchronize
 from common.distributed import all_reduce_max, init_distributed, print0, teardown_distributed
 from common.energy import EnergyMeter
@@ -122,8 +122,7 @@ def communication_alone(buckets: list[int], device: torch.device, args) -> float
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     group = parser.add_argument_group("what to measure")
     group.add_argument("--model", default="resnet50", help="torchvision model (default: %(default)s)")
     group.add_argument("--image-size", type=positive_int, default=224,
@@ -141,10 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = apply_dry_run(build_parser().parse_args(argv))
+    args = apply_dry_run(build_parser().parse_args(argv), steps=2, warmup_steps=1)
     buckets_mb = parse_buckets(args.bucket_cap_mb)
-    if args.dry_run:
-        args.steps, args.warmup_steps = min(args.steps, 2), 1
     threads = configure_threads()
     ctx = init_distributed(args.device, force_process_group=True)
     try:

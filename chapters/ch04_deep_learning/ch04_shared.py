@@ -1,0 +1,36 @@
+"""What ``mnist_training.py`` and ``multi_gpu_ddp.py`` share: the flags of the MNIST training.
+
+The two scripts are one lesson in two steps (``diff mnist_training.py multi_gpu_ddp.py`` shows what
+DDP changes), so they take the same flags with the same defaults; here they are written once.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common import amp
+from common.cli import positive_float, positive_int
+from common.data import DATASETS
+from common.run import add_training_args
+
+#: Settings a resumed run must share with the run that wrote the checkpoint (more --epochs is fine).
+RESUME_SETTINGS = ("dataset", "model", "batch_size", "seed", "amp", "max_steps")
+
+
+def add_mnist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Data, model, optimiser and precision flags, then those of :func:`common.run.add_training_args`."""
+    group = parser.add_argument_group("MNIST training (same in mnist_training.py and multi_gpu_ddp.py)")
+    group.add_argument("--dataset", choices=DATASETS, default="digits",
+                       help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
+    group.add_argument("--model", default="mnist_cnn", help="model name (default: %(default)s)")
+    group.add_argument("--lr", type=positive_float, default=1.0, help="Adadelta learning rate (default: %(default)s)")
+    group.add_argument("--gamma", type=positive_float, default=0.7,
+                       help="learning-rate decay per epoch (default: %(default)s)")
+    group.add_argument("--amp", choices=amp.PRECISIONS, default="fp32",
+                       help="forward-pass precision: fp32 (off), bf16, fp16 (GPU only) (default: %(default)s)")
+    group.add_argument("--clip-grad-norm", type=float, default=1.0,
+                       help="clip gradients to this norm after unscaling; 0 turns it off (default: %(default)s)")
+    group.add_argument("--test-batch-size", type=positive_int, default=1000,
+                       help="evaluation batch (default: %(default)s)")
+    add_training_args(parser)
+    return parser
