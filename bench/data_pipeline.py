@@ -54,6 +54,7 @@ from common.device import configure_threads, describe, resolve_device, seed_ever
 from common.energy import EnergyMeter
 from common.errors import UserError, run_main
 from common.models import MnistNet
+from common.pipeline_flags import add_dataset_args
 from common.results import make_record, provenance, write_record
 
 SCRIPT = "bench/data_pipeline.py"
@@ -93,7 +94,7 @@ def timed(fn: Callable[[], int], device) -> tuple[float, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
-    pipelines.add_dataset_args(parser)
+    add_dataset_args(parser)
     parser.add_argument("--rounds", type=positive_int, default=5,
                         help="rounds of a, b, c (one epoch each); the first is a warm-up (default: %(default)s)")
     parser.add_argument("--threads", type=positive_int, default=None,

@@ -176,6 +176,20 @@ def add_common_args(
     return parser
 
 
+def add_timing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, warmup: int, repeats: int,
+                    what: str, repeats_flag: str = "--repeats") -> None:
+    """How a measurement repeats (convention 8): ``--warmup`` untimed runs of ``what`` first, then
+    timed ones whose median is reported (``common.timing.time_function``'s ``warmup`` and ``repeats``).
+
+    ``repeats_flag`` names the timed count: ``--repeats``, or the name a script's seed and records
+    use (Lab-05's ``--iters`` after nccl-tests, Chapter 16's ``--iterations``).
+    """
+    parser.add_argument("--warmup", type=non_negative_int, default=warmup,
+                        help=f"untimed {what} first, left out of the timing (default: %(default)s)")
+    parser.add_argument(repeats_flag, type=positive_int, default=repeats,
+                        help=f"timed {what}; the median is reported (default: %(default)s)")
+
+
 def apply_dry_run(args: argparse.Namespace, **at_most: int) -> argparse.Namespace:
     """``--dry-run`` means one epoch of at most two steps, and each of a script's own counts named in
     ``at_most`` (e.g. ``iterations=2, warmup=1``) at most that value. Without ``--dry-run``: unchanged."""

@@ -11,6 +11,7 @@ FSDP2's ``fully_shard`` can be applied block by block.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from common.cli import positive_int
 from common.errors import UserError
 
 LOCAL_MODELS = ("mnist_cnn", "plain_cnn")
@@ -97,6 +99,20 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3, weights:
         return torchvision.models.get_model(name, weights=weights, num_classes=num_classes)
     except (ValueError, TypeError) as err:
         raise UserError(f"cannot build {name} with num_classes={num_classes} and weights={weights}: {err}") from None
+
+
+def input_shape(name: str, image_size: int) -> tuple[int, int]:
+    """(channels, side) of the square images model ``name`` takes: the MNIST CNN always 1 x 28 x 28
+    (its classifier is sized for it), any other model 3 channels of ``image_size``."""
+    return (1, 28) if name in ("mnist_cnn", "net") else (3, image_size)
+
+
+def add_image_model_args(parser: argparse.ArgumentParser, *, model: str, image_size: int) -> None:
+    """``--model`` and ``--image-size`` of a script that feeds random images to a model by name."""
+    parser.add_argument("--model", default=model,
+                        help=f"{', '.join(LOCAL_MODELS)} or a torchvision classifier (default: %(default)s)")
+    parser.add_argument("--image-size", type=positive_int, default=image_size,
+                        help="side of the square input images; mnist_cnn always takes 1x28x28 (default: %(default)s)")
 
 
 def count_parameters(model: nn.Module) -> int:

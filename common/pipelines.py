@@ -22,12 +22,12 @@ pipeline    what happens for every batch                                where th
 the same numbers for the same sample (the tests check this): only the cost differs.
 
 The data arrive as uint8 images (N, 28, 28), as MNIST stores them: ``mnist`` from ``--data-dir``,
-``digits`` (bundled, offline) or ``synthetic``, converted to uint8 the same way.
+``digits`` (bundled, offline) or ``synthetic``, converted to uint8 the same way. The names and the
+flags that choose them are in ``common.pipeline_flags`` (no torch).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,12 +36,10 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, TensorDataset
 
-from common.cli import positive_int
 from common.data import MNIST_MEAN, MNIST_STD, get_dataset
 from common.errors import UserError
+from common.pipeline_flags import DATASETS, PIPELINES
 
-PIPELINES = ("pil", "tensor", "device")
-DATASETS = ("digits", "mnist", "synthetic")
 
 
 @dataclass
@@ -60,13 +58,6 @@ def _to_uint8(normalised: torch.Tensor) -> torch.Tensor:
     pixels = (normalised * MNIST_STD + MNIST_MEAN).clamp(0, 1)
     return (pixels * 255).round().to(torch.uint8).reshape(-1, 28, 28)
 
-
-def add_dataset_args(parser: argparse.ArgumentParser) -> None:
-    """``--dataset`` and ``--synthetic-size``: what :func:`load_uint8` reads, the same flags in every script."""
-    parser.add_argument("--dataset", choices=DATASETS, default="digits",
-                        help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
-    parser.add_argument("--synthetic-size", type=positive_int, default=60_000,
-                        help="training images of --dataset synthetic, MNIST's count by default (default: %(default)s)")
 
 
 def load_uint8(name: str, data_dir: str | Path, *, seed: int = 0,

@@ -186,7 +186,7 @@ def test_provenance_carries_slurm_and_git(monkeypatch, tmp_path):
 
 def test_results_module_does_not_import_torch():
     modules = ("common.results, common.launch, common.cli, common.cpus, common.units, common.atomic, common.errors, "
-               "common.precision_names, common.report, common.report.cli")
+               "common.precision_names, common.pipeline_flags, common.report, common.report.cli")
     code = f"import sys; import {modules}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(__import__('helpers').REPO)})

@@ -37,13 +37,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import amp
 from common.cli import add_common_args, apply_dry_run, config_dict, script_parser
-from common.data import DATASETS
 from common.device import describe, resolve_device
 from common.energy import not_measured
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
 from common.timing import format_rate, format_speedup
 from common.units import format_bytes
+from chapters.ch04_deep_learning.ch04_shared import add_data_args
 
 SCRIPT = "chapters/ch04_deep_learning/amp_training.py"
 BASELINE = "fp32"
@@ -90,9 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precisions", type=parse_precisions, default=["auto"],
                         help="comma-separated precisions to compare with fp32; auto = fp16,bf16 on a GPU "
                              "(fp16 only before compute capability 8.0), bf16 on CPU (default: auto)")
-    parser.add_argument("--dataset", choices=DATASETS, default="digits",
-                        help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
-    parser.add_argument("--model", default="mnist_cnn", help="model name (default: %(default)s)")
+    add_data_args(parser)  # passed on to mnist_training.py
     parser.add_argument("--log-interval", type=int, default=10,
                         help="steps between loss lines of each run (default: %(default)s)")
     # Small defaults on purpose: bf16 on a CPU without native bf16 is about ten times slower than fp32.

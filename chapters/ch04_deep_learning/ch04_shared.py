@@ -2,6 +2,8 @@
 
 The two scripts are one lesson in two steps (``diff mnist_training.py multi_gpu_ddp.py`` shows what
 DDP changes), so they take the same flags with the same defaults; here they are written once.
+``amp_training.py``, which runs ``mnist_training.py`` once per precision, takes its data and model
+flags from here too.
 """
 
 from __future__ import annotations
@@ -17,12 +19,19 @@ from common.run import add_training_args
 RESUME_SETTINGS = ("dataset", "model", "batch_size", "seed", "amp", "max_steps")
 
 
-def add_mnist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Data, model, optimiser and precision flags, then those of :func:`common.run.add_training_args`."""
+def add_data_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """``--dataset`` and ``--model``: what the chapter trains (``amp_training.py`` passes them on)."""
     group = parser.add_argument_group("MNIST training (same in mnist_training.py and multi_gpu_ddp.py)")
     group.add_argument("--dataset", choices=DATASETS, default="digits",
                        help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
     group.add_argument("--model", default="mnist_cnn", help="model name (default: %(default)s)")
+    return group
+
+
+def add_mnist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Those of :func:`add_data_args`, the optimiser and precision flags, then those of
+    :func:`common.run.add_training_args`."""
+    group = add_data_args(parser)
     group.add_argument("--lr", type=positive_float, default=1.0, help="Adadelta learning rate (default: %(default)s)")
     group.add_argument("--gamma", type=positive_float, default=0.7,
                        help="learning-rate decay per epoch (default: %(default)s)")

@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import config_dict, non_negative_int, output_dir, positive_int, script_parser
+from common.cli import add_timing_args, config_dict, output_dir, positive_int, script_parser
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.energy import EnergyMeter
 from common.errors import UserError, run_main
@@ -150,10 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     parser.add_argument("--size", type=positive_int, default=None,
                         help="matrix size n of the n x n matmul (default: 8192 on a GPU, 512 on CPU)")
-    parser.add_argument("--repeats", type=positive_int, default=10,
-                        help="timed matmuls per precision; the median is reported (default: %(default)s)")
-    parser.add_argument("--warmup", type=non_negative_int, default=2,
-                        help="untimed matmuls first, per precision (default: %(default)s)")
+    add_timing_args(parser, warmup=2, repeats=10, what="matmuls per precision")
     parser.add_argument("--dtypes", type=parse_dtypes, default=["auto"],
                         help=f"comma-separated precisions from {', '.join(DTYPES)}; auto = fp32,tf32,bf16,fp16 on "
                              "an Ampere-or-newer GPU, fp32,fp16 on older GPUs, fp32,bf16 on CPU (default: auto)")

@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args, apply_dry_run, config_dict, positive_int, script_parser
+from common.cli import add_common_args, add_timing_args, apply_dry_run, config_dict, script_parser
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.energy import EnergyMeter
 from common.errors import run_main
-from common.models import build_model
+from common.models import add_image_model_args, build_model, input_shape
 from common.results import make_record, provenance, write_record
 from common.timing import StepTimer
 
@@ -65,13 +65,8 @@ def benchmark_training(model: torch.nn.Module, batches: list[tuple[torch.Tensor,
 
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
-    parser.add_argument("--model", default="mnist_cnn",
-                        help="mnist_cnn or a torchvision classifier (default: %(default)s)")
-    parser.add_argument("--image-size", type=positive_int, default=32,
-                        help="input size of torchvision models; mnist_cnn is always 1x28x28 (default: %(default)s)")
-    parser.add_argument("--iterations", type=positive_int, default=100,
-                        help="timed steps per device (default: %(default)s)")
-    parser.add_argument("--warmup", type=positive_int, default=10, help="untimed steps first (default: %(default)s)")
+    add_image_model_args(parser, model="mnist_cnn", image_size=32)
+    add_timing_args(parser, warmup=10, repeats=100, what="training steps per device", repeats_flag="--iterations")
     add_common_args(parser, batch_size=64)
     return parser
 
@@ -85,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpu = resolve_device(args.device) if args.device == "cuda" else None  # --device cuda without a GPU: clear error
     if args.device == "auto" and torch.cuda.is_available():
         gpu = resolve_device("cuda")
-    channels, size = (1, 28) if args.model in ("mnist_cnn", "net") else (3, args.image_size)
+    channels, size = input_shape(args.model, args.image_size)
     reference = build_model(args.model, num_classes=10, in_channels=channels)
     generator = torch.Generator().manual_seed(args.seed)
     batches = [(torch.randn(args.batch_size, channels, size, size, generator=generator),

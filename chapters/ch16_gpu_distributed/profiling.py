@@ -33,38 +33,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.atomic import atomic_path
-from common.cli import add_common_args, apply_dry_run, config_dict, output_file, positive_int, script_parser
+from common.cli import add_common_args, apply_dry_run, config_dict, positive_int, script_parser
 from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
 from common.energy import EnergyMeter
 from common.errors import run_main
-from common.models import build_model
+from common.models import add_image_model_args, build_model, input_shape
+from common.profiling import add_trace_args, top_operators
 from common.results import make_record, provenance, write_record
 
 SCRIPT = "chapters/ch16_gpu_distributed/profiling.py"
 
 
-def top_operators(prof, device: torch.device, limit: int) -> list[dict]:
-    """The ``limit`` operators with the most self time, as plain numbers for the record."""
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    averages = sorted(prof.key_averages(), key=lambda event: getattr(event, key), reverse=True)[:limit]
-    return [{"name": event.key, "calls": event.count, "self_cpu_time_us": event.self_cpu_time_total,
-             "self_device_time_us": getattr(event, "self_device_time_total", 0.0)} for event in averages]
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
-    parser.add_argument("--model", default="resnet18",
-                        help="any torchvision classifier or mnist_cnn (default: %(default)s)")
-    parser.add_argument("--image-size", type=positive_int, default=224,
-                        help="input height and width (default: %(default)s)")
+    add_image_model_args(parser, model="resnet18", image_size=224)
     parser.add_argument("--iterations", type=positive_int, default=10,
                         help="forward+backward passes profiled (default: %(default)s)")
     parser.add_argument("--with-stack", action="store_true",
                         help="record Python stacks (larger trace, slower) (default: off)")
-    parser.add_argument("--row-limit", type=positive_int, default=10,
-                        help="operators in the table (default: %(default)s)")
-    parser.add_argument("--trace", type=output_file, default=None,
-                        help="Chrome trace to write (default: RESULTS_DIR/ch16_profile_trace.json)")
+    add_trace_args(parser, row_limit=10, trace="ch16_profile_trace.json")
     add_common_args(parser, batch_size=32)
     return parser
 
@@ -76,8 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     seed_everything(args.seed)
     threads = configure_threads()
     device = resolve_device(args.device)
-    channels = 1 if args.model in ("mnist_cnn", "net") else 3
-    size = 28 if channels == 1 else args.image_size  # MnistNet's classifier is sized for 28x28
+    channels, size = input_shape(args.model, args.image_size)  # MnistNet's classifier is sized for 28x28
     model = build_model(args.model, num_classes=10, in_channels=channels).to(device)
     data = torch.randn(args.batch_size, channels, size, size, device=device)
     trace = args.trace or args.results_dir / "ch16_profile_trace.json"
@@ -106,8 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         events = len(json.loads(partial.read_text())["traceEvents"])
     print(f"trace: {trace} ({events:,} events; open it at https://ui.perfetto.dev or chrome://tracing)")
 
-    metrics = {"trace_file": str(trace), "trace_events": events, "iterations": args.iterations,
-               "sorted_by": sort_by, "top_operators": top_operators(prof, device, args.row_limit), "world_size": 1}
+    metrics = {"trace_file": str(trace), "trace_events": events, "iterations": args.iterations, "sorted_by": sort_by,
+               "top_operators": top_operators(prof.key_averages(), device, args.row_limit), "world_size": 1}
     record = make_record(lab="ch16", script=SCRIPT, method="torch-profiler",
                          config=config_dict(args, resolved_device=str(device), threads=threads),
                          metrics=metrics, provenance=provenance(device),

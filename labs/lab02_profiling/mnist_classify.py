@@ -44,6 +44,7 @@ from common.device import configure_threads, describe, resolve_device, seed_ever
 from common.energy import EnergyMeter
 from common.errors import run_main
 from common.models import MnistNet
+from common.pipeline_flags import PIPELINES, add_dataset_args
 from common.results import make_record, provenance, write_record
 from common.timing import peak_memory, reset_peak_memory
 from common.units import format_bytes
@@ -131,7 +132,7 @@ def default_method(args) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
-    pipelines.add_dataset_args(parser)
+    add_dataset_args(parser)
     parser.add_argument("--test-batch-size", type=positive_int, default=1000,
                         help="evaluation batch (default: %(default)s)")
     parser.add_argument("--lr", type=positive_float, default=1.0, help="Adadelta learning rate (default: %(default)s)")
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-interval", type=positive_int, default=10,
                         help="batches between loss lines (default: %(default)s)")
     tuning = parser.add_argument_group("the optimisation path (sweep.py turns these on one after another)")
-    tuning.add_argument("--pipeline", choices=pipelines.PIPELINES, default="pil",
+    tuning.add_argument("--pipeline", choices=PIPELINES, default="pil",
                         help="pil: the seed's per-sample PIL transforms; tensor: converted once, one indexing op "
                              "per batch; device: whole set on the device, no DataLoader (default: %(default)s)")
     tuning.add_argument("--pin-memory", action="store_true",

@@ -32,11 +32,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import pipelines
 from common.atomic import atomic_path
-from common.cli import add_common_args, config_dict, non_negative_int, output_file, positive_int, script_parser
+from common.cli import add_common_args, config_dict, non_negative_int, positive_int, script_parser
 from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
 from common.energy import EnergyMeter
 from common.errors import run_main
 from common.models import MnistNet
+from common.pipeline_flags import PIPELINES, add_dataset_args
+from common.profiling import add_trace_args, top_operators
 from common.results import make_record, provenance, write_record
 
 SCRIPT = "labs/lab02_profiling/profile_trace.py"
@@ -51,18 +53,15 @@ def endless(loader):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
-    pipelines.add_dataset_args(parser)
-    parser.add_argument("--pipeline", choices=pipelines.PIPELINES, default="pil",
+    add_dataset_args(parser)
+    parser.add_argument("--pipeline", choices=PIPELINES, default="pil",
                         help="how batches are made, as in mnist_classify.py (default: %(default)s)")
     parser.add_argument("--pin-memory", action="store_true", help="pinned host batches (GPU only) (default: off)")
     parser.add_argument("--wait", type=non_negative_int, default=1, help="steps before tracing (default: %(default)s)")
     parser.add_argument("--warmup", type=non_negative_int, default=1,
                         help="steps traced and discarded (default: %(default)s)")
     parser.add_argument("--active", type=positive_int, default=5, help="steps recorded (default: %(default)s)")
-    parser.add_argument("--row-limit", type=positive_int, default=15,
-                        help="operators in the table (default: %(default)s)")
-    parser.add_argument("--trace", type=output_file, default=None,
-                        help="Chrome/Perfetto trace to write (default: RESULTS_DIR/lab02_trace.json)")
+    add_trace_args(parser, row_limit=15, trace="lab02_trace.json")
     add_common_args(parser, batch_size=64, num_workers=1)
     return parser
 
@@ -131,12 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {name:<15} {region_us.get(name, 0) / 1000:9.1f} ms  {region_us.get(name, 0) / max(total_us, 1):6.1%}")
     print(f"trace: {trace} ({len(events):,} events; open it at https://ui.perfetto.dev or chrome://tracing)")
 
-    top = sorted(averages, key=lambda event: getattr(event, sort_by), reverse=True)[:args.row_limit]
     metrics = {"trace_file": str(trace), "trace_events": len(events), "profiled_steps": args.active,
                "region_cpu_time_us": region_us,
                "data_loading_cpu_share": region_us.get("data loading", 0) / total_us if total_us else None,
-               "top_operators": [{"name": e.key, "calls": e.count, "self_cpu_time_us": e.self_cpu_time_total,
-                                  "self_device_time_us": e.self_device_time_total} for e in top],
+               "top_operators": top_operators(averages, device, args.row_limit),
                "world_size": 1, "global_batch_size": args.batch_size}
     record = make_record(lab="lab02", script=SCRIPT, method=f"torch-profiler-{args.pipeline}",
                          config=config_dict(args, resolved_device=str(device), model="mnist_cnn", threads=threads),

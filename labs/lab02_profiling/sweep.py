@@ -36,6 +36,7 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import add_common_args, apply_dry_run, output_dir, positive_int, script_parser
 from common.errors import UserError, run_main
+from common.pipeline_flags import add_dataset_args
 from common.results import make_record, provenance, write_record
 
 LAB_DIR = Path(__file__).resolve().parent
@@ -154,10 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "of the path (default: all)")
     parser.add_argument("--include-compile", action="store_true",
                         help="add the torch.compile step at the end; slow to compile on CPU (default: off)")
-    parser.add_argument("--dataset", choices=("digits", "mnist", "synthetic"), default="digits",
-                        help="data set of every step (default: %(default)s)")
-    parser.add_argument("--synthetic-size", type=positive_int, default=60_000,
-                        help="training images of --dataset synthetic (default: %(default)s)")
+    add_dataset_args(parser)  # the data set of every step
     parser.add_argument("--large-batch-size", type=positive_int, default=256,
                         help="batch of the large-batch step (default: %(default)s)")
     parser.add_argument("--prefetch-factor", type=positive_int, default=4,

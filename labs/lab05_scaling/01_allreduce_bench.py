@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args, config_dict, positive_float, positive_int, script_parser
+from common.cli import add_common_args, add_timing_args, config_dict, positive_float, positive_int, script_parser
 from common.device import configure_threads, resolve_device, synchronize
 from common.distributed import all_reduce_max, gather_objects, init_distributed, print0, teardown_distributed
 from common.energy import EnergyMeter
@@ -159,10 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "64M on CPU)")
     group.add_argument("--step-factor", type=positive_int, default=2,
                        help="each size is the previous one times this (default: %(default)s)")
-    group.add_argument("--warmup", type=positive_int, default=5,
-                       help="untimed calls per size before the timed ones (default: %(default)s)")
-    group.add_argument("--iters", type=positive_int, default=20,
-                       help="timed calls per size; the median counts (default: %(default)s)")
+    add_timing_args(group, warmup=5, repeats=20, what="calls per message size", repeats_flag="--iters")
     group = parser.add_argument_group("what to compare with")
     group.add_argument("--site", default=None,
                        help="site profile (slurm/sites/NAME.yaml) whose link peaks busbw is compared with; "

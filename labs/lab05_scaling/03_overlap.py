@@ -41,7 +41,7 @@ from common.device import configure_threads, seed_everything, synchronize
 from common.distributed import all_reduce_max, init_distributed, print0, teardown_distributed
 from common.energy import EnergyMeter
 from common.errors import UserError, run_main
-from common.models import build_model
+from common.models import add_image_model_args, build_model, input_shape
 from common.placement import record_placement
 from common.results import make_record, provenance, write_record
 from common.units import format_bytes
@@ -124,9 +124,7 @@ def communication_alone(buckets: list[int], device: torch.device, args) -> float
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     group = parser.add_argument_group("what to measure")
-    group.add_argument("--model", default="resnet50", help="torchvision model (default: %(default)s)")
-    group.add_argument("--image-size", type=positive_int, default=224,
-                       help="side of the (random) input images (default: %(default)s)")
+    add_image_model_args(group, model="resnet50", image_size=224)
     group.add_argument("--bucket-cap-mb", default="1,25,100,1000",
                        help="bucket sizes to compare, MiB, comma-separated; 1000 is one bucket for most models "
                             "(default: %(default)s)")
@@ -148,13 +146,14 @@ def main(argv: list[str] | None = None) -> int:
         device, ranks = ctx.device, ctx.world_size
         placement = record_placement(device, 0)  # no DataLoader here: the batch is made on the device
         seed_everything(args.seed)
-        base = build_model(args.model, num_classes=10)
+        channels, size = input_shape(args.model, args.image_size)
+        base = build_model(args.model, num_classes=10, in_channels=channels)
         parameter_bytes = sum(p.numel() * p.element_size() for p in base.parameters() if p.requires_grad)
         generator = torch.Generator().manual_seed(args.seed + ctx.rank)
-        images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator).to(device)
+        images = torch.randn(args.batch_size, channels, size, size, generator=generator).to(device)
         labels = torch.randint(0, 10, (args.batch_size,), generator=generator).to(device)
         print0(f"overlap: {ranks} rank(s), backend {ctx.backend} | {args.model}, {format_bytes(parameter_bytes)} of "
-               f"gradients | batch {args.batch_size} per rank, {args.image_size}px | {args.steps} timed steps "
+               f"gradients | batch {args.batch_size} per rank, {size}px | {args.steps} timed steps "
                f"per setting | threads {threads}")
         print0(f"{'bucket_cap_mb':>13} {'buckets':>7} {'step (ms)':>10} {'no_sync (ms)':>13} {'exposed (ms)':>13} "
                f"{'alone (ms)':>11} {'hidden':>7}")
