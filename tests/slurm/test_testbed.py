@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from common import launch
 from helpers import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +60,7 @@ def test_two_node_job_reaches_both_nodes_and_resolves_master_addr(slurm_cluster,
     tasks = re.findall(r"task (\d) of 2 on node (n\d): MASTER_ADDR=(\S+) resolves to (\S+)", log)
     assert sorted(tasks) == [("0", "n1", "n1", "127.0.0.1"), ("1", "n2", "n1", "127.0.0.1")], log
     port = int(re.search(r"MASTER_PORT=(\d+)", log)[1])
-    assert port == 20000 + (job_id * 16) % 10000  # the formula common/launch.py uses too
+    assert port == launch.port_from_job(job_id)  # the job header and common/launch.py agree
 
 
 def test_reservation_and_account_reach_the_job(slurm_cluster, hello_jobs):
@@ -127,3 +128,52 @@ def test_testbed_status_env_and_refusal_to_start_twice(slurm_cluster):
     again = subprocess.run([str(TESTBED), "start", "--dir", directory], capture_output=True, text=True)
     assert again.returncode == 1
     assert "already running" in again.stderr
+
+
+#: Both jobs hold their process group until the other one has its own: rendezvous at the same time.
+RENDEZVOUS_PROBE = """
+import os, pathlib, sys, time
+from common.distributed import all_reduce_sum, init_distributed, teardown_distributed
+ctx = init_distributed("cpu")
+total = all_reduce_sum(ctx.rank + 1)  # 1 + 2 with two ranks of this job, whatever the other job does
+meeting = pathlib.Path(sys.argv[1])
+if ctx.is_main:
+    (meeting / os.environ["SLURM_JOB_ID"]).touch()
+deadline = time.monotonic() + 120
+while len(list(meeting.iterdir())) < 2 and time.monotonic() < deadline:
+    time.sleep(0.2)
+both = len(list(meeting.iterdir())) == 2
+teardown_distributed(ctx)
+print(f"rank {ctx.rank}: world {ctx.world_size}, port {ctx.launch.master_port}, sum {total:.0f},"
+      f" other job seen {both}", flush=True)
+sys.exit(0 if both and total == 3 else 1)
+"""
+
+
+def test_two_multi_process_jobs_on_one_node_at_once_both_finish(slurm_cluster, tmp_path):
+    """Two 2-rank jobs on node n1 with their process groups up at the same time both complete.
+
+    Their ids are 625 apart (``sbatch --jobid``, root only): under the old formula, 20000 + (job id
+    x 16) mod 10000, such jobs got the same MASTER_PORT, and the second one could not rendezvous.
+    """
+    probe = tmp_path / "rendezvous.py"
+    probe.write_text(RENDEZVOUS_PROBE)
+    meeting = tmp_path / "meeting"
+    meeting.mkdir()
+    script = tmp_path / "rendezvous.sbatch"
+    script.write_text("#!/bin/bash\n"
+                      "#SBATCH --nodes=1 --ntasks=2 --nodelist=n1 --time=00:05:00\n"
+                      "set -euo pipefail\n"
+                      "source slurm/lib/job_header.sh\n"
+                      f"srun --kill-on-bad-exit=1 python {probe} {meeting}\n")
+    first = 90_000  # far above the ids the test cluster hands out by itself
+    env = {"PYTHONPATH": str(REPO_ROOT), "HPC_DL_LABS_DIST_TIMEOUT": "60"}
+    jobs = [slurm_cluster.submit(script, f"--jobid={job_id}", env=env) for job_id in (first, first + 625)]
+    assert jobs == [first, first + 625]
+    results = [slurm_cluster.wait(job_id, timeout=240) for job_id in jobs]
+    logs = [slurm_cluster.output(job_id) for job_id in jobs]
+    for result, log in zip(results, logs):
+        assert result.ok, f"{result}\n{log[-3000:]}"
+        assert sorted(re.findall(r"rank (\d): world 2, port \d+, sum 3, other job seen True", log)) == ["0", "1"], log
+    ports = [int(re.search(r"MASTER_PORT=(\d+)", log)[1]) for log in logs]
+    assert ports == [launch.port_from_job(job_id) for job_id in jobs] and ports[0] != ports[1]
