@@ -1,9 +1,9 @@
 """Render a course sbatch template for one cluster ("site"): a file ready to submit, in one step.
 
-    python scripts/render_sbatch.py --site lanta slurm/testbed/examples/hello.sbatch.j2 -o hello.sbatch
+    python scripts/render_sbatch.py --site lanta slurm/examples/hello.sbatch.j2 -o hello.sbatch
     python scripts/render_sbatch.py --site lanta TEMPLATE.j2 --set account=lt200123 --set nodes=2
     python scripts/render_sbatch.py --list-sites
-    python scripts/render_sbatch.py --all-sites build/sbatch labs chapters slurm/testbed/examples
+    python scripts/render_sbatch.py --all-sites build/sbatch labs chapters slurm/examples
     python scripts/render_sbatch.py --write-committed   # refresh the plain .sbatch files in the repository
     sbatch hello.sbatch          # from the repository root: jobs start where sbatch was called
 
@@ -679,47 +679,6 @@ def render_all(paths: Sequence[Path], out_dir: Path, settings: dict[str, Any],
     return entries, errors
 
 
-def testbed_resources(sites: dict[str, Site]) -> dict[str, str]:
-    """What the test cluster's nodes must claim so every site's partitions, GPUs and limits fit."""
-    partitions: list[str] = []
-    gpus: dict[str, int] = {}
-    features: list[str] = []
-    reservations: list[str] = []
-    cpus = mem_mb = 1
-    untyped_gpus = 0
-    ordered = sorted(sites.values(), key=lambda site: site.name != "generic")  # generic's 'cpu' first
-    for site in ordered:
-        for kind in ("cpu", "gpu"):
-            if site.default_partitions[kind] not in partitions:
-                partitions.append(site.default_partitions[kind])
-        for part in site.partitions.values():
-            if part.name not in partitions:
-                partitions.append(part.name)
-            cpus = max(cpus, part.cpus_per_node)
-            if part.mem_per_node:
-                mem_mb = max(mem_mb, memory_to_mb(part.mem_per_node))
-            for model in part.gpu_types:
-                gpus[model] = max(gpus.get(model, 0), part.gpus_per_node)
-            if not part.gpu_types:
-                untyped_gpus = max(untyped_gpus, part.gpus_per_node)
-            for name in (*part.features, *part.gpu_types):
-                if name not in features:
-                    features.append(name)
-        if site.reservation and site.reservation not in reservations:
-            reservations.append(site.reservation)
-    if untyped_gpus and sum(gpus.values()) < untyped_gpus:
-        first = next(iter(gpus), "a100")
-        gpus[first] = max(gpus.get(first, 0), untyped_gpus)
-    return {
-        "partitions": ",".join(partitions),
-        "gpus": ",".join(f"{model}:{count}" for model, count in gpus.items()),
-        "features": ",".join(features),
-        "reservations": ",".join(reservations),
-        "cpus": str(cpus),
-        "mem_mb": str(mem_mb),
-    }
-
-
 # ---------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -743,9 +702,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="refresh the committed renderings (" + ", ".join(
                             f"{t.removesuffix(TEMPLATE_SUFFIX)} for {s}" for t, s in COMMITTED_RENDERINGS.items())
                         + ") (default: off)")
-    parser.add_argument("--testbed-resources", action="store_true",
-                        help="print what the test cluster's nodes must claim for every site, as key=value "
-                             "lines (used by slurm/testbed/testbed.sh) (default: off)")
     return parser
 
 
@@ -761,10 +717,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.write_committed:
         for path in write_committed():
             print(f"wrote {_display(path)}")
-        return 0
-    if args.testbed_resources:
-        for key, value in testbed_resources(load_sites()).items():
-            print(f"{key}={value}")
         return 0
     settings = parse_settings(args.settings)
     if args.all_sites is not None:

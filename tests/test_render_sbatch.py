@@ -23,7 +23,7 @@ from helpers import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "render_sbatch.py"
-HELLO = REPO_ROOT / "slurm" / "testbed" / "examples" / "hello.sbatch.j2"
+HELLO = REPO_ROOT / "slurm" / "examples" / "hello.sbatch.j2"
 
 
 
@@ -287,7 +287,7 @@ def test_impossible_requests_fail_with_one_clear_line(site, settings, expected):
     message = str(raised.value)
     assert expected in message
     assert "\n" not in message
-    assert message.startswith("slurm/testbed/examples/hello.sbatch.j2 for site ")
+    assert message.startswith("slurm/examples/hello.sbatch.j2 for site ")
 
 
 def test_command_line_error_is_one_line_and_exit_2(tmp_path):
@@ -406,20 +406,6 @@ def test_a_template_may_name_the_sites_it_is_for(tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert [entry["site"] for entry in manifest] == ["sjtu-pi"]
     assert "#SBATCH --gres=gpu:16 " in (out / manifest[0]["script"]).read_text()
-
-
-def test_testbed_resources_cover_every_site():
-    resources = rs.testbed_resources(rs.load_sites())
-    partitions = resources["partitions"].split(",")
-    gpus = dict(item.split(":") for item in resources["gpus"].split(","))
-    for site in rs.load_sites().values():
-        for partition in site.partitions.values():
-            assert partition.name in partitions
-            assert partition.cpus_per_node <= int(resources["cpus"])
-            for model in partition.gpu_types:
-                assert int(gpus[model]) >= partition.gpus_per_node
-        if site.reservation:
-            assert site.reservation in resources["reservations"].split(",")
 
 
 # -- shell pieces --------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -25,6 +24,7 @@ import pytest
 
 from common.results import load_records
 from helpers import load_script
+from testbed import SbatchRejected, Submission
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_FOLDERS = [REPO_ROOT / "chapters", REPO_ROOT / "labs"]
@@ -82,7 +82,8 @@ def template_jobs(slurm_cluster, tmp_path_factory) -> dict[str, RenderedJob]:
         script = out_dir / key
         results_dir = runs / key / "results"
         env = {"RESULTS_DIR": str(results_dir), "CHECKPOINT_DIR": str(runs / key / "checkpoints")}
-        submissions.append(slurm_cluster_submission(key, script, env, processes_of(entry["job"], script.read_text())))
+        submissions.append(Submission(key=key, script=script, env=env,
+                                      weight=processes_of(entry["job"], script.read_text())))
         jobs[key] = (entry, script, results_dir)
     submissions.sort(key=lambda sub: -sub.weight)  # the heavy jobs first: no long one left at the end
     began = time.perf_counter()
@@ -90,11 +91,6 @@ def template_jobs(slurm_cluster, tmp_path_factory) -> dict[str, RenderedJob]:
     slurm_cluster.timings[f"all {len(submissions)} template jobs"] = time.perf_counter() - began
     return {key: RenderedJob(entry["site"], script, entry["job"], results_dir, results[key])
             for key, (entry, script, results_dir) in jobs.items()}
-
-
-def slurm_cluster_submission(key: str, script: Path, env: dict[str, str], weight: int):
-    submission = sys.modules["hpc_dl_labs_testbed_cluster"].Submission  # loaded by tests/slurm/conftest.py
-    return submission(key=key, script=script, env=env, weight=weight)
 
 
 def job_log(slurm_cluster, job: RenderedJob) -> str:
@@ -222,6 +218,6 @@ def test_sbatch_refuses_a_rendered_template_asking_for_a_gpu_model_no_node_has(s
     assert "#SBATCH --gres=gpu:h100:4 " in text
     script = tmp_path / "dp_4gpu.sbatch"
     script.write_text(text)
-    with pytest.raises(sys.modules["hpc_dl_labs_testbed_cluster"].SbatchRejected) as raised:
+    with pytest.raises(SbatchRejected) as raised:
         slurm_cluster.submit(script)
     assert "Requested node configuration is not available" in raised.value.stderr
