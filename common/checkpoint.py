@@ -46,45 +46,6 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
     return torch.load(path, map_location=map_location, weights_only=False)
 
 
-class Preempted(Exception):
-    """Raised inside an epoch when the run must stop (a :class:`StopSignal` arrived); carries what
-    the checkpoint needs to resume at that step: the step index and the epoch's running loss."""
-
-    def __init__(self, step: int, loss_sum: float, batches: int) -> None:
-        super().__init__(f"stopped at step {step}")
-        self.step, self.loss_sum, self.batches = step, loss_sum, batches
-
-
-def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
-                   **progress: Any) -> dict[str, Any]:
-    """What a checkpoint must hold for a resumed run to continue bitwise where this one stopped:
-    the weights, the optimiser's and scheduler's state, the GradScaler's scale, every random number
-    generator, and ``progress`` (epoch, step, losses so far: whatever the script needs)."""
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(), "rng": capture_rng_state(), **progress}
-
-
-def restore_training_state(state: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                           scheduler: Any, scaler: Any, *, needs: tuple[str, ...] = (),
-                           path: str | os.PathLike[str] = "the checkpoint") -> dict[str, Any]:
-    """Undo :func:`training_state`: load every state back in place; return the ``progress`` entries.
-
-    ``needs`` names the progress entries the caller reads: a checkpoint without them (written by an
-    older version of the script) is refused with one clear line instead of a ``KeyError``.
-    """
-    missing = [key for key in ("model", "optimizer", "scheduler", "scaler", "rng", *needs) if key not in state]
-    if missing:
-        raise UserError(f"{path} lacks {', '.join(missing)} (written by another version of this script?); "
-                        "start fresh without --resume")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
-    restore_rng_state(state["rng"])
-    return {key: value for key, value in state.items()
-            if key not in ("model", "optimizer", "scheduler", "scaler", "rng")}
-
-
 def check_same_settings(state: dict[str, Any], settings: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Refuse to resume from a checkpoint written with other ``settings`` (batch size, data set ...):
     the resumed run would silently train something else. ``state["config"]`` is what was saved."""
@@ -122,20 +83,24 @@ class StopSignal:
         return signal.Signals(self.requested).name if self.requested else None
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """Every random number generator a training step draws from (dropout, shuffling, init)."""
+def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """Every random number generator a training step draws from (dropout, shuffling, init).
+
+    On a GPU only *this process's* device's generator is kept: each rank saves its own, and a rank
+    that sees fewer GPUs than the saving rank did can still restore it.
+    """
     import random
 
     import numpy as np
 
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
                              "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
+def restore_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
     """Undo :func:`capture_rng_state`, so a resumed run draws the same numbers as an unbroken one."""
     import random
 
@@ -144,5 +109,5 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)

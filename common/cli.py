@@ -46,6 +46,43 @@ def positive_float(text: str) -> float:
     return value
 
 
+def _usable_place(path: Path, *, folder: bool) -> Path:
+    """``path`` itself if it can be written as a folder (``folder``) or a file, else an error line.
+
+    Nothing is created: the nearest existing ancestor must be a folder this process can write in
+    (tried with a temporary file that is gone at once, which also catches read-only file systems
+    and root on a read-only mount, where permission bits say nothing).
+    """
+    import tempfile
+
+    if path.exists():
+        if folder and not path.is_dir():
+            raise argparse.ArgumentTypeError(f"{path} exists and is not a folder")
+        if not folder and path.is_dir():
+            raise argparse.ArgumentTypeError(f"{path} is a folder, expected a file path")
+    ancestor = path if folder and path.is_dir() else path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot create {path}: {ancestor} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot write under {ancestor} ({err.strerror or err})") from None
+    return path
+
+
+def output_dir(text: str) -> Path:
+    """argparse type: a folder the run can write into (checked before anything runs; nothing created)."""
+    return _usable_place(Path(text).expanduser(), folder=True)
+
+
+def output_file(text: str) -> Path:
+    """argparse type: a file path the run can write (checked before anything runs; nothing created)."""
+    return _usable_place(Path(text).expanduser(), folder=False)
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask, which Slurm's cgroups narrow)."""
     try:
@@ -115,7 +152,7 @@ def add_common_args(
                        help="one epoch of two steps: checks that everything runs (default: off)")
     group.add_argument("--data-dir", type=Path, default=Path(data_dir),
                        help="folder holding downloaded data sets (default: %(default)s)")
-    group.add_argument("--results-dir", type=Path, default=Path(results_dir),
+    group.add_argument("--results-dir", type=output_dir, default=results_dir,
                        help="folder where the result record is written (default: %(default)s)")
     workers = default_num_workers() if num_workers is None else num_workers
     group.add_argument("--num-workers", type=non_negative_int, default=workers,

@@ -22,10 +22,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
 
 from common.errors import UserError
 
@@ -214,3 +214,82 @@ def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool, distributed
                         num_workers=num_workers, pin_memory=pin_memory, drop_last=drop_last,
                         generator=generator, **loader_kwargs)
     return loader, sampler
+
+
+def set_loader_epoch(loader: DataLoader, epoch: int, seed: int) -> None:
+    """Seed this epoch's shuffle from its number alone, whatever the loader's sampler.
+
+    ``DistributedSampler`` and :class:`GlobalBatchSampler` take ``set_epoch``; a plain shuffled
+    loader's generator is reseeded with ``seed + epoch``. Every rank, and a run resumed from a
+    checkpoint, then sees the same order as an unbroken run (without it, every epoch of a
+    ``DistributedSampler`` repeats the first epoch's order).
+    """
+    for sampler in (loader.sampler, loader.batch_sampler):
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+            return
+    if loader.generator is not None:
+        loader.generator.manual_seed(seed + epoch)
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Yields, for every optimiser step, this rank's share of one global batch.
+
+    An epoch's order is ``randperm(num_samples)`` drawn from a generator seeded with
+    ``seed + epoch`` (as ``DistributedSampler`` does), so it depends on nothing but the seed and the
+    epoch: not on the world size, the number of DataLoader workers or what else drew random numbers.
+    The order is cut into global batches of ``global_batch_size``; rank ``r`` of ``world_size``
+    takes positions ``r, r + W, r + 2W, ...`` of each one. With ``world_size=1`` (one process, or
+    DataParallel) a rank's share is the whole global batch. So a baseline, DataParallel and DDP see
+    the same samples in the same optimiser steps, and their loss curves compare step by step
+    (``DistributedSampler`` gives each rank its own shard of the whole epoch instead).
+
+    The last, incomplete global batch is dropped: with fewer samples the ranks' shares would differ
+    in size, and DDP's gradient average (a mean of per-rank means) would no longer be the mean over
+    the global batch.
+    """
+
+    def __init__(self, num_samples: int, global_batch_size: int, *, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True, seed: int = 0) -> None:
+        if global_batch_size % world_size:
+            raise UserError(f"the global batch ({global_batch_size}) must divide evenly between "
+                            f"{world_size} processes")
+        if num_samples < global_batch_size:
+            raise UserError(f"the training set has {num_samples} samples, fewer than one global batch of "
+                            f"{global_batch_size}; use a smaller --batch-size or a larger data set")
+        self.num_samples, self.global_batch_size = num_samples, global_batch_size
+        self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
+        self.epoch = 0
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Call before every epoch: a new order each epoch, the same on every rank."""
+        self.epoch = epoch
+
+    def global_batches(self) -> list[list[int]]:
+        """The epoch's global batches, identical on every rank and in every script."""
+        if self.shuffle:
+            order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        else:
+            order = torch.arange(self.num_samples)
+        size = self.global_batch_size
+        return [order[step * size:(step + 1) * size].tolist() for step in range(self.steps_per_epoch)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in self.global_batches():
+            yield batch[self.rank::self.world_size]
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+
+def make_global_batch_loader(dataset: Dataset, global_batch_size: int, *, rank: int = 0, world_size: int = 1,
+                             seed: int = 0, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
+    """A DataLoader over :class:`GlobalBatchSampler` (each rank's share of the same global batches)."""
+    sampler = GlobalBatchSampler(len(dataset), global_batch_size, rank=rank,  # type: ignore[arg-type]
+                                 world_size=world_size, seed=seed)
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+                      persistent_workers=num_workers > 0)

@@ -92,3 +92,19 @@ def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def use_deterministic_algorithms(device: torch.device) -> None:
+    """Make a GPU run repeat itself bitwise (what a bitwise resume from a checkpoint needs).
+
+    cuDNN and cuBLAS otherwise may pick algorithms that add in a different order from run to run
+    (atomics, autotuning), so two identical runs, or a run and its resumed twin, differ by rounding.
+    ``CUBLAS_WORKSPACE_CONFIG`` must be set before the first cuBLAS call; PyTorch warns, naming the
+    operation, where one has no deterministic implementation. On a CPU, runs repeat bitwise anyway.
+    """
+    if device.type != "cuda":
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True, warn_only=True)

@@ -144,6 +144,21 @@ def teardown_distributed(ctx: DistContext | None) -> None:
         gc.collect()
 
 
+def ddp_buffer_sync(enabled: bool) -> dict[str, bool]:
+    """DDP's "copy rank 0's buffers to every rank before each forward" option, as this PyTorch names it.
+
+    Recent PyTorch renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (same meaning) and
+    warns about the old name; older releases know only the old one.
+    """
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": enabled}
+    return {"broadcast_buffers": enabled}
+
+
 def get_rank() -> int:
     """Global rank, 0 when not distributed."""
     if dist.is_available() and dist.is_initialized():
@@ -200,6 +215,19 @@ def all_reduce_sum(value: torch.Tensor | float, device: torch.device | None = No
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return float(tensor.item())
+
+
+def mean_over_ranks(values: list[float], device: torch.device | None = None) -> list[float]:
+    """Element-wise mean of a list of numbers over all ranks, in one all-reduce.
+
+    Each rank's loss is the mean over its slice of the global batch; the slices are equal in size,
+    so the mean of the ranks' losses is the loss over the global batch.
+    """
+    if not values or not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)  # Gloo has no AVG: sum, then divide
+    return (tensor / dist.get_world_size()).tolist()
 
 
 def any_rank(flag: bool, device: torch.device | None = None) -> bool:

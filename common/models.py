@@ -14,7 +14,7 @@ from torch import nn
 
 from common.errors import UserError
 
-LOCAL_MODELS = ("mnist_cnn",)
+LOCAL_MODELS = ("mnist_cnn", "plain_cnn")
 
 
 class MnistNet(nn.Module):
@@ -40,6 +40,28 @@ class MnistNet(nn.Module):
         return F.log_softmax(self.fc2(x), dim=1)
 
 
+class PlainCNN(nn.Module):
+    """Two conv + ReLU + max-pool blocks and two linear layers: no BatchNorm, no dropout.
+
+    For equivalence checks (Lab-01): BatchNorm normalises with the statistics of the batch each
+    replica sees, and dropout draws masks, so with either a replica of DataParallel or DDP computes
+    a different function than one device; without them the methods agree to floating-point
+    rounding. Any number of channels and image size: the features are pooled to a 4x4 grid.
+    """
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, width: int = 32) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.AdaptiveAvgPool2d(4), nn.Flatten(),
+        )
+        self.classifier = nn.Sequential(nn.Linear(2 * width * 16, 128), nn.ReLU(), nn.Linear(128, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
 def zoo_models() -> list[str]:
     """Names of torchvision's image classification models (``resnet18``, ``resnet50``, …)."""
     import torchvision
@@ -59,6 +81,8 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3, weights:
     """
     if name in ("mnist_cnn", "net"):
         return MnistNet(num_classes=num_classes, in_channels=in_channels)
+    if name == "plain_cnn":
+        return PlainCNN(num_classes=num_classes, in_channels=in_channels)
     zoo = zoo_models()
     if name not in zoo:
         raise UserError(f"unknown model {name!r}; valid models: {', '.join([*LOCAL_MODELS, *zoo])}")
@@ -99,3 +123,12 @@ def parameter_digest(model: nn.Module, part: str = "all") -> str:
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def replica_digests(model: nn.Module) -> dict[str, str]:
+    """SHA-256 of the parameters and, separately, of the buffers (BatchNorm running statistics).
+
+    DDP keeps parameters bitwise identical on every rank; buffers only when it broadcasts them
+    before each forward, which is why they are hashed apart.
+    """
+    return {"parameters": parameter_digest(model, "parameters"), "buffers": parameter_digest(model, "buffers")}

@@ -167,6 +167,38 @@ def provenance(device: Any = None, world_size: int = 1, extra: Mapping[str, Any]
     return prov
 
 
+def training_metrics(*, train_loss: list[float], loss_at_step: list[float], epoch_time_s: list[float],
+                     step_time: Mapping[str, Any], steps: int, epochs: int, world_size: int,
+                     memory: list[Mapping[str, Any]], global_batch_size: int | None,
+                     test_loss: float | None = None, test_accuracy: float | None = None,
+                     eval_history: Iterable[Mapping[str, Any]] = (),
+                     replica_digests: list[Mapping[str, str]] | None = None) -> dict[str, Any]:
+    """The ``metrics`` of a training run, with the names ``docs/results-schema.md`` documents.
+
+    Every training script's record is built here (through :class:`common.run.TrainingRun`), so
+    the report reads the same keys from all of them. ``samples_per_s`` is the whole job's
+    throughput (the step timer counts every rank's samples).
+    """
+    import statistics
+
+    metrics: dict[str, Any] = {
+        "train_loss": list(train_loss), "final_loss": train_loss[-1] if train_loss else None,
+        "loss_at_step": list(loss_at_step), "test_loss": test_loss, "test_accuracy": test_accuracy,
+        "eval_history": [dict(entry) for entry in eval_history],
+        "epochs": epochs, "steps": steps, "global_batch_size": global_batch_size,
+        "world_size": world_size, "devices": world_size,
+        "epoch_time_s": list(epoch_time_s),
+        "time_per_epoch_s": statistics.median(epoch_time_s) if epoch_time_s else None,
+        "samples_per_s": step_time.get("samples_per_s"), "step_time": dict(step_time),
+        "memory": [dict(entry) for entry in memory],
+    }
+    if replica_digests is not None:
+        metrics["replica_digests"] = [dict(d) for d in replica_digests]
+        metrics["parameters_identical"] = len({d["parameters"] for d in replica_digests}) == 1
+        metrics["buffers_identical"] = len({d["buffers"] for d in replica_digests}) == 1
+    return metrics
+
+
 def make_record(
     *,
     lab: str,

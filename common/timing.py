@@ -123,6 +123,11 @@ def peak_memory(device: torch.device) -> dict[str, Any]:
     return {"device": "cpu", "peak_bytes": process_peak_rss_bytes(), "source": "process_max_rss"}
 
 
+def format_rate(value: float | None, digits: int = 1) -> str:
+    """A throughput for a progress line: ``n/a`` when nothing was timed (a run shorter than its warm-up)."""
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
 def format_bytes(n: float | None) -> str:
     if n is None:
         return "n/a"

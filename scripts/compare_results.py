@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
+from common.cli import output_file
 from common.errors import run_main
 from scripts.report import build_report
 from scripts.report.render import DEFAULT_REPORT_NAME
@@ -33,9 +34,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results-dir", type=Path, default=Path("results"),
                         help="folder of result records, searched recursively (default: %(default)s)")
-    parser.add_argument("--output-report", type=Path, default=None,
+    parser.add_argument("--output-report", type=output_file, default=None,
                         help=f"HTML file to write (default: RESULTS_DIR/{DEFAULT_REPORT_NAME})")
-    parser.add_argument("--csv", type=Path, default=None,
+    parser.add_argument("--csv", type=output_file, default=None,
                         help="CSV summary to write, one row per run (default: the report's path with .csv)")
     parser.add_argument("--generate-plots", dest="plots", action="store_true", default=True,
                         help="draw throughput, memory and efficiency plots (default: on)")

@@ -2,11 +2,15 @@
 """Download the course's data sets on a LOGIN node, so jobs on compute nodes (no internet) can read them.
 
 Usage:
-    python scripts/download_data.py mnist --data-dir ~/data            # on the login node
-    python scripts/download_data.py mnist cifar10 --data-dir ~/data    # several at once
-    python scripts/download_data.py mnist --data-dir ~/data --check    # in a job: are they there?
+    python scripts/download_data.py mnist                              # on the login node, into ~/data
+    export DATA_DIR=/scratch/$USER/data    # elsewhere: then this script and the jobs use that folder
+    python scripts/download_data.py mnist --check                      # in a job: are they there?
     python chapters/ch04_deep_learning/mnist_training.py --dataset mnist --data-dir ~/data
     (a login-node tool: no torchrun or sbatch form, since compute nodes cannot download)
+
+The default folder is the course's one data setting: ``$DATA_DIR`` when set, else ``~/data``. The
+sbatch jobs read the same (``slurm/lib/job_header.sh`` exports ``DATA_DIR`` with that default), so
+what you download here is what the jobs find; ``export DATA_DIR=...`` moves both.
 
 This is the only code in the repository that downloads anything: the training scripts read
 ``--data-dir`` and stop with a message naming this script when a data set is missing. Put the data on
@@ -21,6 +25,7 @@ reads what is there without touching the network and exits non-zero when somethi
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -78,15 +83,20 @@ def download(name: str, data_dir: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)  # the archives and anything half-fetched
 
 
+def default_data_dir() -> Path:
+    """``$DATA_DIR``, else ``~/data``: the folder the course's sbatch jobs read (job_header.sh)."""
+    return Path(os.environ.get("DATA_DIR") or Path.home() / "data")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     one_line_errors(parser)  # a bad flag is one "error: ..." line, like every course script
     parser.add_argument("datasets", nargs="+", choices=sorted(DATASETS), metavar="DATASET",
                         help=f"data sets to fetch: {', '.join(sorted(DATASETS))}")
-    parser.add_argument("--data-dir", type=Path, default=Path("data"),
-                        help="folder to put them in; pass the same folder to the training scripts "
-                             "(default: %(default)s)")
+    parser.add_argument("--data-dir", type=Path, default=default_data_dir(),
+                        help="folder to put them in; the sbatch jobs read $DATA_DIR, else ~/data, and the "
+                             "training scripts take it as --data-dir (default: %(default)s)")
     parser.add_argument("--check", action="store_true",
                         help="only verify that the data sets are there; never downloads (default: off)")
     return parser

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -44,6 +45,24 @@ def run_main(relpath: str, argv: list[str]) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     return 0
+
+
+def code_diff(path_a: str, path_b: str) -> list[str]:
+    """The code lines that differ between two scripts (``-`` only in ``a``, ``+`` only in ``b``).
+
+    Module docstrings and blank lines are left out: what remains is what a student sees when they
+    diff a lesson script against the next one, and that should be the lesson and little else.
+    """
+    import ast
+    import difflib
+
+    def code(relpath: str) -> list[str]:
+        source = (REPO / relpath).read_text()
+        docstring_end = ast.parse(source).body[0].end_lineno
+        return [line for line in source.splitlines()[docstring_end:] if line.strip()]
+
+    return [line for line in difflib.unified_diff(code(path_a), code(path_b), lineterm="", n=0)
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
 
 
 def wait_for(condition, timeout: float, what: str, poll: float = 0.1):
@@ -93,3 +112,14 @@ def run_script(relpath: str, *args: str, cwd: Path | None = None, timeout: float
 def torchrun(nproc: int) -> list[str]:
     """argv prefix for ``torchrun --standalone --nproc_per_node=N`` with this interpreter."""
     return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def write_tiny_mnist(root: Path, train: int = 12, test: int = 5) -> None:
+    """MNIST/raw/ in the IDX format torchvision reads (magic 2051 images, 2049 labels, big-endian)."""
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for prefix, count in (("train", train), ("t10k", test)):
+        pixels = bytes((i * 7) % 256 for i in range(count * 28 * 28))
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, count, 28, 28) + pixels)
+        labels = bytes(i % 10 for i in range(count))
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, count) + labels)

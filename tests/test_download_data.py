@@ -8,12 +8,11 @@ and the training side's "data missing" error names this script.
 from __future__ import annotations
 
 import socket
-import struct
 from pathlib import Path
 
 import pytest
 
-from helpers import run_main
+from helpers import run_main, write_tiny_mnist
 
 SCRIPT = "scripts/download_data.py"
 
@@ -30,17 +29,6 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket, "getaddrinfo", refuse)
     monkeypatch.setattr(socket.socket, "connect", refuse)
     return attempts
-
-
-def write_tiny_mnist(root: Path, train: int = 12, test: int = 5) -> None:
-    """MNIST/raw/ in the IDX format torchvision reads (magic 2051 images, 2049 labels, big-endian)."""
-    raw = root / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    for prefix, count in (("train", train), ("t10k", test)):
-        pixels = bytes((i * 7) % 256 for i in range(count * 28 * 28))
-        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, count, 28, 28) + pixels)
-        labels = bytes(i % 10 for i in range(count))
-        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, count) + labels)
 
 
 def test_check_on_an_empty_folder_fails_clearly_without_network(tmp_path, no_network, capsys):

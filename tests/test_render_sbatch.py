@@ -1,4 +1,4 @@
-"""scripts/render_sbatch.py and slurm/lib/job_header.sh, without Slurm.
+"""scripts/render_sbatch.py (common/sites.py, scripts/sbatch_render/) and slurm/lib/job_header.sh, without Slurm.
 
 Every site profile loads; every template in the repository renders for every site and keeps the
 template contract (comments on every #SBATCH line, the job header, srun --kill-on-bad-exit=1,
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -21,16 +22,16 @@ from pathlib import Path
 import pytest
 from helpers import load_script
 
+from common import sites
+from common.errors import UserError
+from scripts.sbatch_render import jobs, rendering
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "render_sbatch.py"
 HELLO = REPO_ROOT / "slurm" / "examples" / "hello.sbatch.j2"
 
-
-
-
-rs = load_script("scripts/render_sbatch.py")
-UserError = rs.UserError
-SITES = rs.site_names()
+rs = load_script("scripts/render_sbatch.py")  # the command line
+SITES = sites.site_names()
 
 
 def repository_templates() -> list[Path]:
@@ -40,7 +41,7 @@ def repository_templates() -> list[Path]:
 
 
 def render_text(template: Path, site: str, *settings: str) -> str:
-    text, _ = rs.render(rs.read_template(template), rs.find_site(site), rs.parse_settings(settings))
+    text, _ = rendering.render(jobs.read_template(template), sites.find_site(site), jobs.parse_settings(settings))
     return text
 
 
@@ -58,25 +59,25 @@ def test_the_seed_sites_and_generic_exist():
 
 @pytest.mark.parametrize("name", SITES)
 def test_site_profile_is_consistent(name):
-    site = rs.find_site(name)
+    site = sites.find_site(name)
     gpu = site.partitions[site.default_partitions["gpu"]]
     assert gpu.gpus_per_node >= 1 and gpu.cpus_per_gpu >= 1
     assert gpu.cpus_per_gpu * gpu.gpus_per_node <= gpu.cpus_per_node
-    assert rs.time_to_seconds(site.max_time) >= 3600
+    assert sites.time_to_seconds(site.max_time) >= 3600
     assert site.setup, "a site says how jobs get Python (setup lines)"
     if site.account_required:
         assert site.account
 
 
 def test_seed_facts_are_in_the_profiles():
-    lanta = rs.find_site("lanta")
+    lanta = sites.find_site("lanta")
     assert lanta.partitions["gpu"].gpu_types == ("a100",) and lanta.partitions["gpu"].gpu_memory == "40G"
     assert lanta.account_required
-    pi, siyuan = rs.find_site("sjtu-pi"), rs.find_site("sjtu-siyuan")
+    pi, siyuan = sites.find_site("sjtu-pi"), sites.find_site("sjtu-siyuan")
     assert pi.partitions["dgx2"].gpu_types == ("v100",) and pi.partitions["dgx2"].cpus_per_gpu == 6
     assert siyuan.partitions["a100"].cpus_per_gpu == 6
     assert "module load miniconda3" in pi.setup and "module use /dssg/share/imgs/" in siyuan.setup
-    carc = rs.find_site("carc-discovery")
+    carc = sites.find_site("carc-discovery")
     assert carc.default_partitions["gpu"] == "gpu" and carc.account and carc.reservation
 
 
@@ -91,7 +92,7 @@ def test_a_broken_profile_is_reported_with_its_file(tmp_path):
     (tmp_path / "bad.yaml").write_text("name: bad\nmax_time: '1:00:00'\ndefault_partitions: {cpu: c, gpu: g}\n"
                                        "partitions:\n  c: {cpus_per_node: 4}\n  g: {cpus_per_node: 4, gpus_per_node: 2}\n")
     with pytest.raises(UserError, match=r"bad\.yaml: partitions\.g: a partition with GPUs needs cpus_per_gpu"):
-        rs.load_sites(tmp_path)
+        sites.load_sites(tmp_path)
 
 
 # -- rendering -----------------------------------------------------------------------------------
@@ -99,7 +100,7 @@ def test_a_broken_profile_is_reported_with_its_file(tmp_path):
 @pytest.mark.parametrize("site", SITES)
 def test_hello_renders_for_every_site(site, tmp_path):
     text = render_text(HELLO, site)
-    profile = rs.find_site(site)
+    profile = sites.find_site(site)
     partition = profile.partitions[profile.default_partitions["gpu"]]
     assert text.startswith("#!/bin/bash\n")
     assert "{#" not in text and "{{" not in text
@@ -119,7 +120,7 @@ def test_hello_renders_for_every_site(site, tmp_path):
 
 @pytest.mark.parametrize("template", repository_templates(), ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_every_repository_template_renders_for_every_site_and_keeps_the_contract(template):
-    only = rs.read_template(template).request.get("sites")
+    only = jobs.read_template(template).request.get("sites")
     for site in SITES if only is None else only:
         try:
             text = render_text(template, site)
@@ -163,30 +164,30 @@ def test_the_training_templates_are_the_ones_that_resume():
                          "labs/lab01_dp_vs_ddp/sbatch/ddp_torchrun_4gpu.sbatch.j2"]
 
 
-@pytest.mark.parametrize("template", sorted(rs.COMMITTED_RENDERINGS))
+@pytest.mark.parametrize("template", sorted(rendering.COMMITTED_RENDERINGS))
 def test_committed_renderings_equal_a_fresh_rendering(template):
     """`sbatch sbatch/single_gpu.sbatch` needs a plain file; it must never drift from its template.
     Refresh with: python scripts/render_sbatch.py --write-committed"""
-    committed = rs.committed_path(template)
-    assert committed.read_text() == rs.committed_text(template), (
+    committed = rendering.committed_path(template)
+    assert committed.read_text() == rendering.committed_text(template), (
         f"{committed.relative_to(REPO_ROOT)} differs from {template} rendered for "
-        f"{rs.COMMITTED_RENDERINGS[template]}: run python scripts/render_sbatch.py --write-committed")
+        f"{rendering.COMMITTED_RENDERINGS[template]}: run python scripts/render_sbatch.py --write-committed")
     assert os.access(committed, os.X_OK)
     lines = committed.read_text().splitlines(keepends=True)
     assert lines[1].startswith("# Generated from ") and "--write-committed" in lines[1]
-    assert "".join(lines[:1] + lines[3:]) == render_text(REPO_ROOT / template, rs.COMMITTED_RENDERINGS[template])
+    assert "".join(lines[:1] + lines[3:]) == render_text(REPO_ROOT / template, rendering.COMMITTED_RENDERINGS[template])
 
 
 def test_write_committed_writes_them(tmp_path, monkeypatch):
-    monkeypatch.setattr(rs, "REPO_ROOT", tmp_path)
-    for template in rs.COMMITTED_RENDERINGS:  # the templates, copied into a scratch repository
+    monkeypatch.setattr(rendering, "REPO_ROOT", tmp_path)
+    for template in rendering.COMMITTED_RENDERINGS:  # the templates, copied into a scratch repository
         (tmp_path / template).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / template).write_text((REPO_ROOT / template).read_text())
     (tmp_path / "slurm" / "lib").mkdir(parents=True)
     (tmp_path / "slurm" / "lib" / "preemptible_step.j2").write_text(
         (REPO_ROOT / "slurm" / "lib" / "preemptible_step.j2").read_text())
     assert rs.main(["--write-committed"]) == 0
-    for template in rs.COMMITTED_RENDERINGS:
+    for template in rendering.COMMITTED_RENDERINGS:
         written = tmp_path / template.removesuffix(".j2")
         assert written.read_text() == (REPO_ROOT / template.removesuffix(".j2")).read_text()
 
@@ -202,13 +203,13 @@ def test_lab03_a100_and_dgx2_templates_differ_only_in_the_gpu():
 
     a100, dgx2 = commands("a100.sbatch.j2"), commands("dgx2.sbatch.j2")
     assert [line.replace("v100", "a100") for line in dgx2] == a100
-    assert rs.read_template(folder / "dgx2.sbatch.j2").request["gpu_type"] == "v100"
-    assert rs.read_template(folder / "a100.sbatch.j2").request["gpu_type"] == "a100"
+    assert jobs.read_template(folder / "dgx2.sbatch.j2").request["gpu_type"] == "v100"
+    assert jobs.read_template(folder / "a100.sbatch.j2").request["gpu_type"] == "a100"
 
 
 def test_one_task_per_gpu_follows_the_gpu_count():
     template = REPO_ROOT / "chapters" / "ch04_deep_learning" / "sbatch" / "multi_gpu.sbatch.j2"
-    assert rs.read_template(template).request["ntasks_per_node"] == "gpus"
+    assert jobs.read_template(template).request["ntasks_per_node"] == "gpus"
     text = render_text(template, "lanta", "gpus_per_node=2")
     assert "#SBATCH --ntasks-per-node=2 " in text and "#SBATCH --gres=gpu:2 " in text
     assert "#SBATCH --cpus-per-task=16 " in text  # each task keeps one GPU's share of the node
@@ -240,10 +241,10 @@ def test_cpu_jobs_use_the_cpu_partition_and_no_gres(tmp_path):
 
 
 def test_base_60_looking_times_stay_text():
-    assert rs.parse_settings(["time=10:00"]) == {"time": "10:00"}
-    assert rs.time_to_seconds("10:00") == 600
-    assert rs.time_to_seconds("1-02:00") == 26 * 3600
-    assert rs.time_to_seconds("00:05:00") == 300
+    assert jobs.parse_settings(["time=10:00"]) == {"time": "10:00"}
+    assert sites.time_to_seconds("10:00") == 600
+    assert sites.time_to_seconds("1-02:00") == 26 * 3600
+    assert sites.time_to_seconds("00:05:00") == 300
 
 
 def test_preamble_finds_the_repository_root_from_a_folder_inside_it(tmp_path):
@@ -351,13 +352,13 @@ def test_template_without_job_block_is_refused(tmp_path):
     template = tmp_path / "plain.sbatch.j2"
     template.write_text("#!/bin/bash\necho hi\n")
     with pytest.raises(UserError, match="must start with its job block"):
-        rs.read_template(template)
+        jobs.read_template(template)
 
 
 def test_unknown_job_block_key_is_refused(tmp_path):
     template = write_template(tmp_path, "", "job:\n  gpus: 2\n")
     with pytest.raises(UserError, match=r"unknown key\(s\) gpus"):
-        rs.read_template(template)
+        jobs.read_template(template)
 
 
 def test_syntax_error_names_the_line(tmp_path):
@@ -454,36 +455,212 @@ def test_job_header_device_can_be_forced():
     assert "RESULT cuda" in done.stdout
 
 
+def node_tools(tmp_path: Path, gpus: int | None) -> str:
+    """A PATH holding only what the header runs, plus a stand-in nvidia-smi listing ``gpus`` GPUs
+    as the real one prints them (none at all when ``gpus`` is None)."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("hostname", "date", "grep", "sort", "nproc"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    if gpus is not None:
+        fake = tools / "nvidia-smi"
+        fake.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-5d1e-{i})'\n"
+                                                for i in range(gpus)))
+        fake.chmod(0o755)
+    return str(tools)
+
+
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
         ({}, "cuda"),                                                # outside Slurm: every GPU
         ({"CUDA_VISIBLE_DEVICES": "0,1"}, "cuda"),
-        ({"CUDA_VISIBLE_DEVICES": "GPU-5d1e-b"}, "cuda"),            # Slurm may hand out UUIDs
-        ({"CUDA_VISIBLE_DEVICES": "1,2"}, "cpu"),                    # index 2 is no real GPU (test cluster)
+        ({"CUDA_VISIBLE_DEVICES": "GPU-5d1e-1"}, "cuda"),            # Slurm may hand out UUIDs
+        ({"CUDA_VISIBLE_DEVICES": "1,2"}, "cpu"),                    # index 2 is no GPU of this machine
         ({"CUDA_VISIBLE_DEVICES": ""}, "cpu"),
         ({"SLURM_JOB_ID": "7"}, "cpu"),                              # a job without a GPU allocation
         ({"SLURM_JOB_ID": "7", "CUDA_VISIBLE_DEVICES": "0"}, "cuda"),
     ],
 )
-def test_job_header_trusts_only_gpus_nvidia_smi_lists(tmp_path, env, expected):
-    """A stand-in nvidia-smi that lists two GPUs, as the real one prints them."""
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\n"
-                    "echo 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-5d1e-a)'\n"
-                    "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-5d1e-b)'\n")
-    fake.chmod(0o755)
-    path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
-    done = run_header({"PATH": path, **env}, 'echo "RESULT $DEVICE"')
+def test_job_header_without_a_gpu_allocation_takes_the_gpus_nvidia_smi_lists(tmp_path, env, expected):
+    done = run_header({"PATH": node_tools(tmp_path, gpus=2), **env}, 'echo "RESULT $DEVICE"')
     assert done.returncode == 0, done.stderr
     assert f"RESULT {expected}" in done.stdout
 
 
-def test_job_header_without_nvidia_smi_is_cpu(tmp_path):
-    tools = tmp_path / "bin"  # a PATH holding only what the header runs, and no nvidia-smi
-    tools.mkdir()
-    for tool in ("hostname", "date", "grep", "sort", "nproc"):
-        (tools / tool).symlink_to(shutil.which(tool))
-    done = run_header({"PATH": str(tools), "CUDA_VISIBLE_DEVICES": "0"}, 'echo "RESULT $DEVICE"')
+def test_job_header_without_nvidia_smi_or_allocation_is_cpu(tmp_path):
+    done = run_header({"PATH": node_tools(tmp_path, gpus=None), "CUDA_VISIBLE_DEVICES": "0"}, 'echo "RESULT $DEVICE"')
     assert done.returncode == 0, done.stderr
     assert "RESULT cpu" in done.stdout
+
+
+GPU_JOB = {"SLURM_JOB_ID": "7", "SLURM_GPUS_ON_NODE": "2"}
+
+
+@pytest.mark.parametrize(
+    ("gpus", "env", "warning"),
+    [
+        (None, {**GPU_JOB, "CUDA_VISIBLE_DEVICES": "0,1"}, "nvidia-smi is not on PATH"),
+        (0, {**GPU_JOB, "CUDA_VISIBLE_DEVICES": "0,1"}, "nvidia-smi lists no GPU"),
+        (1, {**GPU_JOB, "CUDA_VISIBLE_DEVICES": "0,1"}, "CUDA_VISIBLE_DEVICES=0,1 names GPUs nvidia-smi does not list"),
+        (None, GPU_JOB, "nvidia-smi is not on PATH"),                # and CUDA_VISIBLE_DEVICES unset
+        (2, GPU_JOB, None),                                          # unset: every GPU of the node
+        (2, {**GPU_JOB, "CUDA_VISIBLE_DEVICES": "1"}, None),
+        (None, {"SLURM_JOB_ID": "7", "SLURM_JOB_GPUS": "3"}, "nvidia-smi is not on PATH"),  # older Slurm
+    ],
+)
+def test_job_header_asks_for_cuda_whenever_slurm_allocated_gpus(tmp_path, gpus, env, warning):
+    """A job with GPUs never turns into a CPU run that looks like a GPU result: it asks for cuda, and
+    a GPU PyTorch cannot use stops the training with one error line (--device cuda)."""
+    done = run_header({"PATH": node_tools(tmp_path, gpus), **env}, 'echo "RESULT $DEVICE"')
+    assert done.returncode == 0, done.stderr
+    assert "RESULT cuda" in done.stdout and "DEVICE=cuda" in done.stdout
+    notes = [line for line in done.stdout.splitlines() if line.startswith("== warning:")]
+    if warning is None:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and warning in notes[0] and "the training stops with an error" in notes[0], notes
+
+
+def test_fake_gpus_switch_runs_a_gpu_job_on_the_cpu_and_says_so(tmp_path):
+    """The test cluster's GPUs are device files with nothing behind them: it sets HPC_DL_LABS_FAKE_GPUS=1."""
+    env = {"PATH": node_tools(tmp_path, gpus=None), **GPU_JOB, "CUDA_VISIBLE_DEVICES": "0,1"}
+    done = run_header({**env, "HPC_DL_LABS_FAKE_GPUS": "1"}, 'echo "RESULT $DEVICE"')
+    assert done.returncode == 0, done.stderr
+    assert "RESULT cpu" in done.stdout
+    assert "== note: HPC_DL_LABS_FAKE_GPUS=1 (the test cluster): the allocated GPU(s) are not real; running on the CPU" \
+        in done.stdout
+    forced = run_header({**env, "HPC_DL_LABS_DEVICE": "cpu"}, 'echo "RESULT $DEVICE"')
+    assert "RESULT cpu" in forced.stdout and "== warning" not in forced.stdout
+
+
+# -- the committed Chapter 4 jobs, as the seed's commands submit them ----------------------------
+
+def job_root(tmp_path: Path) -> Path:
+    """A repository root with what a job's preamble runs (the job header, pytorch.sh) and no .venv."""
+    root = tmp_path / "repo"
+    for relative in ("slurm/lib/job_header.sh", "slurm/module-loads/pytorch.sh"):
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO_ROOT / relative, root / relative)
+    return root
+
+
+def stand_ins(folder: Path, *, python: bool | None) -> Path:
+    """``srun`` that prints which python it would start and its arguments, and (unless None) a
+    ``python`` that answers pytorch.sh's "is torch importable?" with yes or no."""
+    folder.mkdir(parents=True)
+    (folder / "srun").write_text('#!/bin/sh\necho "SRUN $(command -v python) $*"\n')
+    if python is not None:
+        (folder / "python").write_text(f"#!/bin/sh\nexit {0 if python else 1}\n")
+    for tool in folder.iterdir():
+        tool.chmod(0o755)
+    return folder
+
+
+def run_committed_job(name: str, tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``bash <committed sbatch> ARGS`` as a job would run it (SLURM_JOB_ID set, one GPU allocated,
+    the test cluster's fake-GPU switch), from a repository root without .venv, in ``env``."""
+    clean = {key: value for key, value in os.environ.items()
+             if not key.startswith(("SLURM_", "HPC_DL_LABS_", "MASTER_", "CUDA_", "CONDA", "VIRTUAL_ENV", "DATA_DIR"))}
+    job = {"SLURM_JOB_ID": "41", "SLURM_JOB_NAME": name, "SLURM_GPUS_ON_NODE": "1", "HPC_DL_LABS_FAKE_GPUS": "1",
+           "HOME": str(tmp_path / "home"), "HPC_DL_LABS_ROOT": str(job_root(tmp_path))}
+    script = REPO_ROOT / "chapters" / "ch04_deep_learning" / "sbatch" / f"{name}.sbatch"
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, cwd=tmp_path,
+                          env={**clean, **job, **env}, timeout=60)
+
+
+@pytest.mark.parametrize("name", ["single_gpu", "multi_gpu"])
+@pytest.mark.parametrize("environment", ["conda", "venv", "module"])
+def test_committed_chapter4_jobs_run_in_the_environment_the_user_has_active(tmp_path, name, environment):
+    """Seed 000: `source slurm/module-loads/pytorch.sh`, then `sbatch sbatch/single_gpu.sbatch`.
+    Slurm passes the submitting shell's environment to the job: a conda environment, a venv or a
+    module's python must be what the job runs, with or without the repository's .venv."""
+    active = stand_ins(tmp_path / "env" / "bin", python=True)
+    env = {"PATH": f"{active}:/usr/bin:/bin"}
+    if environment == "conda":
+        env.update(CONDA_PREFIX=str(active.parent), CONDA_DEFAULT_ENV="mine")
+    elif environment == "venv":
+        env.update(VIRTUAL_ENV=str(active.parent))
+    else:
+        env.update(HPC_DL_LABS_MODULES="pytorch/2.4")  # no `module` command here: a note, and the python stays
+    done = run_committed_job(name, tmp_path, env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    launches = [line for line in done.stdout.splitlines() if line.startswith("SRUN ")]
+    assert launches and all(line.startswith(f"SRUN {active / 'python'} ") for line in launches), done.stdout
+
+
+def test_committed_job_falls_back_to_the_repository_venv_and_stops_without_any_python(tmp_path):
+    bare = stand_ins(tmp_path / "bin", python=False)  # a python without PyTorch, like the system's
+    venv = job_root(tmp_path) / ".venv" / "bin"
+    stand_ins(venv, python=True)
+    (venv / "activate").write_text(f'export PATH="{venv}:$PATH"\n')
+    done = run_committed_job("single_gpu", tmp_path, {"PATH": f"{bare}:/usr/bin:/bin"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SRUN {venv / 'python'} --kill-on-bad-exit=1 python chapters/ch04_deep_learning/mnist_training.py" \
+        in done.stdout
+    shutil.rmtree(venv.parent)
+    done = run_committed_job("single_gpu", tmp_path, {"PATH": f"{bare}:/usr/bin:/bin"})
+    assert done.returncode == 1 and "SRUN" not in done.stdout
+    assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: pytorch.sh: no python with PyTorch (python is {bare / 'python'}); activate your environment before "
+        "sbatch (mamba env create -f environments/ml-gpu.yaml, or load your site's PyTorch module, or bash "
+        "scripts/bootstrap.sh)"]
+
+
+def readme_download_folder(home: Path, monkeypatch) -> Path:
+    """Where the Chapter 4 README's download command puts MNIST for a user whose home is ``home``."""
+    readme = (REPO_ROOT / "chapters" / "ch04_deep_learning" / "README.md").read_text()
+    (line,) = [line for line in readme.splitlines() if "download_data.py mnist" in line and line.startswith("python")]
+    words = shlex.split(line, comments=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("DATA_DIR", raising=False)
+    args = load_script("scripts/download_data.py").build_parser().parse_args(words[2:])
+    return args.data_dir.expanduser()
+
+
+@pytest.mark.parametrize("data_dir", [None, "/scratch/me/data"])
+def test_the_readme_downloads_mnist_where_the_committed_jobs_read_it(tmp_path, monkeypatch, data_dir):
+    """One data setting: DATA_DIR (default ~/data) for the download on the login node and for the jobs."""
+    env = {"PATH": f"{stand_ins(tmp_path / 'env' / 'bin', python=True)}:/usr/bin:/bin", "HOME": str(tmp_path / "home")}
+    if data_dir:
+        env["DATA_DIR"] = data_dir
+        monkeypatch.setenv("DATA_DIR", data_dir)
+        downloaded = load_script("scripts/download_data.py").build_parser().parse_args(["mnist"]).data_dir
+    else:
+        downloaded = readme_download_folder(tmp_path / "home", monkeypatch)
+    for name in ("single_gpu", "multi_gpu"):
+        done = run_committed_job(name, tmp_path / name, env, "--dataset", "mnist")
+        assert done.returncode == 0, done.stdout + done.stderr
+        (training,) = [line for line in done.stdout.splitlines() if line.startswith("SRUN ") and "--resume" in line]
+        assert f" --data-dir {downloaded} " in training and training.endswith(" --dataset mnist"), training
+    assert downloaded == (Path(data_dir) if data_dir else tmp_path / "home" / "data")
+
+
+@pytest.mark.parametrize("has_seff", [True, False])
+def test_lab02_jobs_end_with_seff(tmp_path, has_seff):
+    """Seed 003 runs `seff <jobid>` after the job: both Lab-02 jobs print it at their end (or, where
+    the cluster has no seff, how to get the same numbers), without failing the job either way."""
+    tools = stand_ins(tmp_path / "bin", python=True)
+    stand_in = {"kernprof": "KERNPROF", **({"seff": "SEFF"} if has_seff else {})}
+    for name, word in stand_in.items():
+        (tools / name).write_text(f'#!/bin/sh\necho "{word} $*"\n')
+        (tools / name).chmod(0o755)
+    clean = {key: value for key, value in os.environ.items()
+             if not key.startswith(("SLURM_", "HPC_DL_LABS_", "MASTER_", "CUDA_", "CONDA", "VIRTUAL_ENV"))}
+    env = {**clean, "PATH": f"{tools}:/usr/bin:/bin", "SLURM_JOB_ID": "88", "SLURM_JOBID": "88",
+           "RESULTS_DIR": str(tmp_path / "results")}
+    seed_job = subprocess.run(["bash", str(REPO_ROOT / "labs" / "lab02_profiling" / "job.slurm")], capture_output=True,
+                              text=True, cwd=tmp_path, timeout=60,
+                              env={**env, "SLURM_SUBMIT_DIR": str(REPO_ROOT / "labs" / "lab02_profiling")})
+    rendered = tmp_path / "profile.sbatch"
+    rendered.write_text(render_text(REPO_ROOT / "labs" / "lab02_profiling" / "sbatch" / "profile.sbatch.j2", "generic"))
+    template_job = subprocess.run(["bash", str(rendered)], capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                                  env={**env, "HPC_DL_LABS_ROOT": str(job_root(tmp_path))})
+    for done in (seed_job, template_job):
+        assert done.returncode == 0, done.stdout + done.stderr
+        lines = done.stdout.splitlines()
+        assert any(line.startswith(("KERNPROF ", "SRUN ")) for line in lines)
+        if has_seff:
+            assert lines[-1] == "SEFF 88"
+        else:
+            assert "seff" in lines[-1] and "sacct -j 88 --format=JobID,Elapsed,TotalCPU,MaxRSS" in lines[-1]

@@ -292,6 +292,23 @@ def test_ddp_efficiency_warning_fires_at_50_percent_not_95(tmp_path: Path, ddp_s
     assert (ddp["run_id"] in page.sections["warnings"]) is expect_warning
 
 
+def test_cpu_ddp_efficiency_is_explained_not_warned(tmp_path: Path) -> None:
+    """Two Gloo processes on a 2-core machine scale poorly; the report says why instead of flagging DDP."""
+    folder = tmp_path / "results"
+    cpu = {"device": {"type": "cpu", "name": "AMD EPYC", "threads": 1, "cpu_count": 2}}
+    for method, rate, world in (("baseline", 1000.0, 1), ("ddp", 900.0, 2)):
+        record = make_record(lab="lab01", script="labs/lab01/train.py", method=method, config={"model": "plain_cnn"},
+                             metrics={"world_size": world, "samples_per_s": rate, "final_loss": 0.2,
+                                      "memory": [{"device": "cpu", "peak_bytes": GIB, "source": "process_max_rss"}]},
+                             provenance={**provenance(world_size=world), **cpu})
+        write_record(record, folder)
+    outcome = build_report(folder, tmp_path / "report.html", plots=False)
+    assert not [w for w in outcome.warnings if "scaling efficiency" in w], outcome.warnings
+    text = read_page(tmp_path / "report.html").sections["dataparallel-vs-ddp"]
+    assert "a scaling efficiency of 45% is expected here" in text
+    assert "its 2 processes (1 thread(s) each) shared this machine's 2 cores" in text
+
+
 def test_dp_slower_than_baseline_and_a_failed_run_are_warned(tmp_path: Path) -> None:
     folder = tmp_path / "results"
     write_run(folder, method="baseline", samples_per_s=100.0)

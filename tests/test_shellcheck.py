@@ -15,17 +15,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import load_script
+
+from common.sites import find_site, site_names
+from scripts.sbatch_render.jobs import read_template
+from scripts.sbatch_render.rendering import FOLDER_PATTERN, render
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHELLCHECK = Path(sys.executable).with_name("shellcheck")
 SHELL_SUFFIXES = (".sh", ".slurm", ".sbatch")
 SHEBANGS = (b"#!/bin/bash", b"#!/usr/bin/env bash", b"#!/bin/sh", b"#!/usr/bin/env sh")
 
-
-
-
-rs = load_script("scripts/render_sbatch.py")
 
 
 def candidate_files() -> list[Path]:
@@ -53,7 +52,7 @@ def is_shell_script(path: Path) -> bool:
 
 
 SHELL_SCRIPTS = [path for path in candidate_files() if is_shell_script(path)]
-TEMPLATES = sorted(path for path in REPO_ROOT.rglob(f"*{rs.FOLDER_PATTERN}")
+TEMPLATES = sorted(path for path in REPO_ROOT.rglob(f"*{FOLDER_PATTERN}")
                    if not any(part.startswith(".") for part in path.relative_to(REPO_ROOT).parts))
 
 
@@ -83,11 +82,11 @@ def test_shell_script_passes_shellcheck(script):
 
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_template_rendered_for_every_site_passes_shellcheck(template, tmp_path):
-    parsed = rs.read_template(template)
+    parsed = read_template(template)
     only = parsed.request.get("sites")
     scripts = []
-    for site in rs.site_names() if only is None else only:
-        text, _ = rs.render(parsed, rs.find_site(site))
+    for site in site_names() if only is None else only:
+        text, _ = render(parsed, find_site(site))
         script = tmp_path / f"{site}.sbatch"
         script.write_text(text)
         scripts.append(script)

@@ -12,18 +12,15 @@ import sys
 
 import pytest
 
-from helpers import load_script
+from common.sites import find_site, load_sites
 from testbed import daemons, resources
 from testbed.__main__ import main as cli_main
-
-render_sbatch = load_script("scripts/render_sbatch.py")
-
 
 def test_the_nodes_claim_enough_for_every_site():
     claims = resources.for_sites()
     gpus = dict(claims.gpus)
-    assert claims.partitions[0] == render_sbatch.find_site("generic").default_partitions["cpu"]  # the default
-    for site in render_sbatch.load_sites().values():
+    assert claims.partitions[0] == find_site("generic").default_partitions["cpu"]  # the default
+    for site in load_sites().values():
         for partition in site.partitions.values():
             assert partition.name in claims.partitions
             assert partition.cpus_per_node <= claims.cpus

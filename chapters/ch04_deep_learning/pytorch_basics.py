@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import config_dict, non_negative_int, one_line_errors, positive_int
+from common.cli import config_dict, non_negative_int, one_line_errors, output_dir, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run: auto picks cuda when a GPU is visible (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=1, help="random seed (default: %(default)s)")
-    parser.add_argument("--results-dir", type=Path, default=Path("results"),
+    parser.add_argument("--results-dir", type=output_dir, default="results",
                         help="folder where the result record is written (default: %(default)s)")
     return parser
 

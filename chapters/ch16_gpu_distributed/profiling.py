@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args, apply_dry_run, config_dict, positive_int
+from common.cli import add_common_args, apply_dry_run, config_dict, output_file, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
 from common.errors import run_main
 from common.models import build_model
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="record Python stacks (larger trace, slower) (default: off)")
     parser.add_argument("--row-limit", type=positive_int, default=10,
                         help="operators in the table (default: %(default)s)")
-    parser.add_argument("--trace", type=Path, default=None,
+    parser.add_argument("--trace", type=output_file, default=None,
                         help="Chrome trace to write (default: RESULTS_DIR/ch16_profile_trace.json)")
     add_common_args(parser, batch_size=32)
     return parser

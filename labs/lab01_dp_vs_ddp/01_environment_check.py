@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import one_line_errors
+from common.cli import one_line_errors, output_dir
 from common.envcheck import allocation_agreement, collect_environment, format_environment
 from common.errors import run_main
 from common.results import make_record, provenance, write_record
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do not run a tiny computation on each GPU (default: run it)")
     parser.add_argument("--skip-backend-test", action="store_true",
                         help="do not start one-process NCCL/Gloo groups to test them (default: off)")
-    parser.add_argument("--results-dir", type=Path, default=Path("results"),
+    parser.add_argument("--results-dir", type=output_dir, default="results",
                         help="folder where the result record is written (default: %(default)s)")
     return parser
 

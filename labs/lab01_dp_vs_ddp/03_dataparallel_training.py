@@ -14,8 +14,12 @@ the record keeps the peak memory of every GPU so that imbalance is measured, not
 
 ``--batch-size`` is the global batch (DataParallel splits it), so ``--batch-size 256`` on 4 GPUs is
 64 per GPU, the same work per step as ``04_ddp_training.py --batch-size 64`` under 4 processes.
-``train()`` and ``test()`` are those of ``02_baseline_single_gpu.py`` unchanged; the lines marked
-``# >>> dp`` are all that DataParallel adds.
+``train()`` and ``test()`` are those of ``02_baseline_single_gpu.py`` unchanged: diff the two files
+to see all that DataParallel adds. Two pitfalls are in those lines: DataParallel does not make the
+first listed GPU the current device (``torch.cuda.set_device`` does; without it CUDA's context and
+scratch memory land on GPU 0 even with ``--gpus 2,3``), and the wrapped model's state dict has
+``module.`` before every key, so ``--save-model`` saves ``model.module.state_dict()``, which loads
+into a plain model.
 
 On a machine without a GPU, DataParallel has nothing to split across: the model is not wrapped,
 this is the baseline run under another name, and the record says so in its notes. ``--gpus`` naming
@@ -25,9 +29,7 @@ GPUs that do not exist stops with one error line.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,45 +37,33 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args, apply_dry_run, config_dict
-from common.data import get_dataset, make_loader
-from common.device import configure_threads, describe, resolve_device, seed_everything
+from common.cli import add_common_args
+from common.data import make_global_batch_loader, make_loader
+from common.device import seed_everything
 from common.errors import UserError, run_main
-from common.results import make_record, provenance, write_record
-from common.timing import StepTimer, format_bytes, peak_memory, reset_peak_memory
-from labs.lab01_dp_vs_ddp.lab01_shared import (LAB, add_lab_args, build_lab_model, check_gpu_ids, make_train_loader,
-                                               parse_gpu_ids)
+from common.models import build_model
+from common.run import TrainingRun
+from labs.lab01_dp_vs_ddp.lab01_shared import LAB, add_lab_args, check_gpu_ids, lab_data, parse_gpu_ids
 
 SCRIPT = "labs/lab01_dp_vs_ddp/03_dataparallel_training.py"
 
 
-def train(model, device, loader, optimizer, epoch, args, timer) -> list[float]:
-    """One epoch; returns the training loss of every step."""
+def train(model, device, loader, optimizer, run) -> None:
+    """One epoch: every batch ``run.steps`` hands out, each one timed."""
     model.train()
-    losses = []
-    steps = min(len(loader), args.max_steps or len(loader))
-    for step, (data, target) in enumerate(loader):
-        if step >= steps:
-            break
-        with timer.step(samples=len(data)):
-            data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
-            optimizer.zero_grad(set_to_none=True)
-            output = model(data)
-            loss = F.cross_entropy(output, target)
-            loss.backward()
-            optimizer.step()
-        losses.append(loss.item())
-        if step % args.log_interval == 0 or step == steps - 1:
-            print(f"epoch {epoch} step {step + 1}/{steps}: loss {losses[-1]:.4f}", flush=True)
-    return losses
+    for data, target in run.steps(loader):
+        data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        output = model(data)
+        loss = F.cross_entropy(output, target)
+        loss.backward()
+        optimizer.step()
+        run.log_loss(loss)
 
 
 @torch.no_grad()
 def test(model, device, loader, args) -> tuple[float, float]:
-    """Mean loss and accuracy on the held-out split.
-
-    With ``--max-steps`` only that many batches are evaluated: tiny runs stay tiny.
-    """
+    """Mean loss and accuracy on the held-out split (with ``--max-steps``, that many batches only)."""
     model.eval()
     loss_sum, correct, seen = 0.0, 0, 0
     for batch, (data, target) in enumerate(loader):
@@ -91,95 +81,54 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_lab_args(parser)
-    # >>> dp
     parser.add_argument("--gpus", type=parse_gpu_ids, default=None,
                         help="GPUs to use, e.g. 0,1,2,3; the first one gathers outputs and gradients "
                              "(default: every visible GPU)")
-    # <<< dp
+    parser.add_argument("--save-model", action="store_true",
+                        help="save the trained weights (model.module's) next to the record (default: off)")
     add_common_args(parser, epochs=5, batch_size=256)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = apply_dry_run(build_parser().parse_args(argv))
-    threads = configure_threads()
-    device = resolve_device(args.device)
-    # >>> dp: which GPUs; the first of them is the "primary" that holds the model between steps
+    args = build_parser().parse_args(argv)
     if args.gpus is not None and args.device == "cpu":
         raise UserError("--gpus picks GPUs for DataParallel; it cannot be combined with --device cpu")
-    visible = torch.cuda.device_count() if device.type == "cuda" else 0
-    if args.gpus is not None:
-        check_gpu_ids(args.gpus, visible)
-    gpus = (args.gpus or list(range(visible))) if device.type == "cuda" else []
-    if gpus:
-        device = torch.device("cuda", gpus[0])
-    # <<< dp
-    splits = get_dataset(args.dataset, args.data_dir, image_size=args.image_size,
-                         synthetic_size=args.synthetic_size, seed=args.seed)
-    seed_everything(args.seed)  # right before the build: 02, 03 and 04 start from the same weights
-    model = build_lab_model(args.model, splits.num_classes, splits.input_shape[0]).to(device)
-    # >>> dp: the one line; without a GPU there is nothing to split over, so the model runs as it is
-    if gpus:
-        model = nn.DataParallel(model, device_ids=gpus)
-    # <<< dp
-    train_loader, sampler = make_train_loader(splits.train, args.batch_size, seed=args.seed,
-                                              num_workers=args.num_workers, pin_memory=device.type == "cuda")
-    test_loader, _ = make_loader(splits.test, args.batch_size, shuffle=False, num_workers=args.num_workers)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay)
-    timer = StepTimer(device, warmup_steps=args.warmup_steps)
-    # >>> dp
-    where = f"DataParallel over GPUs {gpus}, primary {describe(device)}" if gpus else f"{describe(device)}, not wrapped"
-    # <<< dp
-    print(f"dp: {where} | model {args.model} | data {args.dataset} "
-          f"{tuple(splits.input_shape)} train={len(splits.train)} | global batch {args.batch_size} | "
-          f"threads {threads}", flush=True)
+    with TrainingRun(args, lab=LAB, script=SCRIPT, method="dp") as run:
+        device = run.device
+        # Which GPUs; the first of them is the "primary" that holds the model between steps.
+        visible = torch.cuda.device_count() if device.type == "cuda" else 0
+        if args.gpus is not None:
+            check_gpu_ids(args.gpus, visible)
+        gpus = args.gpus or list(range(visible))
+        if gpus:
+            torch.cuda.set_device(gpus[0])  # DataParallel does not: CUDA's context would land on GPU 0
+            run.use_devices([torch.device("cuda", gpu) for gpu in gpus])  # time on the primary, memory of each
+            device = run.device
+        splits = lab_data(args)
+        seed_everything(args.seed)  # right before the build: 02, 03 and 04 start from the same weights
+        model = build_model(args.model, splits.num_classes, splits.input_shape[0]).to(device)
+        if gpus:  # the one line; without a GPU there is nothing to split over, so the model runs as it is
+            model = nn.DataParallel(model, device_ids=gpus)
+        train_loader = make_global_batch_loader(splits.train, args.batch_size, seed=args.seed,
+                                                num_workers=args.num_workers, pin_memory=device.type == "cuda")
+        test_loader, _ = make_loader(splits.test, args.batch_size, shuffle=False, num_workers=args.num_workers)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                    weight_decay=args.weight_decay)
+        where = f"DataParallel over GPUs {gpus}, primary cuda:{gpus[0]}" if gpus else "not wrapped (no GPU)"
+        run.print(f"dp: {run.describe()} | {where} | model {args.model} | data {args.dataset} "
+                  f"{tuple(splits.input_shape)} train={len(splits.train)} | global batch {args.batch_size}")
 
-    reset_peak_memory(device)
-    # >>> dp: a new peak-memory window on the other GPUs too. (The timer synchronises only the
-    # primary GPU; that is enough, because each step ends there: the gradients are summed onto it.)
-    for gpu in gpus[1:]:
-        reset_peak_memory(torch.device("cuda", gpu))
-    # <<< dp
-    train_losses, loss_at_step, epoch_times = [], [], []
-    for epoch in range(1, args.epochs + 1):
-        sampler.set_epoch(epoch)
-        start = time.perf_counter()
-        losses = train(model, device, train_loader, optimizer, epoch, args, timer)
-        epoch_times.append(time.perf_counter() - start)
-        train_losses.append(statistics.fmean(losses))
-        loss_at_step.extend(losses[:max(0, args.record_steps - len(loss_at_step))])
-        print(f"epoch {epoch}: train loss {train_losses[-1]:.4f} | {epoch_times[-1]:.2f} s | "
-              f"{timer.summary()['samples_per_s'] or 0:.1f} samples/s", flush=True)
-
-    test_loss, accuracy = test(model, device, test_loader, args)
-    print(f"test: loss {test_loss:.4f} | accuracy {100 * accuracy:.2f}%", flush=True)
-
-    step_time = timer.summary()
-    # >>> dp: one memory entry per GPU, the primary first
-    memory = [peak_memory(torch.device("cuda", gpu)) for gpu in gpus] if gpus else [peak_memory(device)]
-    notes = [] if gpus else ["DataParallel on CPU is the degenerate one-device case: no GPU to split the batch "
-                             "over, so the model was not wrapped and this run is the baseline's computation"]
-    # <<< dp
-    metrics = {
-        "train_loss": train_losses, "final_loss": train_losses[-1], "loss_at_step": loss_at_step,
-        "test_loss": test_loss, "test_accuracy": accuracy, "epochs": args.epochs, "steps": timer.seen,
-        "global_batch_size": args.batch_size, "world_size": 1, "devices": max(1, len(gpus)),
-        "epoch_time_s": epoch_times, "time_per_epoch_s": statistics.median(epoch_times),
-        "samples_per_s": step_time["samples_per_s"], "step_time": step_time, "memory": memory,
-    }
-    config = config_dict(args, resolved_device=str(device), global_batch_size=args.batch_size, dp_device_ids=gpus,
-                         **splits.describe())
-    record = make_record(lab=LAB, script=SCRIPT, method="dp", config=config, metrics=metrics, notes=notes,
-                         provenance=provenance(device, extra={"dataparallel": {"device_ids": gpus}}))
-    path = write_record(record, args.results_dir)
-    print(f"final: train loss {train_losses[-1]:.4f} | {step_time['samples_per_s'] or 0:.1f} samples/s | "
-          f"median step {1000 * (step_time['median_s'] or 0):.1f} ms")
-    for entry in memory:
-        print(f"peak memory {entry['device']}: {format_bytes(entry['peak_bytes'])} ({entry['source']})")
-    for note in notes:
-        print(f"note: {note}")
-    print(f"record: {path}")
+        run.track(model=model, optimizer=optimizer)
+        for _epoch in run.epochs(train_loader):
+            train(model, device, train_loader, optimizer, run)
+            run.evaluated(*test(model, device, test_loader, args))
+        notes = [] if gpus else ["DataParallel on CPU is the degenerate one-device case: no GPU to split the batch "
+                                 "over, so the model was not wrapped and this run is the baseline's computation"]
+        record = run.finish(config={**splits.describe(), "dp_device_ids": gpus}, notes=notes,
+                            metrics={"devices": max(1, len(gpus))})
+        if args.save_model:  # model.module: the wrapped model, whose keys have no "module." prefix
+            torch.save((model.module if gpus else model).state_dict(), record.with_suffix(".pt"))
     return 0
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args, config_dict, non_negative_int, positive_int
+from common.cli import add_common_args, config_dict, non_negative_int, output_file, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
 from common.errors import run_main
 from common.models import MnistNet
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--active", type=positive_int, default=5, help="steps recorded (default: %(default)s)")
     parser.add_argument("--row-limit", type=positive_int, default=15,
                         help="operators in the table (default: %(default)s)")
-    parser.add_argument("--trace", type=Path, default=None,
+    parser.add_argument("--trace", type=output_file, default=None,
                         help="Chrome/Perfetto trace to write (default: RESULTS_DIR/lab02_trace.json)")
     add_common_args(parser, batch_size=64, num_workers=1)
     return parser

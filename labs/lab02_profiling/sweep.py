@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args, apply_dry_run, positive_int
+from common.cli import add_common_args, apply_dry_run, output_dir, positive_int
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
 
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="precision of the amp step; fp16 needs a GPU (default: %(default)s)")
     parser.add_argument("--log-interval", type=positive_int, default=10,
                         help="batches between loss lines (default: %(default)s)")
-    parser.add_argument("--profile-dir", type=Path, default=None,
+    parser.add_argument("--profile-dir", type=output_dir, default=None,
                         help="where the .lprof of every step is kept (default: RESULTS_DIR/lab02_lprof)")
     add_common_args(parser, epochs=3, batch_size=64)
     return parser

@@ -43,7 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import amp
-from common.cli import config_dict, non_negative_int, positive_float, positive_int
+from common.cli import config_dict, non_negative_int, output_dir, positive_float, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.distributed import DistContext, init_distributed, print0, teardown_distributed
 from common.errors import UserError, run_main
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     seed_flags = parser.add_argument_group("the seed's flags")
-    seed_flags.add_argument("--folder", type=Path, default=Path("results/lab03_csv"),
+    seed_flags.add_argument("--folder", type=output_dir, default="results/lab03_csv",
                             help="folder for the CSV files (default: %(default)s)")
     seed_flags.add_argument("-w", "--warmup", type=non_negative_int, default=10,
                             help="iterations run but not timed: cuDNN autotuning, allocator growth, "
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run: auto picks cuda when a GPU is visible (default: %(default)s)")
     common.add_argument("--seed", type=int, default=1, help="random seed of weights and batch (default: %(default)s)")
-    common.add_argument("--results-dir", type=Path, default=Path("results"),
+    common.add_argument("--results-dir", type=output_dir, default="results",
                         help="folder where the result records are written (default: %(default)s)")
     common.add_argument("--dry-run", action="store_true",
                         help="-w 1 -n 2 --check-steps 2: checks that everything runs (default: off)")

@@ -46,7 +46,10 @@ def out_of_range(runs: pd.DataFrame) -> list[Finding]:
             findings.append(Finding(subject, f"status is '{run['status']}'{reason}"))
             continue
         efficiency = run["scaling_efficiency"]
-        if is_ddp(run["method"]) and pd.notna(efficiency) and efficiency < DDP_MIN_EFFICIENCY:
+        # DDP on CPU: the "devices" are processes sharing one machine's cores, so the GPU expectation
+        # does not apply; the Lab-01 section explains the number instead of flagging it.
+        if (is_ddp(run["method"]) and run["device_type"] != "cpu" and pd.notna(efficiency)
+                and efficiency < DDP_MIN_EFFICIENCY):
             findings.append(Finding(subject, (
                 f"DDP scaling efficiency {efficiency:.0%} on {run['devices']} devices is under the expected "
                 f"{DDP_MIN_EFFICIENCY:.0%} ({_describe(run)})")))

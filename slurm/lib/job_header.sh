@@ -12,9 +12,12 @@
 #   OMP_NUM_THREADS  the CPU cores Slurm gave each task (capped at this node's cores / its tasks)
 #   NUM_WORKERS      DataLoader workers: those cores minus the one that trains (0 for tiny runs)
 #   NPROC_PER_NODE   processes per node for torchrun: the GPUs on this node, else the tasks per node
-#   DEVICE           cuda when nvidia-smi lists the allocated GPUs, else cpu (the test cluster's are fake)
+#   DEVICE           cuda when Slurm allocated GPUs to the job (outside Slurm: when nvidia-smi lists
+#                    them), else cpu; see "the device" below
 #   TINY_ARGS        bash array of extra flags for a run of seconds (HPC_DL_LABS_TINY=1), else empty
 #   RESULTS_DIR      where result records go: $RESULTS_DIR when the submitter set it, else results
+#   DATA_DIR         where downloaded data sets (MNIST, CIFAR-10) are: $DATA_DIR when set, else
+#                    ~/data, the folder scripts/download_data.py fills by default on a login node
 #   SRUN_CPUS_PER_TASK  = SLURM_CPUS_PER_TASK, so that every srun step gets the cores sbatch asked for
 #
 # Use them as:  srun --kill-on-bad-exit=1 python lab.py --device "$DEVICE" \
@@ -72,16 +75,27 @@ if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
     export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 fi
 
-# --- real GPUs or not ----------------------------------------------------------------------------
-# Slurm sets CUDA_VISIBLE_DEVICES for every allocated GPU, real or not; nvidia-smi lists only the
-# real ones. The GPUs are real when each allocated index (or UUID) is one nvidia-smi lists. Asking
-# nvidia-smi costs milliseconds; importing torch to ask would cost seconds per job.
+# --- the device ----------------------------------------------------------------------------------
+# A job that Slurm gave GPUs asks for cuda, whatever this shell can see of them: if PyTorch cannot
+# use them (no driver on the node, CUDA_VISIBLE_DEVICES lost, a CPU-only PyTorch), the training
+# stops at once with one error line (`--device cuda`), instead of training on the CPU and writing
+# a record that reads like a GPU result. Only without a GPU allocation (outside Slurm: a laptop,
+# `bash job.sbatch` on a node) is nvidia-smi asked, and the job takes the GPUs it lists.
+# Test only: HPC_DL_LABS_FAKE_GPUS=1 says that the allocated GPUs are not real (the CI test cluster
+# sets it: its GPUs are device files with nothing behind them) and runs the job on the CPU, saying so.
+# HPC_DL_LABS_DEVICE=cpu|cuda overrides all of this.
+_hdl_allocated=0
+if [[ -n "${SLURM_JOB_ID:-}" ]] && [[ "${SLURM_GPUS_ON_NODE:-0}" =~ ^[1-9] || -n "${SLURM_JOB_GPUS:-}" ]]; then
+    _hdl_allocated=1
+fi
+# The GPUs are real when each index (or UUID) of CUDA_VISIBLE_DEVICES is one that nvidia-smi lists.
+# Asking nvidia-smi costs milliseconds; importing torch to ask would cost seconds per job.
 _hdl_gpus="$(nvidia-smi --list-gpus 2>/dev/null || true)"
 _hdl_count="$(grep -c '^GPU ' <<<"$_hdl_gpus" || true)"
 if [[ -z "${CUDA_VISIBLE_DEVICES+set}" ]]; then
-    # Unset: every GPU outside Slurm; inside a job it means no GPU was allocated.
+    # Unset: every GPU outside Slurm; inside a job without GPUs it means none.
     _hdl_real=0
-    [[ -n "${SLURM_JOB_ID:-}" ]] || _hdl_real=$((_hdl_count > 0))
+    [[ -n "${SLURM_JOB_ID:-}" && "$_hdl_allocated" == 0 ]] || _hdl_real=$((_hdl_count > 0))
 else
     _hdl_real=$((_hdl_count > 0))
     IFS=',' read -ra _hdl_ids <<<"$CUDA_VISIBLE_DEVICES"
@@ -94,8 +108,25 @@ else
         fi
     done
 fi
+_hdl_note=""
 if [[ "${HPC_DL_LABS_DEVICE:-}" == cuda || "${HPC_DL_LABS_DEVICE:-}" == cpu ]]; then
     DEVICE="$HPC_DL_LABS_DEVICE"
+elif ((_hdl_allocated == 1)) && [[ "${HPC_DL_LABS_FAKE_GPUS:-0}" == 1 ]]; then
+    DEVICE=cpu
+    _hdl_note="note: HPC_DL_LABS_FAKE_GPUS=1 (the test cluster): the allocated GPU(s) are not real; running on the CPU"
+elif ((_hdl_allocated == 1)); then
+    DEVICE=cuda
+    if ((_hdl_real == 0)); then
+        if ! command -v nvidia-smi >/dev/null 2>&1; then
+            _hdl_why="nvidia-smi is not on PATH"
+        elif ((_hdl_count == 0)); then
+            _hdl_why="nvidia-smi lists no GPU"
+        else
+            _hdl_why="CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES names GPUs nvidia-smi does not list"
+        fi
+        _hdl_note="warning: Slurm allocated GPU(s) (SLURM_GPUS_ON_NODE=${SLURM_GPUS_ON_NODE:-?}) but $_hdl_why;"
+        _hdl_note+=" DEVICE=cuda all the same: if PyTorch sees no GPU either, the training stops with an error"
+    fi
 elif ((_hdl_real == 1)); then
     DEVICE=cuda
 else
@@ -117,6 +148,9 @@ export NUM_WORKERS
 # --- where records go: RESULTS_DIR=/scratch/me/run1 sbatch job.sbatch keeps runs apart ----------
 export RESULTS_DIR="${RESULTS_DIR:-results}"
 
+# --- where data sets are: one setting for the download (login node) and the jobs ----------------
+export DATA_DIR="${DATA_DIR:-$HOME/data}"
+
 # share_cores_between N: N processes of one task (torchrun's workers) share its cores, so each
 # gets OMP_NUM_THREADS / N threads and that many DataLoader workers minus one (still 0 when tiny).
 share_cores_between() {
@@ -131,9 +165,9 @@ share_cores_between() {
 
 echo "== MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT OMP_NUM_THREADS=$OMP_NUM_THREADS" \
     "NUM_WORKERS=$NUM_WORKERS NPROC_PER_NODE=$NPROC_PER_NODE DEVICE=$DEVICE" \
-    "TINY_ARGS=(${TINY_ARGS[*]}) RESULTS_DIR=$RESULTS_DIR"
-if [[ "$DEVICE" == cpu && -n "${SLURM_GPUS_ON_NODE:-}" && "${SLURM_GPUS_ON_NODE:-0}" != 0 ]]; then
-    echo "== note: Slurm allocated GPU(s) (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}) but nvidia-smi" \
-        "lists none: running on the CPU"
+    "TINY_ARGS=(${TINY_ARGS[*]}) RESULTS_DIR=$RESULTS_DIR DATA_DIR=$DATA_DIR"
+if [[ -n "$_hdl_note" ]]; then
+    echo "== $_hdl_note"
 fi
-unset _hdl_name _hdl_hosts _hdl_cpus _hdl_usable _hdl_tasks _hdl_gpus _hdl_count _hdl_real _hdl_ids _hdl_id
+unset _hdl_name _hdl_hosts _hdl_cpus _hdl_usable _hdl_tasks _hdl_gpus _hdl_count _hdl_real _hdl_ids _hdl_id \
+    _hdl_allocated _hdl_note _hdl_why

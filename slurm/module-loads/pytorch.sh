@@ -4,10 +4,13 @@
 #     source slurm/module-loads/pytorch.sh                 # from the repository root
 #     source ../../slurm/module-loads/pytorch.sh           # from a chapter folder
 #
+# (It replaces the course seed's `mamba activate hpc-ignite-ml`: it activates the conda environment
+# of environments/ml-gpu.yaml, named hpc-dl-labs-gpu here, or hpc-ignite-ml if you created it so.)
+#
 # It (1) loads your cluster's modules, (2) activates the course's Python environment, and
 # (3) exports the variables below. Safe under `set -euo pipefail`, and on a machine without
 # environment modules (a laptop, CI): anything it cannot do becomes a "pytorch.sh: ..." note on
-# stderr, never a failed job.
+# stderr, never a failed job; only a job left without any Python that has PyTorch stops here.
 #
 #   OMP_NUM_THREADS   CPU threads per process = SLURM_CPUS_PER_TASK when Slurm set it (otherwise
 #                     left as it was): PyTorch would start one thread per core of the whole node
@@ -17,8 +20,13 @@
 #
 # Choose the environment with variables set before sourcing (defaults in brackets):
 #   HPC_DL_LABS_MODULES   modules to load, space-separated [the SITE line below, else none]
-#   HPC_DL_LABS_ENV       conda environment name [hpc-dl-labs-gpu, see environments/ml-gpu.yaml];
-#                         when conda has no such environment, the repository's .venv (uv sync) is used
+#   HPC_DL_LABS_ENV       conda environment to activate [none: a python that already has PyTorch is
+#                         kept (an environment you activated, a module's); else hpc-dl-labs-gpu from
+#                         environments/ml-gpu.yaml, or hpc-ignite-ml, the name the course seed gave it;
+#                         else the repository's .venv (bash scripts/bootstrap.sh)]
+#
+# Without any Python that has PyTorch it says so; inside a Slurm job it then returns 1, so the job
+# stops with that one line (the generic site's jobs source this file: slurm/sites/generic.yaml).
 
 _pt_note() { echo "pytorch.sh: $*" >&2; }
 
@@ -53,7 +61,14 @@ if [[ -n "$_pt_modules" ]]; then
 fi
 
 # --- 2. the Python environment -------------------------------------------------------------------
-_pt_env="${HPC_DL_LABS_ENV:-hpc-dl-labs-gpu}"
+# The first of: the conda environment HPC_DL_LABS_ENV names; a python on PATH that already has
+# PyTorch (an environment you activated yourself, or the modules above); the course's conda
+# environment (hpc-dl-labs-gpu from environments/ml-gpu.yaml, or hpc-ignite-ml, its name in the
+# course seed); the repository's .venv (bash scripts/bootstrap.sh). "Has PyTorch" is asked without
+# importing it (importlib.util.find_spec: milliseconds, not seconds).
+_pt_has_torch() {
+    python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' >/dev/null 2>&1
+}
 if [[ "$(type -t conda || true)" == file ]]; then
     # A module put conda on PATH without its shell function, which `conda activate` needs.
     eval "$(conda shell.bash hook 2>/dev/null)" || _pt_note "conda shell.bash hook failed"
@@ -62,14 +77,30 @@ _pt_envs=""
 if [[ "$(type -t conda || true)" == function ]]; then
     _pt_envs="$(conda env list 2>/dev/null || true)"  # captured, not piped: no SIGPIPE under pipefail
 fi
-if [[ $'\n'"$_pt_envs" == *$'\n'"$_pt_env "* ]]; then
+_pt_env=""
+for _pt_name in ${HPC_DL_LABS_ENV:-hpc-dl-labs-gpu hpc-ignite-ml}; do
+    if [[ $'\n'"$_pt_envs" == *$'\n'"$_pt_name "* ]]; then
+        _pt_env="$_pt_name"
+        break
+    fi
+done
+if [[ -n "$_pt_env" ]] && { [[ -n "${HPC_DL_LABS_ENV:-}" ]] || ! _pt_has_torch; }; then
     conda activate "$_pt_env" || _pt_note "conda activate $_pt_env failed"
-elif [[ -f "$HPC_DL_LABS_ROOT/.venv/bin/activate" ]]; then
+elif ! _pt_has_torch && [[ -f "$HPC_DL_LABS_ROOT/.venv/bin/activate" ]]; then
     # shellcheck source=/dev/null
     source "$HPC_DL_LABS_ROOT/.venv/bin/activate"
-else
-    _pt_note "no conda environment '$_pt_env' and no $HPC_DL_LABS_ROOT/.venv: create one" \
-        "(mamba env create -f environments/ml-gpu.yaml, or uv sync); using $(command -v python3 || echo 'no python3')"
+fi
+_pt_status=0
+if ! _pt_has_torch; then
+    _pt_found="no python with PyTorch (python is $(command -v python || echo 'not on PATH'))"
+    _pt_fix="mamba env create -f environments/ml-gpu.yaml, or load your site's PyTorch module, or bash scripts/bootstrap.sh"
+    if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+        # A job cannot train without it: stop here with one line, not with a traceback later.
+        echo "error: pytorch.sh: $_pt_found; activate your environment before sbatch ($_pt_fix)" >&2
+        _pt_status=1
+    else
+        _pt_note "$_pt_found: create one ($_pt_fix)"
+    fi
 fi
 
 # --- 3. variables --------------------------------------------------------------------------------
@@ -83,5 +114,6 @@ echo "pytorch.sh: python $(command -v python || command -v python3 || echo '(non
     "| OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset} | root $HPC_DL_LABS_ROOT" >&2
 
 if ((_pt_nounset)); then set -u; fi
-unset _pt_nounset _pt_modules _pt_site_modules _pt_module _pt_env _pt_envs
-unset -f _pt_note
+unset _pt_nounset _pt_modules _pt_site_modules _pt_module _pt_env _pt_envs _pt_name _pt_found _pt_fix
+unset -f _pt_note _pt_has_torch
+eval "unset _pt_status; return $_pt_status"  # 1 only in a job without PyTorch (see above)

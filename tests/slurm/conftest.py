@@ -9,7 +9,9 @@ reason, except when ``HPC_DL_LABS_REQUIRE_SLURM=1`` (CI sets it): then they fail
 that silently lost its Slurm cannot pass.
 
 Every job the fixture submits sees ``HPC_DL_LABS_TINY=1`` (tiny runs), ``HPC_DL_LABS_SKIP_MODULES=1``
-(the sites' module lines cannot run here) and this Python's environment first on ``PATH``.
+(the sites' module lines cannot run here), ``HPC_DL_LABS_FAKE_GPUS=1`` (the nodes' GPUs are device
+files with nothing behind them: the job header runs such jobs on the CPU, where a real cluster's job
+with GPUs asks for cuda) and this Python's environment first on ``PATH``.
 
 The test cluster does not confine tasks to their cores (no cgroups): the ranks of a job share
 this machine's 2 cores, and OpenMP threads that spin while they wait (the default) take them from
@@ -49,6 +51,7 @@ def job_environment() -> dict[str, str]:
         "PATH": f"{python_bin}{os.pathsep}{os.environ.get('PATH', '')}",
         "HPC_DL_LABS_TINY": "1",
         "HPC_DL_LABS_SKIP_MODULES": "1",
+        "HPC_DL_LABS_FAKE_GPUS": "1",
         "OMP_WAIT_POLICY": "PASSIVE",
         "PYTHONFAULTHANDLER": "1",  # a rank that crashes (SIGSEGV, SIGABRT) prints where it was
     }

@@ -60,7 +60,7 @@ def test_torchrun_stops_the_run_when_one_worker_is_killed(tmp_path):
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
     reader.start()
     try:
-        wait_for(lambda: any("Train Epoch: 1 [" in line for line in output), 180, "training to start")
+        wait_for(lambda: any("epoch 1 step " in line for line in output), 180, "training to start")
         (victim,) = processes_with({"HPC_DL_LABS_TEST_MARK": str(tmp_path), "LOCAL_RANK": "1"}, "multi_gpu_ddp.py")
         killed_at = time.perf_counter()
         os.kill(victim, signal.SIGKILL)
@@ -90,7 +90,7 @@ def test_srun_kill_on_bad_exit_stops_the_job_when_one_rank_is_killed(slurm_clust
     script.write_text(text)
     env = {"RESULTS_DIR": str(tmp_path / "results"), "CHECKPOINT_DIR": str(tmp_path / "ckpt"), "HPC_DL_LABS_TINY": "0"}
     job_id = slurm_cluster.submit(script, script_args=TRAIN_ARGS, env=env)
-    wait_for(lambda: "Train Epoch: 1 [" in slurm_cluster.output(job_id), 240, "training to start")
+    wait_for(lambda: "epoch 1 step " in slurm_cluster.output(job_id), 240, "training to start")
     (victim,) = processes_with({"SLURM_JOB_ID": str(job_id), "SLURM_PROCID": "1"}, "multi_gpu_ddp.py")
     killed_at = time.perf_counter()
     os.kill(victim, signal.SIGKILL)

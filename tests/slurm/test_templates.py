@@ -30,7 +30,9 @@ from typing import NamedTuple
 import pytest
 
 from common.results import load_records
+from common.sites import site_names
 from helpers import load_script
+from scripts.sbatch_render.rendering import find_templates
 from testbed import SbatchRejected, Submission
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -46,13 +48,13 @@ pytestmark = pytest.mark.slurm
 
 
 render_sbatch = load_script("scripts/render_sbatch.py")
-SITES = render_sbatch.site_names()
+SITES = site_names()
 
 
 def site_template_pairs() -> list[tuple[str, str]]:
     """(site, rendered script path) for every template and every site it is for, as --all-sites does."""
     pairs = []
-    for template, relative in render_sbatch.find_templates(TEMPLATE_FOLDERS):
+    for template, relative in find_templates(TEMPLATE_FOLDERS):
         only = render_sbatch.read_template(template).request.get("sites")
         pairs += [(site, str(relative)) for site in SITES if only is None or site in only]
     return pairs
@@ -142,7 +144,9 @@ def assert_completed_on_its_partition(slurm_cluster, job: RenderedJob) -> str:
     assert job.result.ok, (f"{job.site}/{job.script.name}: job {job.result.job_id} ended {job.result.state} "
                            f"exit {job.result.exit_code}\n{log[-4000:]}")
     assert f"SLURM_JOB_PARTITION={job.job['partition']}" in log
-    assert "DEVICE=cpu" in log  # the test cluster's GPUs are not real: every job fell back to the CPU
+    assert "DEVICE=cpu" in log  # the test cluster's GPUs are not real (HPC_DL_LABS_FAKE_GPUS=1): every job ran on the CPU
+    if job.job["gpus_per_node"]:  # the header saw Slurm's GPU allocation: on a real cluster it would ask for cuda
+        assert "== note: HPC_DL_LABS_FAKE_GPUS=1 (the test cluster): the allocated GPU(s) are not real" in log
     return log
 
 
@@ -189,11 +193,8 @@ def _generic(template_jobs, script: str) -> tuple[RenderedJob, dict]:
 
 
 def _digests(record: dict) -> list:
-    """Each rank's parameter digest, in rank order (Chapter 4 and Lab-01 name them differently)."""
-    metrics = record["metrics"]
-    if "param_digest_per_rank" in metrics:
-        return metrics["param_digest_per_rank"]
-    return [entry["parameters"] for entry in metrics["replica_digests"]]
+    """Each rank's parameter digest, in rank order."""
+    return [entry["parameters"] for entry in record["metrics"]["replica_digests"]]
 
 
 def test_two_node_ddp_via_srun_runs_one_rank_per_gpu_on_both_nodes(slurm_cluster, template_jobs):
@@ -226,8 +227,8 @@ def test_chapter4_multi_gpu_runs_one_rank_per_gpu(slurm_cluster, template_jobs):
     job, record = _generic(template_jobs, "chapters/ch04_deep_learning/sbatch/multi_gpu.sbatch")
     log = slurm_cluster.output(job.result.job_id)
     assert "DDP: 4 process(es), backend gloo, launcher slurm" in log
-    assert "parameters identical on all 4 ranks: yes" in log
-    digests = record["metrics"]["param_digest_per_rank"]
+    assert "parameters identical on all 4 rank(s): yes" in log
+    digests = _digests(record)
     assert len(digests) == 4 and len(set(digests)) == 1
     assert (job.results_dir.parent / "checkpoints" / f"multi_gpu-{job.result.job_id}.pt").is_file()
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from common import launch
+from common.sites import site_names
 from helpers import load_script, wait_for
 from testbed import SlurmTestCluster
 from testbed.daemons import running_clusters
@@ -51,7 +52,7 @@ def hello_jobs(slurm_cluster, tmp_path_factory):
 
 
 def test_every_site_rendering_completes(slurm_cluster, hello_jobs):
-    assert set(hello_jobs) == set(render_sbatch.site_names())
+    assert set(hello_jobs) == set(site_names())
     for site, (job_id, result) in hello_jobs.items():
         log = slurm_cluster.output(job_id)
         assert result.ok, f"{site}: job {job_id} ended {result.state} exit {result.exit_code}\n{log}"

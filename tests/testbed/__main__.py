@@ -16,7 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: `import testbed` as the tests do
+for _path in Path(__file__).resolve().parents[1:3]:  # tests/ (`import testbed`, as the tests do) and the repository
+    sys.path.insert(0, str(_path))
 
 from testbed import resources as node_resources  # noqa: E402
 from testbed.daemons import DEFAULT_DIR, MAX_NODES, ClusterError, Testbed, check_node_list, is_running  # noqa: E402

@@ -9,13 +9,9 @@ machine has, so Slurm starts every job at once and the test code decides how man
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from common.sites import Site, load_sites, memory_to_mb
 
 
 @dataclass(frozen=True)
@@ -38,21 +34,9 @@ class NodeResources:
             raise ValueError(f"CPUs and memory must be positive, got {self.cpus} and {self.mem_mb}")
 
 
-def _site_profiles() -> Any:
-    """The site-profile loader of the sbatch renderer (``load_sites``, ``memory_to_mb``)."""
-    name = "hpc_dl_labs_render_sbatch"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / "render_sbatch.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up here
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-def for_sites(sites: dict[str, Any] | None = None) -> NodeResources:
+def for_sites(sites: dict[str, Site] | None = None) -> NodeResources:
     """What the nodes must claim so that every site's partitions, GPUs, features and limits fit."""
-    profiles = _site_profiles()
-    sites = profiles.load_sites() if sites is None else sites
+    sites = load_sites() if sites is None else sites
     partitions: list[str] = []
     gpus: dict[str, int] = {}
     features: list[str] = []
@@ -68,7 +52,7 @@ def for_sites(sites: dict[str, Any] | None = None) -> NodeResources:
                 partitions.append(part.name)
             cpus = max(cpus, part.cpus_per_node)
             if part.mem_per_node:
-                mem_mb = max(mem_mb, profiles.memory_to_mb(part.mem_per_node))
+                mem_mb = max(mem_mb, memory_to_mb(part.mem_per_node))
             for model in part.gpu_types:
                 gpus[model] = max(gpus.get(model, 0), part.gpus_per_node)
             if not part.gpu_types:

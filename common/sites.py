@@ -1,0 +1,347 @@
+"""Site profiles: what one Slurm cluster has, read from ``slurm/sites/NAME.yaml`` and checked.
+
+A profile names the cluster's partitions (cores, memory, GPUs per node and their models, CPU cores
+per GPU, node features, time limits), the account and reservation jobs are charged to, the shell
+lines that give a job its Python, and, optionally, the peak bandwidth of each partition's links.
+The format, field by field: ``slurm/sites/README.md``.
+
+    from common.sites import find_site, load_sites
+
+    lanta = find_site("lanta")                        # one site by name (slurm/sites/lanta.yaml)
+    gpu = lanta.partitions[lanta.default_partitions["gpu"]]
+    gpu.gpus_per_node, gpu.gpu_types, gpu.cpus_per_gpu   # 4, ("a100",), 16
+    for site in load_sites().values():                # every profile, by name
+        for partition in site.partitions.values():
+            nvlink = partition.links.get("nvlink")     # a Link, or None where the profile has none
+            if nvlink:
+                print(site.name, partition.name, nvlink.gb_per_s, "GB/s per", nvlink.per, nvlink.source)
+
+``load_site(path)`` reads one file, ``load_sites(folder)`` every ``*.yaml`` in a folder,
+``find_site(name)`` one profile of ``slurm/sites/`` by name and ``site_names()`` lists them. A
+profile that is not valid raises :class:`common.errors.UserError` with one line naming the file and
+the field (``slurm/sites/x.yaml: partitions.gpu: a partition with GPUs needs cpus_per_gpu``);
+a script's ``run_main`` prints it as ``error: ...`` and exits 2.
+
+Link peaks (``partitions.<name>.links``) are bandwidth in GB/s (10^9 bytes per second) in one
+direction, the unit of nccl-tests' ``busbw``: ``nvlink`` and ``pcie`` per GPU, ``infiniband``,
+``slingshot`` and ``ethernet`` per node (:data:`LINK_SCOPES`). Every peak carries its ``source``.
+
+The YAML reader keeps Slurm's times as text: YAML 1.1 would read ``time: 10:00`` as the base-60
+number 600. This module must not import torch (the sbatch renderer and the tests use it).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from common.errors import UserError
+
+__all__ = [
+    "LINK_SCOPES", "REPO_ROOT", "SITES_DIR", "Link", "Partition", "Site", "check_keys", "display_path",
+    "find_site", "load_site", "load_sites", "load_yaml", "memory_to_mb", "site_names", "text_or_none",
+    "time_to_seconds", "whole_number",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SITES_DIR = REPO_ROOT / "slurm" / "sites"
+#: Link kinds a partition may list, and what one peak is for: each GPU, or each node.
+LINK_SCOPES = {"nvlink": "gpu", "pcie": "gpu", "infiniband": "node", "slingshot": "node", "ethernet": "node"}
+
+
+def display_path(path: Path) -> str:
+    """``path`` as messages show it: relative to the repository when it is inside it."""
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML without YAML 1.1's base-60 integers: `time: 10:00` stays the text "10:00", not 600.
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:int"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """Parse YAML (Slurm times stay text); a syntax error is one line naming ``where`` and the line."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError(f"{where}{line}: not valid YAML: {problem}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Slurm's time and memory formats
+
+_TIME = re.compile(r"^(?:(?P<days>\d+)-)?(?P<rest>\d+(?::\d+){0,2})$")
+
+
+def time_to_seconds(text: str) -> int:
+    """Slurm's --time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
+    match = _TIME.match(str(text).strip())
+    if not match:
+        raise ValueError(f"not a Slurm time: {text!r} (use e.g. 00:30:00 or 1-00:00:00)")
+    parts = [int(part) for part in match["rest"].split(":")]
+    if match["days"] is not None:
+        days = int(match["days"])
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        days, (hours, minutes, seconds) = 0, parts
+    else:  # MM or MM:SS
+        days, hours, (minutes, seconds) = 0, 0, (parts + [0])[:2]
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+_MEMORY = re.compile(r"^(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]?)B?$", re.IGNORECASE)
+_MB_PER_UNIT = {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024 * 1024}
+
+
+def memory_to_mb(text: str | int) -> int:
+    """Slurm's --mem formats: 4000 (MB), 500M, 32G, 1T."""
+    match = _MEMORY.match(str(text).strip())
+    if not match:
+        raise ValueError(f"not a Slurm memory size: {text!r} (use e.g. 32G or 8000M)")
+    return int(float(match["number"]) * _MB_PER_UNIT[match["unit"].upper()])
+
+
+# ---------------------------------------------------------------------------------------------
+# The profile
+
+@dataclass(frozen=True)
+class Link:
+    """The peak of one kind of link: ``gb_per_s`` in one direction, for each GPU or each node."""
+    kind: str          # nvlink, pcie, infiniband, slingshot, ethernet
+    gb_per_s: float    # GB/s (10^9 bytes/s), one direction
+    per: str           # "gpu" or "node" (LINK_SCOPES[kind])
+    source: str        # where the number comes from (a data sheet, the centre's documentation)
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    description: str
+    cpus_per_node: int
+    mem_per_node: str | None
+    gpus_per_node: int
+    gpu_types: tuple[str, ...]
+    gpu_memory: str | None
+    typed_gres: bool
+    cpus_per_gpu: int | None
+    features: tuple[str, ...]
+    max_time: str | None
+    links: dict[str, Link] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "gpu_types": list(self.gpu_types), "features": list(self.features),
+                "links": {kind: dict(link.__dict__) for kind, link in self.links.items()}}
+
+
+@dataclass(frozen=True)
+class Site:
+    name: str
+    title: str
+    source: str
+    account: str | None
+    account_required: bool
+    reservation: str | None
+    max_time: str
+    default_partitions: dict[str, str]
+    partitions: dict[str, Partition]
+    setup: tuple[str, ...]
+    path: Path
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "title": self.title, "source": self.source,
+            "account": self.account, "account_required": self.account_required,
+            "reservation": self.reservation, "max_time": self.max_time,
+            "default_partitions": dict(self.default_partitions),
+            "partitions": {name: part.as_dict() for name, part in self.partitions.items()},
+            "setup": list(self.setup),
+        }
+
+
+SITE_KEYS = {"name", "title", "source", "account", "account_required", "reservation", "max_time",
+             "default_partitions", "partitions", "setup", "notes"}
+PARTITION_KEYS = {"description", "cpus_per_node", "mem_per_node", "gpus_per_node", "gpu_types",
+                  "gpu_memory", "typed_gres", "cpus_per_gpu", "features", "max_time", "links"}
+LINK_KEYS = {"gb_per_s", "source"}
+
+
+def check_keys(mapping: dict, allowed: set[str], where: str) -> None:
+    """One line naming the keys of ``mapping`` that are not ``allowed``."""
+    unknown = sorted(set(mapping) - allowed)
+    if unknown:
+        raise UserError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
+
+
+def whole_number(value: Any, where: str, minimum: int = 0) -> int:
+    """``value`` when it is an int >= ``minimum`` (not a bool), else one line naming ``where``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UserError(f"{where} must be a whole number >= {minimum}, got {value!r}")
+    return value
+
+
+def text_or_none(value: Any, where: str) -> str | None:
+    """Text (numbers become text) or None; anything else is one line naming ``where``."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return str(value)
+    raise UserError(f"{where} must be text or null, got {value!r}")
+
+
+def _string_list(value: Any, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise UserError(f"{where} must be a list of names, e.g. [a100], got {value!r}")
+    return tuple(value)
+
+
+def _checked_time(value: Any, where: str) -> str:
+    try:
+        time_to_seconds(str(value))
+    except ValueError as err:
+        raise UserError(f"{where}: {err}") from None
+    return str(value)
+
+
+def _parse_links(data: Any, where: str) -> dict[str, Link]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{where} must map link kinds to their peaks, e.g. nvlink: {{gb_per_s: 300, source: ...}}")
+    links = {}
+    for kind, peak in data.items():
+        here = f"{where}.{kind}"
+        if kind not in LINK_SCOPES:
+            raise UserError(f"{here}: unknown link kind (known: {', '.join(LINK_SCOPES)})")
+        if not isinstance(peak, dict):
+            raise UserError(f"{here} must be a mapping: {{gb_per_s: NUMBER, source: TEXT}}")
+        check_keys(peak, LINK_KEYS, here)
+        speed = peak.get("gb_per_s")
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or speed <= 0:
+            raise UserError(f"{here}.gb_per_s must be a number > 0 (GB/s, one direction), got {speed!r}")
+        source = peak.get("source")
+        if not isinstance(source, str) or not source.strip():
+            raise UserError(f"{here}.source must say where the number comes from (a data sheet, a user guide)")
+        links[str(kind)] = Link(kind=str(kind), gb_per_s=float(speed), per=LINK_SCOPES[kind], source=source.strip())
+    return links
+
+
+def _parse_partition(name: str, data: Any, where: str) -> Partition:
+    if not isinstance(data, dict):
+        raise UserError(f"{where} must be a mapping of partition fields")
+    check_keys(data, PARTITION_KEYS, where)
+    if "cpus_per_node" not in data:
+        raise UserError(f"{where}: cpus_per_node is required")
+    gpus = whole_number(data.get("gpus_per_node", 0), f"{where}.gpus_per_node")
+    mem = text_or_none(data.get("mem_per_node"), f"{where}.mem_per_node")
+    if mem is not None:
+        try:
+            memory_to_mb(mem)
+        except ValueError as err:
+            raise UserError(f"{where}.mem_per_node: {err}") from None
+    cpus_per_gpu = data.get("cpus_per_gpu")
+    if gpus and cpus_per_gpu is None:
+        raise UserError(f"{where}: a partition with GPUs needs cpus_per_gpu")
+    max_time = data.get("max_time")
+    links = _parse_links(data.get("links"), f"{where}.links")
+    if not gpus and any(link.per == "gpu" for link in links.values()):
+        raise UserError(f"{where}.links: GPU links ({', '.join(links)}) on a partition without GPUs")
+    return Partition(
+        name=name,
+        description=str(data.get("description") or name),
+        cpus_per_node=whole_number(data["cpus_per_node"], f"{where}.cpus_per_node", 1),
+        mem_per_node=mem,
+        gpus_per_node=gpus,
+        gpu_types=_string_list(data.get("gpu_types"), f"{where}.gpu_types"),
+        gpu_memory=text_or_none(data.get("gpu_memory"), f"{where}.gpu_memory"),
+        typed_gres=bool(data.get("typed_gres", False)),
+        cpus_per_gpu=None if cpus_per_gpu is None else whole_number(cpus_per_gpu, f"{where}.cpus_per_gpu", 1),
+        features=_string_list(data.get("features"), f"{where}.features"),
+        max_time=None if max_time is None else _checked_time(max_time, f"{where}.max_time"),
+        links=links,
+    )
+
+
+def load_site(path: Path) -> Site:
+    """Read and check one site profile; every problem is one line naming the file and the field."""
+    where = display_path(path)
+    data = load_yaml(path.read_text(encoding="utf-8"), where)
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: a site profile is a mapping (name:, partitions: ...)")
+    check_keys(data, SITE_KEYS, where)
+    for key in ("name", "partitions", "default_partitions", "max_time"):
+        if key not in data:
+            raise UserError(f"{where}: '{key}' is required")
+    if data["name"] != path.stem:
+        raise UserError(f"{where}: name is {data['name']!r} but must match the file name {path.stem!r}")
+    if not isinstance(data["partitions"], dict) or not data["partitions"]:
+        raise UserError(f"{where}: partitions must map partition names to their sizes")
+    partitions = {str(name): _parse_partition(str(name), part, f"{where}: partitions.{name}")
+                  for name, part in data["partitions"].items()}
+    defaults = data["default_partitions"]
+    if not isinstance(defaults, dict) or set(defaults) != {"cpu", "gpu"}:
+        raise UserError(f"{where}: default_partitions must name a partition for cpu and for gpu jobs")
+    for kind, name in defaults.items():
+        if name not in partitions:
+            raise UserError(f"{where}: default_partitions.{kind} is {name!r}, which is not in partitions")
+    if partitions[defaults["gpu"]].gpus_per_node == 0:
+        raise UserError(f"{where}: default_partitions.gpu names {defaults['gpu']!r}, which has no GPUs")
+    setup = data.get("setup") or []
+    if not isinstance(setup, list) or not all(isinstance(line, str) for line in setup):
+        raise UserError(f"{where}: setup must be a list of shell lines")
+    return Site(
+        name=data["name"],
+        title=str(data.get("title") or data["name"]),
+        source=str(data.get("source") or ""),
+        account=text_or_none(data.get("account"), f"{where}: account"),
+        account_required=bool(data.get("account_required", False)),
+        reservation=text_or_none(data.get("reservation"), f"{where}: reservation"),
+        max_time=_checked_time(data["max_time"], f"{where}: max_time"),
+        default_partitions=dict(defaults),
+        partitions=partitions,
+        setup=tuple(setup),
+        path=path,
+    )
+
+
+def site_names(sites_dir: Path = SITES_DIR) -> list[str]:
+    """The names of the profiles in ``sites_dir`` (their file names without .yaml), sorted."""
+    return sorted(path.stem for path in sites_dir.glob("*.yaml"))
+
+
+def load_sites(sites_dir: Path = SITES_DIR) -> dict[str, Site]:
+    """Every profile in ``sites_dir``, by name; the first invalid one raises its one-line error."""
+    return {name: load_site(sites_dir / f"{name}.yaml") for name in site_names(sites_dir)}
+
+
+def find_site(name: str, sites_dir: Path = SITES_DIR) -> Site:
+    """The profile called ``name``; an unknown name is one line listing the known ones."""
+    path = sites_dir / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(site_names(sites_dir)) or "none"
+        raise UserError(f"unknown site {name!r} (known sites: {known}; add slurm/sites/{name}.yaml)")
+    return load_site(path)

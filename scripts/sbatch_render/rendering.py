@@ -1,0 +1,209 @@
+"""A template rendered for a site: one script, every template for every site, the committed ones.
+
+A template gets ``job.*`` (the resolved request, :mod:`.jobs`), ``site.*`` (the profile,
+:mod:`common.sites`) and ``preamble``: what every job does after its ``#SBATCH`` lines (strict
+mode, the repository root, the site's setup lines, the shared job header). Jinja errors become one
+line naming the template line. The template contract: ``slurm/sites/README.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+from typing import Any, Sequence
+
+import jinja2
+
+from common.errors import UserError
+from common.sites import REPO_ROOT, Site, display_path, find_site
+
+from .jobs import TEMPLATE_SUFFIX, Template, read_template, resolve_job, template_stem
+
+__all__ = ["COMMITTED_RENDERINGS", "FOLDER_PATTERN", "committed_path", "committed_text", "find_templates",
+           "preamble", "render", "render_all", "write_committed", "write_script"]
+
+FOLDER_PATTERN = ".sbatch.j2"  # what --all-sites picks up in a folder (not, e.g., report.html.j2)
+#: Templates whose rendering for a site is also committed next to them, for READMEs that say
+#: `sbatch sbatch/single_gpu.sbatch`: template -> site. `--write-committed` refreshes them and
+#: tests/test_render_sbatch.py fails when one differs from a fresh rendering.
+COMMITTED_RENDERINGS = {
+    "chapters/ch04_deep_learning/sbatch/single_gpu.sbatch.j2": "generic",
+    "chapters/ch04_deep_learning/sbatch/multi_gpu.sbatch.j2": "generic",
+}
+
+
+def preamble(site: Site) -> str:
+    """What every job does after its #SBATCH lines: strict mode, repository root, site setup, header."""
+    setup = "\n".join(f"    {line}" for line in site.setup) or "    :  # this site needs no setup"
+    return f"""set -euo pipefail
+
+# Jobs start in the directory sbatch was called from; what follows runs from the repository root:
+# $HPC_DL_LABS_ROOT when set, else the nearest folder upwards that holds slurm/lib/job_header.sh
+# (so `cd chapters/ch04_deep_learning && sbatch sbatch/single_gpu.sbatch` works too).
+cd "${{HPC_DL_LABS_ROOT:-${{SLURM_SUBMIT_DIR:-.}}}}"
+while [[ ! -f slurm/lib/job_header.sh && "$PWD" != / ]]; do
+    cd ..
+done
+if [[ ! -f slurm/lib/job_header.sh ]]; then
+    echo "error: submitted from outside the hpc-dl-labs repository; submit from inside it or set HPC_DL_LABS_ROOT" >&2
+    exit 2
+fi
+
+# Software environment on {site.title}.
+# Skipped when HPC_DL_LABS_SKIP_MODULES=1 (the CI test cluster, whose Python is already on PATH).
+# conda and some module systems read unset variables, hence `set +u` around them.
+# shellcheck disable=SC1091  # files sourced here exist only on that cluster
+if [[ "${{HPC_DL_LABS_SKIP_MODULES:-0}}" != 1 ]]; then
+    set +u
+{setup}
+    set -u
+fi
+
+# Prints the host, date and SLURM_* variables; exports MASTER_ADDR, MASTER_PORT, OMP_NUM_THREADS,
+# NUM_WORKERS, NPROC_PER_NODE, DEVICE (cuda when the job has GPUs, else cpu), TINY_ARGS and
+# RESULTS_DIR (see the header of that file).
+# shellcheck source=slurm/lib/job_header.sh
+source slurm/lib/job_header.sh"""
+
+
+def _environment(template_path: Path) -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader([str(template_path.parent), str(REPO_ROOT)]),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,  # noqa: S701 - shell scripts, not HTML
+    )
+
+
+def _template_line(err: BaseException, template_path: Path) -> str:
+    """The template line a Jinja error happened on, as ':LINE' (empty when unknown)."""
+    line = getattr(err, "lineno", None)
+    if line is None:
+        frames = [frame for frame in traceback.extract_tb(err.__traceback__)
+                  if Path(frame.filename).name == template_path.name]
+        line = frames[-1].lineno if frames else None
+    return f":{line}" if line else ""
+
+
+def render(template: Template, site: Site, settings: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    """Render ``template`` for ``site``; return the script and the resolved job."""
+    where = display_path(template.path)
+    request = {**template.request, **(settings or {})}
+    try:
+        job = resolve_job(site, request, template_stem(template.path))
+    except UserError as err:
+        raise UserError(f"{where} for site {site.name}: {err}") from None
+    context = {"site": site.as_dict(), "job": job, "preamble": preamble(site)}
+    try:
+        text = _environment(template.path).get_template(template.path.name).render(context)
+    except jinja2.UndefinedError as err:
+        raise UserError(f"{where}{_template_line(err, template.path)}: undefined variable: {err.message} "
+                        "(templates get site.*, job.* and preamble; see slurm/sites/README.md)") from None
+    except jinja2.TemplateSyntaxError as err:
+        raise UserError(f"{where}:{err.lineno}: template syntax error: {err.message}") from None
+    except jinja2.TemplateError as err:
+        raise UserError(f"{where}{_template_line(err, template.path)}: {err}") from None
+    if not text.startswith("#!"):
+        raise UserError(f"{where}: the rendered script must start with '#!/bin/bash' right after the job block")
+    return text, job
+
+
+def write_script(path: Path, text: str) -> Path:
+    """Write an executable script whole: a temporary file renamed over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text, encoding="utf-8")
+    temporary.chmod(0o755)
+    temporary.replace(path)  # never a half-written script
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Many templates for every site (what CI submits)
+
+def find_templates(paths: Sequence[Path]) -> list[tuple[Path, Path]]:
+    """(template, where its rendering goes below OUT_DIR/<site>/) for files and folders of templates.
+
+    Inside the repository a rendering keeps the template's repository path; elsewhere, its path
+    below the folder that was named (or its file name).
+    """
+    found: list[tuple[Path, Path]] = []
+    for path in paths:
+        if path.is_dir():
+            templates = sorted(p for p in path.rglob(f"*{FOLDER_PATTERN}") if p.is_file())
+            base = path.resolve().parent
+        elif path.is_file():
+            templates, base = [path], path.resolve().parent
+        else:
+            raise UserError(f"{path}: no such file or directory")
+        for template in templates:
+            resolved = template.resolve()
+            inside = REPO_ROOT in resolved.parents
+            relative = resolved.relative_to(REPO_ROOT if inside else base)
+            found.append((template, relative.with_name(relative.name.removesuffix(TEMPLATE_SUFFIX))))
+    return found
+
+
+def render_all(paths: Sequence[Path], out_dir: Path, settings: dict[str, Any],
+               sites: dict[str, Site]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Render every template under ``paths`` for every site into ``out_dir/<site>/...``.
+
+    Returns the manifest entries and the errors (one line each); nothing is written when any
+    template fails, so a half-rendered folder is never submitted.
+    """
+    templates = [(read_template(path), relative) for path, relative in find_templates(paths)]
+    if not templates:
+        raise UserError(f"no *{FOLDER_PATTERN} templates under {', '.join(map(str, paths))}")
+    entries, errors, outputs = [], [], []
+    for template, relative in templates:
+        only = template.request.get("sites")
+        if only is not None and not (isinstance(only, list) and set(only) <= set(sites)):
+            errors.append(f"{display_path(template.path)}: 'sites' must list known sites ({', '.join(sites)})")
+            continue
+        for site in sites.values():
+            if only is not None and site.name not in only:
+                continue
+            try:
+                text, job = render(template, site, settings)
+            except UserError as err:
+                errors.append(str(err))
+                continue
+            target = out_dir / site.name / relative
+            outputs.append((target, text))
+            entries.append({"site": site.name, "template": display_path(template.path),
+                            "script": str(Path(site.name) / relative),
+                            "job": {key: value for key, value in job.items() if key != "sbatch"}})
+    if not errors:
+        for target, text in outputs:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text, encoding="utf-8")
+            target.chmod(0o755)
+        (out_dir / "manifest.json").write_text(json.dumps(entries, indent=2) + "\n", encoding="utf-8")
+    return entries, errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Renderings committed beside their templates
+
+def committed_path(template: str) -> Path:
+    """Where the committed rendering of ``template`` (a repository path ending in .j2) lives."""
+    return REPO_ROOT / template.removesuffix(TEMPLATE_SUFFIX)
+
+
+def committed_text(template: str) -> str:
+    """The committed rendering of ``template``: its rendering for its site, marked as generated."""
+    site_name = COMMITTED_RENDERINGS[template]
+    text, _ = render(read_template(REPO_ROOT / template), find_site(site_name))
+    shebang, _, rest = text.partition("\n")
+    note = (f"# Generated from {Path(template).name} for site '{site_name}' by "
+            "`python scripts/render_sbatch.py --write-committed`:\n"
+            "# change the template, not this file. Lines marked \"edit me\" are for your cluster.\n")
+    return f"{shebang}\n{note}{rest}"
+
+
+def write_committed() -> list[Path]:
+    """Write the committed rendering of every template in COMMITTED_RENDERINGS beside it."""
+    return [write_script(committed_path(template), committed_text(template)) for template in COMMITTED_RENDERINGS]

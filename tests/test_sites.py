@@ -1,0 +1,90 @@
+"""common/sites.py: site profiles loaded one by one or all together, link peaks, one-line errors.
+
+The profiles of the repository and what the renderer does with them: tests/test_render_sbatch.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.errors import UserError
+from common.sites import LINK_SCOPES, Link, find_site, load_site, load_sites, site_names
+
+PROFILE = """\
+name: lab
+max_time: "1-00:00:00"
+default_partitions: {cpu: cpu, gpu: gpu}
+partitions:
+  cpu: {cpus_per_node: 8}
+  gpu:
+    cpus_per_node: 32
+    gpus_per_node: 4
+    cpus_per_gpu: 8
+    links:
+%s
+"""
+LINKS = """\
+      nvlink: {gb_per_s: 300, source: "NVIDIA A100 data sheet: 600 GB/s both directions"}
+      infiniband: {gb_per_s: 25, source: "HDR InfiniBand, 200 Gb/s"}"""
+
+
+def write_profile(folder: Path, links: str = LINKS, name: str = "lab") -> Path:
+    path = folder / f"{name}.yaml"
+    path.write_text((PROFILE % links).replace("name: lab", f"name: {name}"))
+    return path
+
+
+def test_one_site_and_all_sites_with_their_link_peaks(tmp_path):
+    write_profile(tmp_path)
+    write_profile(tmp_path, links="      {}", name="plain")
+    assert site_names(tmp_path) == ["lab", "plain"]
+    every = load_sites(tmp_path)
+    assert list(every) == ["lab", "plain"]
+    gpu = find_site("lab", tmp_path).partitions["gpu"]
+    assert gpu.links == load_site(tmp_path / "lab.yaml").partitions["gpu"].links == {
+        "nvlink": Link("nvlink", 300.0, "gpu", "NVIDIA A100 data sheet: 600 GB/s both directions"),
+        "infiniband": Link("infiniband", 25.0, "node", "HDR InfiniBand, 200 Gb/s"),
+    }
+    assert every["plain"].partitions["gpu"].links == {} and every["lab"].partitions["cpu"].links == {}
+    assert every["lab"].as_dict()["partitions"]["gpu"]["links"]["nvlink"]["gb_per_s"] == 300.0  # templates see them
+
+
+def test_every_link_kind_has_a_scope():
+    assert set(LINK_SCOPES.values()) == {"gpu", "node"}
+    assert LINK_SCOPES["nvlink"] == "gpu" and LINK_SCOPES["infiniband"] == "node"
+
+
+@pytest.mark.parametrize(
+    ("links", "expected"),
+    [
+        ("      nvlink: 300", "partitions.gpu.links.nvlink must be a mapping: {gb_per_s: NUMBER, source: TEXT}"),
+        ("      nvlink: {gb_per_s: 0, source: x}", "partitions.gpu.links.nvlink.gb_per_s must be a number > 0"),
+        ("      nvlink: {gb_per_s: fast, source: x}", "partitions.gpu.links.nvlink.gb_per_s must be a number > 0"),
+        ("      nvlink: {gb_per_s: 300}", "partitions.gpu.links.nvlink.source must say where the number comes from"),
+        ("      nvlink: {gb_per_s: 300, source: x, unit: GB}", "links.nvlink: unknown key(s) unit"),
+        ("      omnipath: {gb_per_s: 12, source: x}", "partitions.gpu.links.omnipath: unknown link kind (known: nvlink"),
+        ("      - nvlink", "partitions.gpu.links must map link kinds to their peaks"),
+    ],
+)
+def test_a_bad_link_peak_is_one_line_naming_file_and_field(tmp_path, links, expected):
+    write_profile(tmp_path, links)
+    with pytest.raises(UserError) as raised:
+        load_sites(tmp_path)
+    message = str(raised.value)
+    assert message.startswith(f"{tmp_path / 'lab.yaml'}: ") and expected in message and "\n" not in message
+
+
+def test_gpu_links_on_a_partition_without_gpus_are_refused(tmp_path):
+    path = write_profile(tmp_path, links="      {}")
+    path.write_text(path.read_text().replace("cpu: {cpus_per_node: 8}",
+                                             "cpu: {cpus_per_node: 8, links: {pcie: {gb_per_s: 32, source: x}}}"))
+    with pytest.raises(UserError, match=r"partitions\.cpu\.links: GPU links \(pcie\) on a partition without GPUs"):
+        load_site(path)
+
+
+def test_unknown_site_lists_the_known_ones(tmp_path):
+    write_profile(tmp_path)
+    with pytest.raises(UserError, match=r"unknown site 'nowhere' \(known sites: lab; add slurm/sites/nowhere\.yaml\)"):
+        find_site("nowhere", tmp_path)
