@@ -9,8 +9,18 @@ precision  autocast                          GradScaler
                                               unless the loss is scaled up first
 =========  ================================  ==========================================
 
-fp16 autocast is a CUDA feature here; on CPU use bf16. Uses the current APIs only:
+fp16 autocast is a CUDA feature here; on CPU use bf16. bf16 needs bfloat16 tensor cores, which
+NVIDIA GPUs have from compute capability 8.0 (Ampere, A100) on: ``torch.cuda.is_bf16_supported()``
+also says yes on a V100 or T4, where bf16 is emulated (slowly, or not at all in cuDNN), so
+:func:`check_precision` asks the compute capability instead. Uses the current APIs only:
 ``torch.autocast(device_type, dtype)`` and ``torch.amp.GradScaler(device)``.
+
+What "fp32" means on a GPU is a setting too. From Ampere on, PyTorch may run float32 matmuls and
+cuDNN convolutions on TF32 tensor cores (10-bit mantissa); its default is TF32 *on* for
+convolutions and off for matmuls, so a default "fp32" run is a hybrid. :func:`set_fp32_math`
+chooses one meaning for both (``common.device.resolve_device`` picks ``ieee``, real fp32, for every
+CUDA run of the course), and :func:`fp32_math` reads the setting in force, which every result
+record carries (``provenance.fp32_math``).
 """
 
 from __future__ import annotations
@@ -23,6 +33,10 @@ from common.errors import UserError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: bfloat16 tensor cores arrived with Ampere (A100, compute capability 8.0).
+BF16_MIN_CAPABILITY = (8, 0)
+#: The two meanings of float32 maths on a GPU: IEEE single precision, or TF32 tensor cores.
+FP32_MATH = ("ieee", "tf32")
 
 
 def check_precision(precision: str, device: torch.device) -> str:
@@ -33,9 +47,52 @@ def check_precision(precision: str, device: torch.device) -> str:
         raise UserError(f"unknown precision {precision!r}; choose one of: {', '.join(PRECISIONS)}")
     if precision == "fp16" and device.type != "cuda":
         raise UserError("fp16 autocast needs a CUDA GPU; on CPU use --amp bf16")
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UserError(f"{torch.cuda.get_device_name(device)} does not support bf16; use --amp fp16")
+    if precision == "bf16" and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if tuple(capability) < BF16_MIN_CAPABILITY:
+            major, minor = capability
+            raise UserError(f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has no bf16 "
+                            "tensor cores (they start at 8.0, Ampere): bf16 would be emulated; use --amp fp16")
     return precision
+
+
+def _new_tf32_api() -> bool:
+    """PyTorch 2.9 and later set TF32 per back end with ``fp32_precision``; mixing it with the old flags fails."""
+    return hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
+
+
+def fp32_math() -> dict[str, str]:
+    """The float32 maths in force on CUDA: ``{"matmul": "ieee"|"tf32", "cudnn_conv": "ieee"|"tf32"}``.
+
+    With the new API a back end set to ``none`` inherits its parent's setting; when nothing is set
+    anywhere, PyTorch's defaults apply (matmuls IEEE, cuDNN convolutions TF32).
+    """
+    if not _new_tf32_api():
+        return {"matmul": "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee",
+                "cudnn_conv": "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"}
+
+    def resolve(*levels: str, default: str) -> str:
+        return next((level for level in levels if level != "none"), default)
+
+    generic = torch.backends.fp32_precision
+    return {"matmul": resolve(torch.backends.cuda.matmul.fp32_precision, generic, default="ieee"),
+            "cudnn_conv": resolve(torch.backends.cudnn.conv.fp32_precision, torch.backends.cudnn.fp32_precision,
+                                  generic, default="tf32")}
+
+
+def set_fp32_math(mode: str) -> None:
+    """Run float32 matmuls and cuDNN convolutions as ``ieee`` (real fp32) or on ``tf32`` tensor cores.
+
+    Only GPUs from Ampere (compute capability 8.0) on have TF32; elsewhere both modes are IEEE.
+    """
+    if mode not in FP32_MATH:
+        raise ValueError(f"fp32 maths is one of {FP32_MATH}, not {mode!r}")
+    if _new_tf32_api():
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode
+    else:  # the flags older PyTorch has
+        torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+        torch.backends.cudnn.allow_tf32 = mode == "tf32"
 
 
 def autocast(device: torch.device, precision: str) -> AbstractContextManager:

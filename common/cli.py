@@ -2,7 +2,8 @@
 
 ``add_common_args(parser)`` adds ``--device --seed --epochs --batch-size --max-steps --dry-run
 --data-dir --results-dir --num-workers`` with the same names and meaning everywhere; a script passes
-its own defaults. Argument types reject bad values with one clear argparse error line.
+its own defaults. It also accepts (and ignores) the ``--local-rank`` that ``torch.distributed.launch``
+passes. Argument types reject bad values with one clear argparse error line.
 
 This module must not import torch.
 """
@@ -123,6 +124,19 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def accept_launcher_local_rank(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Accept ``--local-rank N`` / ``--local_rank N``, which ``python -m torch.distributed.launch`` passes.
+
+    The deprecated launcher (seed 004's command) adds the flag to every process's command line; it
+    also sets ``LOCAL_RANK`` in the environment, and the environment stays the source of truth
+    (``common.launch.detect_launch``), so the value is accepted and not used. Hidden from ``--help``:
+    torchrun is the way to start these scripts.
+    """
+    parser.add_argument("--local-rank", "--local_rank", dest="launcher_local_rank", type=int,
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return parser
+
+
 def add_common_args(
     parser: argparse.ArgumentParser,
     *,
@@ -157,6 +171,7 @@ def add_common_args(
     workers = default_num_workers() if num_workers is None else num_workers
     group.add_argument("--num-workers", type=non_negative_int, default=workers,
                        help="DataLoader worker processes; from SLURM_CPUS_PER_TASK when set (default: %(default)s)")
+    accept_launcher_local_rank(parser)
     return parser
 
 

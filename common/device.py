@@ -3,7 +3,13 @@
 ``resolve_device("auto")`` gives the GPU of this process when one is visible and the CPU otherwise,
 so the same script runs on a laptop, a CI runner and a GPU node unchanged. Asking for ``cuda`` on a
 machine without a GPU is a :class:`~common.errors.UserError` (one line, non-zero exit), not a
-CUDA traceback deep inside the first ``.to()``.
+CUDA traceback deep inside the first ``.to()``; so is starting more processes on a node than it has
+GPUs (two NCCL ranks on one GPU fail at their first collective with "Duplicate GPU detected").
+
+On a GPU, "fp32" in this course means IEEE float32: ``resolve_device`` turns PyTorch's default TF32
+for cuDNN convolutions off (``common.amp.set_fp32_math``), so fp32 baselines are not a TF32 hybrid.
+Scripts that measure TF32 (Lab-03's ``tf32`` rows, ``pytorch_basics.py --dtypes tf32``) turn it
+on where they measure it, and every record says which was in force (``provenance.fp32_math``).
 """
 
 from __future__ import annotations
@@ -13,14 +19,16 @@ import random
 
 import torch
 
+from common.amp import set_fp32_math
 from common.errors import UserError
 
 
-def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
+def resolve_device(name: str = "auto", local_rank: int = 0, local_world_size: int | None = None) -> torch.device:
     """Map ``auto|cpu|cuda`` (or ``cuda:N``) to a ``torch.device`` for this process.
 
-    ``local_rank`` picks this process's GPU on a multi-GPU node (modulo the visible count, so
-    oversubscribed runs still start).
+    ``local_rank`` picks this process's GPU on a multi-GPU node. ``local_world_size`` (processes on
+    this node, when the launcher says) must not exceed the visible GPUs: more processes than GPUs
+    is refused on every rank, naming both counts, instead of putting two ranks on one GPU.
     """
     name = (name or "auto").strip().lower()
     if name == "cpu":
@@ -38,11 +46,57 @@ def resolve_device(name: str = "auto", local_rank: int = 0) -> torch.device:
                 "run on a GPU node, or use --device cpu or --device auto"
             )
         count = torch.cuda.device_count()
-        index = int(name.split(":", 1)[1]) if ":" in name else local_rank % count
-        if index >= count:
-            raise UserError(f"--device {name}: only {count} GPU(s) visible (cuda:0..cuda:{count - 1})")
+        if ":" in name:
+            index = int(name.split(":", 1)[1])
+            if index >= count:
+                raise UserError(f"--device {name}: only {count} GPU(s) visible (cuda:0..cuda:{count - 1})")
+        else:
+            processes = max(local_world_size or 0, local_rank + 1)
+            if processes > count:
+                raise UserError(f"{processes} processes on this node but only {count} GPU(s) visible: one GPU per "
+                                f"process, so start at most {count} (e.g. torchrun --nproc_per_node={count}), or "
+                                "use --device cpu for Gloo processes")
+            index = local_rank
+        set_fp32_math("ieee")  # fp32 means fp32: see the module docstring
         return torch.device("cuda", index)
     raise UserError(f"unknown device {name!r}; choose auto, cpu or cuda")
+
+
+def pci_bus_id(index: int) -> str | None:
+    """The PCI bus id of CUDA device ``index`` as NVML and ``nvidia-smi`` write it (``00000000:1B:00.0``).
+
+    CUDA numbers the visible GPUs fastest first (or as ``CUDA_VISIBLE_DEVICES`` lists them), NVML and
+    ``nvidia-smi`` number every GPU of the node in PCI order: the bus id is what both agree on.
+    ``None`` where this PyTorch's device properties have no PCI fields.
+    """
+    props = torch.cuda.get_device_properties(index)
+    try:
+        return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+    except AttributeError:
+        return None
+
+
+def normalise_bus_id(text: str) -> str:
+    """``00000000:1b:00.0`` and ``0000:1B:00.0`` -> ``0000:1b:00.0``: one spelling to compare bus ids."""
+    parts = text.strip().lower().split(":")
+    if len(parts) == 2:  # no domain: the first one
+        parts = ["0", *parts]
+    try:
+        return f"{int(parts[-3], 16):04x}:{int(parts[-2], 16):02x}:{parts[-1]}"
+    except (ValueError, IndexError):
+        return text.strip().lower()
+
+
+def set_launch_blocking(env: dict[str, str] | None = None) -> None:
+    """``CUDA_LAUNCH_BLOCKING=1`` for this process: every CUDA call returns when its kernels are done.
+
+    CUDA reads the variable when it starts, so this must run before anything touches the GPU; once
+    CUDA is initialised it is refused with one line (export the variable before Python instead).
+    """
+    if torch.cuda.is_initialized():
+        raise UserError("--launch-blocking must be set before CUDA starts, and CUDA is already running in this "
+                        "process; export CUDA_LAUNCH_BLOCKING=1 before starting Python instead")
+    (os.environ if env is None else env)["CUDA_LAUNCH_BLOCKING"] = "1"
 
 
 def set_device(device: torch.device) -> None:

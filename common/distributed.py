@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from common.device import resolve_device, set_device
-from common.launch import LaunchInfo, detect_launch, free_port, rank_tag
+from common.launch import LaunchInfo, detect_launch, free_port, gpus_bound_per_task, local_world_size, rank_tag
 
 __all__ = [
     "DistContext", "init_distributed", "teardown_distributed", "print0", "rank_tag",
@@ -96,7 +96,10 @@ def init_distributed(device_name: str = "auto", *, force_process_group: bool = F
                      timeout_s: float | None = None) -> DistContext:
     """Start (or join) the process group this process belongs to and pick its device."""
     launch = detect_launch()
-    device = resolve_device(device_name, local_rank=launch.local_rank)
+    if gpus_bound_per_task():  # srun --gpus-per-task: this task sees only its own GPU(s)
+        device = resolve_device(device_name)
+    else:  # more processes on this node than GPUs is one error line here, not "Duplicate GPU" later
+        device = resolve_device(device_name, local_rank=launch.local_rank, local_world_size=local_world_size())
     set_device(device)
     backend = backend_for(device)
     if dist.is_available() and dist.is_initialized():
@@ -114,8 +117,10 @@ def init_distributed(device_name: str = "auto", *, force_process_group: bool = F
     timeout = _dt.timedelta(seconds=timeout_s or float(os.environ.get("HPC_DL_LABS_DIST_TIMEOUT", 600)))
     for module in MODULES_BINDING_THE_WORLD_GROUP:
         importlib.import_module(module)
-    dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}",
-                            rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+    # device_id binds NCCL to this rank's GPU at once, so a bad GPU set-up fails here, not at the first step.
+    dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=launch.rank,
+                            world_size=launch.world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
     launch = LaunchInfo(launch.launcher, launch.rank, launch.local_rank, launch.world_size,
                         launch.node_rank, addr, port)
     return DistContext(launch=launch, device=device, backend=backend, owns_group=True)

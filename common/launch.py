@@ -162,3 +162,38 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
 def rank_tag(env: Mapping[str, str] | None = None) -> str:
     """``[host:rank]``, the prefix for per-rank diagnostics."""
     return f"[{socket.gethostname().split('.')[0]}:{detect_launch(env).rank}]"
+
+
+def _tasks_per_node(spec: str) -> list[int]:
+    """Slurm's ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3),1``: three nodes with 2, one with 1) as a list."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not match:
+            return []
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def gpus_bound_per_task(env: Mapping[str, str] | None = None) -> bool:
+    """True inside ``srun --gpus-per-task``: each task then sees only its own GPU(s), as ``cuda:0``."""
+    env = os.environ if env is None else env
+    return detect_launch(env).launcher == "slurm" and bool(env.get("SLURM_GPUS_PER_TASK", "").strip())
+
+
+def local_world_size(env: Mapping[str, str] | None = None) -> int | None:
+    """Processes of this job on this node (torchrun's ``LOCAL_WORLD_SIZE``, Slurm's tasks per node).
+
+    ``None`` when the launcher does not say. Used to refuse more processes than GPUs on a node.
+    """
+    env = os.environ if env is None else env
+    launch = detect_launch(env)
+    if launch.launcher == "single":
+        return 1
+    if launch.launcher == "torchrun":
+        value = _int(env, "LOCAL_WORLD_SIZE", 0)
+        return value or None
+    counts = _tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "")
+    if len(set(counts)) == 1:
+        return counts[0]
+    return counts[launch.node_rank] if 0 <= launch.node_rank < len(counts) else None

@@ -136,6 +136,18 @@ def device_info(device: Any) -> dict[str, Any]:
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
 
 
+def fp32_math_info(device: Any) -> dict[str, Any]:
+    """The float32 maths in force for matmuls and cuDNN convolutions (``ieee`` or ``tf32``), and
+    whether the device has TF32 at all (``tf32_hardware``: CUDA compute capability 8.0 or newer)."""
+    import torch
+
+    from common.amp import fp32_math
+
+    device = torch.device(device)
+    hardware = device.type == "cuda" and tuple(torch.cuda.get_device_capability(device)) >= (8, 0)
+    return {**fp32_math(), "tf32_hardware": hardware}
+
+
 def cpu_model_name() -> str:
     """The CPU's marketing name (``/proc/cpuinfo``'s ``model name`` on Linux), else the architecture."""
     try:
@@ -162,6 +174,7 @@ def provenance(device: Any = None, world_size: int = 1, extra: Mapping[str, Any]
     if device is not None:
         prov["versions"] = software_versions()
         prov["device"] = device_info(device)
+        prov["fp32_math"] = fp32_math_info(device)
     if extra:
         prov.update(extra)
     return prov

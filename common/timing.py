@@ -6,10 +6,16 @@
 - Summaries give the median and the spread (std, p10/p90, min/max), not a single mean, and carry a
   ``method`` string that says how the numbers were taken.
 - Peak memory: the CUDA caching allocator's peak on a GPU, the process's peak resident set on CPU.
+  On a GPU the record also holds what the *device* has in use (NVML's figure for this process, or
+  ``cudaMemGetInfo`` for the whole GPU): the allocator does not see the CUDA context, cuBLAS/cuDNN
+  workspaces or NCCL's buffers, so a DDP run looks leaner by the allocator's count than it is.
+- A run no longer than its warm-up has no timed step: its throughput is ``None`` and prints as
+  ``n/a`` (:func:`format_rate`), never as ``0 samples/s``.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import sys
@@ -19,7 +25,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from common.device import synchronize
+from common.device import pci_bus_id, synchronize
+
+#: Printed instead of a throughput or a speed-up that was not measured (no step after the warm-up).
+NOT_MEASURED = "n/a"
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -36,7 +45,7 @@ def summarize(times_s: list[float], samples_per_step: list[int] | None = None, *
     ordered = sorted(times_s)
     total = sum(times_s)
     samples = sum(samples_per_step) if samples_per_step else None
-    return {
+    summary = {
         "steps_timed": len(times_s),
         "warmup_steps": warmup_steps,
         "median_s": statistics.median(times_s) if times_s else None,
@@ -50,6 +59,24 @@ def summarize(times_s: list[float], samples_per_step: list[int] | None = None, *
         "samples_per_s": (samples / total) if samples and total > 0 else None,
         "method": method,
     }
+    if not times_s:
+        summary["not_timed"] = "no step was timed: the run was no longer than its warm-up, so throughput is n/a"
+    return summary
+
+
+def format_rate(value: float | None, digits: int = 1) -> str:
+    """A throughput for a progress line: ``1234.5``, or ``n/a`` when nothing was timed."""
+    return NOT_MEASURED if value is None else f"{value:.{digits}f}"
+
+
+def format_speedup(value: float | None) -> str:
+    """A ratio of two throughputs: ``1.87x``, or ``n/a`` when either side was not measured."""
+    return NOT_MEASURED if value is None else f"{value:.2f}x"
+
+
+def scaled(value: float | None, factor: float) -> float | None:
+    """``value * factor`` (one rank's throughput times the world size), ``None`` stays ``None``."""
+    return None if value is None else value * factor
 
 
 class StepTimer:
@@ -115,17 +142,60 @@ def process_peak_rss_bytes() -> int:
 
 
 def peak_memory(device: torch.device) -> dict[str, Any]:
-    """Peak memory of this process on ``device``, with the source of the number."""
+    """Peak memory of this process on ``device``, with the source of each number.
+
+    ``peak_bytes`` (``source``) is the caching allocator's peak on a GPU, the peak RSS on CPU. On a
+    GPU, ``device_used_bytes`` (``device_used_source``) is what the device has in use now, as
+    :func:`device_memory_used` reads it.
+    """
     if device.type == "cuda":
         return {"device": str(device), "peak_bytes": int(torch.cuda.max_memory_allocated(device)),
                 "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
-                "source": "cuda_max_memory_allocated"}
+                "source": "cuda_max_memory_allocated", **device_memory_used(device)}
     return {"device": "cpu", "peak_bytes": process_peak_rss_bytes(), "source": "process_max_rss"}
 
 
-def format_rate(value: float | None, digits: int = 1) -> str:
-    """A throughput for a progress line: ``n/a`` when nothing was timed (a run shorter than its warm-up)."""
-    return "n/a" if value is None else f"{value:.{digits}f}"
+def _nvml_process_used(index: int) -> int | None:
+    """This process's memory on GPU ``index`` according to NVML (``None`` without pynvml or a match).
+
+    NVML numbers GPUs its own way, so the GPU is found by its PCI bus id, not by the CUDA index. In
+    a container with its own PID namespace the driver's PIDs are not ours: then there is no match.
+    """
+    try:
+        import pynvml  # nvidia-ml-py, optional
+    except ImportError:
+        return None
+    bus_id = pci_bus_id(index)
+    if bus_id is None:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+            for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if process.pid == os.getpid() and process.usedGpuMemory is not None:
+                    return int(process.usedGpuMemory)
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        return None
+    return None
+
+
+def device_memory_used(device: torch.device) -> dict[str, Any]:
+    """GPU memory in use as the driver sees it, which the caching allocator's counters leave out.
+
+    NVML's figure for this process when ``pynvml`` is installed (context, workspaces, NCCL buffers,
+    the allocator's cache), else ``torch.cuda.mem_get_info``: total minus free on the whole GPU,
+    which also counts any other process on it. Read when called (at the end of a run), not a peak.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    used = _nvml_process_used(index)
+    if used is not None:
+        return {"device_used_bytes": used, "device_used_source": "nvml_process_used"}
+    free, total = torch.cuda.mem_get_info(index)
+    return {"device_used_bytes": int(total - free), "device_total_bytes": int(total),
+            "device_used_source": "cuda_mem_get_info"}
 
 
 def format_bytes(n: float | None) -> str:

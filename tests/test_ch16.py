@@ -20,18 +20,34 @@ def only_record(folder: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def run_memory(tmp_path: Path, device: str) -> dict:
+def run_memory(tmp_path: Path, device: str, monkeypatch) -> tuple[dict, list[str]]:
+    """Run memory_management.py; also returns the order of the model's forward passes and part 1's measuring."""
+    memory = load_script(f"{CHAPTER}/memory_management.py")
+    calls: list[str] = []
+
+    class CountingNet(memory.DeepNet):
+        def forward(self, x):
+            calls.append("forward")
+            return super().forward(x)
+
+    measure = memory.memory_by_phase
+    monkeypatch.setattr(memory, "DeepNet", CountingNet)
+    monkeypatch.setattr(memory, "memory_by_phase", lambda *args: (calls.append("measure"), measure(*args))[1])
     status = run_main(f"{CHAPTER}/memory_management.py", ["--device", device, "--depth", "6", "--width", "128",
                                                            "--batch-size", "64", "--repeats", "1",
                                                            "--results-dir", str(tmp_path)])
     assert status == 0
-    return only_record(tmp_path)
+    return only_record(tmp_path), calls
 
 
-def test_memory_management_measures_phases_checkpointing_and_accumulation(tmp_path, capsys):
-    record = run_memory(tmp_path, "cpu")
+def test_memory_management_measures_phases_checkpointing_and_accumulation(tmp_path, capsys, monkeypatch):
+    record, calls = run_memory(tmp_path, "cpu", monkeypatch)
     out = capsys.readouterr().out
     assert "torch.profiler" in out and "process peak RSS" in out  # the CPU run says where its numbers come from
+    # A forward (and backward) pass ran before part 1 measured: on a GPU the first matmul allocates
+    # cuBLAS's workspace, which would otherwise count as activations.
+    assert calls[0] == "forward" and calls.index("measure") > 0
+    assert "torch.cuda.memory_summary()" in out  # named, and why a CPU run has none to show
     metrics = record["metrics"]
 
     phases = {row["phase"]: row for row in metrics["phases"]}
@@ -72,8 +88,8 @@ def test_accumulation_check_would_catch_a_wrong_gradient():
 
 
 @pytest.mark.gpu
-def test_memory_management_on_a_gpu_uses_the_cuda_allocator(tmp_path):
-    record = run_memory(tmp_path, "cuda")
+def test_memory_management_on_a_gpu_uses_the_cuda_allocator(tmp_path, monkeypatch):
+    record, _ = run_memory(tmp_path, "cuda", monkeypatch)
     assert record["metrics"]["phases"][0]["source"] == "cuda_memory_allocated"
     checkpointing = record["metrics"]["checkpointing"]
     assert checkpointing["checkpointed_peak_bytes"] < checkpointing["plain_peak_bytes"]

@@ -20,6 +20,7 @@ end 15% apart. At 64x64 they agree to 1e-6, so the check measures the precision,
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import io
@@ -274,7 +275,7 @@ def test_flags_are_the_seeds_plus_the_labs_and_say_their_defaults():
                  "--results-dir", "--seed", "--dry-run", "--check-steps", "--loss-tolerance"):
         assert flag in options, flag
     for action in set(options.values()):
-        if action.dest != "help":
+        if action.dest != "help" and action.help != argparse.SUPPRESS:  # hidden: torch.distributed.launch's --local-rank
             assert "(default" in action.help, action.dest
     assert parser.parse_args([]).models.split(",") == list(shared().SEED_MODELS)
 

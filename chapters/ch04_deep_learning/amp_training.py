@@ -41,7 +41,7 @@ from common.data import DATASETS
 from common.device import describe, resolve_device
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
-from common.timing import format_bytes
+from common.timing import format_bytes, format_rate, format_speedup
 
 SCRIPT = "chapters/ch04_deep_learning/amp_training.py"
 BASELINE = "fp32"
@@ -149,13 +149,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{'Δ acc (pts)':>12}" + (f" {'peak memory':>12}" if device.type == "cuda" else ""))
     for row in rows:
         line = (f"{row['precision']:<10} {100 * row['test_accuracy']:>8.2f}% {row['final_loss']:>11.4f} "
-                f"{row['samples_per_s'] or 0:>10.1f} {row['speedup_vs_fp32'] or 0:>8.2f}x "
+                f"{format_rate(row['samples_per_s']):>10} {format_speedup(row['speedup_vs_fp32']):>9} "
                 f"{row['accuracy_diff_points']:>+12.2f}")
         if device.type == "cuda":  # on CPU the figure is the process's peak RSS, shared by all runs
             line += f" {format_bytes(row['peak_memory_bytes']):>12}"
         print(line)
     print("speed-up = samples/s of the precision / samples/s of fp32 (timed steps after warm-up); "
           "Δ acc = test accuracy minus fp32's, in percentage points")
+    if device.type == "cuda":  # is the baseline real fp32, or half TF32? (common.device.resolve_device decides)
+        print("fp32 baseline maths: {matmul} matmuls, {cudnn_conv} convolutions (ieee: real fp32; tf32: tensor "
+              "cores)".format(**records[BASELINE]["provenance"].get("fp32_math", {"matmul": "?", "cudnn_conv": "?"})))
 
     record = make_record(
         lab="ch04", script=SCRIPT, method="amp-comparison",

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 from common.cli import config_dict, non_negative_int, one_line_errors, output_dir, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.errors import UserError, run_main
+from common.gpu_peaks import gpu_peaks
 from common.results import make_record, provenance, write_record
 from common.timing import time_function
 
@@ -46,43 +47,12 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32,
 # times slower than its fp32) still finishes in seconds.
 DEFAULT_SIZE = {"cuda": 8192, "cpu": 512}
 
-# Peak dense TFLOP/s per precision, matched by a substring of torch.cuda.get_device_name(), first
-# match wins (so "H100 PCIe" is listed before "H100"). Dense = without 2:4 structured sparsity:
-# NVIDIA's data sheets print the tensor-core figures *with* sparsity and mark them with an asterisk;
-# the dense figure is half of that. fp32 = CUDA cores (TF32 off); tf32/bf16/fp16 = tensor cores;
-# fp64 = the FP64 tensor-core figure where the GPU has one (cuBLAS uses it for fp64 matmuls).
-#   A100:  seed 000's table (FP32 19.5, FP16 tensor core 312) and the NVIDIA A100 Tensor Core GPU
-#          data sheet (FP64 tensor core 19.5, TF32 156, BF16 312 dense); PCIe and SXM4 peak alike.
-#   H100:  NVIDIA H100 Tensor Core GPU data sheet. SXM: FP64 TC 67, FP32 67, TF32 989*, BF16/FP16
-#          1,979*; PCIe: FP64 TC 51, FP32 51, TF32 756*, BF16/FP16 1,513* (* with sparsity, halved here).
-#   H200:  NVIDIA H200 Tensor Core GPU data sheet. SXM: FP64 TC 67, FP32 67, TF32 989*, BF16/FP16
-#          1,979*; NVL: FP64 TC 60, FP32 60, TF32 835*, BF16/FP16 1,671* (* with sparsity, halved here).
-#   V100:  NVIDIA Tesla V100 data sheet. SXM2: FP64 7.8, FP32 15.7, tensor (fp16) 125; PCIe: 7, 14, 112.
-#          No bf16 or TF32 on V100. (DGX-2's SXM3 part clocks higher: it matches no entry.)
-_PEAK_COLUMNS = ("fp64", "fp32", "tf32", "bf16", "fp16")
-_PEAK_ROWS = [
-    # name contains  GPU                 fp64   fp32   tf32   bf16   fp16    (None: not supported)
-    ("A100",        "NVIDIA A100",       19.5,  19.5,  156,   312,   312),
-    ("H100 PCIe",   "NVIDIA H100 PCIe",  51,    51,    378,   756,   756),
-    ("H100",        "NVIDIA H100 SXM",   67,    67,    494.5, 989.5, 989.5),
-    ("H200 NVL",    "NVIDIA H200 NVL",   60,    60,    417.5, 835.5, 835.5),
-    ("H200",        "NVIDIA H200 SXM",   67,    67,    494.5, 989.5, 989.5),
-    ("V100-SXM2",   "NVIDIA V100 SXM2",  7.8,   15.7,  None,  None,  125),
-    ("V100-PCIE",   "NVIDIA V100 PCIe",  7,     14,    None,  None,  112),
-]
-PEAK_TFLOPS: list[tuple[str, str, dict[str, float]]] = [
-    (key, f"{gpu} (data sheet, dense)",
-     {column: value for column, value in zip(_PEAK_COLUMNS, values) if value is not None})
-    for key, gpu, *values in _PEAK_ROWS
-]
-
 
 def peak_for(device_name: str) -> tuple[str | None, dict[str, float]]:
-    """The peak table entry whose key occurs in ``device_name`` (``(None, {})`` for CPUs and unknown GPUs)."""
-    for key, label, peaks in PEAK_TFLOPS:
-        if key.lower() in device_name.lower():
-            return label, peaks
-    return None, {}
+    """The datasheet peaks of a GPU (``common.gpu_peaks``, Lab-03 reads the same table): a label and
+    ``{precision: dense TFLOP/s}``; ``(None, {})`` for CPUs and GPUs the table does not know."""
+    gpu, peaks = gpu_peaks(device_name)
+    return (f"NVIDIA {gpu} (data sheet, dense)", peaks) if gpu else (None, {})
 
 
 def parse_dtypes(text: str) -> list[str]:

@@ -15,7 +15,9 @@ DataLoader options in one block. Here each is measured on its own:
    does), never a number typed in: 8 threads on a 4-CPU allocation run slower than 4.
 2. ``torch.backends.cudnn.benchmark``: on a GPU, the first step with it on tries several convolution
    algorithms (slow), later steps use the fastest. Only for fixed input shapes. Skipped on a CPU,
-   where there is no cuDNN.
+   where there is no cuDNN. One untimed step runs first: the first convolution of a process also
+   creates cuDNN's and cuBLAS's handles and workspaces, and without the warm-up that cost would land
+   on whichever setting is timed first ("off"), making "on" look better than it is.
 3. DataLoader options on the seed's per-sample PIL pipeline (Lab-02's ``pipelines.py``): how fast
    one epoch of batches arrives with 0, 1 and more workers, and with ``persistent_workers`` in the
    second epoch. ``pin_memory`` only matters with a GPU. Lab-02's ``sweep.py`` measures the same
@@ -81,6 +83,11 @@ def cudnn_benchmark(device: torch.device, batch_size: int, steps: int) -> list[d
     rows = []
     data = torch.randn(batch_size, 3, 64, 64, device=device)
     target = torch.randint(0, 10, (batch_size,), device=device)
+    # Warm-up, untimed and with benchmark off (no algorithm search is cached): the process's first
+    # convolution creates the cuDNN/cuBLAS handles and workspaces, a cost neither setting should carry.
+    torch.backends.cudnn.benchmark = False
+    training_step_ce(build_model("resnet18", num_classes=10).to(device), data, target)
+    torch.cuda.synchronize(device)
     for enabled in (False, True):
         torch.backends.cudnn.benchmark = enabled
         model = build_model("resnet18", num_classes=10).to(device)

@@ -20,7 +20,10 @@ What it teaches, in three parts, each printed and written into one result record
 
 How memory is measured. On a GPU, the CUDA caching allocator counts every tensor:
 ``memory_allocated`` (live tensors), ``memory_reserved`` (held by the cache) and
-``max_memory_allocated`` (the peak). A CPU has no such counter, and the process's resident set
+``max_memory_allocated`` (the peak); at the end the script prints the allocator's own report,
+``torch.cuda.memory_summary()``. One forward and backward pass runs before anything is measured:
+the first matmul on a GPU allocates cuBLAS's workspace (megabytes) through the same allocator, and
+measured cold it would be counted as the forward pass's activations. A CPU has no such counter, and the process's resident set
 (RSS) moves in coarse steps and includes Python and PyTorch themselves, so on a CPU this script runs
 the step under ``torch.profiler`` with ``profile_memory=True``: the profiler logs every tensor
 allocation and free, and the running sum of those bytes is the CPU's "allocated", whose maximum is
@@ -175,6 +178,17 @@ def forward_backward(model: nn.Module, data: torch.Tensor, target: torch.Tensor)
     F.cross_entropy(model(data), target).backward()
 
 
+def warm_up(model: nn.Module, data: torch.Tensor, target: torch.Tensor, device: torch.device) -> None:
+    """One forward and backward, gradients dropped: what is allocated once per process is allocated now.
+
+    On a GPU that is cuBLAS's workspace (allocated at the first matmul, through the caching allocator,
+    and kept) and cuDNN's handles; measured in part 1 it would look like activations.
+    """
+    forward_backward(model, data, target)
+    model.zero_grad(set_to_none=True)
+    synchronize(device)
+
+
 def peak_above_start(model: nn.Module, data: torch.Tensor, target: torch.Tensor, device: torch.device) -> int:
     """Most memory allocated at any moment of one forward+backward, above what was allocated before it."""
     if device.type == "cuda":
@@ -317,7 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{sum(p.numel() for p in model.parameters()):,} parameters | batch {args.batch_size} | threads {threads}")
     print(f"memory figures come from {where}")
 
-    # 1. forward, backward, step
+    # 1. forward, backward, step (after one unmeasured pass: see warm_up)
+    warm_up(model, data, target, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     phases = memory_by_phase(model, optimizer, data, target, device)
     header = ["phase", "allocated (change)", "peak during phase"]
@@ -360,6 +375,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_table(f"3. Gradient accumulation: {args.accumulation_steps} micro-batches vs one batch "
                 f"(match: allclose rtol={GRAD_RTOL}, atol={GRAD_ATOL})",
                 ["batch split", "sizes", "loss scaling", "max |diff|", "relative", "match"], rows)
+
+    # The caching allocator's own report: live and cached memory, allocation counts, fragmentation.
+    if device.type == "cuda":
+        print("\ntorch.cuda.memory_summary(abbreviated=True), the caching allocator's own report:")
+        print(torch.cuda.memory_summary(device, abbreviated=True))
+    else:
+        print("\ntorch.cuda.memory_summary() prints the CUDA caching allocator's report (live and cached "
+              "memory, allocation counts); a CPU has no such allocator, so a CPU run has none to show")
 
     memory = peak_memory(device)
     metrics = {"phases": phases, "checkpointing": ckpt, "accumulation": {"equal": even, "unequal": uneven},

@@ -17,6 +17,10 @@ and the devices this process sees disagree) plus what matters for multi-GPU trai
 - **Topology**: which GPU pairs can read each other's memory directly (peer access: DataParallel's
   copies and NCCL's transfers skip the host), and ``nvidia-smi topo -m``'s link between every pair
   (``NV#`` = NVLink, ``PIX``/``PXB``/``PHB`` = PCIe, ``NODE``/``SYS`` = across CPU sockets).
+  The two number GPUs differently: ``nvidia-smi`` (NVML) counts every GPU of the node in PCI order,
+  PyTorch (CUDA) counts only the visible ones, fastest first or as ``CUDA_VISIBLE_DEVICES`` lists
+  them. ``GPU0`` of the topology need not be ``cuda:0``, so each ``cuda:N`` is matched to its row
+  of the topology by PCI bus id, and the links are shown in CUDA's numbering next to peer access.
 - **Communication back ends**: NCCL (GPUs) and Gloo (CPUs) built into this PyTorch, and a real
   one-process all-reduce through each, because "built" is not "works".
 
@@ -85,7 +89,43 @@ def nvidia_smi_topology() -> dict[str, Any]:
     if out.returncode != 0:
         return {"available": False, "reason": f"nvidia-smi topo -m exited {out.returncode}: "
                                                f"{(out.stderr or out.stdout).strip()[:300]}"}
-    return {"available": True, "text": out.stdout, "links": parse_topology(out.stdout)}
+    return {"available": True, "text": out.stdout, "links": parse_topology(out.stdout),
+            "bus_ids": nvidia_smi_bus_ids(smi)}
+
+
+def nvidia_smi_bus_ids(smi: str) -> dict[str, str]:
+    """``{"GPU0": "00000000:18:00.0", ...}``: the PCI bus id of every GPU in nvidia-smi's numbering."""
+    try:
+        out = subprocess.run([smi, "--query-gpu=index,pci.bus_id", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    bus_ids = {}
+    for line in out.stdout.splitlines() if out.returncode == 0 else []:
+        index, _, bus_id = (part.strip() for part in line.partition(","))
+        if index.isdigit() and bus_id:
+            bus_ids[f"GPU{index}"] = bus_id
+    return bus_ids
+
+
+def cuda_to_topology(count: int, bus_ids: Mapping[str, str]) -> list[dict[str, Any]]:
+    """For every visible ``cuda:N``: its PCI bus id and the ``GPUk`` of ``nvidia-smi topo -m`` with the same one."""
+    from common.device import normalise_bus_id, pci_bus_id  # imports torch
+
+    by_bus = {normalise_bus_id(bus_id): name for name, bus_id in bus_ids.items()}
+    rows = []
+    for index in range(count):
+        bus_id = pci_bus_id(index)
+        rows.append({"cuda": index, "bus_id": bus_id,
+                     "topology_name": by_bus.get(normalise_bus_id(bus_id)) if bus_id else None})
+    return rows
+
+
+def cuda_links(mapping: list[dict[str, Any]], links: Mapping[str, Mapping[str, str]]) -> list[list[str | None]]:
+    """``matrix[i][j]``: the topology's link between ``cuda:i`` and ``cuda:j`` (``None`` where unknown)."""
+    names = [row["topology_name"] for row in mapping]
+    return [[None if i == j or a is None or b is None else links.get(a, {}).get(b) for j, b in enumerate(names)]
+            for i, a in enumerate(names)]
 
 
 def peer_access_matrix(torch: Any, count: int) -> list[list[bool | None]]:
@@ -131,6 +171,10 @@ def multi_gpu_checks(env: Mapping[str, Any], run_backend_tests: bool = True) -> 
         "topology": nvidia_smi_topology(),
         "backend_tests": {},
     }
+    topology = checks["topology"]
+    if count and topology["available"]:
+        checks["cuda_to_topology"] = cuda_to_topology(count, topology.get("bus_ids", {}))
+        checks["cuda_links"] = cuda_links(checks["cuda_to_topology"], topology["links"])
     if run_backend_tests and checks["gloo_available"]:
         checks["backend_tests"]["gloo"] = backend_test("gloo", "cpu")
     if run_backend_tests and checks["nccl_available"] and count > 0:
@@ -157,6 +201,10 @@ def lab_warnings(env: Mapping[str, Any], checks: Mapping[str, Any]) -> list[str]
         pairs = ", ".join(f"{i}->{j}" for i, j in no_peer[:8]) + (" ..." if len(no_peer) > 8 else "")
         warnings.append(f"no peer access between GPU pair(s) {pairs}: their copies go through host memory, "
                         "which slows DataParallel and NCCL (see nvidia-smi topo -m)")
+    unmatched = [f"cuda:{row['cuda']}" for row in checks.get("cuda_to_topology", []) if row["topology_name"] is None]
+    if unmatched:
+        warnings.append(f"{', '.join(unmatched)} could not be matched to a row of nvidia-smi topo -m by PCI bus id: "
+                        "the topology's GPU numbers may name other GPUs than PyTorch's")
     return warnings
 
 
@@ -167,11 +215,20 @@ def format_checks(checks: Mapping[str, Any], warnings: list[str]) -> str:
     for name, result in checks["backend_tests"].items():
         lines.append(f"  {name}: {result['detail']}")
     matrix = checks["peer_access"]
+    links = checks.get("cuda_links")
+    mapping = checks.get("cuda_to_topology", [])
+    if mapping:
+        lines.append("GPU numbers     PyTorch (CUDA) -> nvidia-smi (NVML), matched by PCI bus id: " + ", ".join(
+            f"cuda:{row['cuda']} = {row['topology_name'] or '?'} ({row['bus_id'] or 'bus id unknown'})"
+            for row in mapping))
     if matrix:
-        lines.append("peer access     (row reads column directly)")
-        lines.append("        " + "".join(f"GPU{j:<4}" for j in range(len(matrix))))
+        lines.append("peer access     (row reads column directly" + ("; link from nvidia-smi topo -m" if links else "")
+                     + "; PyTorch's numbering)")
+        lines.append("         " + "".join(f"{f'cuda:{j}':<12}" for j in range(len(matrix))))
         for i, row in enumerate(matrix):
-            lines.append(f"  GPU{i:<3} " + "".join(f"{'X' if ok is None else yes(ok):<7}" for ok in row))
+            cells = ["X" if ok is None else yes(ok) + (f" {links[i][j]}" if links and links[i][j] else "")
+                     for j, ok in enumerate(row)]
+            lines.append(f"  cuda:{i:<2} " + "".join(f"{cell:<12}" for cell in cells))
     else:
         lines.append("peer access     fewer than 2 GPUs: nothing to check")
     topology = checks["topology"]
@@ -180,7 +237,7 @@ def format_checks(checks: Mapping[str, Any], warnings: list[str]) -> str:
         nvlink = [f"{a}-{b}" for a, b, link in pairs if link.startswith("NV")]
         lines.append(f"links           {len(nvlink)} of {len(pairs)} GPU pair(s) over NVLink"
                      + (f": {', '.join(nvlink)}" if nvlink else ""))
-        lines.append("nvidia-smi topo -m:")
+        lines.append("nvidia-smi topo -m (nvidia-smi's numbering: every GPU of the node, PCI order):")
         lines.extend(f"  {line}" for line in topology["text"].rstrip().splitlines())
     else:
         lines.append(f"topology        {topology['reason']}")

@@ -14,7 +14,8 @@
 # 3 whole epochs of 44 steps, two Gloo processes for DDP: the lab takes about a minute on 2 CPU
 # cores and the baseline reaches about 96% test accuracy. The three training runs share one global
 # batch: DataParallel gets it whole (--batch-size is global there), each of the LAB01_NPROC DDP
-# processes gets LAB01_GLOBAL_BATCH / LAB01_NPROC.
+# processes gets LAB01_GLOBAL_BATCH / LAB01_NPROC. On GPUs, DataParallel and DDP use the same GPUs:
+# the first LAB01_NPROC (cuda:0 .. cuda:N-1, one per DDP process).
 #
 # Environment overrides (default in brackets):
 #   PYTHON              the interpreter to run everything with [python]
@@ -53,6 +54,17 @@ if (( GLOBAL_BATCH % NPROC != 0 )); then
 fi
 PER_PROCESS_BATCH=$((GLOBAL_BATCH / NPROC))
 
+# auto is decided once, here, so that 03 and 04 get the same GPUs (below) or both run on the CPU.
+if [[ $DEVICE == auto ]]; then
+    DEVICE=$("$PYTHON" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
+fi
+# DDP's NPROC processes take cuda:0 .. cuda:NPROC-1 (one per LOCAL_RANK); DataParallel would take
+# every visible GPU unless told otherwise, so it is given exactly that set.
+DP_GPUS=()
+if [[ $DEVICE == cuda ]]; then
+    DP_GPUS=(--gpus "$(seq -s, 0 $((NPROC - 1)))")
+fi
+
 # The same data, model, seed and global batch in 02, 03 and 04.
 SHARED=(--device "$DEVICE" --model "$MODEL" --dataset "$DATASET" --image-size "$IMAGE_SIZE"
         --epochs "$EPOCHS" --lr "$LR" --seed "$SEED" --num-workers 0 --log-interval 20 --results-dir "$RESULTS_DIR")
@@ -80,8 +92,8 @@ step "1/5 environment check"
 step "2/5 baseline, one device, global batch $GLOBAL_BATCH"
 "$PYTHON" "$LAB_DIR/02_baseline_single_gpu.py" "${SHARED[@]}" --batch-size "$GLOBAL_BATCH"
 
-step "3/5 DataParallel, global batch $GLOBAL_BATCH split over the visible GPUs"
-"$PYTHON" "$LAB_DIR/03_dataparallel_training.py" "${SHARED[@]}" --batch-size "$GLOBAL_BATCH"
+step "3/5 DataParallel, global batch $GLOBAL_BATCH split over GPUs ${DP_GPUS[1]:-(none: one CPU device, not wrapped)}"
+"$PYTHON" "$LAB_DIR/03_dataparallel_training.py" "${SHARED[@]}" --batch-size "$GLOBAL_BATCH" "${DP_GPUS[@]}"
 
 step "4/5 DDP, $NPROC processes x $PER_PROCESS_BATCH = global batch $GLOBAL_BATCH"
 # --standalone: torchrun picks a free port itself; a fixed MASTER_PORT would clash with other jobs.

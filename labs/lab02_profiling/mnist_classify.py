@@ -4,6 +4,7 @@
 Usage:
     kernprof -o run.lprof -l mnist_classify.py --epochs=3       # profile train(), as the seed does
     python -m line_profiler -rmt run.lprof                      # read the table
+    kernprof -o sync.lprof -l mnist_classify.py --epochs=1 --launch-blocking   # GPU: each line's own GPU time
     python mnist_classify.py --epochs=3                         # the same run without the profiler
     python mnist_classify.py --pipeline device --batch-size 256 --channels-last --amp bf16
     sbatch job.slurm                                            # on a cluster (kernprof, 3 epochs)
@@ -13,6 +14,11 @@ What it teaches: where the time of a training epoch goes. The seed's line profil
 ``train()`` on its first line, the loop that waits for the DataLoader, and only a few percent in the
 forward and backward passes. Each flag below removes part of that wait; ``sweep.py`` runs them one
 after another and records every step.
+
+On a GPU, kernels run after the line that queued them, so their time lands on whichever line waits
+first (``loss.item()``, the next ``.to(device)``). ``--launch-blocking`` sets
+``CUDA_LAUNCH_BLOCKING=1`` before CUDA starts: every line then waits for its own kernels, and the
+profile shows each line's GPU time (the README says which lines to trust in which profile).
 
 Data: ``--dataset digits`` (bundled, offline, the default), ``mnist`` (from ``--data-dir``) or
 ``synthetic`` (MNIST-sized, ``--synthetic-size``). ``--pipeline pil`` is the seed's per-sample PIL
@@ -34,7 +40,7 @@ from line_profiler import profile  # a no-op decorator unless the script runs un
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import amp
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_float, positive_int
-from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
+from common.device import configure_threads, describe, resolve_device, seed_everything, set_launch_blocking, synchronize
 from common.errors import run_main
 from common.models import MnistNet
 from common.results import make_record, provenance, write_record
@@ -152,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="forward-pass precision: fp32 (off), bf16, fp16 (GPU only) (default: %(default)s)")
     tuning.add_argument("--compile", action="store_true",
                         help="torch.compile the model; compile time is measured and recorded separately (default: off)")
+    parser.add_argument("--launch-blocking", action="store_true",
+                        help="CUDA_LAUNCH_BLOCKING=1: every CUDA call waits for its kernels, so a line profile on a "
+                             "GPU shows each line's own GPU time; slower overall (default: off)")
     parser.add_argument("--method", default=None,
                         help="name of this run in its result record (default: 'baseline' for the seed's "
                              "configuration, else 'custom')")
@@ -161,12 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = apply_dry_run(build_parser().parse_args(argv))
+    if args.launch_blocking:
+        set_launch_blocking()  # before anything starts CUDA
     seed_everything(args.seed)
     threads = configure_threads()
     device = resolve_device(args.device)
     args.amp = amp.check_precision(args.amp, device)
     method = args.method or default_method(args)
     notes = []
+    if args.launch_blocking and device.type != "cuda":
+        notes.append("--launch-blocking changes nothing on a CPU: CPU operators already run synchronously")
     pin_memory = args.pin_memory and device.type == "cuda"
     if args.pin_memory and not pin_memory:
         notes.append("--pin-memory ignored: pinning only speeds up copies to a GPU")

@@ -30,6 +30,7 @@ import argparse
 import copy
 import os
 import platform
+import re
 import sys
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -39,18 +40,18 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import amp
-from common.cli import config_dict, non_negative_int, output_dir, positive_float, positive_int
+from common.cli import (accept_launcher_local_rank, config_dict, non_negative_int, output_dir, positive_float,
+                        positive_int)
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.distributed import DistContext, init_distributed, print0, teardown_distributed
 from common.errors import UserError, run_main
 from common.launch import detect_launch, free_port
 from common.models import build_model, zoo_models
-from common.results import make_record, provenance, write_record, write_text_atomic
-from common.timing import StepTimer, peak_memory, reset_peak_memory
+from common.results import fp32_math_info, make_record, provenance, write_record, write_text_atomic
+from common.timing import StepTimer, peak_memory, reset_peak_memory, scaled
 from labs.lab03_precision_benchmark.lab03_shared import (
     DEFAULT_LOSS_TOLERANCE, LAB, MODES, NUM_CLASSES, PRECISIONS, SCRIPT, SEED_MODELS, compare_losses, csv_name,
     device_tag, iterations_csv, parse_list, peak_tflops, summary_csv, unsupported_reason,
@@ -61,6 +62,8 @@ WEIGHT_DTYPES = {"fp64": torch.float64, "half": torch.float16}
 #: Precisions that autocast, by their name in common.amp.
 AUTOCAST = {"amp-fp16": "fp16", "amp-bf16": "bf16"}
 MOMENTUM = 0.9
+#: How dynamo names giving up on a function after too many recompilations (older releases: cache_size_limit).
+RECOMPILE_LIMIT_HIT = re.compile(r"(recompile|cache.size).{0,3}limit", re.IGNORECASE)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="folder where the result records are written (default: %(default)s)")
     common.add_argument("--dry-run", action="store_true",
                         help="-w 1 -n 2 --check-steps 2: checks that everything runs (default: off)")
+    accept_launcher_local_rank(parser)  # python -m torch.distributed.launch passes --local-rank
     return parser
 
 
@@ -131,13 +135,7 @@ def set_tf32(enabled: bool) -> None:
     PyTorch turns TF32 on for convolutions by default, so "float32" on an A100 is TF32 unless it is
     switched off: the fp32 rows of this benchmark switch it off, the tf32 rows on.
     """
-    mode = "tf32" if enabled else "ieee"
-    if hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision"):  # PyTorch >= 2.9
-        torch.backends.cuda.matmul.fp32_precision = mode
-        torch.backends.cudnn.conv.fp32_precision = mode
-    else:  # the flags older PyTorch has
-        torch.backends.cuda.matmul.allow_tf32 = enabled
-        torch.backends.cudnn.allow_tf32 = enabled
+    amp.set_fp32_math("tf32" if enabled else "ieee")
 
 
 def forward_context(precision: str, device: torch.device) -> AbstractContextManager:
@@ -230,6 +228,8 @@ def count_flops(model_name: str, batch_size: int, image_size: int) -> dict[str, 
     ReLU, so the achieved TFLOP/s compares with the tensor-core peaks. A shape the model cannot
     take fails here, before anything is timed.
     """
+    from torch.utils.flop_counter import FlopCounterMode  # PyTorch >= 2.1: imported after common's version check
+
     try:
         with torch.device("meta"):
             model = build_model(model_name, num_classes=NUM_CLASSES)
@@ -251,22 +251,48 @@ def count_flops(model_name: str, batch_size: int, image_size: int) -> dict[str, 
 # The benchmark on one process (rank)
 
 
-def time_mode(mode, base, images, labels, precision, device, args, distributed) -> tuple[StepTimer, dict[str, Any]]:
-    """Time ``mode`` on a fresh copy of ``base``; returns the timer and the peak memory."""
+def compile_fresh(model: torch.nn.Module) -> torch.nn.Module:
+    """``torch.compile(model)`` after resetting dynamo, so this configuration gets its own compile budget.
+
+    The ResNet family shares ``ResNet.forward``: without a reset, the models x precisions x modes of
+    one run are all recompilations of that one function, and past dynamo's recompile limit (8) the
+    rest silently run eager while labelled compiled (``TORCH_LOGS=recompiles`` shows it).
+    """
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    return torch.compile(model)
+
+
+def compile_outcome() -> dict[str, Any]:
+    """Did the configuration just timed really run compiled? Graphs dynamo captured, recompile-limit hits."""
+    from torch._dynamo.utils import counters
+
+    graphs = int(counters["stats"]["unique_graphs"])
+    limit_hits = sum(count for reason, count in counters["unimplemented"].items() if RECOMPILE_LIMIT_HIT.search(reason))
+    return {"compiled": graphs > 0 and limit_hits == 0, "graphs": graphs, "recompile_limit_hits": limit_hits}
+
+
+def time_mode(mode, base, images, labels, precision, device, args,
+              distributed) -> tuple[StepTimer, dict[str, Any], dict[str, Any] | None]:
+    """Time ``mode`` on a fresh copy of ``base``; returns the timer, the peak memory and (with
+    ``--compile``) whether compilation really happened."""
     model = make_model(base, precision, device, args.channels_last)
     inputs = make_inputs(images, precision, args.channels_last)
     reset_peak_memory(device)
     if mode == "train":
         if distributed:
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        timer = time_training(torch.compile(model) if args.compile else model, inputs, labels, precision, device, args)
+        timer = time_training(compile_fresh(model) if args.compile else model, inputs, labels, precision, device, args)
     else:  # no gradients, so no DDP: each process infers on its own
-        timer = time_inference(torch.compile(model) if args.compile else model, inputs, precision, device, args)
+        timer = time_inference(compile_fresh(model) if args.compile else model, inputs, precision, device, args)
     memory = peak_memory(device)
+    compilation = compile_outcome() if args.compile else None
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the next precision starts from an empty allocator
-    return timer, memory
+    return timer, memory, compilation
 
 
 def run(args: argparse.Namespace, flops: dict[str, dict[str, int]], launcher: str) -> int:
@@ -310,8 +336,10 @@ def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: D
                 check = {**compare_losses(losses, reference, args.loss_tolerance),
                          "scaler_skipped_steps": skipped_steps}
                 for mode in args.modes:
-                    timer, memory = time_mode(mode, base, images, labels, precision, device, args, distributed)
-                    out.measured(model_name, mode, precision, timer, memory, check, flops[model_name][mode])
+                    timer, memory, compilation = time_mode(mode, base, images, labels, precision, device, args,
+                                                           distributed)
+                    out.measured(model_name, mode, precision, timer, memory, check, flops[model_name][mode],
+                                 compilation)
                     done.append(mode)
             except RuntimeError as err:  # out of memory, or an operator without a kernel for this dtype
                 if distributed:
@@ -349,9 +377,11 @@ class Output:
                              world_size=world, global_batch_size=args.batch_size * world,
                              image_shape=[3, args.image_size, args.image_size], num_classes=NUM_CLASSES,
                              optimizer=f"SGD(lr={args.lr}, momentum={MOMENTUM})")
+        # The fp32 maths changes with the precision (TF32 on for the tf32 rows only): read it per record.
         write_record(make_record(lab=LAB, script=SCRIPT, method=f"{mode}-{precision}", status=status, notes=notes,
                                  config=config, metrics={"world_size": world, **metrics},
-                                 provenance=self.provenance), args.results_dir)
+                                 provenance={**self.provenance, "fp32_math": fp32_math_info(self.device)}),
+                     args.results_dir)
         self.records += 1
 
     def skipped(self, mode: str, precision: str, reason: str) -> None:
@@ -367,7 +397,7 @@ class Output:
         self.rows.append({"mode": mode, "precision": precision, "model": model, "status": "failed", "reason": reason})
 
     def measured(self, model: str, mode: str, precision: str, timer: StepTimer, memory: dict[str, Any],
-                 check: dict[str, Any], flops: int) -> None:
+                 check: dict[str, Any], flops: int, compilation: dict[str, Any] | None = None) -> None:
         world = self.ctx.world_size
         step_time = timer.summary()
         ms = {key: step_time[f"{key}_s"] * 1000 for key in ("median", "mean", "std", "min", "max")}
@@ -376,7 +406,7 @@ class Output:
         metrics = {
             "ms_per_batch": ms,
             "ms_per_batch_samples": [t * 1000 for t in timer.times],
-            "samples_per_s": (step_time["samples_per_s"] or 0) * world,
+            "samples_per_s": scaled(step_time["samples_per_s"], world),
             "global_batch_size": self.args.batch_size * world,
             "step_time": step_time,
             "flops_per_batch": flops,
@@ -389,11 +419,15 @@ class Output:
             "loss_relative_diff_vs_fp32": check["relative_diff"],
             "diverged": check["diverged"],
             "memory": [memory],
+            "compile": compilation,
         }
         # How the clock was read is in metrics.step_time.method; notes are for what needs attention.
         notes = [f"{world} DDP processes: the times are rank 0's"] if world > 1 else []
         if check["diverged"]:
             notes.append(f"DIVERGED: {check['reason']}")
+        if compilation is not None and not compilation["compiled"]:
+            notes.append(f"NOT COMPILED: --compile was given but dynamo captured {compilation['graphs']} graph(s) and "
+                         f"hit its recompile limit {compilation['recompile_limit_hits']} time(s): these times are eager")
         if check["scaler_skipped_steps"]:
             notes.append(f"GradScaler skipped {check['scaler_skipped_steps']} of the {check['steps']} check steps "
                          "(inf/NaN gradients), leaving the weights unchanged for them")
@@ -413,7 +447,8 @@ class Output:
         print0(f"{model:<18} {mode:<9} {precision:<9} {ms['median']:9.2f} ms/batch (mean {ms['mean']:.2f} "
                f"± {ms['std']:.2f}) | {metrics['samples_per_s']:8.1f} img/s | {achieved:7.3f} TFLOP/s{share} | "
                f"loss {check['loss']:.4f}, fp32 {check['fp32_loss']:.4f} ({relative})"
-               f"{'  DIVERGED' if check['diverged'] else ''}")
+               f"{'  DIVERGED' if check['diverged'] else ''}"
+               f"{'  NOT COMPILED (eager)' if compilation is not None and not compilation['compiled'] else ''}")
 
     def write_csvs(self) -> None:
         if not self.ctx.is_main:

@@ -5,8 +5,8 @@ can use these without importing torch:
 
 - :data:`PRECISIONS`: what each precision name means, and :func:`unsupported_reason`, which says
   why a precision cannot run on a device (the reason goes into the CSV summary and the record).
-- :data:`PEAK_TFLOPS` and :func:`peak_tflops`: the datasheet peak of known GPUs per precision,
-  to put an achieved TFLOP/s next to what the device could do.
+- :func:`peak_tflops`: the datasheet peak of known GPUs per precision (``common.gpu_peaks``), to
+  put an achieved TFLOP/s next to what the device could do.
 - :func:`compare_losses`: the correctness check of a precision against fp32, and its threshold.
 - :func:`csv_name`, :func:`iterations_csv`, :func:`summary_csv`: the CSV layout of the seed's
   ``benchmark_models.py`` (one file per mode and precision, a column per model, a row per
@@ -22,6 +22,7 @@ import re
 from typing import Any, Iterable, Mapping, Sequence
 
 from common.errors import UserError
+from common.gpu_peaks import gpu_peaks
 
 LAB = "lab03"
 SCRIPT = "labs/lab03_precision_benchmark/benchmark_models.py"
@@ -93,41 +94,23 @@ def unsupported_reason(precision: str, device_type: str, device_name: str = "",
 
 
 # --------------------------------------------------------------------------------------------
-# Peak TFLOP/s. Dense (no structured sparsity) figures from NVIDIA's datasheets. For fp64 the
-# FP64 tensor-core figure where a GPU has one (A100, H100, H200): a ceiling, which cuDNN's double
-# convolutions rarely approach. half and amp-fp16 are both float16 tensor-core maths.
+# Peak TFLOP/s: the datasheet table in common.gpu_peaks (shared with Chapter 4's pytorch_basics.py),
+# read with this lab's precision names. half and amp-fp16 are both float16 tensor-core maths.
 
-_GPU_PEAKS: list[tuple[str, str, dict[str, float]]] = [
-    # (lower-case substring of torch.cuda.get_device_name, source, {precision: TFLOP/s})
-    ("h200 nvl", "H200 NVL datasheet", {"fp64": 60, "fp32": 60, "tf32": 417.5, "half": 835.5, "amp-fp16": 835.5,
-                                        "amp-bf16": 835.5}),
-    ("h200", "H200 SXM datasheet", {"fp64": 67, "fp32": 67, "tf32": 494.5, "half": 989.5, "amp-fp16": 989.5,
-                                    "amp-bf16": 989.5}),
-    ("h100 nvl", "H100 NVL datasheet", {"fp64": 60, "fp32": 60, "tf32": 417.5, "half": 835.5, "amp-fp16": 835.5,
-                                        "amp-bf16": 835.5}),
-    ("h100 pcie", "H100 PCIe datasheet", {"fp64": 51, "fp32": 51, "tf32": 378, "half": 756, "amp-fp16": 756,
-                                          "amp-bf16": 756}),
-    ("h100", "H100 SXM datasheet", {"fp64": 67, "fp32": 67, "tf32": 494.5, "half": 989.5, "amp-fp16": 989.5,
-                                    "amp-bf16": 989.5}),
-    ("a100", "A100 datasheet", {"fp64": 19.5, "fp32": 19.5, "tf32": 156, "half": 312, "amp-fp16": 312,
-                                "amp-bf16": 312}),
-    ("v100s", "V100S PCIe datasheet", {"fp64": 8.2, "fp32": 16.4, "half": 130, "amp-fp16": 130}),
-    ("v100-pcie", "V100 PCIe datasheet", {"fp64": 7, "fp32": 14, "half": 112, "amp-fp16": 112}),
-    # SXM2, and the SXM3 parts of a DGX-2 (the seed's dgx2 partition), which clock slightly higher.
-    ("v100", "V100 SXM2 datasheet", {"fp64": 7.8, "fp32": 15.7, "half": 125, "amp-fp16": 125}),
-]
+#: This lab's precisions by their name in common.gpu_peaks.
+_PEAK_PRECISION = {"fp64": "fp64", "fp32": "fp32", "tf32": "tf32", "half": "fp16", "amp-fp16": "fp16",
+                   "amp-bf16": "bf16"}
 
 
 def peak_tflops(device_type: str, device_name: str, precision: str) -> tuple[float | None, str]:
     """``(peak TFLOP/s, where the figure comes from)`` of one device; ``None`` when not known."""
     if device_type != "cuda":
         return None, "not known for CPUs (it depends on cores, clock and vector units)"
-    name = device_name.lower()
-    for pattern, source, peaks in _GPU_PEAKS:
-        if pattern in name:
-            value = peaks.get(precision)
-            return (float(value), source) if value is not None else (None, f"{source} lists no {precision} figure")
-    return None, f"no datasheet figure for {device_name!r} in lab03_shared.py"
+    gpu, peaks = gpu_peaks(device_name)
+    if gpu is None:
+        return None, f"no datasheet figure for {device_name!r} in common/gpu_peaks.py"
+    value, source = peaks.get(_PEAK_PRECISION[precision]), f"{gpu} datasheet"
+    return (value, source) if value is not None else (None, f"{source} lists no {precision} figure")
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,8 +34,16 @@ def _efficiency_cell(run: Row) -> Cell:
 
 def _speedup_cell(run: Row) -> Cell:
     value = run["speedup"]
+    if run["not_timed"] and is_missing(value):
+        return Cell("n/a", title="this run timed no step, so there is no speed-up to compute", style="num")
     return Cell(fmt_ratio(value), title=f"baseline: {fmt_rate(run['baseline_samples_per_s'])} samples/s"
                 if not is_missing(value) else None, style="num")
+
+
+def _rate_cell(run: Row) -> Cell:
+    if run["not_timed"] and is_missing(run["samples_per_s"]):
+        return Cell("n/a", title="no step was timed: the run was no longer than its warm-up", style="num")
+    return num(fmt_rate(run["samples_per_s"]))
 
 
 def _device_cell(run: Row) -> Cell:
@@ -45,6 +53,9 @@ def _device_cell(run: Row) -> Cell:
 def _run_cell(run: Row) -> Cell:
     return Cell(fmt_text(run["run_id"]), title=None if is_missing(run["file"]) else run["file"], style="id")
 
+
+DEVICE_MEMORY_COLUMN = ("GPU memory in use per device",
+                        lambda r: fmt_memory(r["device_memory_per_device"], r["device_memory_source"]))
 
 SUMMARY_COLUMNS = [
     ("run", _run_cell),
@@ -58,7 +69,7 @@ SUMMARY_COLUMNS = [
     ("global batch", lambda r: num(fmt_int(r["global_batch_size"]))),
     ("time / epoch", lambda r: num(fmt_seconds(r["time_per_epoch_s"]))),
     ("peak memory per device", lambda r: fmt_memory(r["memory_per_device"], r["memory_source"])),
-    ("samples/s", lambda r: num(fmt_rate(r["samples_per_s"]))),
+    ("samples/s", _rate_cell),
     ("speed-up vs baseline", _speedup_cell),
     ("scaling efficiency", _efficiency_cell),
     ("final loss", lambda r: num(fmt_number(r["final_loss"]))),
@@ -72,16 +83,26 @@ def summary_section(runs: pd.DataFrame) -> Section:
         f"Scaling efficiency = samples/s ÷ (devices × samples/s of the single-device '{BASELINE_METHOD}' "
         "run of the same lab, model and device type on the same machine; the median when it ran several "
         f"times). Speed-up = samples/s ÷ that baseline. DDP is expected to reach {DDP_MIN_EFFICIENCY:.0%}.",
-        "Memory on CUDA is the caching allocator's peak (torch.cuda.max_memory_allocated); on CPU it is "
-        "the peak resident set of the whole process (Python, PyTorch and the data set included). "
+        "Memory on CUDA is the caching allocator's peak (torch.cuda.max_memory_allocated): tensors only; on "
+        "CPU it is the peak resident set of the whole process (Python, PyTorch and the data set included). "
         "Several values are the devices of one run, first device first.",
     ]
+    columns = SUMMARY_COLUMNS
+    if "device_memory_per_device" in runs and any(runs["device_memory_per_device"].map(bool)):
+        # After the allocator's peak: what the driver counts, which the allocator does not see.
+        position = next(i for i, (name, _) in enumerate(SUMMARY_COLUMNS) if name == "peak memory per device") + 1
+        columns = [*SUMMARY_COLUMNS[:position], DEVICE_MEMORY_COLUMN, *SUMMARY_COLUMNS[position:]]
+        notes.append("GPU memory in use is what the driver counts when the run ends: the CUDA context, cuBLAS/cuDNN "
+                     "workspaces, NCCL's buffers and the allocator's cache, none of which the allocator's peak "
+                     "includes (so DDP looks leaner than it is by the peak alone). Its source is NVML's figure for "
+                     "the process, or cudaMemGetInfo for the whole GPU (other processes included); hover a cell "
+                     "to see which.")
     for run in runs.to_dict("records"):
         notes += [f"Note from run {run['run_id']} ({run['lab']} {run['method']}): {note}" for note in run["notes"]]
     lacking = missing_baselines(runs)
     if lacking:
         notes.append(f"No '{BASELINE_METHOD}' run to compute an efficiency for: " + "; ".join(lacking) + ".")
-    table = table_from_frame(runs, SUMMARY_COLUMNS, id="summary-table",
+    table = table_from_frame(runs, columns, id="summary-table",
                              caption=f"{len(runs)} run{'s' if len(runs) != 1 else ''}, one row each")
     return Section("Summary", paragraphs=[], tables=[table], notes=notes)
 

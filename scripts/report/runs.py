@@ -30,6 +30,8 @@ SUMMARY_METRICS = ("samples_per_s", "time_per_epoch_s", "global_batch_size", "wo
 MEMORY_SOURCES = {
     "cuda_max_memory_allocated": "CUDA peak allocated",
     "process_max_rss": "process peak RSS",
+    "nvml_process_used": "GPU memory of the process at the end (NVML)",
+    "cuda_mem_get_info": "GPU memory in use on the device at the end (cudaMemGetInfo, all processes)",
 }
 
 
@@ -67,14 +69,24 @@ def memory_entries(metrics: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [entry for entry in entries if isinstance(entry, Mapping)]
 
 
-def memory_per_device(metrics: Mapping[str, Any]) -> list[tuple[str, float]]:
-    """``[(device, peak_bytes), ...]`` from ``metrics.memory`` in the order the script wrote them."""
+def memory_per_device(metrics: Mapping[str, Any], key: str = "peak_bytes") -> list[tuple[str, float]]:
+    """``[(device, bytes), ...]`` from ``metrics.memory`` in the order the script wrote them.
+
+    ``key`` is ``peak_bytes`` (the allocator's peak, or the peak RSS on CPU) or ``device_used_bytes``
+    (what the GPU had in use, as the driver counts it: context and NCCL buffers included).
+    """
     result = []
     for index, entry in enumerate(memory_entries(metrics)):
-        peak = number(get(entry, "peak_bytes"))
-        if peak is not None:
-            result.append((text(get(entry, "device")) or f"device {index}", peak))
+        value = number(get(entry, key))
+        if value is not None:
+            result.append((text(get(entry, "device")) or f"device {index}", value))
     return result
+
+
+def sources_of(metrics: Mapping[str, Any], key: str = "source") -> str:
+    """The memory sources a record names under ``key``, in words."""
+    sources = {text(entry.get(key)) for entry in memory_entries(metrics)}
+    return ", ".join(MEMORY_SOURCES.get(s, s) for s in sorted(sources - {None}))
 
 
 def machine_of(prov: Mapping[str, Any]) -> str:
@@ -104,7 +116,6 @@ def run_row(record: Mapping[str, Any], results_dir: Path | None = None) -> dict[
     # two Gloo processes sharing one CPU are still two workers.
     devices = max(int(world_size or 1), int(number(metrics.get("devices")) or 1),
                   len({device for device, _ in memory}))
-    sources = {text(entry.get("source")) for entry in memory_entries(metrics)}
     path = Path(record.get("_path", "")) if record.get("_path") else None
     if path is not None and results_dir is not None and path.is_relative_to(results_dir):
         path = path.relative_to(results_dir)
@@ -128,9 +139,13 @@ def run_row(record: Mapping[str, Any], results_dir: Path | None = None) -> dict[
         "global_batch_size": number(metrics.get("global_batch_size")),
         "time_per_epoch_s": number(metrics.get("time_per_epoch_s")),
         "samples_per_s": number(metrics.get("samples_per_s")),
+        # A run no longer than its warm-up timed nothing: its throughput is "n/a", not missing.
+        "not_timed": get(metrics, "step_time", "steps_timed") == 0,
         "peak_memory_bytes": max((peak for _, peak in memory), default=None),
         "memory_per_device": memory,
-        "memory_source": ", ".join(MEMORY_SOURCES.get(s, s) for s in sorted(sources - {None})),
+        "memory_source": sources_of(metrics),
+        "device_memory_per_device": memory_per_device(metrics, "device_used_bytes"),
+        "device_memory_source": sources_of(metrics, "device_used_source"),
         "final_loss": number(metrics.get("final_loss")),
         "test_accuracy": number(metrics.get("test_accuracy")),
         "created": text(record.get("created")),
@@ -233,6 +248,9 @@ def csv_frame(runs: pd.DataFrame) -> pd.DataFrame:
     out["peak_memory_per_device"] = runs["memory_per_device"].map(
         lambda memory: ";".join(f"{device}={int(peak)}" for device, peak in memory))
     out["memory_source"] = runs["memory_source"]
+    out["device_memory_per_device"] = runs["device_memory_per_device"].map(
+        lambda memory: ";".join(f"{device}={int(used)}" for device, used in memory))
+    out["device_memory_source"] = runs["device_memory_source"]
     for column in ("baseline_samples_per_s", "speedup", "scaling_efficiency", "final_loss", "test_accuracy",
                    "slurm_job_id", "git_commit", "created", "file"):
         out[column] = runs[column]
