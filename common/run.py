@@ -69,7 +69,12 @@ _PROGRESS_KEYS = ("train_loss", "loss_at_step", "epoch_losses", "epoch_time_s", 
 
 
 def add_determinism_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--deterministic``: on a GPU, deterministic algorithms, so runs (and resumed runs) repeat bitwise."""
+    """``--deterministic``: on a GPU, deterministic algorithms, so runs (and resumed runs) repeat bitwise.
+
+    Adding it twice (a lab's flags and the checkpoint flags both offer it) is harmless.
+    """
+    if "--deterministic" in parser._option_string_actions:
+        return
     parser.add_argument("--deterministic", action="store_true",
                         help="GPU only: deterministic cuDNN/cuBLAS algorithms, so a run and its resumed twin "
                              "end bitwise equal (a little slower; CPU runs are deterministic anyway) (default: off)")

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         device = run.device
         args.amp = amp.check_precision(args.amp, device)
         seed_everything(args.seed)
-        splits = get_dataset(args.dataset, args.data_dir, seed=args.seed)
+        splits = get_dataset(args.dataset, args.data_dir, image_size=28, channels=1, seed=args.seed)  # MNIST-shaped
         model = build_model(args.model, num_classes=splits.num_classes, in_channels=splits.input_shape[0]).to(device)
         train_loader, _ = make_loader(splits.train, args.batch_size, shuffle=True, num_workers=args.num_workers,
                                       pin_memory=device.type == "cuda", seed=args.seed)

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         device = run.device
         args.amp = amp.check_precision(args.amp, device)
         seed_everything(args.seed)  # the same seed on every rank: every replica starts from the same weights
-        splits = get_dataset(args.dataset, args.data_dir, seed=args.seed)
+        splits = get_dataset(args.dataset, args.data_dir, image_size=28, channels=1, seed=args.seed)  # MNIST-shaped
         model = build_model(args.model, num_classes=splits.num_classes, in_channels=splits.input_shape[0]).to(device)
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         seed_everything(args.seed + run.rank)  # now each rank draws its own dropout masks
