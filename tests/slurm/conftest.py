@@ -32,7 +32,6 @@ import pytest
 
 from testbed import ClusterError, SlurmTestCluster
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 REQUIRE_VARIABLE = "HPC_DL_LABS_REQUIRE_SLURM"
 TIMINGS: dict[str, float] = {}
 
