@@ -48,13 +48,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
-from common import amp
+from common import amp, pipelines
 from common.cli import add_common_args, config_dict, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
 from common.errors import UserError, run_main
 from common.models import MnistNet
 from common.results import make_record, provenance, write_record
-from labs.lab02_profiling import pipelines
 
 SCRIPT = "bench/data_pipeline.py"
 VARIANTS = {
@@ -94,10 +93,7 @@ def timed(fn: Callable[[], int], device) -> tuple[float, int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", choices=pipelines.LAB_DATASETS, default="digits",
-                        help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
-    parser.add_argument("--synthetic-size", type=positive_int, default=60_000,
-                        help="training images of --dataset synthetic (default: %(default)s)")
+    pipelines.add_dataset_args(parser)
     parser.add_argument("--rounds", type=positive_int, default=5,
                         help="rounds of a, b, c (one epoch each); the first is a warm-up (default: %(default)s)")
     parser.add_argument("--threads", type=positive_int, default=None,

@@ -7,7 +7,7 @@ Usage:
 
 The records imitate a busy results folder: several labs, three machines, baseline/DP/DDP on 1-8
 devices, repeats, a few failed runs. They are written with ``common.results.make_record`` and
-``write_record`` like a real script's, then :func:`scripts.report.build_report` reads and renders them.
+``write_record`` like a real script's, then :func:`common.report.build_report` reads and renders them.
 The time printed (wall clock, and this process's CPU time) covers reading, tables, plots
 (importing matplotlib included), rendering and writing; importing pandas and jinja2 is printed on
 its own line.
@@ -27,8 +27,8 @@ _start_imports = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 from common.cli import positive_int
 from common.errors import run_main
+from common.report import build_report
 from common.results import make_record, write_record
-from scripts.report import build_report
 
 _IMPORT_S = time.perf_counter() - _start_imports
 

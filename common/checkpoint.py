@@ -1,7 +1,8 @@
 """Checkpoints written atomically, and a flag that Slurm's pre-emption signal raises.
 
 A job killed while writing ``checkpoint.pt`` must not leave a truncated file that the requeued job
-then fails to load: we write ``.checkpoint.pt.tmp``, fsync, and rename over the old one.
+then fails to load: :func:`save_checkpoint` writes through :func:`common.atomic.atomic_path`
+(a temporary file beside it, fsync, rename over the old one).
 
 :class:`StopSignal` catches ``SIGUSR1`` (what ``#SBATCH --signal=B:USR1@120`` sends before the time
 limit) and ``SIGTERM`` (what ``scancel`` and pre-emption send); the training loop polls
@@ -18,24 +19,15 @@ from typing import Any
 
 import torch
 
+from common.atomic import atomic_path
 from common.errors import UserError
 
 
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """``torch.save`` to a temporary file beside ``path``, fsync, then rename over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as handle:
-            torch.save(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+    return Path(path)
 
 
 def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, Any] | None:

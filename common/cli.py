@@ -1,4 +1,4 @@
-"""One set of command-line flags for every script (STYLE.md convention 3).
+"""One set of command-line flags for every script (docs/conventions.md, convention 3).
 
 ``add_common_args(parser)`` adds ``--device --seed --epochs --batch-size --max-steps --dry-run
 --data-dir --results-dir --num-workers`` with the same names and meaning everywhere; a script passes
@@ -11,9 +11,10 @@ This module must not import torch.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any
+
+from common.cpus import default_num_workers
 
 
 def _whole_number(text: str, minimum: int) -> int:
@@ -82,37 +83,6 @@ def output_dir(text: str) -> Path:
 def output_file(text: str) -> Path:
     """argparse type: a file path the run can write (checked before anything runs; nothing created)."""
     return _usable_place(Path(text).expanduser(), folder=False)
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, which Slurm's cgroups narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-
-
-def allocated_cpus(env: dict[str, str] | None = None) -> int | None:
-    """``SLURM_CPUS_PER_TASK``, capped at the CPUs we can really use; ``None`` off-cluster.
-
-    The cap matters where Slurm does not confine tasks (no cgroups, or a test cluster that claims
-    more CPUs than the machine has): 16 threads on 2 cores would only slow things down.
-    """
-    env = dict(os.environ) if env is None else env
-    cpus = env.get("SLURM_CPUS_PER_TASK", "")
-    if cpus.isdigit() and int(cpus) > 0:
-        return min(int(cpus), usable_cpus())
-    return None
-
-
-def default_num_workers(env: dict[str, str] | None = None) -> int:
-    """DataLoader workers from the allocation: one fewer than its CPUs (one core trains), else 2.
-
-    The main process needs a core of its own to drive the training loop; the rest feed it.
-    Off-cluster we use 2, which suits a laptop and CI.
-    """
-    cpus = allocated_cpus(env)
-    return 2 if cpus is None else max(0, cpus - 1)
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -140,6 +140,30 @@ def load_digits_split(test_fraction: float = 0.2, image_size: int = 28, seed: in
     return TensorDataset(images[train], labels[train]), TensorDataset(images[test], labels[test])
 
 
+#: The torchvision sets read from ``--data-dir``: class, the folder that shows a copy is there, mean, std, shape.
+_TORCHVISION_SETS: dict[str, tuple[Any, ...]] = {
+    "mnist": ("MNIST", "MNIST/raw", (MNIST_MEAN,), (MNIST_STD,), (1, 28, 28)),
+    "cifar10": ("CIFAR10", "cifar-10-batches-py", CIFAR_MEAN, CIFAR_STD, (3, 32, 32)),
+}
+
+
+def _torchvision_splits(name: str, data_dir: Path) -> DataSplits:
+    """MNIST or CIFAR-10 as torchvision reads them from ``data_dir``, normalised; never downloads."""
+    from torchvision import datasets, transforms
+
+    class_name, folder, mean, std, shape = _TORCHVISION_SETS[name]
+    if not (data_dir / folder).is_dir():
+        raise _missing(name, data_dir, f" (expected {folder}/)")
+    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
+    dataset = getattr(datasets, class_name)
+    try:
+        train = dataset(str(data_dir), train=True, download=False, transform=tf)
+        test = dataset(str(data_dir), train=False, download=False, transform=tf)
+    except RuntimeError as err:
+        raise _missing(name, data_dir, f" ({err})") from None
+    return DataSplits(train, test, name, shape, 10)
+
+
 def get_dataset(name: str, data_dir: str | Path = "data", *, image_size: int | None = None,
                 channels: int | None = None, num_classes: int = 10, synthetic_size: int = 2048,
                 seed: int = 0) -> DataSplits:
@@ -158,30 +182,8 @@ def get_dataset(name: str, data_dir: str | Path = "data", *, image_size: int | N
         train = SyntheticImages(synthetic_size, shape, num_classes, seed=seed, split="train")
         test = SyntheticImages(max(1, synthetic_size // 4), shape, num_classes, seed=seed, split="test")
         return DataSplits(train, test, "synthetic", shape, num_classes)
-    if name == "mnist":
-        from torchvision import datasets, transforms
-
-        if not (data_dir / "MNIST" / "raw").is_dir():
-            raise _missing("mnist", data_dir, " (expected MNIST/raw/)")
-        tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))])
-        try:
-            train = datasets.MNIST(str(data_dir), train=True, download=False, transform=tf)
-            test = datasets.MNIST(str(data_dir), train=False, download=False, transform=tf)
-        except RuntimeError as err:
-            raise _missing("mnist", data_dir, f" ({err})") from None
-        return DataSplits(train, test, "mnist", (1, 28, 28), 10)
-    if name == "cifar10":
-        from torchvision import datasets, transforms
-
-        if not (data_dir / "cifar-10-batches-py").is_dir():
-            raise _missing("cifar10", data_dir, " (expected cifar-10-batches-py/)")
-        tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])
-        try:
-            train = datasets.CIFAR10(str(data_dir), train=True, download=False, transform=tf)
-            test = datasets.CIFAR10(str(data_dir), train=False, download=False, transform=tf)
-        except RuntimeError as err:
-            raise _missing("cifar10", data_dir, f" ({err})") from None
-        return DataSplits(train, test, "cifar10", (3, 32, 32), 10)
+    if name in _TORCHVISION_SETS:
+        return _torchvision_splits(name, data_dir)
     if name == "imagefolder":
         from torchvision import datasets, transforms
 

@@ -124,7 +124,7 @@ def configure_threads(env: dict[str, str] | None = None) -> int:
     oversubscribe it. An explicit ``OMP_NUM_THREADS`` wins (torchrun sets it to share a task's cores
     among its workers; the job header sets it too); off-cluster the PyTorch default is kept.
     """
-    from common.cli import allocated_cpus
+    from common.cpus import allocated_cpus
 
     env = dict(os.environ) if env is None else env
     if env.get("OMP_NUM_THREADS", "").isdigit():

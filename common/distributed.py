@@ -1,4 +1,4 @@
-"""One distributed setup and teardown for every script (STYLE.md convention 4).
+"""One distributed setup and teardown for every script (docs/conventions.md, convention 4).
 
     ctx = init_distributed(args.device)        # torchrun, srun, or plain python
     try:
@@ -32,8 +32,8 @@ from common.device import resolve_device, set_device
 from common.launch import LaunchInfo, detect_launch, free_port, gpus_bound_per_task, local_world_size, rank_tag
 
 __all__ = [
-    "DistContext", "init_distributed", "teardown_distributed", "print0", "rank_tag",
-    "get_rank", "get_world_size", "is_main_process", "barrier", "all_reduce_mean",
+    "DistContext", "backend_for", "init_distributed", "teardown_distributed", "ddp_buffer_sync", "print0",
+    "print_rank", "all_reduce_sum", "all_reduce_mean", "any_rank", "gather_objects",
 ]
 
 
@@ -164,27 +164,16 @@ def ddp_buffer_sync(enabled: bool) -> dict[str, bool]:
     return {"broadcast_buffers": enabled}
 
 
-def get_rank() -> int:
-    """Global rank, 0 when not distributed."""
+def _global_rank() -> int:
+    """This process's global rank: from the process group once there is one, else from the launcher."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return detect_launch().rank
 
 
-def get_world_size() -> int:
-    """Number of processes, 1 when not distributed."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
-
-
-def is_main_process() -> bool:
-    return get_rank() == 0
-
-
 def print0(*args: Any, **kwargs: Any) -> None:
     """``print`` on global rank 0 only (flushed, so Slurm output files stay in order)."""
-    if is_main_process():
+    if _global_rank() == 0:
         kwargs.setdefault("flush", True)
         print(*args, **kwargs)
 
@@ -196,43 +185,42 @@ def print_rank(*args: Any, **kwargs: Any) -> None:
     print(rank_tag(), *args, **kwargs)
 
 
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def _reduce(value: Any, op: str, device: torch.device | None) -> Any:
+    """Reduce a number, or a list of numbers element-wise, over all ranks in one all-reduce.
 
-
-def all_reduce_mean(value: torch.Tensor | float, device: torch.device | None = None) -> float:
-    """Average a scalar over all ranks (returns it unchanged when not distributed)."""
-    tensor = value.detach().clone().float() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-    if device is not None:
-        tensor = tensor.to(device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        tensor /= dist.get_world_size()
-    return float(tensor.item())
-
-
-def all_reduce_sum(value: torch.Tensor | float, device: torch.device | None = None) -> float:
-    """Sum a scalar over all ranks (returns it unchanged when not distributed)."""
-    tensor = value.detach().clone().double() if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
-    if device is not None:
-        tensor = tensor.to(device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return float(tensor.item())
-
-
-def mean_over_ranks(values: list[float], device: torch.device | None = None) -> list[float]:
-    """Element-wise mean of a list of numbers over all ranks, in one all-reduce.
-
-    Each rank's loss is the mean over its slice of the global batch; the slices are equal in size,
-    so the mean of the ranks' losses is the loss over the global batch.
+    ``op`` is ``sum``, ``max`` or ``mean``. A number (or a one-element tensor) comes back as a
+    ``float``; a list (or a larger tensor) as a list of floats. Not distributed, the value comes
+    back as it was, in that form. float64 throughout: sums of many float32 losses lose digits, and
+    counts stay exact up to 2**53. ``device`` is where the reduction happens: the process's GPU
+    with NCCL (which cannot reduce CPU tensors), the CPU with Gloo.
     """
-    if not values or not (dist.is_available() and dist.is_initialized()):
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)  # Gloo has no AVG: sum, then divide
-    return (tensor / dist.get_world_size()).tolist()
+    if isinstance(value, torch.Tensor):
+        is_list = value.numel() != 1
+        tensor = value.detach().reshape(-1).to(device or value.device, torch.float64, copy=True)
+    else:
+        is_list = isinstance(value, (list, tuple))
+        tensor = torch.tensor(value if is_list else [value], dtype=torch.float64, device=device)
+    if tensor.numel() and dist.is_available() and dist.is_initialized():
+        # Gloo has no AVG: a mean is a sum divided by the world size.
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        if op == "mean":
+            tensor /= dist.get_world_size()
+    values = tensor.tolist()
+    return values if is_list else values[0]
+
+
+def all_reduce_sum(value: torch.Tensor | float | list[float], device: torch.device | None = None) -> Any:
+    """The sum over all ranks of a number, or element-wise of a list (e.g. loss sums and sample counts)."""
+    return _reduce(value, "sum", device)
+
+
+def all_reduce_mean(value: torch.Tensor | float | list[float], device: torch.device | None = None) -> Any:
+    """The mean over all ranks of a number, or element-wise of a list (e.g. each step's loss).
+
+    Each rank's loss is the mean over its share of the global batch; with equal shares, the mean
+    of the ranks' losses is the loss over the global batch.
+    """
+    return _reduce(value, "mean", device)
 
 
 def any_rank(flag: bool, device: torch.device | None = None) -> bool:
@@ -241,11 +229,7 @@ def any_rank(flag: bool, device: torch.device | None = None) -> bool:
     Ranks must agree before they stop: a rank that leaves the loop alone leaves its peers waiting
     in the next all-reduce until the timeout.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return bool(tensor.item())
+    return bool(_reduce(1.0 if flag else 0.0, "max", device))
 
 
 def gather_objects(obj: Any) -> list[Any]:

@@ -22,7 +22,8 @@ import socket
 import sys
 from typing import Any, Mapping
 
-from common.cli import usable_cpus
+from common.cpus import usable_cpus
+from common.units import format_bytes
 
 #: Slurm variables that say how many GPUs this node's share of the job has, most specific first.
 #: ``SLURM_GPUS`` (the job's ``--gpus``) counts the whole job, so it is used only on one node.
@@ -227,10 +228,6 @@ def allocation_agreement(info: Mapping[str, Any]) -> list[str]:
     return warnings
 
 
-def _gib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**30:.1f} GiB"
-
-
 def format_environment(info: Mapping[str, Any], warnings: list[str]) -> str:
     """The human-readable report of :func:`collect_environment` and its warnings."""
     yes = lambda flag: "yes" if flag else "no"  # noqa: E731
@@ -246,7 +243,7 @@ def format_environment(info: Mapping[str, Any], warnings: list[str]) -> str:
         f"GPUs (PyTorch)  {info['torch_gpus']}",
     ]
     for gpu in info["gpus"]:
-        lines.append(f"  cuda:{gpu['index']}  {gpu['name']} | {_gib(gpu['total_memory_bytes'])} | "
+        lines.append(f"  cuda:{gpu['index']}  {gpu['name']} | {format_bytes(gpu['total_memory_bytes'], unit='GiB')} | "
                      f"capability {gpu['capability']} | {gpu['multiprocessors']} SMs | "
                      f"bf16 {'native' if gpu['bf16_native'] else 'emulated'} | test {gpu.get('smoke_test', 'skipped')}")
     cpus, slurm = info["cpus"], info["slurm"]

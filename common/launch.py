@@ -4,7 +4,7 @@ Everything here reads environment variables and nothing else, so it can be unit-
 patched environment and imported without torch. ``common.distributed`` turns the answer into a
 process group.
 
-The one place where Slurm's variables are mapped onto torchrun's (STYLE.md convention 4):
+The one place where Slurm's variables are mapped onto torchrun's (docs/conventions.md, convention 4):
 
 ==================  ===========================================  ==========================
 torchrun            Slurm (inside an ``srun`` step)              plain ``python``

@@ -69,10 +69,6 @@ def zoo_models() -> list[str]:
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
-def available_models() -> list[str]:
-    return [*LOCAL_MODELS, *zoo_models()]
-
-
 def build_model(name: str, num_classes: int = 10, in_channels: int = 3, weights: str | None = None) -> nn.Module:
     """Build a model by name; unknown names raise a :class:`UserError` listing the valid ones.
 
@@ -99,11 +95,6 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3, weights:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def parameters_equal(a: nn.Module, b: nn.Module) -> bool:
-    """Bitwise equality of two models' parameters (for tests and DDP checks)."""
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
 def parameter_digest(model: nn.Module, part: str = "all") -> str:

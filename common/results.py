@@ -18,11 +18,12 @@ import platform
 import socket
 import subprocess
 import sys
-import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+from common.atomic import write_text_atomic
 
 SCHEMA_NAME = "hpc-dl-labs/result"
 SCHEMA_VERSION = 1
@@ -241,33 +242,8 @@ def make_record(
     })
 
 
-def write_text_atomic(text: str, path: str | os.PathLike[str]) -> Path:
-    """Write ``text`` so that readers see the old file or the whole new one, never a part.
-
-    A temporary file in the same folder is written, fsynced and renamed over ``path``. Its mode
-    follows the umask like any new file (``mkstemp`` alone would make it owner-only, and results
-    are meant to be shared with a course group).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> Path:
-    """:func:`write_text_atomic` of ``data`` as indented JSON (NaN/inf become ``null``)."""
+    """:func:`~common.atomic.write_text_atomic` of ``data`` as indented JSON (NaN/inf become ``null``)."""
     text = json.dumps(_json_safe(data), indent=2, sort_keys=True, allow_nan=False) + "\n"
     return write_text_atomic(text, path)
 

@@ -53,12 +53,13 @@ from common.checkpoint import (StopSignal, capture_rng_state, check_same_setting
 from common.cli import config_dict, output_file
 from common.data import set_loader_epoch
 from common.device import configure_threads, describe, resolve_device, use_deterministic_algorithms
-from common.distributed import (DistContext, any_rank, gather_objects, init_distributed, mean_over_ranks, print0,
+from common.distributed import (DistContext, all_reduce_mean, any_rank, gather_objects, init_distributed, print0,
                                 print_rank, teardown_distributed)
 from common.errors import UserError
 from common.models import replica_digests
 from common.results import make_record, provenance, training_metrics, write_record
-from common.timing import StepTimer, format_bytes, format_rate, peak_memory, reset_peak_memory
+from common.timing import StepTimer, format_rate, peak_memory, reset_peak_memory
+from common.units import format_bytes
 
 __all__ = ["TrainingRun", "TorchCheckpointer", "Checkpointer", "Preempted", "add_checkpoint_args",
            "add_determinism_arg"]
@@ -373,7 +374,7 @@ class TrainingRun:
 
     def _reduce_epoch_losses(self) -> None:
         """Turn this rank's losses of the steps since the last call into means over ranks (one collective)."""
-        losses = mean_over_ranks(self._local_losses, self.device) if self.distributed else self._local_losses
+        losses = all_reduce_mean(self._local_losses, self.device) if self.distributed else self._local_losses
         self._local_losses = []
         self.progress.epoch_losses.extend(losses)
         keep = max(0, getattr(self.args, "record_steps", 200) - len(self.progress.loss_at_step))

@@ -181,11 +181,11 @@ class Site:
         }
 
 
-SITE_KEYS = {"name", "title", "source", "account", "account_required", "reservation", "max_time",
+_SITE_KEYS = {"name", "title", "source", "account", "account_required", "reservation", "max_time",
              "default_partitions", "partitions", "setup", "notes"}
-PARTITION_KEYS = {"description", "cpus_per_node", "mem_per_node", "gpus_per_node", "gpu_types",
+_PARTITION_KEYS = {"description", "cpus_per_node", "mem_per_node", "gpus_per_node", "gpu_types",
                   "gpu_memory", "typed_gres", "cpus_per_gpu", "features", "max_time", "links"}
-LINK_KEYS = {"gb_per_s", "source"}
+_LINK_KEYS = {"gb_per_s", "source"}
 
 
 def check_keys(mapping: dict, allowed: set[str], where: str) -> None:
@@ -239,7 +239,7 @@ def _parse_links(data: Any, where: str) -> dict[str, Link]:
             raise UserError(f"{here}: unknown link kind (known: {', '.join(LINK_SCOPES)})")
         if not isinstance(peak, dict):
             raise UserError(f"{here} must be a mapping: {{gb_per_s: NUMBER, source: TEXT}}")
-        check_keys(peak, LINK_KEYS, here)
+        check_keys(peak, _LINK_KEYS, here)
         speed = peak.get("gb_per_s")
         if isinstance(speed, bool) or not isinstance(speed, (int, float)) or speed <= 0:
             raise UserError(f"{here}.gb_per_s must be a number > 0 (GB/s, one direction), got {speed!r}")
@@ -253,7 +253,7 @@ def _parse_links(data: Any, where: str) -> dict[str, Link]:
 def _parse_partition(name: str, data: Any, where: str) -> Partition:
     if not isinstance(data, dict):
         raise UserError(f"{where} must be a mapping of partition fields")
-    check_keys(data, PARTITION_KEYS, where)
+    check_keys(data, _PARTITION_KEYS, where)
     if "cpus_per_node" not in data:
         raise UserError(f"{where}: cpus_per_node is required")
     gpus = whole_number(data.get("gpus_per_node", 0), f"{where}.gpus_per_node")
@@ -292,7 +292,7 @@ def load_site(path: Path) -> Site:
     data = load_yaml(path.read_text(encoding="utf-8"), where)
     if not isinstance(data, dict):
         raise UserError(f"{where}: a site profile is a mapping (name:, partitions: ...)")
-    check_keys(data, SITE_KEYS, where)
+    check_keys(data, _SITE_KEYS, where)
     for key in ("name", "partitions", "default_partitions", "max_time"):
         if key not in data:
             raise UserError(f"{where}: '{key}' is required")

@@ -1,4 +1,4 @@
-"""Honest timing (STYLE.md convention 7) and peak memory.
+"""Honest timing (docs/conventions.md, convention 8) and peak memory.
 
 - The device is synchronised before every clock read: CUDA kernels run asynchronously, so without
   it a "step time" measures only how fast Python queued the work.
@@ -196,13 +196,3 @@ def device_memory_used(device: torch.device) -> dict[str, Any]:
     free, total = torch.cuda.mem_get_info(index)
     return {"device_used_bytes": int(total - free), "device_total_bytes": int(total),
             "device_used_source": "cuda_mem_get_info"}
-
-
-def format_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"

@@ -8,7 +8,7 @@ Usage:
 A Markdown file asks for a table with a marker line ``<!-- results-table:LAB -->``; this script puts
 the table of LAB's reference records after it, up to ``<!-- /results-table:LAB -->``. The records
 come from ``reference-results/`` (one folder per machine, e.g. ``reference-results/cpu-2core/``),
-and the columns are those of the report's summary table (scripts/compare_results.py), so the docs
+and the columns are those of the report's summary table (common/report/), so the docs
 and the report show the same numbers the same way.
 """
 
@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
+from common.atomic import write_text_atomic
 from common.errors import UserError, run_main
-from common.results import load_records, write_text_atomic
+from common.results import load_records
 
 REPO = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"<!-- results-table:(?P<lab>[\w.-]+) -->\n(?:.*?<!-- /results-table:(?P=lab) -->\n)?", re.S)
@@ -44,8 +45,8 @@ def _cell_text(cell) -> str:
 
 def summary_table(subset, doc: Path) -> list[str]:
     """The report's summary columns for these runs, minus columns no run has a value in."""
-    from scripts.report.core import SUMMARY_COLUMNS
-    from scripts.report.sections import MISSING
+    from common.report.core import SUMMARY_COLUMNS
+    from common.report.sections import MISSING
 
     columns = [(name, make) for name, make in SUMMARY_COLUMNS if name in DOC_COLUMNS]
     runs = subset.to_dict("records")
@@ -61,7 +62,7 @@ def summary_table(subset, doc: Path) -> list[str]:
 
 def lab_section_tables(lab: str, subset, runs, records_dir: Path) -> list[str]:
     """The tables of the report sections a lab registered (e.g. Lab-03's ms/batch per precision)."""
-    from scripts.report.sections import Section, SectionContext, lab_section_builders, load_builtin_lab_sections
+    from common.report.sections import Section, SectionContext, lab_section_builders, load_builtin_lab_sections
 
     load_builtin_lab_sections()
     lines: list[str] = []
@@ -114,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     loaded = load_records(records_dir)
     for path, reason in loaded.errors:
         print(f"warning: skipped {path}: {reason}", file=sys.stderr)
-    from scripts.report.runs import runs_frame
+    from common.report.runs import runs_frame
 
     runs = runs_frame(loaded.records) if loaded.records else None
     stale = []

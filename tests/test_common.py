@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from common import cli, launch, results
+from common import cli, cpus, launch, results
 
 # --------------------------------------------------------------------------------------------
 # launch: who started us (pure environment logic, no torch)
@@ -149,16 +149,45 @@ def test_atomic_write_leaves_old_file_when_serialisation_fails(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
-def test_provenance_carries_slurm_and_git(monkeypatch):
+def _git(repo, *args):
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True,
+                          env=env).stdout.strip()
+
+
+def test_git_revision_is_the_commit_and_says_when_the_tree_is_dirty(tmp_path):
+    # A repository made here, so the expected commit is known whatever checkout the tests run from.
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "train.py").write_text("print('v1')\n")
+    _git(tmp_path, "add", "train.py")
+    _git(tmp_path, "commit", "-q", "-m", "v1")
+    head = _git(tmp_path, "rev-parse", "HEAD")
+    assert results.git_revision(tmp_path) == {"commit": head, "dirty": False}
+    (tmp_path / "train.py").write_text("print('v2')\n")
+    assert results.git_revision(tmp_path) == {"commit": head, "dirty": True}
+    assert results.git_revision(tmp_path / "not-a-repo") == {"commit": None, "dirty": None}
+
+
+def test_provenance_carries_slurm_and_git(monkeypatch, tmp_path):
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "commit", "-q", "--allow-empty", "-m", "empty")
+    head = _git(tmp_path, "rev-parse", "HEAD")
+    real_git_revision = results.git_revision
+    monkeypatch.setattr(results, "git_revision", lambda *args, **kwargs: real_git_revision(tmp_path))
     monkeypatch.setenv("SLURM_JOB_ID", "777")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")
+    monkeypatch.setenv("NOT_SLURM_SECRET", "x")
     prov = results.provenance(world_size=4)
-    assert prov["slurm"]["SLURM_JOB_ID"] == "777"
+    assert prov["slurm"] == {"SLURM_JOB_ID": "777", "SLURM_CPUS_PER_TASK": "4"}
     assert prov["world_size"] == 4
-    assert prov["git"]["commit"] is None or len(prov["git"]["commit"]) == 40
+    assert prov["git"] == {"commit": head, "dirty": False}
 
 
 def test_results_module_does_not_import_torch():
-    code = "import sys; import common.results, common.launch, common.cli, common.errors; print('torch' in sys.modules)"
+    modules = ("common.results, common.launch, common.cli, common.cpus, common.units, common.atomic, common.errors, "
+               "common.precision_names, common.report, common.report.cli")
+    code = f"import sys; import {modules}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(__import__('helpers').REPO)})
     assert out.stdout.strip() == "False"
@@ -180,10 +209,10 @@ def test_common_flags_and_defaults(monkeypatch):
 
 def test_allocation_is_capped_at_usable_cpus(monkeypatch):
     # A test cluster (or a node without cgroups) may claim 64 CPUs on a 2-core machine.
-    monkeypatch.setattr(cli, "usable_cpus", lambda: 2)
-    assert cli.allocated_cpus({"SLURM_CPUS_PER_TASK": "64"}) == 2
-    assert cli.default_num_workers({"SLURM_CPUS_PER_TASK": "64"}) == 1
-    assert cli.allocated_cpus({}) is None and cli.default_num_workers({}) == 2
+    monkeypatch.setattr(cpus, "usable_cpus", lambda: 2)
+    assert cpus.allocated_cpus({"SLURM_CPUS_PER_TASK": "64"}) == 2
+    assert cpus.default_num_workers({"SLURM_CPUS_PER_TASK": "64"}) == 1
+    assert cpus.allocated_cpus({}) is None and cpus.default_num_workers({}) == 2
 
 
 @pytest.mark.parametrize("flag", [["--batch-size", "0"], ["--epochs", "-1"], ["--batch-size", "abc"],
@@ -332,6 +361,39 @@ def test_amp_choices():
     assert not amp.grad_scaler(cpu, "bf16").is_enabled()
 
 
+def test_reductions_over_ranks_sum_mean_and_max_numbers_and_lists(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    from common import distributed
+
+    # Not distributed: values come back as they were (as floats), nothing is communicated.
+    assert distributed.all_reduce_sum(3) == 3.0 and distributed.all_reduce_mean([1, 2]) == [1.0, 2.0]
+    assert distributed.any_rank(True) is True and distributed.any_rank(False) is False
+    assert distributed.all_reduce_mean([]) == []
+
+    # Two ranks: this one, and a peer whose values are ``peer["values"]``; all_reduce combines them as Gloo does.
+    peer = {"values": [10.0, 20.0]}
+
+    def all_reduce(tensor, op):
+        assert tensor.dtype == torch.float64
+        other = torch.tensor(peer["values"], dtype=torch.float64)
+        tensor.copy_(torch.maximum(tensor, other) if op == dist.ReduceOp.MAX else tensor + other)
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    assert distributed.all_reduce_sum([1, 2]) == [11.0, 22.0]
+    assert distributed.all_reduce_mean([1, 2]) == [5.5, 11.0]  # element-wise over the two ranks
+    peer["values"] = [4.0]
+    assert distributed.all_reduce_sum(torch.tensor(2.0)) == 6.0
+    assert distributed.all_reduce_mean(2) == 3.0
+    peer["values"] = [1.0]
+    assert distributed.any_rank(False) is True  # the peer got the signal: both stop
+    peer["values"] = [0.0]
+    assert distributed.any_rank(False) is False
+
+
 def test_checkpoint_is_atomic_and_stop_signal_sets_flag(tmp_path):
     import signal
 
@@ -342,13 +404,39 @@ def test_checkpoint_is_atomic_and_stop_signal_sets_flag(tmp_path):
     path = save_checkpoint({"w": torch.arange(3)}, tmp_path / "c.pt")
     assert torch.equal(load_checkpoint(path)["w"], torch.arange(3))
     assert load_checkpoint(tmp_path / "none.pt") is None
-    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+
+    class DiesMidWrite:
+        """Fails while the new checkpoint is being written, as a job killed at its time limit does."""
+
+        def __reduce__(self):
+            raise KeyboardInterrupt("killed while writing")
+
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint({"w": torch.zeros(100_000), "then": DiesMidWrite()}, path)
+    assert torch.equal(load_checkpoint(path)["w"], torch.arange(3))  # the old checkpoint, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # and no temporary file left behind
     stop = StopSignal().install()
     try:
         os.kill(os.getpid(), signal.SIGUSR1)
         assert stop.name == "SIGUSR1"
     finally:
         stop.restore()
+
+
+def test_the_atomic_writer_replaces_whole_and_makes_scripts_executable(tmp_path):
+    from common.atomic import atomic_path, write_text_atomic
+
+    script = tmp_path / "job.sbatch"
+    old = os.umask(0o022)
+    try:
+        write_text_atomic("#!/bin/bash\necho one\n", script, executable=True)
+        assert script.stat().st_mode & 0o777 == 0o755
+        with pytest.raises(OSError), atomic_path(script) as tmp:
+            tmp.write_text("#!/bin/bash\necho half")
+            raise OSError("disk full")
+    finally:
+        os.umask(old)
+    assert script.read_text() == "#!/bin/bash\necho one\n" and [p.name for p in tmp_path.iterdir()] == ["job.sbatch"]
 
 
 def test_records_are_readable_by_the_group(tmp_path):

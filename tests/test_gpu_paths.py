@@ -302,8 +302,8 @@ def test_peak_memory_on_a_gpu_adds_what_the_device_has_in_use(fake_gpus, monkeyp
 
 def test_report_shows_device_memory_next_to_the_allocator_peak_with_each_source():
     from common.results import make_record
-    from scripts.report.core import summary_section
-    from scripts.report.runs import runs_frame
+    from common.report.core import summary_section
+    from common.report.runs import runs_frame
 
     def record(method, world, used):
         memory = [{"device": f"cuda:{i}", "peak_bytes": 2**30, "source": "cuda_max_memory_allocated",
@@ -526,8 +526,8 @@ def test_a_run_shorter_than_its_warm_up_prints_na_not_zero_samples_per_s(tmp_pat
 
 def test_report_shows_na_for_a_run_that_timed_nothing():
     from common.results import make_record
-    from scripts.report.core import summary_section
-    from scripts.report.runs import runs_frame
+    from common.report.core import summary_section
+    from common.report.runs import runs_frame
 
     records = [make_record(lab="lab01", script="x.py", method=method, config={"model": "m"},
                            metrics={"world_size": 1, "samples_per_s": rate, "step_time": {"steps_timed": timed}},

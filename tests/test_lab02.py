@@ -69,7 +69,8 @@ def test_runs_under_plain_python_with_each_pipeline(tmp_path, capsys, pipeline, 
 def test_the_three_pipelines_give_the_same_numbers():
     import torch
 
-    pipelines = load_script(f"{LAB}/pipelines.py")
+    from common import pipelines
+
     train, _ = pipelines.load_uint8("digits", REPO / "data")
     assert train.images.dtype == torch.uint8 and train.images.shape[1:] == (28, 28)
     pil = pipelines.PilImages(train)
@@ -102,7 +103,7 @@ def test_sweep_records_each_step_and_the_report_shows_the_path(tmp_path, capsys)
     assert device["config"]["sweep"]["flags"].count("--pipeline") == 1
     assert "| device |" in out
 
-    from scripts.report import build_report
+    from common.report import build_report
 
     outcome = build_report(tmp_path, tmp_path / "report.html", tmp_path / "report.csv", plots=True)
     html = outcome.report_path.read_text()

@@ -228,7 +228,7 @@ def test_two_processes_run_ddp_on_the_cpu(tmp_path):
 
 
 def test_report_renders_the_precision_section(cpu_run, tmp_path):
-    from scripts.report import build_report
+    from common.report import build_report
 
     outcome = build_report(cpu_run["records"], tmp_path / "report.html", plots=False)
     page = outcome.report_path.read_text()

@@ -1,4 +1,4 @@
-"""The comparison report (scripts/compare_results.py and scripts/report/): real records in, real files out.
+"""The comparison report (scripts/compare_results.py and common/report/): real records in, real files out.
 
 Records are written with the real ``common.results.make_record``/``write_record``; only the
 provenance is built by hand, because the real ``provenance(device)`` imports torch. The report is
@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 
 from common.errors import run_main
+from common.report import Section, build_report, register_section, sections as report_sections
+from common.report.checks import DDP_MIN_EFFICIENCY, out_of_range
+from common.report.runs import configurations_frame, runs_frame
 from common.results import make_record, write_record
 from scripts import compare_results
-from scripts.report import Section, build_report, register_section, sections as report_sections
-from scripts.report.checks import DDP_MIN_EFFICIENCY, out_of_range
-from scripts.report.runs import configurations_frame, runs_frame
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT_TAG = "<script>alert(1)</script>"
@@ -405,7 +405,9 @@ def test_repeats_are_combined_with_the_median(tmp_path: Path) -> None:
 
 
 def test_a_lab_registers_its_own_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(report_sections, "_LAB_SECTIONS", dict(report_sections._LAB_SECTIONS))
+    # A copy of every lab's builders, so the ones registered here are gone after the test.
+    monkeypatch.setattr(report_sections, "_LAB_SECTIONS",
+                        {lab: dict(builders) for lab, builders in report_sections._LAB_SECTIONS.items()})
     seen: list[int] = []
 
     @register_section("lab03")
@@ -438,17 +440,17 @@ def test_a_lab_section_module_that_does_not_import_is_a_warning(tmp_path: Path,
     plugins = tmp_path / "plugins"
     plugins.mkdir()
     (plugins / "lab98.py").write_text("import a_module_that_is_not_installed\n", encoding="utf-8")
-    from scripts.report import labs
+    from common.report import labs
 
     monkeypatch.setattr(labs, "__path__", [*labs.__path__, str(plugins)])
-    monkeypatch.delitem(sys.modules, "scripts.report.labs.lab98", raising=False)
+    monkeypatch.delitem(sys.modules, "common.report.labs.lab98", raising=False)
     folder = tmp_path / "results"
     write_run(folder)
 
     page = report(folder, "--no-plots")
 
     assert len(page.tables["summary-table"]) == 1
-    assert ("section module scripts.report.labs.lab98: could not be imported: ModuleNotFoundError"
+    assert ("section module common.report.labs.lab98: could not be imported: ModuleNotFoundError"
             in page.sections["warnings"])
 
 
@@ -490,7 +492,7 @@ def test_a_hundred_records_from_the_benchmark_all_listed(tmp_path: Path, capsys:
 
 
 def test_outputs_replace_the_old_file_whole_and_are_readable_by_others(tmp_path: Path) -> None:
-    from scripts.report.render import write_text_atomic
+    from common.atomic import write_text_atomic
 
     target = tmp_path / "comparison_report.html"
     target.write_text("the previous report", encoding="utf-8")

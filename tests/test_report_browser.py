@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from bench.report_1000_records import synthetic_record
+from common.report import build_report
 from common.results import make_record, write_record
-from scripts.report import build_report
 
 pytestmark = pytest.mark.browser
 

@@ -41,7 +41,8 @@ from common.data import DATASETS
 from common.device import describe, resolve_device
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
-from common.timing import format_bytes, format_rate, format_speedup
+from common.timing import format_rate, format_speedup
+from common.units import format_bytes
 
 SCRIPT = "chapters/ch04_deep_learning/amp_training.py"
 BASELINE = "fp32"

@@ -18,9 +18,9 @@ DataLoader options in one block. Here each is measured on its own:
    where there is no cuDNN. One untimed step runs first: the first convolution of a process also
    creates cuDNN's and cuBLAS's handles and workspaces, and without the warm-up that cost would land
    on whichever setting is timed first ("off"), making "on" look better than it is.
-3. DataLoader options on the seed's per-sample PIL pipeline (Lab-02's ``pipelines.py``): how fast
-   one epoch of batches arrives with 0, 1 and more workers, and with ``persistent_workers`` in the
-   second epoch. ``pin_memory`` only matters with a GPU. Lab-02's ``sweep.py`` measures the same
+3. DataLoader options on the seed's per-sample PIL pipeline (Lab-02's, in ``common/pipelines.py``):
+   how fast one epoch of batches arrives with 0, 1 and more workers, and with ``persistent_workers``
+   in the second epoch. ``pin_memory`` only matters with a GPU. Lab-02's ``sweep.py`` measures the same
    options inside real training, together with the pipelines that make most of them unnecessary.
 """
 
@@ -37,13 +37,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+from common import pipelines
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything
 from common.errors import run_main
 from common.models import MnistNet
 from common.results import make_record, provenance, write_record
 from common.timing import time_function
-from labs.lab02_profiling import pipelines
 
 SCRIPT = "chapters/ch16_gpu_distributed/efficient_loading.py"
 

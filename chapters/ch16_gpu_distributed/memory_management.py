@@ -54,7 +54,8 @@ from common.cli import add_common_args, apply_dry_run, config_dict, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
 from common.errors import run_main
 from common.results import make_record, provenance, write_record
-from common.timing import format_bytes, peak_memory, process_peak_rss_bytes
+from common.timing import peak_memory, process_peak_rss_bytes
+from common.units import format_bytes
 
 SCRIPT = "chapters/ch16_gpu_distributed/memory_management.py"
 #: Gradients summed in a different order differ in the last bits; this is far below any real mistake.

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -33,6 +32,7 @@ from typing import Sequence
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+from common.atomic import atomic_path
 from common.cli import add_common_args, apply_dry_run, config_dict, output_file, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
 from common.errors import run_main
@@ -102,10 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     sort_by = "device_time_total" if device.type == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort_by, row_limit=args.row_limit))
-    partial = trace.with_name(f".{trace.name}.{os.getpid()}.tmp")
-    prof.export_chrome_trace(str(partial))
-    events = len(json.loads(partial.read_text())["traceEvents"])
-    os.replace(partial, trace)
+    with atomic_path(trace) as partial:  # the trace appears whole or not at all
+        prof.export_chrome_trace(str(partial))
+        events = len(json.loads(partial.read_text())["traceEvents"])
     print(f"trace: {trace} ({events:,} events; open it at https://ui.perfetto.dev or chrome://tracing)")
 
     metrics = {"trace_file": str(trace), "trace_events": events, "iterations": args.iterations,

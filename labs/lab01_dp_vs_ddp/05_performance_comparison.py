@@ -9,12 +9,13 @@ Usage:
 
 (It reads files and starts no processes, so there is no torchrun form.)
 
-This is the course's report tool, ``scripts/compare_results.py``, under the lab's name and with the
-seed's flags: every lab uses the same tool, so there is one place to fix it. It reads every result
-record in ``--results-dir`` (steps 1 to 4 each wrote one), and writes a self-contained HTML page with
-the seed's table (method, global batch, time per epoch, memory per device, throughput, scaling
-efficiency against the baseline), the plots, the DataParallel memory imbalance, whether the three
-methods reached the same loss, and the provenance of every run; and a CSV of the table beside it.
+This is the course's report tool (``common/report/``, also ``scripts/compare_results.py``) under the
+lab's name and with the seed's flags: every lab uses the same tool, so there is one place to fix it.
+It reads every result record in ``--results-dir`` (steps 1 to 4 each wrote one), and writes a
+self-contained HTML page with the seed's table (method, global batch, time per epoch, memory per
+device, throughput, scaling efficiency against the baseline), the plots, the DataParallel memory
+imbalance, whether the three methods reached the same loss, and the provenance of every run; and a
+CSV of the table beside it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.errors import run_main
-from scripts.compare_results import main
+from common.report.cli import main
 
 if __name__ == "__main__":
     run_main(main)

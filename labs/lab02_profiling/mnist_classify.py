@@ -22,7 +22,7 @@ profile shows each line's GPU time (the README says which lines to trust in whic
 
 Data: ``--dataset digits`` (bundled, offline, the default), ``mnist`` (from ``--data-dir``) or
 ``synthetic`` (MNIST-sized, ``--synthetic-size``). ``--pipeline pil`` is the seed's per-sample PIL
-transform pipeline on any of them (see ``pipelines.py``).
+transform pipeline on any of them (see ``common/pipelines.py``).
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ import torch.nn.functional as F
 from line_profiler import profile  # a no-op decorator unless the script runs under kernprof
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common import amp
+from common import amp, pipelines
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_float, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything, set_launch_blocking, synchronize
 from common.errors import run_main
 from common.models import MnistNet
 from common.results import make_record, provenance, write_record
-from common.timing import format_bytes, peak_memory, reset_peak_memory
-from labs.lab02_profiling import pipelines
+from common.timing import peak_memory, reset_peak_memory
+from common.units import format_bytes
 
 SCRIPT = "labs/lab02_profiling/mnist_classify.py"
 #: The seed's starting point: what ``--method`` defaults to naming "baseline".
@@ -131,10 +131,7 @@ def default_method(args) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", choices=pipelines.LAB_DATASETS, default="digits",
-                        help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
-    parser.add_argument("--synthetic-size", type=positive_int, default=60_000,
-                        help="training images of --dataset synthetic, MNIST's count by default (default: %(default)s)")
+    pipelines.add_dataset_args(parser)
     parser.add_argument("--test-batch-size", type=positive_int, default=1000,
                         help="evaluation batch (default: %(default)s)")
     parser.add_argument("--lr", type=positive_float, default=1.0, help="Adadelta learning rate (default: %(default)s)")

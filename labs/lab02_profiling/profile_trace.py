@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -31,12 +30,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
+from common import pipelines
+from common.atomic import atomic_path
 from common.cli import add_common_args, config_dict, non_negative_int, output_file, positive_int
 from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
 from common.errors import run_main
 from common.models import MnistNet
 from common.results import make_record, provenance, write_record
-from labs.lab02_profiling import pipelines
 
 SCRIPT = "labs/lab02_profiling/profile_trace.py"
 REGIONS = ("data loading", "copy to device", "forward", "backward", "optimizer step")
@@ -51,8 +51,7 @@ def endless(loader):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", choices=pipelines.LAB_DATASETS, default="digits",
-                        help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
+    pipelines.add_dataset_args(parser)
     parser.add_argument("--pipeline", choices=pipelines.PIPELINES, default="pil",
                         help="how batches are made, as in mnist_classify.py (default: %(default)s)")
     parser.add_argument("--pin-memory", action="store_true", help="pinned host batches (GPU only) (default: off)")
@@ -77,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     seed_everything(args.seed)
     threads = configure_threads()
     device = resolve_device(args.device)
-    train_data, _ = pipelines.load_uint8(args.dataset, args.data_dir, seed=args.seed)
+    train_data, _ = pipelines.load_uint8(args.dataset, args.data_dir, seed=args.seed,
+                                         synthetic_size=args.synthetic_size)
     loader = pipelines.make_loader(args.pipeline, train_data, args.batch_size, shuffle=True, device=device,
                                    num_workers=args.num_workers, pin_memory=args.pin_memory and device.type == "cuda",
                                    seed=args.seed)
@@ -85,7 +85,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
     trace = args.trace or args.results_dir / "lab02_trace.json"
     trace.parent.mkdir(parents=True, exist_ok=True)
-    partial = trace.with_name(f".{trace.name}.{os.getpid()}.tmp")  # renamed when complete
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     print(f"device {describe(device)} | pipeline {args.pipeline} | workers {args.num_workers} | "
           f"batch {args.batch_size} | profiling steps {args.wait + 1}..{args.wait + args.warmup + args.active}, "
@@ -97,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def on_trace_ready(prof) -> None:
         """Called when the active steps are done: keep the table and write the trace before the profiler resets."""
         recorded["averages"] = prof.key_averages()
-        prof.export_chrome_trace(str(partial))
+        with atomic_path(trace) as partial:  # the trace appears whole or not at all
+            prof.export_chrome_trace(str(partial))
 
     batches = endless(loader)
     model.train()
@@ -117,7 +117,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 optimizer.step()
             synchronize(device)
             prof.step()
-    os.replace(partial, trace)
     events = json.loads(trace.read_text())["traceEvents"]
 
     averages = recorded["averages"]

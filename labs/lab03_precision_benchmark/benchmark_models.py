@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import amp
+from common.atomic import write_text_atomic
 from common.cli import (accept_launcher_local_rank, config_dict, non_negative_int, output_dir, positive_float,
                         positive_int)
 from common.device import configure_threads, describe, resolve_device, seed_everything
@@ -50,10 +51,11 @@ from common.distributed import DistContext, init_distributed, print0, teardown_d
 from common.errors import UserError, run_main
 from common.launch import detect_launch, free_port
 from common.models import build_model, zoo_models
-from common.results import fp32_math_info, make_record, provenance, write_record, write_text_atomic
+from common.precision_names import MODES, PRECISIONS
+from common.results import fp32_math_info, make_record, provenance, write_record
 from common.timing import StepTimer, peak_memory, reset_peak_memory, scaled
 from labs.lab03_precision_benchmark.lab03_shared import (
-    DEFAULT_LOSS_TOLERANCE, LAB, MODES, NUM_CLASSES, PRECISIONS, SCRIPT, SEED_MODELS, compare_losses, csv_name,
+    DEFAULT_LOSS_TOLERANCE, LAB, NUM_CLASSES, SCRIPT, SEED_MODELS, compare_losses, csv_name,
     device_tag, iterations_csv, parse_list, peak_tflops, summary_csv, unsupported_reason,
 )
 

@@ -3,8 +3,8 @@
 Kept apart so that the benchmark script shows the measuring, and so that the report and the tests
 can use these without importing torch:
 
-- :data:`PRECISIONS`: what each precision name means, and :func:`unsupported_reason`, which says
-  why a precision cannot run on a device (the reason goes into the CSV summary and the record).
+- :func:`unsupported_reason`, which says why a precision of :data:`common.precision_names.PRECISIONS`
+  cannot run on a device (the reason goes into the CSV summary and the record).
 - :func:`peak_tflops`: the datasheet peak of known GPUs per precision (``common.gpu_peaks``), to
   put an achieved TFLOP/s next to what the device could do.
 - :func:`compare_losses`: the correctness check of a precision against fp32, and its threshold.
@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from common.errors import UserError
 from common.gpu_peaks import gpu_peaks
+from common.precision_names import PRECISIONS
 
 LAB = "lab03"
 SCRIPT = "labs/lab03_precision_benchmark/benchmark_models.py"
@@ -30,19 +31,9 @@ SCRIPT = "labs/lab03_precision_benchmark/benchmark_models.py"
 #: The models of the seed's table, in its order.
 SEED_MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d",
                "resnext101_32x8d", "wide_resnet50_2", "wide_resnet101_2")
-MODES = ("train", "inference")
 #: ImageNet's classes, as the seed's models had.
 NUM_CLASSES = 1000
 
-PRECISIONS: dict[str, str] = {
-    "fp64": "float64 weights and inputs (model.double()): the seed's 'double'",
-    "fp32": "float32 with TF32 off: true IEEE single precision, the seed's 'float' (PyTorch 1.6 had no TF32)",
-    "tf32": "float32 storage, convolutions and matmuls on TF32 tensor cores (10-bit mantissa); "
-            "PyTorch's default for cuDNN convolutions on Ampere and newer",
-    "half": "the whole model cast to float16 (model.half()), no loss scaling: the seed's 'half'",
-    "amp-fp16": "float32 weights, autocast to float16 for convolutions and matmuls, GradScaler against underflow",
-    "amp-bf16": "float32 weights, autocast to bfloat16 (float32's exponent range, so no scaler)",
-}
 
 #: A precision is flagged when its loss after the check steps is off fp32's by more than this
 #: fraction of the initial loss (or is NaN/inf). Why 5%: bfloat16 keeps 8 significant bits (a

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import jinja2
 
+from common.atomic import write_text_atomic
 from common.errors import UserError
 from common.sites import REPO_ROOT, Site, display_path, find_site
 
@@ -112,13 +113,8 @@ def render(template: Template, site: Site, settings: dict[str, Any] | None = Non
 
 
 def write_script(path: Path, text: str) -> Path:
-    """Write an executable script whole: a temporary file renamed over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text, encoding="utf-8")
-    temporary.chmod(0o755)
-    temporary.replace(path)  # never a half-written script
-    return path
+    """Write an executable script whole (never a half-written job script; see ``common.atomic``)."""
+    return write_text_atomic(text, path, executable=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,10 +174,8 @@ def render_all(paths: Sequence[Path], out_dir: Path, settings: dict[str, Any],
                             "job": {key: value for key, value in job.items() if key != "sbatch"}})
     if not errors:
         for target, text in outputs:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(text, encoding="utf-8")
-            target.chmod(0o755)
-        (out_dir / "manifest.json").write_text(json.dumps(entries, indent=2) + "\n", encoding="utf-8")
+            write_script(target, text)
+        write_text_atomic(json.dumps(entries, indent=2) + "\n", out_dir / "manifest.json")
     return entries, errors
 
 

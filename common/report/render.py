@@ -11,16 +11,17 @@ from pathlib import Path
 import jinja2
 import pandas as pd
 
+from common.atomic import write_text_atomic
 from common.errors import UserError
-from common.results import load_records, write_text_atomic
-from scripts.report import core
-from scripts.report.checks import Finding, out_of_range
-from scripts.report.runs import configurations_frame, csv_frame, runs_frame
-from scripts.report.sections import (
+from common.report import core
+from common.report.checks import Finding, out_of_range
+from common.report.runs import configurations_frame, csv_frame, runs_frame
+from common.report.sections import (
     Section, SectionContext, lab_section_builders, load_builtin_lab_sections,
 )
+from common.results import load_records
 
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 TEMPLATE = "report.html.j2"
 DEFAULT_REPORT_NAME = "comparison_report.html"
 

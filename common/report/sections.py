@@ -6,7 +6,7 @@ autoescaping on, so a run named ``<script>`` shows as text and no section can in
 
 A lab adds a section with :func:`register_section`::
 
-    from scripts.report.sections import Section, SectionContext, register_section, table_from_frame
+    from common.report.sections import Section, SectionContext, register_section, table_from_frame
 
     @register_section("lab03")
     def precision_section(ctx: SectionContext) -> Section | None:
@@ -16,7 +16,7 @@ A lab adds a section with :func:`register_section`::
         return Section("Mixed precision", paragraphs=["..."], tables=[table_from_frame(...)])
 
 The builder is called only when the results folder holds records of that lab. Sections that ship
-with the tool live in ``scripts/report/labs/<lab>.py`` and are imported automatically; a lab's own
+with the tool live in ``common/report/labs/<lab>.py`` and are imported automatically; a lab's own
 entry script can also register one before it calls the report.
 """
 
@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import pandas as pd
+
+from common.units import byte_unit, format_bytes
 
 MISSING = "—"
 
@@ -84,9 +86,9 @@ class Section:
 class SectionContext:
     """What a section builder gets: the runs it is about, every run, and where they came from.
 
-    ``runs`` has one row per run with the columns of :func:`scripts.report.runs.run_row` (``method``,
+    ``runs`` has one row per run with the columns of :func:`common.report.runs.run_row` (``method``,
     ``model``, ``machine``, ``devices``, ``samples_per_s``, ``memory_per_device``, ... and ``record``,
-    the whole record for anything else) plus those :func:`~scripts.report.runs.runs_frame` adds
+    the whole record for anything else) plus those :func:`~common.report.runs.runs_frame` adds
     (``speedup``, ``scaling_efficiency``, ``comparison``).
     """
 
@@ -117,12 +119,12 @@ def lab_section_builders(lab: str) -> list[SectionBuilder]:
 
 
 def load_builtin_lab_sections() -> list[tuple[str, str]]:
-    """Import every module in ``scripts/report/labs/`` so their ``@register_section`` calls run.
+    """Import every module in ``common/report/labs/`` so their ``@register_section`` calls run.
 
     Returns ``(module, error)`` for each module that failed to import: one lab's broken section
     must not cost every other lab its report.
     """
-    from scripts.report import labs
+    from common.report import labs
 
     failed = []
     for module in pkgutil.iter_modules(labs.__path__):
@@ -178,31 +180,16 @@ def fmt_ratio(value: Any) -> str:
     return MISSING if is_missing(value) else f"{value:.2f}×"
 
 
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
-
-
-def _unit_for(n: float) -> tuple[str, float]:
-    scale = 1.0
-    for unit in _UNITS:
-        if n < 1024 * scale or unit == _UNITS[-1]:
-            return unit, scale
-        scale *= 1024
-    raise AssertionError("unreachable")
-
-
 def fmt_bytes(value: Any) -> str:
     """Binary units (1 GiB = 1024³ bytes), as ``nvidia-smi`` and ``free -h`` show them."""
-    if is_missing(value):
-        return MISSING
-    unit, scale = _unit_for(value)
-    return f"{int(value)} B" if unit == "B" else f"{value / scale:.1f} {unit}"
+    return MISSING if is_missing(value) else format_bytes(value)
 
 
 def fmt_memory(memory: Sequence[tuple[str, float]], source: str = "") -> Cell:
     """Peak memory per device in one unit, first device first: ``7.8 / 4.1 / 4.1 / 4.1 GiB``."""
     if not memory:
         return Cell(MISSING)
-    unit, scale = _unit_for(max(peak for _, peak in memory))
+    unit, scale = byte_unit(max(peak for _, peak in memory))
     if unit == "B":
         shown = " / ".join(str(int(peak)) for _, peak in memory) + " B"
     else:
@@ -216,9 +203,24 @@ def num(text: str) -> Cell:
     return Cell(text, style="num")
 
 
+#: A table column: its header, and what a row shows under it (text or a :class:`Cell`).
+Column = tuple[str, Callable[[Row], "str | Cell"]]
+
+
+def text_column(header: str, key: str | None = None) -> Column:
+    """A column showing ``row[key]`` as text (``key`` defaults to the header)."""
+    key = key or header
+    return header, lambda row: fmt_text(row[key])
+
+
+def number_column(header: str, key: str, fmt: Callable[..., str], *args: Any) -> Column:
+    """A right-aligned column showing ``fmt(row[key], *args)``, e.g. ``fmt_percent`` with 1 digit."""
+    return header, lambda row: num(fmt(row[key], *args))
+
+
 def table_from_frame(
     frame: pd.DataFrame,
-    columns: Sequence[tuple[str, Callable[[Row], str | Cell]]],
+    columns: Sequence[Column],
     *,
     id: str | None = None,
     caption: str | None = None,

@@ -13,10 +13,10 @@ from typing import Any
 
 import pandas as pd
 
-from scripts.report.runs import get, number
-from scripts.report.sections import (
+from common.report.runs import get, number
+from common.report.sections import (
     Section, SectionContext, fmt_number, fmt_percent, fmt_rate, fmt_ratio, fmt_seconds, fmt_text, num,
-    register_section, table_from_frame,
+    number_column, register_section, table_from_frame, text_column,
 )
 
 #: Sweeps shown in full, newest first; older ones are only counted.
@@ -46,7 +46,7 @@ def _sweep_rows(runs: pd.DataFrame) -> pd.DataFrame:
 def _sweep_figure(sweep: pd.DataFrame, title: str) -> Any:
     from matplotlib.figure import Figure as MplFigure
 
-    from scripts.report.plots import plain, png_figure
+    from common.report.plots import plain, png_figure
 
     ok = sweep[sweep["status"] == "ok"]
     labels = [plain(str(step)) for step in ok["step"]]
@@ -85,16 +85,16 @@ def _share_sentence(sweep: pd.DataFrame) -> str | None:
 
 
 SWEEP_COLUMNS = [
-    ("step", lambda r: fmt_text(r["step"])),
-    ("change", lambda r: fmt_text(r["change"])),
+    text_column("step"),
+    text_column("change"),
     ("batch", lambda r: num(fmt_text(None if pd.isna(r["batch"]) else int(r["batch"])))),
-    ("time / epoch", lambda r: num(fmt_seconds(r["time_per_epoch_s"]))),
-    ("samples/s", lambda r: num(fmt_rate(r["samples_per_s"]))),
-    ("speed-up over the seed", lambda r: num(fmt_ratio(r["speedup"]))),
-    ("data-loading line", lambda r: num(fmt_percent(r["share"], 1))),
-    ("compile time", lambda r: num(fmt_seconds(r["compile_s"]))),
-    ("test accuracy", lambda r: num(fmt_percent(r["test_accuracy"], 1))),
-    ("status", lambda r: fmt_text(r["status"])),
+    number_column("time / epoch", "time_per_epoch_s", fmt_seconds),
+    number_column("samples/s", "samples_per_s", fmt_rate),
+    number_column("speed-up over the seed", "speedup", fmt_ratio),
+    number_column("data-loading line", "share", fmt_percent, 1),
+    number_column("compile time", "compile_s", fmt_seconds),
+    number_column("test accuracy", "test_accuracy", fmt_percent, 1),
+    text_column("status"),
 ]
 
 
@@ -119,15 +119,15 @@ def _bench_table(runs: pd.DataFrame) -> Any | None:
         if f"rate_{variant}" not in frame:
             frame[f"rate_{variant}"] = None
     return table_from_frame(frame, [
-        ("bench", lambda r: fmt_text(r["bench_id"])),
-        ("machine", lambda r: fmt_text(r["machine"])),
-        ("threads", lambda r: num(fmt_text(r["threads"]))),
-        ("(a) seed's pipeline, samples/s", lambda r: num(fmt_rate(r["rate_a"]))),
-        ("(b) best pipeline, samples/s", lambda r: num(fmt_rate(r["rate_b"]))),
-        ("(c) compute only, samples/s", lambda r: num(fmt_rate(r["rate_c"]))),
-        ("b ÷ a", lambda r: num(fmt_number(r["b_over_a"], 3))),
-        ("b ÷ c", lambda r: num(fmt_number(r["b_over_c"], 3))),
-        ("load average (1 min) at start", lambda r: num(fmt_number(r["load"], 3))),
+        text_column("bench", "bench_id"),
+        text_column("machine"),
+        number_column("threads", "threads", fmt_text),
+        number_column("(a) seed's pipeline, samples/s", "rate_a", fmt_rate),
+        number_column("(b) best pipeline, samples/s", "rate_b", fmt_rate),
+        number_column("(c) compute only, samples/s", "rate_c", fmt_rate),
+        number_column("b ÷ a", "b_over_a", fmt_number, 3),
+        number_column("b ÷ c", "b_over_c", fmt_number, 3),
+        number_column("load average (1 min) at start", "load", fmt_number, 3),
     ], caption="bench/data_pipeline.py: the same model and batch trained one epoch at a time with (a) the seed's "
                "pipeline, (b) the lab's best and (c) batches already in place; ratios are medians of within-round "
                "ratios", row_id_column="run_id")

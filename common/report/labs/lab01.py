@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pandas as pd
 
-from scripts.report.checks import DDP_MIN_EFFICIENCY, is_ddp
-from scripts.report.runs import BASELINE_METHOD, get
-from scripts.report.sections import (
-    Section, SectionContext, fmt_bytes, fmt_int, fmt_number, fmt_ratio, fmt_text, num, register_section,
-    table_from_frame,
+from common.report.checks import DDP_MIN_EFFICIENCY, is_ddp
+from common.report.runs import BASELINE_METHOD, get
+from common.report.sections import (
+    Section, SectionContext, fmt_bytes, fmt_int, fmt_number, fmt_ratio, num, number_column, register_section,
+    table_from_frame, text_column,
 )
 
 
@@ -21,6 +21,11 @@ def _balance(memory: list[tuple[str, float]]) -> dict[str, float]:
     others = [peak for _, peak in memory[1:]]
     mean_others = sum(others) / len(others)
     return {"first": first, "others": mean_others, "ratio": first / mean_others if mean_others else float("nan")}
+
+
+#: Which run a row is: the first columns of both tables.
+_RUN_COLUMNS = [text_column("run", "run_id"), text_column("method"), text_column("machine"),
+                number_column("devices", "devices", fmt_int)]
 
 
 def _cpu_ddp_notes(runs: pd.DataFrame) -> list[str]:
@@ -56,13 +61,10 @@ def dp_vs_ddp(ctx: SectionContext) -> Section | None:
         balance = pd.DataFrame([_balance(m) for m in multi["memory_per_device"]], index=multi.index)
         multi = multi.join(balance)
         tables.append(table_from_frame(multi, [
-            ("run", lambda r: fmt_text(r["run_id"])),
-            ("method", lambda r: fmt_text(r["method"])),
-            ("machine", lambda r: fmt_text(r["machine"])),
-            ("devices", lambda r: num(fmt_int(r["devices"]))),
-            ("first device peak", lambda r: num(fmt_bytes(r["first"]))),
-            ("other devices (mean)", lambda r: num(fmt_bytes(r["others"]))),
-            ("first ÷ others", lambda r: num(fmt_ratio(r["ratio"]))),
+            *_RUN_COLUMNS,
+            number_column("first device peak", "first", fmt_bytes),
+            number_column("other devices (mean)", "others", fmt_bytes),
+            number_column("first ÷ others", "ratio", fmt_ratio),
         ], caption="Peak memory of the first device against the others, for runs that recorded several devices"))
 
     trained = runs[runs["final_loss"].notna() & (runs["status"] == "ok")].copy()
@@ -71,14 +73,11 @@ def dp_vs_ddp(ctx: SectionContext) -> Section | None:
         trained["loss_vs_baseline"] = trained["final_loss"] - trained["comparison"].map(baseline_loss)
         trained["steps"] = [get(record, "metrics", "steps") for record in trained["record"]]
         tables.append(table_from_frame(trained, [
-            ("run", lambda r: fmt_text(r["run_id"])),
-            ("method", lambda r: fmt_text(r["method"])),
-            ("machine", lambda r: fmt_text(r["machine"])),
-            ("devices", lambda r: num(fmt_int(r["devices"]))),
-            ("global batch", lambda r: num(fmt_int(r["global_batch_size"]))),
+            *_RUN_COLUMNS,
+            number_column("global batch", "global_batch_size", fmt_int),
             ("steps", lambda r: num(fmt_int(r["steps"]) if isinstance(r["steps"], int) else "—")),
-            ("final loss", lambda r: num(fmt_number(r["final_loss"]))),
-            ("minus baseline", lambda r: num(fmt_number(r["loss_vs_baseline"], 2))),
+            number_column("final loss", "final_loss", fmt_number),
+            number_column("minus baseline", "loss_vs_baseline", fmt_number, 2),
         ], caption="Final training loss: with the same seed, data and global batch the methods should agree"))
 
     if not tables:

@@ -7,11 +7,11 @@ from typing import Any
 
 import pandas as pd
 
-from scripts.report.checks import DDP_MIN_EFFICIENCY, Finding, is_ddp, missing_baselines
-from scripts.report.runs import BASELINE_METHOD, SUMMARY_METRICS, get, number
-from scripts.report.sections import (
-    MISSING, Cell, Row, Section, fmt_int, fmt_memory, fmt_number, fmt_percent, fmt_rate,
-    fmt_ratio, fmt_seconds, fmt_text, is_missing, num, table_from_frame,
+from common.report.checks import DDP_MIN_EFFICIENCY, Finding, is_ddp, missing_baselines
+from common.report.runs import BASELINE_METHOD, SUMMARY_METRICS, get, number
+from common.report.sections import (
+    MISSING, Cell, Column, Row, Section, fmt_int, fmt_memory, fmt_number, fmt_percent, fmt_rate,
+    fmt_ratio, fmt_seconds, fmt_text, is_missing, num, number_column, table_from_frame, text_column,
 )
 
 #: How many extra metric columns a lab's "other metrics" table shows at most.
@@ -57,23 +57,18 @@ def _run_cell(run: Row) -> Cell:
 DEVICE_MEMORY_COLUMN = ("GPU memory in use per device",
                         lambda r: fmt_memory(r["device_memory_per_device"], r["device_memory_source"]))
 
+#: What ran where: the first columns of the summary and of the repeats.
+WHAT_RAN = [text_column("lab"), text_column("method"), text_column("model"), text_column("machine")]
+
 SUMMARY_COLUMNS = [
-    ("run", _run_cell),
-    ("lab", lambda r: fmt_text(r["lab"])),
-    ("method", lambda r: fmt_text(r["method"])),
-    ("model", lambda r: fmt_text(r["model"])),
-    ("machine", lambda r: fmt_text(r["machine"])),
-    ("device", _device_cell),
-    ("world size", lambda r: num(fmt_int(r["world_size"]))),
-    ("devices", lambda r: num(fmt_int(r["devices"]))),
-    ("global batch", lambda r: num(fmt_int(r["global_batch_size"]))),
-    ("time / epoch", lambda r: num(fmt_seconds(r["time_per_epoch_s"]))),
+    ("run", _run_cell), *WHAT_RAN, ("device", _device_cell),
+    number_column("world size", "world_size", fmt_int), number_column("devices", "devices", fmt_int),
+    number_column("global batch", "global_batch_size", fmt_int),
+    number_column("time / epoch", "time_per_epoch_s", fmt_seconds),
     ("peak memory per device", lambda r: fmt_memory(r["memory_per_device"], r["memory_source"])),
-    ("samples/s", _rate_cell),
-    ("speed-up vs baseline", _speedup_cell),
-    ("scaling efficiency", _efficiency_cell),
-    ("final loss", lambda r: num(fmt_number(r["final_loss"]))),
-    ("test accuracy", lambda r: num(fmt_percent(r["test_accuracy"], 1))),
+    ("samples/s", _rate_cell), ("speed-up vs baseline", _speedup_cell), ("scaling efficiency", _efficiency_cell),
+    number_column("final loss", "final_loss", fmt_number),
+    number_column("test accuracy", "test_accuracy", fmt_percent, 1),
     ("status", lambda r: Cell(fmt_text(r["status"]), style="" if r["status"] == "ok" else "warn")),
 ]
 
@@ -108,19 +103,14 @@ def summary_section(runs: pd.DataFrame) -> Section:
 
 
 CONFIGURATION_COLUMNS = [
-    ("lab", lambda c: fmt_text(c["lab"])),
-    ("method", lambda c: fmt_text(c["method"])),
-    ("model", lambda c: fmt_text(c["model"])),
-    ("machine", lambda c: fmt_text(c["machine"])),
-    ("devices", lambda c: num(fmt_int(c["devices"]))),
-    ("runs", lambda c: num(fmt_int(c["runs"]))),
-    ("global batch", lambda c: num(fmt_int(c["global_batch_size"]))),
-    ("time / epoch (median)", lambda c: num(fmt_seconds(c["time_per_epoch_s"]))),
+    *WHAT_RAN, number_column("devices", "devices", fmt_int), number_column("runs", "runs", fmt_int),
+    number_column("global batch", "global_batch_size", fmt_int),
+    number_column("time / epoch (median)", "time_per_epoch_s", fmt_seconds),
     ("peak memory per device (median)", lambda c: fmt_memory(c["memory_per_device"], c["memory_source"])),
-    ("samples/s (median)", lambda c: num(fmt_rate(c["samples_per_s"]))),
+    number_column("samples/s (median)", "samples_per_s", fmt_rate),
     ("samples/s (min – max)", lambda c: num(f"{fmt_rate(c['samples_per_s_min'])} – {fmt_rate(c['samples_per_s_max'])}"
                                             if not is_missing(c["samples_per_s"]) else MISSING)),
-    ("scaling efficiency (median)", lambda c: num(fmt_percent(c["scaling_efficiency"]))),
+    number_column("scaling efficiency (median)", "scaling_efficiency", fmt_percent),
 ]
 
 
@@ -134,7 +124,7 @@ def configurations_section(configs: pd.DataFrame) -> Section | None:
 
 
 def plots_section(configs: pd.DataFrame) -> Section | None:
-    from scripts.report import plots  # matplotlib is imported only when plots are wanted
+    from common.report import plots  # matplotlib is imported only when plots are wanted
 
     figures = [fig for fig in (plots.throughput_figure(configs), plots.memory_figure(configs),
                                plots.efficiency_figure(configs)) if fig is not None]
@@ -181,7 +171,7 @@ def other_metrics_section(runs: pd.DataFrame) -> Section | None:
             continue
         # Most common first; a script's own top-level values before the insides of objects like step_time.
         keys = sorted(counts, key=lambda k: (-counts[k], "." in k, k))[:MAX_EXTRA_METRICS]
-        columns = [("run", lambda r: fmt_text(r["run_id"])), ("method", lambda r: fmt_text(r["method"]))]
+        columns = [text_column("run", "run_id"), text_column("method")]
         frame = lab_runs[["run_id", "method"]].copy()
         for i, key in enumerate(keys):
             frame[f"_m{i}"] = [values.get(key) for values in extras]
@@ -209,24 +199,18 @@ def _commit(run: Row) -> str:
     return f"{commit[:12]}{' (dirty)' if run['git_dirty'] else ''}"
 
 
-def _version(name: str):
-    return lambda r: fmt_text(get(r["record"], "provenance", "versions", name))
+def _version(header: str, name: str) -> Column:
+    return header, lambda r: fmt_text(get(r["record"], "provenance", "versions", name))
 
 
 PROVENANCE_COLUMNS = [
-    ("run", _run_cell),
-    ("file", lambda r: fmt_text(r["file"])),
-    ("created (UTC)", lambda r: fmt_text(r["created"])),
-    ("host", lambda r: fmt_text(r["hostname"])),
-    ("device name", lambda r: fmt_text(r["device_name"])),
+    ("run", _run_cell), text_column("file"), text_column("created (UTC)", "created"),
+    text_column("host", "hostname"), text_column("device name", "device_name"),
     ("launcher", lambda r: fmt_text(get(r["record"], "provenance", "distributed", "launcher"))),
-    ("python", _version("python")),
-    ("torch", _version("torch")),
-    ("CUDA", _version("cuda")),
-    ("cuDNN", _version("cudnn")),
-    ("NCCL", _version("nccl")),
+    *(_version(header, name) for header, name in
+      (("python", "python"), ("torch", "torch"), ("CUDA", "cuda"), ("cuDNN", "cudnn"), ("NCCL", "nccl"))),
     ("git commit", _commit),
-    ("Slurm job", lambda r: fmt_text(r["slurm_job_id"])),
+    text_column("Slurm job", "slurm_job_id"),
     ("command", lambda r: Cell(_command(r["command"]), style="code")),
 ]
 

@@ -15,14 +15,11 @@ from typing import Any, Callable, Iterable
 
 import pandas as pd
 
-from scripts.report.runs import get, number
-from scripts.report.sections import (
+from common.precision_names import MODES, PRECISIONS
+from common.report.runs import get, number
+from common.report.sections import (
     MISSING, Cell, Section, SectionContext, Table, fmt_number, fmt_percent, register_section,
 )
-
-PRECISION_ORDER = ("fp64", "fp32", "tf32", "half", "amp-fp16", "amp-bf16")
-MODE_ORDER = ("train", "inference")
-
 
 def _results(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per record: where it ran, what it ran, and the numbers this section shows."""
@@ -68,7 +65,7 @@ class _Grid:
     def __init__(self, results: pd.DataFrame) -> None:
         self.ok = results[results["status"] == "ok"]
         self.models = list(dict.fromkeys(m for m in results["model"] if isinstance(m, str)))
-        self.precisions = _ordered(results["precision"], PRECISION_ORDER)
+        self.precisions = _ordered(results["precision"], tuple(PRECISIONS))
         # A skipped record speaks for every model (the device cannot run that precision at all).
         skipped = results[results["status"] == "skipped"]
         self.skipped = dict(zip(skipped["precision"], skipped["reason"]))
@@ -157,12 +154,12 @@ def precision_section(ctx: SectionContext) -> Section | None:
     tables, flagged = [], []
     for (machine, processes), group in results.groupby(["machine", "processes"], sort=True):
         where = f"{machine} · {processes} process{'es' if processes > 1 else ''}{' (DDP)' if processes > 1 else ''}"
-        for mode in _ordered(group["mode"], MODE_ORDER):
+        for mode in _ordered(group["mode"], MODES):
             grid = _Grid(group[group["mode"] == mode])
             tables.append(_ms_table(grid, f"{mode}, {where}: median ms per batch · speed-up over fp32"))
             tables.append(_tflops_table(grid, f"{mode}, {where}: achieved TFLOP/s per device (share of the "
                                               "datasheet peak)"))
-        grid = _Grid(group[group["mode"] == _ordered(group["mode"], MODE_ORDER)[0]])
+        grid = _Grid(group[group["mode"] == _ordered(group["mode"], MODES)[0]])
         tables.append(_loss_table(grid, f"{where}: loss after the check steps, difference from fp32 as a share "
                                         "of the initial loss"))
         flagged += [f"{where}: {m} at {p}" for m, p in zip(grid.ok["model"], grid.ok["precision"])

@@ -1,4 +1,7 @@
-"""The three ways Lab-02 feeds MNIST-shaped images to the model, from the seed's to the fastest.
+"""Three ways of feeding MNIST-shaped images to a model, from the seed's to the fastest.
+
+Lab-02's scripts train with them, Chapter 16's ``efficient_loading.py`` times DataLoader options on
+the first, and ``bench/data_pipeline.py`` races them against each other.
 
 ==========  ==========================================================  ===========================
 pipeline    what happens for every batch                                where the work is done
@@ -24,6 +27,7 @@ The data arrive as uint8 images (N, 28, 28), as MNIST stores them: ``mnist`` fro
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +36,12 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, TensorDataset
 
+from common.cli import positive_int
 from common.data import MNIST_MEAN, MNIST_STD, get_dataset
 from common.errors import UserError
 
 PIPELINES = ("pil", "tensor", "device")
-LAB_DATASETS = ("digits", "mnist", "synthetic")
+DATASETS = ("digits", "mnist", "synthetic")
 
 
 @dataclass
@@ -54,6 +59,14 @@ def _to_uint8(normalised: torch.Tensor) -> torch.Tensor:
     """Undo MNIST normalisation and quantise to 0..255, the form the seed's images are stored in."""
     pixels = (normalised * MNIST_STD + MNIST_MEAN).clamp(0, 1)
     return (pixels * 255).round().to(torch.uint8).reshape(-1, 28, 28)
+
+
+def add_dataset_args(parser: argparse.ArgumentParser) -> None:
+    """``--dataset`` and ``--synthetic-size``: what :func:`load_uint8` reads, the same flags in every script."""
+    parser.add_argument("--dataset", choices=DATASETS, default="digits",
+                        help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
+    parser.add_argument("--synthetic-size", type=positive_int, default=60_000,
+                        help="training images of --dataset synthetic, MNIST's count by default (default: %(default)s)")
 
 
 def load_uint8(name: str, data_dir: str | Path, *, seed: int = 0,
@@ -74,7 +87,7 @@ def load_uint8(name: str, data_dir: str | Path, *, seed: int = 0,
         stacked = [torch.stack([split[i][0] for i in range(len(split))]) for split in (splits.train, splits.test)]
         return (Uint8Images(_to_uint8(stacked[0]), splits.train.labels.clone()),
                 Uint8Images(_to_uint8(stacked[1]), splits.test.labels.clone()))
-    raise UserError(f"unknown dataset {name!r} for this lab; choose one of: {', '.join(LAB_DATASETS)}")
+    raise UserError(f"unknown dataset {name!r} for these pipelines; choose one of: {', '.join(DATASETS)}")
 
 
 def pil_transform() -> Any:
