@@ -12,9 +12,5 @@ if ! python3 -m uv --version >/dev/null 2>&1; then
     python3 -m pip install --quiet --disable-pip-version-check uv
 fi
 echo "bootstrap: syncing .venv from uv.lock" >&2
-# --compile-bytecode: write the packages' .pyc files now (once; later runs only compile what
-# changed). Where PYTHONDONTWRITEBYTECODE is set, Python never writes them itself, and every
-# process (each test, each rank of each job) compiled torch's sources again: import torch took
-# 5 s of CPU instead of 2.
-python3 -m uv sync --frozen --quiet --compile-bytecode
+python3 -m uv sync --frozen --quiet
 echo "bootstrap: $(.venv/bin/python -c 'import torch, torchvision; print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, CUDA available: {torch.cuda.is_available()}")')" >&2

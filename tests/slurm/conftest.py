@@ -17,9 +17,9 @@ The test cluster does not confine tasks to their cores (no cgroups): the ranks o
 this machine's 2 cores, and OpenMP threads that spin while they wait (the default) take them from
 the other ranks, which then wait in every all-reduce. ``OMP_WAIT_POLICY=PASSIVE`` lets waiting
 threads sleep: a tiny 4-rank DDP job took 16-18 s instead of 26-30 s. It changes how fast the jobs
-run here, not what they do. (Every job imports torch: ``scripts/bootstrap.sh`` compiles the
-environment's bytecode once, which halves the cost of that import where ``PYTHONDONTWRITEBYTECODE``
-is set, as on this machine.)
+run here, not what they do. (Every job imports torch: the environment's bytecode is compiled at
+install, ``compile-bytecode`` in pyproject.toml, which halves the cost of that import where
+``PYTHONDONTWRITEBYTECODE`` is set, as on this machine.)
 """
 
 from __future__ import annotations
