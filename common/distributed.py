@@ -33,7 +33,8 @@ from common.launch import LaunchInfo, detect_launch, free_port, gpus_bound_per_t
 
 __all__ = [
     "DistContext", "backend_for", "init_distributed", "teardown_distributed", "ddp_buffer_sync", "print0",
-    "print_rank", "all_reduce_sum", "all_reduce_mean", "any_rank", "gather_objects", "MODULES_BINDING_THE_WORLD_GROUP",
+    "print_rank", "all_reduce_sum", "all_reduce_mean", "any_rank", "gather_objects",
+    "MODULES_BINDING_THE_WORLD_GROUP",
 ]
 
 

@@ -208,10 +208,10 @@ time.sleep(600)
 
 def processes_marked(directory: Path) -> list[int]:
     """The processes of the left-behind run's job (its environment carries the run's directory)."""
-    found = []
+    found, mark = [], f"HPC_DL_LABS_LEFT_BEHIND={directory}".encode()
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and f"HPC_DL_LABS_LEFT_BEHIND={directory}".encode() in (proc / "environ").read_bytes():
+            if proc.name.isdigit() and mark in (proc / "environ").read_bytes():
                 found.append(int(proc.name))
         except OSError:
             continue

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="the cluster's directory (default: %(default)s)")
     parser.add_argument("--nodes", type=int, default=2, choices=range(1, MAX_NODES + 1), metavar="N",
                         help=f"emulated compute nodes n1..nN, 1 to {MAX_NODES} [start] (default: %(default)s)")
-    parser.add_argument("--keep-logs", action="store_true", help="keep D/log after stopping [stop] (default: delete everything)")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="keep D/log after stopping [stop] (default: delete everything)")
     claims = parser.add_argument_group("what the nodes claim [start] (default: enough for every site profile "
                                        "in slurm/sites/)")
     claims.add_argument("--partitions", help="comma-separated partition names; the first is the default")
