@@ -18,6 +18,8 @@
 from __future__ import annotations
 
 import datetime as _dt
+import gc
+import importlib
 import os
 import sys
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from common.launch import LaunchInfo, detect_launch, free_port, gpus_bound_per_t
 __all__ = [
     "DistContext", "backend_for", "init_distributed", "teardown_distributed", "ddp_buffer_sync", "print0",
     "print_rank", "all_reduce_sum", "all_reduce_mean", "all_reduce_max", "any_rank", "gather_objects",
+    "MODULES_BINDING_THE_WORLD_GROUP",
 ]
 
 
@@ -72,6 +75,19 @@ class DistContext:
                 "master_port": self.launch.master_port}
 
 
+#: Modules of torch whose functions take ``group=group.WORLD`` as a default argument. Python evaluates
+#: a default once, when the module is first imported: imported while a group exists, such a module
+#: holds that group for the rest of the process (``destroy_process_group`` only forgets it), and with it
+#: the group's threads. DDP and the optimizers import the first one lazily, after the group exists.
+#: So these are imported before the group is created, while their defaults can only be ``None``
+#: (``tests/test_distributed_teardown.py`` scans torch for new ones).
+MODULES_BINDING_THE_WORLD_GROUP = (
+    "torch.distributed.nn.functional",
+    "torch.distributed.optim.zero_redundancy_optimizer",
+    "torch.distributed.fsdp.sharded_grad_scaler",
+)
+
+
 def backend_for(device: torch.device) -> str:
     """NCCL moves CUDA tensors between GPUs; Gloo is the CPU backend."""
     return "nccl" if device.type == "cuda" else "gloo"
@@ -96,17 +112,24 @@ def init_distributed(device_name: str = "auto", *, force_process_group: bool = F
         launch = LaunchInfo("single", 0, 0, 1, 0, "127.0.0.1", free_port())
     addr, port = launch.master_addr or "127.0.0.1", launch.master_port or free_port()
     # Map Slurm's view onto torchrun's variables once, so any library reading them agrees.
+    # Those set here are removed again at teardown, so a later run in this process starts clean.
+    added = []
     for key, value in {"RANK": launch.rank, "WORLD_SIZE": launch.world_size,
                        "LOCAL_RANK": launch.local_rank, "MASTER_ADDR": addr, "MASTER_PORT": port}.items():
-        os.environ.setdefault(key, str(value))
+        if key not in os.environ:
+            os.environ[key] = str(value)
+            added.append(key)
     timeout = _dt.timedelta(seconds=timeout_s or float(os.environ.get("HPC_DL_LABS_DIST_TIMEOUT", 600)))
+    for module in MODULES_BINDING_THE_WORLD_GROUP:
+        importlib.import_module(module)
     # device_id binds NCCL to this rank's GPU at once, so a bad GPU set-up fails here, not at the first step.
     dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=launch.rank,
                             world_size=launch.world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
     launch = LaunchInfo(launch.launcher, launch.rank, launch.local_rank, launch.world_size,
                         launch.node_rank, addr, port)
-    return DistContext(launch=launch, device=device, backend=backend, owns_group=True)
+    return DistContext(launch=launch, device=device, backend=backend, owns_group=True,
+                       extra={"environment_set": added})
 
 
 def teardown_distributed(ctx: DistContext | None) -> None:
@@ -116,12 +139,23 @@ def teardown_distributed(ctx: DistContext | None) -> None:
     another (rank 0 writing the record, say) still uses them. When an exception is on its way out,
     there is no barrier: the other ranks may be stuck in a different collective, and waiting for
     them would turn one rank's error into a hang.
+
+    ``destroy_process_group`` only makes torch forget the group: the group and its threads (Gloo's
+    workers and transport loop, the rendezvous store's server, NCCL's watchdog) end when the last
+    object holding it goes. Torch's own holders are dealt with here (see
+    :data:`MODULES_BINDING_THE_WORLD_GROUP`; a collection frees what waits in reference cycles);
+    what the caller still holds (a DDP model holds its group) goes when the caller drops it, at
+    the latest when its function returns. A thread of the group still alive when the interpreter
+    shuts down can abort the process after main has returned.
     """
     if ctx is not None and ctx.owns_group and dist.is_available() and dist.is_initialized():
         if sys.exc_info()[0] is None:
             dist.barrier()
         dist.destroy_process_group()
         _forget_dtensor_caches()
+        gc.collect()
+        for key in ctx.extra.pop("environment_set", []):
+            os.environ.pop(key, None)
 
 
 def _forget_dtensor_caches() -> None:

@@ -28,9 +28,13 @@ import socket
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-#: Ports derived from the Slurm job id fall in [PORT_BASE, PORT_BASE + PORT_SPAN).
+#: Ports derived from the Slurm job id fall in [PORT_BASE, PORT_BASE + PORT_SPAN), below Linux's
+#: ephemeral ports (32768 and up), which the kernel hands out to outgoing connections.
 PORT_BASE = 20000
 PORT_SPAN = 10000
+#: How far each step id moves the port: the span over the golden ratio, so that a job's first steps
+#: land far (>= 560 ports for steps 1-10) from the ports of jobs with nearby ids.
+STEP_STRIDE = 6180
 
 
 @dataclass(frozen=True)
@@ -98,10 +102,16 @@ def _expand_one(item: str) -> list[str]:
     return [expanded for name in names for expanded in _expand_one(name + suffix)]
 
 
-def port_from_job(job_id: str, step_id: str | None = None) -> int:
-    """A port every task of one Slurm step computes alike, and other jobs are unlikely to share."""
-    step = int(step_id) if step_id and step_id.isdigit() else 0
-    return PORT_BASE + (int(job_id) * 16 + step) % PORT_SPAN
+def port_from_job(job_id: str | int, step_id: str | int | None = None) -> int:
+    """The rendezvous port of a Slurm job step: every task of the step computes the same one.
+
+    ``PORT_BASE + (job id + STEP_STRIDE x step id) mod PORT_SPAN``: consecutive job ids get
+    consecutive ports, so 10,000 jobs in a row never share one, and a job's steps get ports of their
+    own. ``slurm/lib/job_header.sh`` defines the same function in the shell (tests check that they
+    agree); a job header exports its result as ``MASTER_PORT``, which then takes precedence.
+    """
+    step = str(step_id) if step_id is not None else ""
+    return PORT_BASE + (int(job_id) + STEP_STRIDE * (int(step) if step.isdigit() else 0)) % PORT_SPAN
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,9 +1,9 @@
 """Render a course sbatch template for one cluster ("site"): a file ready to submit, in one step.
 
-    python scripts/render_sbatch.py --site lanta slurm/testbed/examples/hello.sbatch.j2 -o hello.sbatch
+    python scripts/render_sbatch.py --site lanta slurm/examples/hello.sbatch.j2 -o hello.sbatch
     python scripts/render_sbatch.py --site lanta TEMPLATE.j2 --set account=lt200123 --set nodes=2
     python scripts/render_sbatch.py --list-sites
-    python scripts/render_sbatch.py --all-sites build/sbatch labs chapters slurm/testbed/examples
+    python scripts/render_sbatch.py --all-sites build/sbatch labs chapters slurm/examples
     python scripts/render_sbatch.py --write-committed   # refresh the plain .sbatch files in the repository
     sbatch hello.sbatch          # from the repository root: jobs start where sbatch was called
 
@@ -33,7 +33,6 @@ from common.sites import display_path, find_site, load_sites  # noqa: E402
 from scripts.sbatch_render.jobs import JOB_KEYS, PLACEHOLDER, TEMPLATE_SUFFIX, parse_settings, read_template  # noqa: E402
 from scripts.sbatch_render.rendering import (COMMITTED_RENDERINGS, render, render_all, write_committed,  # noqa: E402
                                              write_script)
-from scripts.sbatch_render.testbed import testbed_resources  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,9 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="refresh the committed renderings (" + ", ".join(
                             f"{t.removesuffix(TEMPLATE_SUFFIX)} for {s}" for t, s in COMMITTED_RENDERINGS.items())
                         + ") (default: off)")
-    parser.add_argument("--testbed-resources", action="store_true",
-                        help="print what the test cluster's nodes must claim for every site, as key=value "
-                             "lines (used by slurm/testbed/testbed.sh) (default: off)")
     return parser
 
 
@@ -103,10 +99,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.write_committed:
         for path in write_committed():
             print(f"wrote {display_path(path)}")
-        return 0
-    if args.testbed_resources:  # for the CI test cluster only
-        for key, value in testbed_resources(load_sites()).items():
-            print(f"{key}={value}")
         return 0
     settings = parse_settings(args.settings)
     if args.all_sites is not None:

@@ -2,7 +2,7 @@
 # The whole test suite, installing what it needs first:
 #   - the locked Python environment (.venv/, via uv);
 #   - as root: Debian's chromium (report checked in a real browser) and slurm-wlm + munge
-#     (sbatch templates submitted to a throwaway Slurm cluster; slurm/testbed/ installs it).
+#     (sbatch templates submitted to a throwaway Slurm cluster; tests/testbed/ installs it).
 # Without root those tests skip and say why; HPC_DL_LABS_REQUIRE_SLURM=1 and
 # HPC_DL_LABS_REQUIRE_BROWSER=1 (set by .ci/run) turn such skips into failures.
 #

@@ -24,11 +24,11 @@ from helpers import load_script
 
 from common import sites
 from common.errors import UserError
-from scripts.sbatch_render import jobs, rendering, testbed
+from scripts.sbatch_render import jobs, rendering
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "render_sbatch.py"
-HELLO = REPO_ROOT / "slurm" / "testbed" / "examples" / "hello.sbatch.j2"
+HELLO = REPO_ROOT / "slurm" / "examples" / "hello.sbatch.j2"
 
 rs = load_script("scripts/render_sbatch.py")  # the command line
 SITES = sites.site_names()
@@ -142,8 +142,12 @@ def test_every_repository_template_renders_for_every_site_and_keeps_the_contract
         directives = "\n".join(line for line in lines if line.startswith("#SBATCH"))
         if resumes(text):  # a training that can continue: it must be pre-emption safe
             for needed in ("#SBATCH --signal=B:USR1@", "#SBATCH --requeue ", "trap _forward_usr1 USR1",
-                           "scontrol requeue", 'wait "$_step_pid"', '--checkpoint "$CHECKPOINT" --resume'):
+                           "scontrol requeue", 'wait "$_step_pid"'):
                 assert needed in text, f"{template.name}: pre-emption needs {needed!r}"
+            # The job's checkpoint: a file, or (sharded, Lab-04) a folder named after it.
+            assert ('--checkpoint "$CHECKPOINT" --resume' in text
+                    or '--checkpoint-dir "${CHECKPOINT%.pt}" --resume' in text), (
+                f"{template.name}: pre-emption needs the job's $CHECKPOINT passed with --resume")
         else:  # a requeued job that cannot resume would start over
             assert "--signal" not in directives and "--requeue" not in directives
 
@@ -154,14 +158,17 @@ def resumes(text: str) -> bool:
 
 
 def test_the_training_templates_are_the_ones_that_resume():
-    """Chapter 4's two trainings and Lab-01's DDP runs; Lab-01's baseline and DP runs are timings."""
+    """Chapter 4's two trainings, Lab-01's DDP runs and Lab-04's sharded trainings; Lab-01's baseline
+    and DP runs are timings."""
     resumable = sorted(str(path.relative_to(REPO_ROOT)) for path in repository_templates()
                        if resumes(path.read_text().split("#}", 1)[1]))
     assert resumable == ["chapters/ch04_deep_learning/sbatch/multi_gpu.sbatch.j2",
                          "chapters/ch04_deep_learning/sbatch/single_gpu.sbatch.j2",
                          "labs/lab01_dp_vs_ddp/sbatch/ddp_srun_2node.sbatch.j2",
                          "labs/lab01_dp_vs_ddp/sbatch/ddp_torchrun_2node.sbatch.j2",
-                         "labs/lab01_dp_vs_ddp/sbatch/ddp_torchrun_4gpu.sbatch.j2"]
+                         "labs/lab01_dp_vs_ddp/sbatch/ddp_torchrun_4gpu.sbatch.j2",
+                         "labs/lab04_sharded_training/sbatch/sharded_srun_2node.sbatch.j2",
+                         "labs/lab04_sharded_training/sbatch/sharded_torchrun_4gpu.sbatch.j2"]
 
 
 @pytest.mark.parametrize("template", sorted(rendering.COMMITTED_RENDERINGS))
@@ -288,7 +295,7 @@ def test_impossible_requests_fail_with_one_clear_line(site, settings, expected):
     message = str(raised.value)
     assert expected in message
     assert "\n" not in message
-    assert message.startswith("slurm/testbed/examples/hello.sbatch.j2 for site ")
+    assert message.startswith("slurm/examples/hello.sbatch.j2 for site ")
 
 
 def test_command_line_error_is_one_line_and_exit_2(tmp_path):
@@ -407,20 +414,6 @@ def test_a_template_may_name_the_sites_it_is_for(tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert [entry["site"] for entry in manifest] == ["sjtu-pi"]
     assert "#SBATCH --gres=gpu:16 " in (out / manifest[0]["script"]).read_text()
-
-
-def test_testbed_resources_cover_every_site():
-    resources = testbed.testbed_resources(sites.load_sites())
-    partitions = resources["partitions"].split(",")
-    gpus = dict(item.split(":") for item in resources["gpus"].split(","))
-    for site in sites.load_sites().values():
-        for partition in site.partitions.values():
-            assert partition.name in partitions
-            assert partition.cpus_per_node <= int(resources["cpus"])
-            for model in partition.gpu_types:
-                assert int(gpus[model]) >= partition.gpus_per_node
-        if site.reservation:
-            assert site.reservation in resources["reservations"].split(",")
 
 
 # -- shell pieces --------------------------------------------------------------------------------

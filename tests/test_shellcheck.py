@@ -67,7 +67,7 @@ def shellcheck(*paths: Path) -> subprocess.CompletedProcess[str]:
 
 def test_the_scripts_that_must_be_checked_are_found():
     names = {str(path.relative_to(REPO_ROOT)) for path in SHELL_SCRIPTS}
-    assert {"slurm/lib/job_header.sh", "slurm/testbed/testbed.sh",
+    assert {"slurm/lib/job_header.sh",
             "chapters/ch04_deep_learning/sbatch/single_gpu.sbatch",
             "chapters/ch04_deep_learning/sbatch/multi_gpu.sbatch"} <= names
     assert not any(name.endswith(".j2") for name in names)

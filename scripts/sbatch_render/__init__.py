@@ -5,7 +5,6 @@
   checked (one line when the site cannot run it), and the commented ``#SBATCH`` lines.
 - :mod:`.rendering`: the Jinja2 rendering with the shared preamble, every template for every site
   (``--all-sites``), and the renderings committed beside their templates.
-- :mod:`.testbed`: what the CI test cluster's nodes must claim so every site fits.
 
 None of them imports torch.
 """

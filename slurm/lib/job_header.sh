@@ -7,8 +7,8 @@
 # job misbehaves), then exports what the training scripts and their launchers need:
 #
 #   MASTER_ADDR      first host of the allocation: where rank 0 listens for the others
-#   MASTER_PORT      20000 + (job id x 16) mod 10000, as common/launch.py computes it: two jobs that
-#                    share a node get different ports, and no port is hard-coded
+#   MASTER_PORT      port_from_job below, from the job id (and step id): jobs that share a node get
+#                    different ports, and no port is hard-coded
 #   OMP_NUM_THREADS  the CPU cores Slurm gave each task (capped at this node's cores / its tasks)
 #   NUM_WORKERS      DataLoader workers: those cores minus the one that trains (0 for tiny runs)
 #   NPROC_PER_NODE   processes per node for torchrun: the GPUs on this node, else the tasks per node
@@ -34,15 +34,25 @@ while read -r _hdl_name; do
 done < <(compgen -e | grep '^SLURM_' | sort)
 
 # --- rendezvous: rank 0 runs on the first node of the allocation --------------------------------
+# port_from_job JOB_ID [STEP_ID]: 20000 + (job id + 6180 x step id) mod 10000, the same number as
+# port_from_job in common/launch.py (a test checks that they agree). Consecutive job ids get
+# consecutive ports, so 10000 jobs in a row never share one; each step id moves the port by 6180
+# (the span over the golden ratio), so the first steps of a job land far from the ports of jobs with
+# nearby ids. Ports 20000-29999 stay below Linux's ephemeral range (32768 and up).
+port_from_job() {
+    local job="$1" step="${2:-0}"
+    [[ "$step" =~ ^[0-9]+$ ]] || step=0
+    echo $((20000 + (10#$job + 6180 * 10#$step) % 10000))
+}
 if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
     # `scontrol show hostnames` expands n[1-2] into n1 and n2 (mapfile, not `| head`: with
     # pipefail a closed pipe would fail the job).
     mapfile -t _hdl_hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
     MASTER_ADDR="${_hdl_hosts[0]}"
-    MASTER_PORT=$((20000 + (SLURM_JOB_ID * 16) % 10000))
+    MASTER_PORT="$(port_from_job "$SLURM_JOB_ID" "${SLURM_STEP_ID:-0}")"
 else
     MASTER_ADDR="127.0.0.1"
-    MASTER_PORT=$((20000 + ($$ * 16) % 10000))
+    MASTER_PORT="$(port_from_job $$)"  # no job: this shell's process id
 fi
 export MASTER_ADDR MASTER_PORT
 

@@ -1,7 +1,7 @@
 """The Slurm test cluster for tests under tests/slurm/.
 
 Tests ask for the session fixture ``slurm_cluster`` (a started 2-node
-:class:`SlurmTestCluster`, see slurm/testbed/cluster.py) and carry ``@pytest.mark.slurm``; a test
+:class:`testbed.SlurmTestCluster`, see tests/testbed/) and carry ``@pytest.mark.slurm``; a test
 here that has one of the two gets the other, so ``-m "not slurm"`` deselects all of them.
 
 Without root, or when Slurm cannot be installed or started, these tests are skipped with the
@@ -13,46 +13,27 @@ Every job the fixture submits sees ``HPC_DL_LABS_TINY=1`` (tiny runs), ``HPC_DL_
 files with nothing behind them: the job header runs such jobs on the CPU, where a real cluster's job
 with GPUs asks for cuda) and this Python's environment first on ``PATH``.
 
-Jobs start many Python processes, and each one imports torch. Where the environment sets
-``PYTHONDONTWRITEBYTECODE`` (this machine does) and the installed torch has no ``.pyc`` files, every
-import compiles torch's Python sources again: about 4 s of CPU instead of 2. So the jobs write
-and read bytecode in a cache folder of the session (``PYTHONPYCACHEPREFIX``), warmed up once while
-the cluster starts; the installed packages are not touched. And the test cluster does not confine
-tasks to their cores (no cgroups): the ranks of a job share this machine's 2 cores, and OpenMP
-threads that spin while they wait (the default) take them from the other ranks, which then wait in
-every all-reduce. ``OMP_WAIT_POLICY=PASSIVE`` lets waiting threads sleep: a tiny 4-rank DDP job
-took 16-18 s instead of 26-30 s. Both settings change how fast the jobs run here, not what they do.
+The test cluster does not confine tasks to their cores (no cgroups): the ranks of a job share
+this machine's 2 cores, and OpenMP threads that spin while they wait (the default) take them from
+the other ranks, which then wait in every all-reduce. ``OMP_WAIT_POLICY=PASSIVE`` lets waiting
+threads sleep: a tiny 4-rank DDP job took 16-18 s instead of 26-30 s. It changes how fast the jobs
+run here, not what they do. (Every job imports torch: the environment's bytecode is compiled at
+install, ``compile-bytecode`` in pyproject.toml, which halves the cost of that import where
+``PYTHONDONTWRITEBYTECODE`` is set, as on this machine.)
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from testbed import ClusterError, SlurmTestCluster
+
 REQUIRE_VARIABLE = "HPC_DL_LABS_REQUIRE_SLURM"
 TIMINGS: dict[str, float] = {}
-
-
-def _load_cluster_module():
-    path = REPO_ROOT / "slurm" / "testbed" / "cluster.py"
-    spec = importlib.util.spec_from_file_location("hpc_dl_labs_testbed_cluster", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-cluster_module = _load_cluster_module()
-SlurmTestCluster = cluster_module.SlurmTestCluster
-ClusterError = cluster_module.ClusterError
-SbatchRejected = cluster_module.SbatchRejected
-Submission = cluster_module.Submission
 
 
 def slurm_unavailable(reason: str) -> None:
@@ -62,10 +43,10 @@ def slurm_unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-def job_environment(bytecode_cache: Path | None = None) -> dict[str, str]:
+def job_environment() -> dict[str, str]:
     """What every test job sees on top of the caller's environment."""
     python_bin = str(Path(sys.executable).parent)
-    env = {
+    return {
         "PATH": f"{python_bin}{os.pathsep}{os.environ.get('PATH', '')}",
         "HPC_DL_LABS_TINY": "1",
         "HPC_DL_LABS_SKIP_MODULES": "1",
@@ -73,17 +54,6 @@ def job_environment(bytecode_cache: Path | None = None) -> dict[str, str]:
         "OMP_WAIT_POLICY": "PASSIVE",
         "PYTHONFAULTHANDLER": "1",  # a rank that crashes (SIGSEGV, SIGABRT) prints where it was
     }
-    if bytecode_cache is not None:
-        env["PYTHONPYCACHEPREFIX"] = str(bytecode_cache)
-        env["PYTHONDONTWRITEBYTECODE"] = ""  # empty means unset to Python
-    return env
-
-
-def warm_bytecode_cache(env: dict[str, str]) -> subprocess.Popen:
-    """Compile what every job imports (torch, torchvision, torchrun) into the cache, once."""
-    return subprocess.Popen([sys.executable, "-c", "import torch, torchvision, torch.distributed.run, common.results"],
-                            env={**os.environ, **env}, cwd=REPO_ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="session")
@@ -93,15 +63,11 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
         slurm_unavailable(f"the Slurm test cluster needs Linux, not {sys.platform}")
     if os.geteuid() != 0:
         slurm_unavailable("the Slurm test cluster needs root (it installs Slurm and runs slurmd as root)")
-    env = job_environment(tmp_path_factory.mktemp("pycache"))
-    cluster = SlurmTestCluster(nodes=2, job_env=env, log_dir=tmp_path_factory.mktemp("slurm-job-logs"))
-    warming = warm_bytecode_cache(env)
+    cluster = SlurmTestCluster(nodes=2, job_env=job_environment(), log_dir=tmp_path_factory.mktemp("slurm-job-logs"))
     try:
         TIMINGS["start"] = cluster.start()
     except ClusterError as err:
-        warming.wait()
         slurm_unavailable(f"the Slurm test cluster did not start: {err}")
-    warming.wait()
     yield cluster
     TIMINGS["stop"] = cluster.stop()
     TIMINGS.update(cluster.timings)

@@ -1,14 +1,21 @@
 """Every sbatch template of the course, rendered for every site, runs on the Slurm test cluster.
 
 What CI submits is exactly what ``python scripts/render_sbatch.py --all-sites OUT chapters labs``
-writes: one script per template and site. Each job runs tiny (``HPC_DL_LABS_TINY=1``), must end
-COMPLETED with exit 0 and must leave a valid result record written by that very job (its Slurm job
-id is in the record) in the folder its ``RESULTS_DIR`` names. The 2-node DDP jobs must reach both
-nodes with every rank and end with identical parameters on all ranks. A request no site can
-satisfy is refused by the renderer before a job exists, and by sbatch when it gets that far.
+writes: one script per template and site, every one submitted. Each template **trains for real on
+one site** (generic, or the first site a site-limited template names): tiny (``HPC_DL_LABS_TINY=1``),
+it must end COMPLETED with exit 0 and leave a valid result record written by that very job (its
+Slurm job id is in the record) in the folder its ``RESULTS_DIR`` names. The 2-node DDP jobs must
+reach both nodes with every rank and end with identical parameters on all ranks.
 
-The jobs run a few at a time (:meth:`SlurmTestCluster.run_all`): each Python process costs a
-second or more of CPU and about 1 GB to import torch, and this machine has 2 cores.
+The **renderings for the other sites** differ from that one in their ``#SBATCH`` lines (partition,
+GPU type, account, reservation, cores) and module lines, not in the Python they run: they are
+submitted too and must be accepted, get their allocation, run the job header and launch every step
+with the right tasks, but ``python``, ``torchrun`` and ``kernprof`` are a stand-in there that prints
+how it was started (task, step size, node, arguments) and exits. Training the same tiny run once per
+site cost most of CI's time (each Python process imports torch: seconds of CPU on a 2-core machine).
+
+A request no site can satisfy is refused by the renderer before a job exists, and by sbatch when it
+gets that far. The jobs run a few at a time (:meth:`SlurmTestCluster.run_all`).
 """
 
 from __future__ import annotations
@@ -16,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -27,6 +33,7 @@ from common.results import load_records
 from common.sites import site_names
 from helpers import load_script
 from scripts.sbatch_render.rendering import find_templates
+from testbed import SbatchRejected, Submission
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE_FOLDERS = [REPO_ROOT / "chapters", REPO_ROOT / "labs"]
@@ -56,6 +63,23 @@ def site_template_pairs() -> list[tuple[str, str]]:
 PAIRS = site_template_pairs()
 
 
+def training_site(script: str) -> str:
+    """The site whose rendering of ``script`` trains for real: generic, else the first site it is for."""
+    sites = [site for site, rendered in PAIRS if rendered == script]
+    return "generic" if "generic" in sites else sorted(sites)[0]
+
+
+TRAINED = sorted({script for _, script in PAIRS})
+LAUNCHED = [(site, script) for site, script in PAIRS if site != training_site(script)]
+
+#: python, torchrun and kernprof in the jobs that do not train: say how they were started, exit 0.
+STAND_IN = """#!/usr/bin/env bash
+echo "STAND-IN $(basename "$0") task ${SLURM_PROCID:-none} of ${SLURM_STEP_NUM_TASKS:-none}" \\
+    "on ${SLURMD_NODENAME:-none}: $*"
+"""
+STAND_IN_LINE = re.compile(r"^STAND-IN (\S+) task (\S+) of (\S+) on \S+: (.*)$", re.M)
+
+
 def processes_of(job: dict, text: str) -> int:
     """How many Python processes a job runs at once: one per task, or torchrun plus one per GPU;
     a job array's tasks run side by side, each with the job's processes plus the batch script's."""
@@ -74,18 +98,26 @@ class RenderedJob(NamedTuple):
 
 @pytest.fixture(scope="module")
 def template_jobs(slurm_cluster, tmp_path_factory) -> dict[str, RenderedJob]:
-    """Render every template for every site (--all-sites), run them all: {"site/script": RenderedJob}."""
+    """Render every template for every site (--all-sites), submit them all: {"site/script": RenderedJob}."""
     out_dir = tmp_path_factory.mktemp("rendered")
     runs = tmp_path_factory.mktemp("runs")
+    stand_in = tmp_path_factory.mktemp("stand-in")
+    for name in ("python", "torchrun", "kernprof"):
+        (stand_in / name).write_text(STAND_IN)
+        (stand_in / name).chmod(0o755)
     assert render_sbatch.main(["--all-sites", str(out_dir), *map(str, TEMPLATE_FOLDERS)]) == 0
     manifest = json.loads((out_dir / "manifest.json").read_text())
     submissions, jobs = [], {}
     for entry in manifest:
         key = entry["script"]  # <site>/<path of the template without .j2>
-        script = out_dir / key
+        script, relative = out_dir / key, key.split("/", 1)[1]
         results_dir = runs / key / "results"
         env = {"RESULTS_DIR": str(results_dir), "CHECKPOINT_DIR": str(runs / key / "checkpoints")}
-        submissions.append(slurm_cluster_submission(key, script, env, processes_of(entry["job"], script.read_text())))
+        weight = processes_of(entry["job"], script.read_text())
+        if entry["site"] != training_site(relative):
+            env["PATH"] = f"{stand_in}:{slurm_cluster.job_env['PATH']}"
+            weight = 0  # a shell and Slurm's launcher: nothing to hold back
+        submissions.append(Submission(key=key, script=script, env=env, weight=weight))
         jobs[key] = (entry, script, results_dir)
     submissions.sort(key=lambda sub: -sub.weight)  # the heavy jobs first: no long one left at the end
     began = time.perf_counter()
@@ -93,11 +125,6 @@ def template_jobs(slurm_cluster, tmp_path_factory) -> dict[str, RenderedJob]:
     slurm_cluster.timings[f"all {len(submissions)} template jobs"] = time.perf_counter() - began
     return {key: RenderedJob(entry["site"], script, entry["job"], results_dir, results[key])
             for key, (entry, script, results_dir) in jobs.items()}
-
-
-def slurm_cluster_submission(key: str, script: Path, env: dict[str, str], weight: int):
-    submission = sys.modules["hpc_dl_labs_testbed_cluster"].Submission  # loaded by tests/slurm/conftest.py
-    return submission(key=key, script=script, env=env, weight=weight)
 
 
 def job_log(slurm_cluster, job: RenderedJob) -> str:
@@ -113,25 +140,50 @@ def test_every_template_is_rendered_for_every_site_it_names():
         assert (site, "labs/lab01_dp_vs_ddp/sbatch/ddp_srun_2node.sbatch") in PAIRS
 
 
-@pytest.mark.parametrize(("site", "script"), PAIRS, ids=[f"{site}:{Path(script).name}" for site, script in PAIRS])
-def test_rendered_template_completes_and_leaves_its_record(slurm_cluster, template_jobs, site, script):
-    job = template_jobs[f"{site}/{script}"]
+def assert_completed_on_its_partition(slurm_cluster, job: RenderedJob) -> str:
     log = job_log(slurm_cluster, job)
-    assert job.result.ok, (f"{site}/{script}: job {job.result.job_id} ended {job.result.state} "
+    assert job.result.ok, (f"{job.site}/{job.script.name}: job {job.result.job_id} ended {job.result.state} "
                            f"exit {job.result.exit_code}\n{log[-4000:]}")
     assert f"SLURM_JOB_PARTITION={job.job['partition']}" in log
     assert "DEVICE=cpu" in log  # the test cluster's GPUs are not real (HPC_DL_LABS_FAKE_GPUS=1): every job ran on the CPU
     if job.job["gpus_per_node"]:  # the header saw Slurm's GPU allocation: on a real cluster it would ask for cuda
         assert "== note: HPC_DL_LABS_FAKE_GPUS=1 (the test cluster): the allocated GPU(s) are not real" in log
+    return log
+
+
+@pytest.mark.parametrize("script", TRAINED, ids=[f"{training_site(s)}:{Path(s).name}" for s in TRAINED])
+def test_template_trains_on_one_site_and_leaves_its_record(slurm_cluster, template_jobs, script):
+    job = template_jobs[f"{training_site(script)}/{script}"]
+    log = assert_completed_on_its_partition(slurm_cluster, job)
+    assert "STAND-IN" not in log
     loaded = load_records(job.results_dir)
     assert not loaded.errors, loaded.errors
-    assert loaded.records, f"{site}/{script}: no result record in {job.results_dir}\n{log[-3000:]}"
+    assert loaded.records, f"{job.site}/{script}: no result record in {job.results_dir}\n{log[-3000:]}"
     for record in loaded.records:  # written by this job (or by a task of this job array)
         slurm = record["provenance"]["slurm"]
         assert slurm.get("SLURM_ARRAY_JOB_ID", slurm["SLURM_JOB_ID"]) == str(job.result.job_id)
     # Lab-03 records a precision the CPU cannot run as "skipped", with the reason; nothing failed.
     assert {record["status"] for record in loaded.records} <= {"ok", "skipped"}
     assert any(record["status"] == "ok" for record in loaded.records)
+
+
+@pytest.mark.parametrize(("site", "script"), LAUNCHED, ids=[f"{site}:{Path(script).name}" for site, script in LAUNCHED])
+def test_rendering_for_every_other_site_is_accepted_and_launches_its_steps(slurm_cluster, template_jobs, site,
+                                                                           script):
+    """Each step started its tool once per task: srun's tasks run python (or kernprof), and
+    torchrun once per node (it would start the GPUs' workers); every script it names exists."""
+    job = template_jobs[f"{site}/{script}"]
+    log = assert_completed_on_its_partition(slurm_cluster, job)
+    steps: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for tool, task, tasks, args in STAND_IN_LINE.findall(log):
+        launched = next((arg for arg in args.split() if arg.endswith(".py")), None)
+        if launched is not None:  # python -c ... in a module line is not a step of the job
+            assert (REPO_ROOT / launched).is_file(), f"{site}/{script} starts {launched}, which does not exist"
+            steps.setdefault((tool, launched), []).append((task, tasks))
+    assert steps, f"{site}/{script}: no step was launched\n{log[-3000:]}"
+    for (tool, launched), tasks in steps.items():
+        size = job.job["nodes"] if tool == "torchrun" else job.job["ntasks"]
+        assert sorted(tasks) == [(str(rank), str(size)) for rank in range(size)], (tool, launched, log[-3000:])
 
 
 def _generic(template_jobs, script: str) -> tuple[RenderedJob, dict]:
@@ -256,6 +308,6 @@ def test_sbatch_refuses_a_rendered_template_asking_for_a_gpu_model_no_node_has(s
     assert "#SBATCH --gres=gpu:h100:4 " in text
     script = tmp_path / "dp_4gpu.sbatch"
     script.write_text(text)
-    with pytest.raises(sys.modules["hpc_dl_labs_testbed_cluster"].SbatchRejected) as raised:
+    with pytest.raises(SbatchRejected) as raised:
         slurm_cluster.submit(script)
     assert "Requested node configuration is not available" in raised.value.stderr

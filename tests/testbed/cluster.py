@@ -1,14 +1,16 @@
-"""Drive the throwaway Slurm test cluster (``slurm/testbed/testbed.sh``) from Python tests.
+"""Drive the throwaway Slurm test cluster from Python tests: start it, submit jobs, wait, stop.
 
-    from cluster import SlurmTestCluster           # tests/slurm/conftest.py loads it by path
+    from testbed import SlurmTestCluster
     with SlurmTestCluster(nodes=2) as cluster:      # start() ... stop()
         job_id = cluster.submit("job.sbatch", "--nodes=2", env={"HPC_DL_LABS_TINY": "1"})
         result = cluster.wait(job_id, timeout=60)
         assert result.ok, cluster.output(job_id)
 
-The cluster is real Slurm (slurmctld, one slurmd per emulated node, munge), so a script that runs
-here runs the same way under ``sbatch`` on a cluster. Jobs are polled with ``scontrol show job``
-every half second (``sbatch --wait`` backs off to 32 s). Needs root; never imports torch.
+The cluster is real Slurm (slurmctld, one slurmd per emulated node, munge; see
+:mod:`testbed.daemons`), so a script that runs here runs the same way under ``sbatch`` on a cluster.
+Jobs are polled with ``scontrol show job`` every half second (``sbatch --wait`` backs off to 32 s).
+The cluster belongs to the process that starts it: if that process dies without stopping it, the
+next start stops it. Needs root; never imports torch.
 """
 
 from __future__ import annotations
@@ -22,16 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-TESTBED = Path(__file__).resolve().with_name("testbed.sh")
-REPO_ROOT = TESTBED.parents[2]
+from testbed import resources as node_resources
+from testbed.daemons import ClusterError, RunningCluster, Testbed
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: Job states after which a job never runs again (REQUEUED and PREEMPTED+requeue come back).
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
-
-
-class ClusterError(RuntimeError):
-    """The test cluster could not be started or stopped; the message holds testbed.sh's output."""
 
 
 class SbatchRejected(RuntimeError):
@@ -78,15 +78,19 @@ def parse_scontrol_record(text: str) -> dict[str, str]:
 class SlurmTestCluster:
     """A running test cluster: ``start()``, ``submit()``, ``wait()``, ``output()``, ``stop()``."""
 
-    def __init__(self, directory: Path | None = None, nodes: int = 2, start_args: Sequence[str] = (),
+    def __init__(self, directory: Path | None = None, nodes: int = 2,
+                 resources: node_resources.NodeResources | None = None,
                  job_env: Mapping[str, str] | None = None, log_dir: Path | None = None) -> None:
-        """``job_env`` is added to every submission's environment (sbatch exports it to the job);
-        ``log_dir`` receives job logs unless a submission names its own ``--output``."""
+        """``resources``: what the nodes claim (default: enough for every site profile); ``job_env``
+        is added to every submission's environment (sbatch exports it to the job); ``log_dir``
+        receives job logs unless a submission names its own ``--output``."""
         self.directory = directory or Path(tempfile.mkdtemp(prefix="hpc-dl-labs-slurm-"))
         self.nodes = nodes
-        self.start_args = list(start_args)
+        self.resources = resources
         self.job_env = dict(job_env or {})
         self.log_dir = log_dir or self.directory.with_name(self.directory.name + "-logs")
+        self.testbed = Testbed(self.directory, nodes)
+        self.left_behind: list[RunningCluster] = []  # clusters of ended runs that start() stopped
         self.start_seconds: float | None = None
         self.stop_seconds: float | None = None
         self.job_seconds: dict[int, float] = {}
@@ -98,19 +102,16 @@ class SlurmTestCluster:
 
     # -- the cluster ---------------------------------------------------------------------------
 
-    def _testbed(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(TESTBED), *args, "--dir", str(self.directory)],
-                              capture_output=True, text=True, check=False)
-
     def start(self) -> float:
-        """Start the cluster and wait until its nodes are idle; return the seconds it took."""
+        """Start the cluster (owned by this process) and wait until its nodes are idle; return the
+        seconds it took. Raises :class:`ClusterError` with the reason when it cannot."""
         began = time.perf_counter()
-        done = self._testbed("start", "--nodes", str(self.nodes), *self.start_args)
-        if done.returncode != 0:
+        try:
+            self.left_behind = self.testbed.start(self.resources or node_resources.for_sites(), owner=os.getpid())
+        except ClusterError:
             if self.directory.is_dir() and not any(self.directory.iterdir()):
-                self.directory.rmdir()  # the empty directory made above; testbed.sh cleaned the rest
-            lines = (done.stderr or done.stdout).strip().splitlines()
-            raise ClusterError(" | ".join(lines[-6:]) or f"testbed.sh start exited {done.returncode}")
+                self.directory.rmdir()  # the empty directory made above
+            raise
         self._running = True
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.start_seconds = time.perf_counter() - began
@@ -119,10 +120,8 @@ class SlurmTestCluster:
     def stop(self) -> float:
         """Cancel every job and stop every daemon; return the seconds it took."""
         began = time.perf_counter()
-        done = self._testbed("stop")
         self._running = False
-        if done.returncode != 0:
-            raise ClusterError((done.stderr or done.stdout).strip())
+        self.testbed.stop()
         self.stop_seconds = time.perf_counter() - began
         return self.stop_seconds
 

@@ -1,0 +1,169 @@
+"""No thread of a process group is left when a distributed script ends.
+
+A Gloo (or NCCL) process group runs threads of its own: Gloo's workers (``pt_gloo_runloop``), its
+transport loop (``gloo_tcp_loop``), the rendezvous store's server on rank 0 (``pt_tcpstore*``), NCCL's
+watchdog and heartbeat (``pt_nccl*``). If any of them is still alive when the interpreter shuts down,
+a worker that releases a tensor takes the GIL from a finalising interpreter, and the process aborts
+(``terminate called without an active exception``) *after* the script's main function returned:
+the job fails under ``srun --kill-on-bad-exit`` although training succeeded. It happened to about
+3 resumed DDP runs in 50 under Slurm. ``common.distributed`` makes sure that tearing the group down
+really ends it; this test proves it for each distributed entry point.
+
+Each entry point runs as a user runs it, in its own process on the CPU (Gloo), with the smallest
+settings that still build a process group. ``tests/exit_threads/sitecustomize.py`` makes every
+Python process of the run (the ranks a script spawns too) write down its threads at exit, after
+main has returned; none may be a process group's.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, run_script, script_env
+
+#: Thread names (``/proc/<pid>/task/<tid>/comm``, at most 15 characters) of a process group's threads.
+GROUP_THREAD = re.compile(r"^(pt_gloo|gloo_tcp|pt_tcpstore|pt_nccl)")
+TINY_TRAINING = ("--device", "cpu", "--dry-run", "--num-workers", "0")
+TINY_TRANSFORMER = ("--layers", "4", "--width", "32", "--heads", "4", "--context", "32")
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    """A distributed script, the arguments of a tiny run, and what proves that it built a group."""
+
+    script: str
+    args: tuple[str, ...]
+    processes: int      # Python processes that run the script: itself, and the ranks it spawns
+    proof: str          # printed only when the script trained under a process group
+
+
+#: Every distributed entry point of the course. A new distributed script (one that calls
+#: common.distributed.init_distributed) adds one line here: its path, the smallest arguments that
+#: still create a process group on the CPU (a script that forces a group even alone runs as one
+#: process; others need -g 2 or the like), how many Python processes it runs, and a line of its
+#: output that only a run under a process group prints.
+ENTRY_POINTS = {
+    "ch04-multi_gpu_ddp": EntryPoint("chapters/ch04_deep_learning/multi_gpu_ddp.py",
+                                     (*TINY_TRAINING, "--checkpoint", "ckpt.pt"), 1, "backend gloo"),
+    "lab01-04_ddp_training": EntryPoint("labs/lab01_dp_vs_ddp/04_ddp_training.py",
+                                        (*TINY_TRAINING, "--model", "plain_cnn", "--dataset", "synthetic",
+                                         "--image-size", "16", "--synthetic-size", "32", "--batch-size", "8",
+                                         "--checkpoint", "ckpt.pt"),
+                                        1, "backend gloo"),
+    "lab03-benchmark_models-g2": EntryPoint("labs/lab03_precision_benchmark/benchmark_models.py",
+                                            ("--device", "cpu", "-g", "2", "--models", "resnet18", "--image-size",
+                                             "32", "-b", "2", "--modes", "train", "--precisions", "fp32",
+                                             "--dry-run"),
+                                            3, "2 process(es) with DDP"),
+    "lab04-01_memory_budget": EntryPoint("labs/lab04_sharded_training/01_memory_budget.py",
+                                         ("--device", "cpu", *TINY_TRANSFORMER, "--batch-size", "2"),
+                                         1, "memory per rank: 1 rank(s)"),
+    "lab04-02_sharded_training": EntryPoint("labs/lab04_sharded_training/02_sharded_training.py",
+                                            (*TINY_TRAINING, *TINY_TRANSFORMER, "--global-batch-size", "16",
+                                             "--batch-size", "4", "--eval-steps", "1", "--async-checkpoint"),
+                                            1, "backend gloo"),
+    "lab04-03_largest_model": EntryPoint("labs/lab04_sharded_training/03_largest_model.py",
+                                         ("--device", "cpu", *TINY_TRANSFORMER, "--budget", "2MiB",
+                                          "--max-doublings", "1", "--variants", "ddp", "fsdp"),
+                                         1, "largest model: 1 rank(s)"),
+    "lab05-01_allreduce_bench": EntryPoint("labs/lab05_scaling/01_allreduce_bench.py",
+                                           ("--device", "cpu", "--min-bytes", "1K", "--max-bytes", "4K",
+                                            "--iters", "2", "--warmup", "1", "--memcpy-repeats", "1"),
+                                           1, "backend gloo"),
+    "lab05-03_overlap": EntryPoint("labs/lab05_scaling/03_overlap.py",
+                                   ("--device", "cpu", "--model", "resnet18", "--image-size", "16", "--batch-size",
+                                    "2", "--bucket-cap-mb", "1", "--steps", "2", "--warmup-steps", "1"),
+                                   1, "backend gloo"),
+}
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_no_process_group_thread_is_left_at_exit(name, tmp_path):
+    entry = ENTRY_POINTS[name]
+    reports = tmp_path / "threads"
+    reports.mkdir()
+    env = script_env(HPC_DL_LABS_THREAD_REPORT=str(reports))
+    env["PYTHONPATH"] = f"{REPO / 'tests' / 'exit_threads'}:{env['PYTHONPATH']}"
+    result = run_script(entry.script, *entry.args, "--results-dir", str(tmp_path / "results"), cwd=tmp_path,
+                        env=env, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert entry.proof in output, output[-3000:]  # it really ran under a process group
+
+    found = [json.loads(path.read_text()) for path in sorted(reports.glob("*.json"))]
+    ran_script = [report for report in found if report["argv"][0].endswith(entry.script)]  # not helpers
+    assert len(ran_script) == entry.processes, f"{len(ran_script)} of {entry.processes} processes reported: {found}"
+    left = {report["pid"]: [t for t in report["threads"] if GROUP_THREAD.match(t)] for report in found}
+    assert not any(left.values()), f"{name}: process group threads alive at exit, by process: {left}"
+
+
+def test_the_report_hook_sees_a_group_thread_that_outlives_main(tmp_path):
+    """The negative control: a process that keeps its group to the end is caught."""
+    reports = tmp_path / "threads"
+    reports.mkdir()
+    keep_group = tmp_path / "keep_group.py"
+    keep_group.write_text("from common.distributed import init_distributed\n"
+                          "kept = init_distributed('cpu', force_process_group=True)  # never torn down\n")
+    env = script_env(HPC_DL_LABS_THREAD_REPORT=str(reports))
+    env["PYTHONPATH"] = f"{REPO / 'tests' / 'exit_threads'}:{env['PYTHONPATH']}"
+    result = run_script(str(keep_group), env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (report,) = [json.loads(path.read_text()) for path in reports.glob("*.json")]
+    assert any(GROUP_THREAD.match(t) for t in report["threads"]), report
+
+
+def test_every_torch_module_that_binds_the_world_group_is_imported_before_the_group():
+    """Scan torch.distributed's sources for ``def f(..., group=group.WORLD)``: a torch upgrade that adds
+    one must add its module to common.distributed.MODULES_BINDING_THE_WORLD_GROUP, or its import after
+    init would hold the group (and its threads) to the end of the process."""
+    import torch.distributed
+
+    from common.distributed import MODULES_BINDING_THE_WORLD_GROUP
+
+    root = Path(torch.distributed.__file__).parent
+    binding = set()
+    for path in root.rglob("*.py"):
+        source = path.read_text(encoding="utf-8", errors="replace")
+        if "WORLD" not in source:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                defaults = [*node.args.defaults, *filter(None, node.args.kw_defaults)]
+                if any(ast.unparse(default).endswith("group.WORLD") for default in defaults):
+                    binding.add(".".join(path.relative_to(root.parent.parent).with_suffix("").parts))
+    # distributed_c10d is imported with torch.distributed itself, long before any group exists.
+    binding.discard("torch.distributed.distributed_c10d")
+    assert binding, "the scan found nothing: torch.distributed.nn.functional has such defaults"
+    assert binding <= set(MODULES_BINDING_THE_WORLD_GROUP), binding - set(MODULES_BINDING_THE_WORLD_GROUP)
+
+
+def test_teardown_leaves_the_environment_as_it_found_it(tmp_path):
+    """init_distributed maps a launch onto torchrun's variables (RANK, MASTER_PORT, ...); the ones it
+    added go again at teardown, so a second run in the same process (a notebook, a test) does not
+    inherit the first one's rendezvous port. Variables the launcher set are left alone."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os\n"
+        "from common.distributed import init_distributed, teardown_distributed\n"
+        "names = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')\n"
+        "os.environ['MASTER_ADDR'] = '127.0.0.1'  # as a launcher would have set it\n"
+        "before = {k: os.environ.get(k) for k in names}\n"
+        "ctx = init_distributed('cpu', force_process_group=True)\n"
+        "during = {k: os.environ.get(k) for k in names}\n"
+        "teardown_distributed(ctx)\n"
+        "after = {k: os.environ.get(k) for k in names}\n"
+        "print('during', sorted(k for k, v in during.items() if v is not None))\n"
+        "print('same', after == before)\n")
+    env = script_env()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    result = run_script(str(probe), env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "during ['LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'RANK', 'WORLD_SIZE']" in result.stdout
+    assert "same True" in result.stdout, result.stdout
