@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Re-measure the reference records the docs quote, one part of the course at a time, then refresh
+# the tables in the READMEs (scripts/update_results_tables.py). Run it on a quiet machine: every
+# number in the docs comes from these records.
+#
+# Usage:
+#   bash scripts/reference_runs.sh                      # every part, into reference-results/cpu-2core/
+#   bash scripts/reference_runs.sh cpu-2core lab01 lab05   # only these parts
+#   REFERENCE_DEVICE=cuda bash scripts/reference_runs.sh h100-1gpu ch04 lab03   # a GPU machine
+#
+# Parts: ch04 ch16 lab01 lab02 lab03 lab04 lab05. Each part runs into a scratch folder; only when
+# every command of the part succeeded do its records replace reference-results/MACHINE/PART/
+# (a failed part leaves the committed records as they were, and the script exits non-zero).
+#
+# Environment (default in brackets):
+#   PYTHON              the interpreter [.venv/bin/python when it exists, else python]
+#   REFERENCE_DEVICE    cpu, cuda or auto [cpu]
+set -euo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo_root"
+
+MACHINE=${1:-cpu-2core}
+shift || true
+PARTS=("$@")
+if (( ${#PARTS[@]} == 0 )); then
+    PARTS=(ch04 ch16 lab01 lab02 lab03 lab04 lab05)
+fi
+if [[ -x .venv/bin/python ]]; then PYTHON=${PYTHON:-$repo_root/.venv/bin/python}; else PYTHON=${PYTHON:-python}; fi
+DEVICE=${REFERENCE_DEVICE:-cpu}
+export PYTHON OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+torchrun() { "$PYTHON" -m torch.distributed.run --standalone "$@"; }
+
+run_ch04() {
+    local out=$1
+    "$PYTHON" chapters/ch04_deep_learning/mnist_training.py --device "$DEVICE" --epochs 4 --log-interval 1000 \
+        --results-dir "$out"
+    "$PYTHON" chapters/ch04_deep_learning/mnist_training.py --device "$DEVICE" --epochs 4 --log-interval 1000 \
+        --amp bf16 --results-dir "$out"
+    torchrun --nproc_per_node 2 chapters/ch04_deep_learning/multi_gpu_ddp.py --device "$DEVICE" --epochs 4 \
+        --log-interval 1000 --results-dir "$out" --checkpoint "$out/../checkpoints/ddp.pt"
+}
+
+run_ch16() {
+    local out=$1
+    "$PYTHON" chapters/ch16_gpu_distributed/benchmark_cpu_vs_gpu.py --device "$DEVICE" --results-dir "$out"
+    "$PYTHON" chapters/ch16_gpu_distributed/memory_management.py --device "$DEVICE" --repeats 10 --results-dir "$out"
+    "$PYTHON" chapters/ch16_gpu_distributed/efficient_loading.py --device "$DEVICE" --results-dir "$out"
+    "$PYTHON" chapters/ch16_gpu_distributed/profiling.py --device "$DEVICE" --batch-size 8 --image-size 64 \
+        --results-dir "$out" --trace "$out/../ch16_trace.json"
+}
+
+run_lab01() {  # the lab as a student runs it (its defaults: the main job)
+    LAB01_DEVICE=$DEVICE bash labs/lab01_dp_vs_ddp/run_lab.sh "$1"
+    rm -f "$1/comparison_report.html"
+}
+
+run_lab02() {
+    "$PYTHON" labs/lab02_profiling/sweep.py --device "$DEVICE" --include-compile --results-dir "$1"
+    "$PYTHON" bench/data_pipeline.py --device "$DEVICE" --threads 1 --rounds 7 --results-dir "$1"
+}
+
+run_lab03() {
+    "$PYTHON" labs/lab03_precision_benchmark/benchmark_models.py --device "$DEVICE" --models resnet18,resnet50 \
+        --image-size 128 -b 4 -w 2 -n 5 --folder "$1/../csv" --results-dir "$1"
+}
+
+run_lab04() {
+    LAB04_DEVICE=$DEVICE LAB04_MEMORY_NPROCS="2 4" bash labs/lab04_sharded_training/run_lab.sh "$1"
+    rm -f "$1/comparison_report.html"
+}
+
+run_lab05() {
+    torchrun --nproc_per_node 2 labs/lab05_scaling/01_allreduce_bench.py --device "$DEVICE" --results-dir "$1"
+    "$PYTHON" labs/lab05_scaling/02_scaling_study.py --device "$DEVICE" --processes 1,2 --epochs 3 --results-dir "$1"
+    torchrun --nproc_per_node 2 labs/lab05_scaling/03_overlap.py --device "$DEVICE" --model resnet18 \
+        --image-size 32 --batch-size 8 --steps 6 --results-dir "$1"
+}
+
+run_part() {  # PART RECORDS_DIR
+    case $1 in
+        ch04) run_ch04 "$2" ;;
+        ch16) run_ch16 "$2" ;;
+        lab01) run_lab01 "$2" ;;
+        lab02) run_lab02 "$2" ;;
+        lab03) run_lab03 "$2" ;;
+        lab04) run_lab04 "$2" ;;
+        lab05) run_lab05 "$2" ;;
+    esac
+}
+
+for part in "${PARTS[@]}"; do
+    case $part in
+        ch04 | ch16 | lab01 | lab02 | lab03 | lab04 | lab05) ;;
+        *) echo "error: unknown part '$part' (parts: ch04 ch16 lab01 lab02 lab03 lab04 lab05)" >&2; exit 2 ;;
+    esac
+done
+
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/reference-runs.XXXXXX")
+trap 'rm -rf "$scratch"' EXIT
+status=0
+for part in "${PARTS[@]}"; do
+    out="$scratch/$part/records"
+    mkdir -p "$out"
+    began=$(date +%s)
+    printf '\n===== %s (records into %s)\n' "$part" "$out"
+    # In a subshell of its own, outside any `if`, so that set -e stops the part at its first failure.
+    set +e
+    (set -e; run_part "$part" "$out")
+    part_status=$?
+    set -e
+    if (( part_status == 0 )); then
+        found=$(find "$out" -maxdepth 1 -name '*.json' | wc -l)
+        if (( found == 0 )); then
+            echo "reference_runs: $part wrote no record; reference-results/$MACHINE/$part kept" >&2
+            status=1
+            continue
+        fi
+        target="reference-results/$MACHINE/$part"
+        rm -rf "$target.new" && mkdir -p "$target.new"
+        find "$out" -maxdepth 1 -name '*.json' -exec cp {} "$target.new/" \;
+        rm -rf "$target" && mv "$target.new" "$target"
+        echo "reference_runs: $part: $found record(s) in $target ($(( $(date +%s) - began )) s)"
+    else
+        echo "reference_runs: $part failed; reference-results/$MACHINE/$part kept as it was" >&2
+        status=1
+    fi
+done
+"$PYTHON" scripts/update_results_tables.py
+exit "$status"
