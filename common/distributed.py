@@ -202,11 +202,16 @@ def print0(*args: Any, **kwargs: Any) -> None:
         print(*args, **kwargs)
 
 
-def print_rank(*args: Any, **kwargs: Any) -> None:
-    """``print`` on every rank, tagged ``[host:rank]``."""
-    kwargs.setdefault("flush", True)
-    kwargs.setdefault("file", sys.stdout)
-    print(rank_tag(), *args, **kwargs)
+def print_rank(*args: Any, sep: str = " ", end: str = "\n", file: Any = None, flush: bool = True) -> None:
+    """``print`` on every rank, tagged ``[host:rank]``.
+
+    The line is written in one piece: ``print`` writes each argument and the newline separately,
+    and the ranks of a job share one output file, so their lines would interleave mid-line.
+    """
+    file = sys.stdout if file is None else file
+    file.write(sep.join(map(str, (rank_tag(), *args))) + end)
+    if flush:
+        file.flush()
 
 
 def _reduce(value: Any, op: str, device: torch.device | None) -> Any:

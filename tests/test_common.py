@@ -517,3 +517,27 @@ def test_records_are_readable_by_the_group(tmp_path):
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_print_rank_writes_each_line_in_one_piece(monkeypatch):
+    """The ranks of a job share one output file: a line written in pieces (tag, space, text,
+    newline, as print does) interleaves with the other ranks' lines mid-line."""
+    from common.distributed import print_rank
+
+    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launch.socket, "gethostname", lambda: "n2.cluster")
+
+    class Pieces:
+        def __init__(self):
+            self.writes, self.flushes = [], 0
+
+        def write(self, text):
+            self.writes.append(text)
+
+        def flush(self):
+            self.flushes += 1
+
+    out = Pieces()
+    print_rank("device cpu", "(1 threads)", file=out)
+    assert out.writes == ["[n2:3] device cpu (1 threads)\n"] and out.flushes == 1
