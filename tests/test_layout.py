@@ -145,3 +145,33 @@ def test_code_cites_only_documents_in_this_repository():
             if not found:
                 missing.append(f"{path.relative_to(REPO)}: {name}")
     assert sorted(missing) == []
+
+
+#: The lesson scripts a student reads first, and the most code (docstring and blank lines not
+#: counted) each may have: the rest of a run's plumbing lives in ``common.run.TrainingRun``.
+LINE_BUDGETS = {
+    "chapters/ch04_deep_learning/mnist_training.py": 120,
+    "chapters/ch04_deep_learning/multi_gpu_ddp.py": 135,
+    "labs/lab01_dp_vs_ddp/04_ddp_training.py": 160,
+    "labs/lab03_precision_benchmark/benchmark_models.py": 260,
+}
+
+
+def code_lines(source: str) -> int:
+    """Lines of code: not blank, not part of the module's docstring."""
+    body = ast.parse(source).body
+    docstring = set()
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        docstring = set(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(1 for number, line in enumerate(source.splitlines(), 1) if line.strip() and number not in docstring)
+
+
+def test_code_lines_leave_out_the_docstring_and_blank_lines():
+    assert code_lines('"""One.\n\nTwo.\n"""\n\nimport os\n\n\ndef f():\n    return os.sep\n') == 3
+
+
+def test_lesson_scripts_stay_within_their_line_budgets():
+    counted = {script: code_lines((REPO / script).read_text(encoding="utf-8")) for script in LINE_BUDGETS}
+    over = {script: lines for script, lines in counted.items() if lines > LINE_BUDGETS[script]}
+    assert not over, f"lines of code over budget (budget in LINE_BUDGETS): {over}"
