@@ -297,3 +297,25 @@ def test_on_this_machine_the_real_sources_say_why_they_are_unavailable(monkeypat
     assert entry["sources"]["slurm"] == {"status": "unavailable", "reason": "not inside a Slurm job"}
     if not energy.POWERCAP.is_dir():
         assert entry["status"] == "unavailable" and "no RAPL interface on this machine" in entry["reason"]
+
+
+def test_a_version_2_record_needs_an_energy_entry_that_is_a_number_or_a_reason():
+    def record(energy, version=2):
+        made = make_record(lab="x", script="s", method="m", config={}, metrics={}, provenance={},
+                           energy={"status": "unavailable", "reason": "r"})
+        made["schema_version"] = version
+        if energy is None:
+            del made["energy"]
+        else:
+            made["energy"] = energy
+        return made
+
+    assert validate_record(record(None)) == ["missing key 'energy'"]
+    assert validate_record(record(None, version=1)) == []  # written before energy was measured
+    assert validate_record(record("12 J")) == ["key 'energy' should be dict"]
+    assert validate_record(record({"status": "guessed", "joules": 3.0}))[0].startswith("energy.status is 'guessed'")
+    assert "not a number of joules" in validate_record(record({"status": "ok", "joules": -1.0}))[0]
+    assert "not a number of joules" in validate_record(record({"status": "ok", "joules": True}))[0]
+    assert validate_record(record({"status": "unavailable", "reason": ""})) == [
+        "energy.status is 'unavailable' without a reason"]
+    assert validate_record(record({"status": "ok", "joules": 0.5})) == []

@@ -423,11 +423,45 @@ def test_an_h100_nvl_gets_the_nvl_peaks_not_the_sxm_ones():
 
 
 # --------------------------------------------------------------------------------------------
+# Item 9: each rank saves and restores its own GPU's generator
+
+
+def test_rng_state_keeps_only_this_ranks_gpu_and_restores_where_fewer_gpus_are_visible(monkeypatch):
+    """Rank 3 of a 4-GPU node saves cuda:3's generator alone; resumed where each rank sees one GPU
+    (srun --gpus-per-task), it restores that state into cuda:0. Rank 0's ``get_rng_state_all()``
+    restored on every rank raised an IndexError there."""
+    import torch
+
+    from common.checkpoint import capture_rng_state, restore_rng_state
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: calls.append(("get", str(device))) or "gen3")
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append(("set", state, str(device))))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("every GPU's state was read"))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("every GPU's state was set"))
+    state = capture_rng_state(torch.device("cuda", 3))
+    assert state["cuda"] == "gen3" and calls == [("get", "cuda:3")]
+    expected = torch.rand(3)  # the CPU generators come back too: the same draws after the restore
+    restore_rng_state(state, torch.device("cuda", 0))
+    assert calls[-1] == ("set", "gen3", "cuda:0")
+    assert torch.equal(torch.rand(3), expected)
+    assert "cuda" not in capture_rng_state(torch.device("cpu"))
+
+
+# --------------------------------------------------------------------------------------------
 # Item 20: python -m torch.distributed.launch passes --local-rank
 
 
-@pytest.mark.parametrize("script", ["chapters/ch04_deep_learning/multi_gpu_ddp.py", "labs/lab01_dp_vs_ddp/04_ddp_training.py",
-                                    "labs/lab03_precision_benchmark/benchmark_models.py"])
+#: Every script that joins a process group (tests/test_distributed_teardown.py runs each of them).
+DISTRIBUTED_SCRIPTS = ["chapters/ch04_deep_learning/multi_gpu_ddp.py", "labs/lab01_dp_vs_ddp/04_ddp_training.py",
+                       "labs/lab03_precision_benchmark/benchmark_models.py",
+                       "labs/lab04_sharded_training/01_memory_budget.py",
+                       "labs/lab04_sharded_training/02_sharded_training.py",
+                       "labs/lab04_sharded_training/03_largest_model.py", "labs/lab05_scaling/01_allreduce_bench.py",
+                       "labs/lab05_scaling/03_overlap.py"]
+
+
+@pytest.mark.parametrize("script", DISTRIBUTED_SCRIPTS)
 def test_distributed_scripts_accept_the_old_launchers_local_rank(script, capsys):
     parser = load_script(script).build_parser()
     for flag in (["--local-rank=1"], ["--local_rank", "1"]):

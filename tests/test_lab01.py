@@ -292,6 +292,28 @@ def test_lab_warnings_name_missing_peer_access_and_single_gpu():
     assert any("nothing to split" in w for w in env_check.lab_warnings({"torch_gpus": 1}, {**checks, "peer_access": []}))
 
 
+def _loads_into_a_plain_model(weights: Path, record: dict) -> None:
+    """The saved state dict has no ``module.`` prefix and loads (strictly) into the unwrapped model."""
+    import torch
+
+    from common.models import build_model
+
+    state = torch.load(weights, map_location="cpu", weights_only=True)
+    assert not [key for key in state if key.startswith("module.")]
+    config = record["config"]
+    build_model(config["model"], config["num_classes"], config["input_shape"][0]).load_state_dict(state)
+
+
+def test_dataparallel_save_model_writes_weights_a_plain_model_loads(tmp_path):
+    """Item 22 of the GPU-ready issue: ``--save-model`` saves what a student can load again."""
+    assert _quiet_main(DP, [*TINY, "--batch-size", str(GLOBAL_BATCH), "--dry-run", "--save-model",
+                            "--results-dir", str(tmp_path)]) == 0
+    record = _record(tmp_path)
+    (weights,) = tmp_path.glob("*.pt")
+    assert weights.stem == sorted(tmp_path.glob("*.json"))[0].stem  # next to its record
+    _loads_into_a_plain_model(weights, record)
+
+
 @pytest.mark.gpu
 def test_dataparallel_records_every_gpu_and_the_primary_holds_most(tmp_path, capsys):
     import torch
@@ -299,13 +321,15 @@ def test_dataparallel_records_every_gpu_and_the_primary_holds_most(tmp_path, cap
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 or more GPUs")
     argv = ["--model", "resnet18", "--batch-size", "64", "--synthetic-size", "256", "--epochs", "1",
-            "--num-workers", "0", "--gpus", "0,1", "--results-dir", str(tmp_path)]
+            "--num-workers", "0", "--gpus", "1,0", "--save-model", "--results-dir", str(tmp_path)]
     assert run_main(DP, argv) == 0
+    assert torch.cuda.current_device() == 1  # the first listed GPU is the current device, not GPU 0
     record = _record(tmp_path)
     memory = record["metrics"]["memory"]
-    assert [m["device"] for m in memory] == ["cuda:0", "cuda:1"] and record["metrics"]["devices"] == 2
-    assert memory[0]["peak_bytes"] > memory[1]["peak_bytes"] > 0  # outputs and gradients gather on cuda:0
+    assert [m["device"] for m in memory] == ["cuda:1", "cuda:0"] and record["metrics"]["devices"] == 2
+    assert memory[0]["peak_bytes"] > memory[1]["peak_bytes"] > 0  # outputs and gradients gather on the primary
     assert record["notes"] == []
+    _loads_into_a_plain_model(next(tmp_path.glob("*.pt")), record)
 
 
 # --------------------------------------------------------------------------------------------
