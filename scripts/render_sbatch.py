@@ -28,6 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `python scripts/render_sbatch.py` from a checkout without install
     sys.path.insert(0, str(REPO_ROOT))
 
+from common.cli import one_line_errors, output_dir, output_file  # noqa: E402
 from common.errors import UserError, run_main  # noqa: E402
 from common.sites import display_path, find_site, load_sites  # noqa: E402
 from scripts.sbatch_render.jobs import JOB_KEYS, PLACEHOLDER, TEMPLATE_SUFFIX, parse_settings, read_template  # noqa: E402
@@ -43,20 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("templates", nargs="*", type=Path, metavar="TEMPLATE",
                         help="a *.sbatch.j2 template; with --all-sites, templates or folders (default: none)")
     parser.add_argument("--site", help="site profile name, see --list-sites (default: none)")
-    parser.add_argument("-o", "--output", type=Path,
+    parser.add_argument("-o", "--output", type=output_file,
                         help="write the script here instead of printing it (default: standard output)")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                         help="override a job block value, e.g. --set nodes=2 --set account=lt200123 "
                              f"(keys: {', '.join(JOB_KEYS)}) (default: none)")
     parser.add_argument("--list-sites", action="store_true", help="list the site profiles and exit (default: off)")
-    parser.add_argument("--all-sites", type=Path, metavar="OUT_DIR",
+    parser.add_argument("--all-sites", type=output_dir, metavar="OUT_DIR",
                         help="render every *.sbatch.j2 under TEMPLATE folders (and TEMPLATE files) for every site into "
                              "OUT_DIR/<site>/<path> plus OUT_DIR/manifest.json (default: off)")
     parser.add_argument("--write-committed", action="store_true",
                         help="refresh the committed renderings (" + ", ".join(
                             f"{t.removesuffix(TEMPLATE_SUFFIX)} for {s}" for t, s in COMMITTED_RENDERINGS.items())
                         + ") (default: off)")
-    return parser
+    return one_line_errors(parser)
 
 
 def list_sites() -> None:

@@ -194,6 +194,48 @@ def test_unusable_output_location_is_one_line_before_training(flag, place, messa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "a-folder"]  # nothing written
 
 
+#: Flags that name a place a run writes (records, checkpoints, traces, tables, reports, rendered jobs).
+WRITE_FLAGS = {"--results-dir", "--checkpoint", "--checkpoint-dir", "--trace", "--folder", "--profile-dir",
+               "--output", "--all-sites", "--output-report", "--csv"}
+
+
+def output_flags() -> list[tuple[str, str, str]]:
+    """(file, flag, kind) for every write flag of every command line (the scripts, and the report's
+    under scripts/compare_results.py); kind is the name of the flag's argparse type."""
+    paths = [path for folder in ("chapters", "labs") for path in sorted((REPO / folder).glob("*/*.py"))]
+    paths += [path for folder in ("scripts", "bench") for path in sorted((REPO / folder).glob("*.py"))]
+    paths = [str(path.relative_to(REPO)) for path in paths if "def build_parser" in path.read_text()]
+    found = []
+    for script in [*paths, "common/report/cli.py"]:
+        for action in load_script(script).build_parser()._actions:
+            for flag in set(action.option_strings) & WRITE_FLAGS:
+                found.append((script, flag, getattr(action.type, "__name__", str(action.type))))
+    return found
+
+
+def test_every_flag_that_names_a_place_to_write_is_checked_before_the_run(tmp_path, capsys):
+    """Item 23 of the GPU-ready issue, for every script: a file where a folder is needed is one
+    ``error: argument FLAG`` line and exit status 2 when the command line is read, before anything runs."""
+    flags = output_flags()
+    assert len({script for script, _, _ in flags}) >= 25 and {"--trace", "--checkpoint-dir", "--folder",
+                                                               "--output", "--all-sites"} <= {f for _, f, _ in flags}
+    unchecked = [(script, flag, kind) for script, flag, kind in flags if kind not in ("output_dir", "output_file")
+                 and (script, flag) != ("common/report/cli.py", "--results-dir")]  # the records it reads
+    assert not unchecked, f"write flags without common.cli.output_dir/output_file: {unchecked}"
+    (tmp_path / "a-file").write_text("keep me")
+    for script, flag, kind in flags:
+        if kind not in ("output_dir", "output_file"):
+            continue
+        parser = load_script(script).build_parser()
+        with pytest.raises(SystemExit) as stopped:
+            parser.parse_args([flag, str(tmp_path / "a-file" / "sub")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stopped.value.code == 2 and len(err) == 1, (script, err)
+        named = err[0].split(": ")[1].removeprefix("argument ").split("/")  # "-o/--output"
+        assert err[0].startswith("error: argument ") and flag in named, (script, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
 def test_a_ddp_dry_run_leaves_nothing_in_the_current_folder(tmp_path):
     """The default checkpoint lives under --results-dir: a run elsewhere leaves its cwd as it was."""
     cwd, results = tmp_path / "cwd", tmp_path / "results"

@@ -10,16 +10,16 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
-from common.cli import output_file
+from common.cli import one_line_errors, output_file
 from common.report import build_report
 from common.report.render import DEFAULT_REPORT_NAME
 
-__all__ = ["parse_args", "main"]
+__all__ = ["build_parser", "parse_args", "main"]
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description="Turn a folder of result records into one self-contained HTML report and a CSV summary.")
+def build_parser() -> argparse.ArgumentParser:
+    parser = one_line_errors(argparse.ArgumentParser(
+        description="Turn a folder of result records into one self-contained HTML report and a CSV summary."))
     parser.add_argument("--results-dir", type=Path, default=Path("results"),
                         help="folder of result records, searched recursively (default: %(default)s)")
     parser.add_argument("--output-report", type=output_file, default=None,
@@ -32,7 +32,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="skip the plots: faster, and matplotlib is not imported (default: off)")
     parser.add_argument("--title", default=None,
                         help="page title (default: 'Results comparison: ' + the folder's name)")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
