@@ -194,6 +194,21 @@ def test_unusable_output_location_is_one_line_before_training(flag, place, messa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "a-folder"]  # nothing written
 
 
+def test_both_training_scripts_take_chapter4s_shared_flags_with_the_same_defaults():
+    """ch04_shared.py writes the flags once: the single-device and the DDP script (and amp_training's
+    data flags, which it passes on to mnist_training.py) read the same names with the same defaults."""
+    import argparse
+
+    shared = load_script("chapters/ch04_deep_learning/ch04_shared.py")
+    expected = vars(shared.add_mnist_args(argparse.ArgumentParser()).parse_args([]))
+    assert {"dataset", "model", "lr", "gamma", "amp", "log_interval", "warmup_steps"} <= set(expected)
+    for script in (TRAIN, DDP):
+        parsed = vars(load_script(script).build_parser().parse_args([]))
+        assert {name: parsed[name] for name in expected} == expected, script
+    amp_training = vars(load_script("chapters/ch04_deep_learning/amp_training.py").build_parser().parse_args([]))
+    assert (amp_training["dataset"], amp_training["model"]) == (expected["dataset"], expected["model"])
+
+
 #: Flags that name a place a run writes (records, checkpoints, traces, tables, reports, rendered jobs).
 WRITE_FLAGS = {"--results-dir", "--checkpoint", "--checkpoint-dir", "--trace", "--folder", "--profile-dir",
                "--output", "--all-sites", "--output-report", "--csv"}
