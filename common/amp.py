@@ -13,7 +13,9 @@ fp16 autocast is a CUDA feature here; on CPU use bf16. bf16 needs bfloat16 tenso
 NVIDIA GPUs have from compute capability 8.0 (Ampere, A100) on: ``torch.cuda.is_bf16_supported()``
 also says yes on a V100 or T4, where bf16 is emulated (slowly, or not at all in cuDNN), so
 :func:`check_precision` asks the compute capability instead. Uses the current APIs only:
-``torch.autocast(device_type, dtype)`` and ``torch.amp.GradScaler(device)``.
+``torch.autocast(device_type, dtype)`` and ``torch.amp.GradScaler(device)``. On a CPU, bf16 is
+fast only with bf16 instructions (``avx512_bf16``, AMX, ARM's ``bf16``); :func:`check_precision`
+says in one line when they are missing (:func:`announce_bf16_emulation`).
 
 What "fp32" means on a GPU is a setting too. From Ampere on, PyTorch may run float32 matmuls and
 cuDNN convolutions on TF32 tensor cores (10-bit mantissa); its default is TF32 *on* for
@@ -53,7 +55,32 @@ def check_precision(precision: str, device: torch.device) -> str:
             major, minor = capability
             raise UserError(f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has no bf16 "
                             "tensor cores (they start at 8.0, Ampere): bf16 would be emulated; use --amp fp16")
+    announce_bf16_emulation(precision, device)
     return precision
+
+
+#: Notes already printed by this process: a script that checks several precisions says it once.
+_ANNOUNCED: set[str] = set()
+
+
+def announce_bf16_emulation(precision: str, device: torch.device, cpuinfo: str | None = None) -> str | None:
+    """Say in one line (rank 0) when ``precision`` is bf16 on a CPU without native bf16; return that line.
+
+    Such a CPU (no ``avx512_bf16``, no AMX) converts every bf16 value to fp32 and back, so bf16 runs
+    *slower* than fp32 and a reference table made on a CPU with bf16 units misleads. The record of
+    the run carries the same note (``common.results.make_record``), and the report lists it as a
+    warning. ``cpuinfo`` is another machine's ``/proc/cpuinfo`` text (tests).
+    """
+    from common.distributed import print0
+    from common.machine import bf16_emulation_note, cpu_description
+
+    if precision not in ("bf16", "amp-bf16") or device.type != "cpu":
+        return None
+    note = bf16_emulation_note(cpu_description(cpuinfo))
+    if note and note not in _ANNOUNCED:
+        _ANNOUNCED.add(note)
+        print0(f"note: {note}", flush=True)
+    return note
 
 
 def _new_tf32_api() -> bool:

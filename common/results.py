@@ -25,12 +25,17 @@ from typing import Any, Iterable, Mapping
 
 from common.atomic import write_text_atomic
 from common.energy import not_measured
+from common.machine import bf16_emulation_note, cpu_description, gpu_description
 
 SCHEMA_NAME = "hpc-dl-labs/result"
-#: 2 added the required top-level ``energy`` entry (``common.energy``); version 1 records are still read.
-SCHEMA_VERSION = 2
+#: 2 added the required top-level ``energy`` entry (``common.energy``); 3 the required
+#: ``provenance.machine`` (``common.machine``: CPU model, cores, bf16/fp16 flags, GPU peaks).
+#: Records of versions 1 and 2 are still read (the report labels their bf16 capability unknown).
+SCHEMA_VERSION = 3
 #: Versions of the schema this code can read.
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
+#: Top-level config values that mean the run computed in bf16 (``amp``, ``precision``, ``mixed_precision``).
+BF16_CONFIG_VALUES = ("bf16", "amp-bf16", "bfloat16")
 #: What an ``energy`` entry's ``status`` may say.
 ENERGY_STATUSES = ("ok", "unavailable")
 #: Top-level keys every record must have, with their JSON types.
@@ -166,6 +171,20 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine_info(device: Any = None) -> dict[str, Any]:
+    """What this machine could do (``common.machine``): the CPU, and the CUDA ``device`` with its peaks."""
+    machine: dict[str, Any] = {"cpu": cpu_description(), "gpus": []}
+    if device is not None:
+        import torch
+
+        device = torch.device(device)
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(index)
+            machine["gpus"].append(gpu_description(props.name, (props.major, props.minor), int(props.total_memory)))
+    return machine
+
+
 def provenance(device: Any = None, world_size: int = 1, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Everything needed to say where and how a number was measured."""
     prov: dict[str, Any] = {
@@ -181,6 +200,7 @@ def provenance(device: Any = None, world_size: int = 1, extra: Mapping[str, Any]
         prov["versions"] = software_versions()
         prov["device"] = device_info(device)
         prov["fp32_math"] = fp32_math_info(device)
+    prov["machine"] = machine_info(device)
     if extra:
         prov.update(extra)
     return prov
@@ -233,8 +253,17 @@ def make_record(
     """Build a record dictionary in the current schema (see ``docs/results-schema.md``).
 
     ``energy`` is what ``common.energy.EnergyMeter.result()`` measured over the run's timed region;
-    without it the record says energy was not measured (never a guessed number).
+    without it the record says energy was not measured (never a guessed number). A ``provenance``
+    without ``machine`` gets this machine's CPU (records are made where the run ran); a bf16 run on
+    a CPU that only emulates bf16 gets a note saying so (the report shows it as a warning).
     """
+    provenance = dict(provenance)
+    if not isinstance(provenance.get("machine"), Mapping):
+        provenance["machine"] = machine_info()
+    notes = list(notes)
+    emulated = _bf16_emulation(config, provenance)
+    if emulated and emulated not in notes:
+        notes.append(emulated)
 
     now = _dt.datetime.now(_dt.timezone.utc)
     return _json_safe({
@@ -248,10 +277,20 @@ def make_record(
         "status": status,
         "config": dict(config),
         "metrics": dict(metrics),
-        "provenance": dict(provenance),
-        "notes": list(notes),
+        "provenance": provenance,
+        "notes": notes,
         "energy": dict(energy) if energy is not None else not_measured(),
     })
+
+
+def _bf16_emulation(config: Mapping[str, Any], prov: Mapping[str, Any]) -> str | None:
+    """The emulation note when a CPU run computed in bf16 on a CPU without native bf16."""
+    device = prov.get("device")
+    cpu = prov["machine"].get("cpu")
+    uses_bf16 = any(isinstance(value, str) and value.lower() in BF16_CONFIG_VALUES for value in config.values())
+    if not (uses_bf16 and isinstance(device, Mapping) and device.get("type") == "cpu" and isinstance(cpu, Mapping)):
+        return None
+    return bf16_emulation_note(cpu)
 
 
 def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> Path:
@@ -287,6 +326,11 @@ def validate_record(record: Any) -> list[str]:
         problems.append(f"schema_version {version} is not one this code reads {READABLE_VERSIONS}")
     if isinstance(version, int) and version >= 2:
         problems += _energy_problems(record.get("energy"))
+    if isinstance(version, int) and version >= 3 and isinstance(record.get("provenance"), Mapping):
+        machine = record["provenance"].get("machine")
+        if not (isinstance(machine, Mapping) and isinstance(machine.get("cpu"), Mapping)
+                and isinstance(machine.get("gpus"), list)):
+            problems.append("provenance.machine should be an object with 'cpu' (object) and 'gpus' (list)")
     return problems
 
 

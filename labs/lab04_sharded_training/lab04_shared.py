@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from common.amp import announce_bf16_emulation
 from common.cli import positive_int
 from common.data import TEXT_VOCAB_SIZE
 from common.errors import UserError
@@ -103,6 +104,7 @@ def check_strategy(strategy: str, precision: str, device: torch.device, *, world
             raise UserError(f"--mixed-precision bf16 needs a GPU of compute capability 8.0 (Ampere) or newer; "
                             f"{torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}; "
                             "use --mixed-precision fp32")
+    announce_bf16_emulation(precision, device)  # a CPU without bf16 units: one line, bf16 slower than fp32
     if strategy == "fsdp" and world_size > layers:
         raise UserError(f"--strategy fsdp on {world_size} ranks needs at least {world_size} blocks to shard, "
                         f"the model has --layers {layers}: each block is gathered whole, so with more ranks "
