@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from common.cpus import usable_cpus
 from common.gpu_peaks import gpu_peaks
 
-__all__ = ["X86_FLAGS", "ARM_FEATURES", "read_cpuinfo", "cpu_description", "gpu_description", "machine_label",
+__all__ = ["X86_FLAGS", "ARM_FEATURES", "BF16_EMULATION_PREFIX", "read_cpuinfo", "cpu_description", "gpu_description", "machine_label",
            "describe_machine", "bf16_emulation_note"]
 
 #: x86 flags that decide low-precision speed: bf16 runs natively with avx512_bf16 or AMX (amx_bf16 on
@@ -28,6 +28,8 @@ __all__ = ["X86_FLAGS", "ARM_FEATURES", "read_cpuinfo", "cpu_description", "gpu_
 X86_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "avx_vnni")
 #: ARM features (``Features`` in /proc/cpuinfo): bf16 instructions, half-precision arithmetic, SVE.
 ARM_FEATURES = ("bf16", "fphp", "asimdhp", "sve", "i8mm")
+#: How :func:`bf16_emulation_note` begins: the report finds the note in a record's notes by it.
+BF16_EMULATION_PREFIX = "bf16 is emulated on this CPU"
 _NATIVE = {"x86": {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16",)},
            "arm": {"bf16": ("bf16",), "fp16": ("fphp", "asimdhp")}}
 
@@ -159,5 +161,5 @@ def bf16_emulation_note(cpu: Mapping[str, Any]) -> str | None:
     if cpu.get("bf16") != "emulated":
         return None
     missing = "no avx512_bf16 or AMX" if "avx2" in (cpu.get("isa") or {}) else "no bf16 instructions"
-    return (f"bf16 is emulated on this CPU ({cpu.get('model')}: {missing}): PyTorch converts to fp32 and back, "
+    return (f"{BF16_EMULATION_PREFIX} ({cpu.get('model')}: {missing}): PyTorch converts to fp32 and back, "
             "so bf16 runs slower than fp32 here; its timings say nothing about bf16 hardware")

@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 import pandas as pd
 
+from common.machine import BF16_EMULATION_PREFIX
+
 #: DDP below this scaling efficiency is flagged (the seed's 4-GPU run reached 94%).
 DDP_MIN_EFFICIENCY = 0.80
 DDP_METHODS_PREFIX = "ddp"
@@ -37,7 +39,8 @@ def is_ddp(method: object) -> bool:
 
 
 def out_of_range(runs: pd.DataFrame) -> list[Finding]:
-    """Runs that did not finish, DDP runs below :data:`DDP_MIN_EFFICIENCY`, DP runs slower than baseline."""
+    """Runs that did not finish, bf16 runs on a CPU that emulates bf16, DDP runs below
+    :data:`DDP_MIN_EFFICIENCY`, DP runs slower than baseline."""
     findings = []
     for run in runs.to_dict("records"):
         subject = f"run {run['run_id']} ({run['lab']} {run['method']})"
@@ -45,6 +48,9 @@ def out_of_range(runs: pd.DataFrame) -> list[Finding]:
             reason = f": {run['notes'][0]}" if run["notes"] else ""
             findings.append(Finding(subject, f"status is '{run['status']}'{reason}"))
             continue
+        for note in run["notes"]:
+            if note.startswith(BF16_EMULATION_PREFIX):  # its bf16 timing is not what bf16 hardware does
+                findings.append(Finding(subject, note))
         efficiency = run["scaling_efficiency"]
         # DDP on CPU: the "devices" are processes sharing one machine's cores, so the GPU expectation
         # does not apply; the Lab-01 section explains the number instead of flagging it.
@@ -61,6 +67,17 @@ def out_of_range(runs: pd.DataFrame) -> list[Finding]:
                 f"DataParallel on {run['devices']} devices is slower than the single-device baseline "
                 f"({run['samples_per_s']:,.1f} vs {run['baseline_samples_per_s']:,.1f} samples/s; {_describe(run)})")))
     return findings
+
+
+def mixed_machines(runs: pd.DataFrame) -> list[Finding]:
+    """One warning when the runs come from several machines: their numbers do not compare."""
+    machines = sorted({str(m) for m in runs["machine"].dropna()})
+    if len(machines) < 2:
+        return []
+    return [Finding(f"{len(machines)} machines", (
+        "this report mixes records of different machines (" + "; ".join(machines) + "): compare a number only "
+        "with numbers of the same machine (the summary's machine column); speed-ups and efficiencies are "
+        "computed within one machine"))]
 
 
 def missing_baselines(runs: pd.DataFrame) -> list[str]:

@@ -66,7 +66,11 @@ SUMMARY_COLUMNS = [
     number_column("global batch", "global_batch_size", fmt_int),
     number_column("time / epoch", "time_per_epoch_s", fmt_seconds),
     ("peak memory per device", lambda r: fmt_memory(r["memory_per_device"], r["memory_source"])),
-    ("samples/s", _rate_cell), ("speed-up vs baseline", _speedup_cell), ("scaling efficiency", _efficiency_cell),
+    ("samples/s", _rate_cell), number_column("TFLOP/s", "achieved_tflops", fmt_number, 3),
+    ("% of peak", lambda r: Cell(fmt_percent(r["fraction_of_peak"], 1), style="num",
+                                 title=None if is_missing(r["fraction_of_peak"]) else
+                                 "achieved TFLOP/s ÷ the GPU's dense datasheet peak for the precision in force")),
+    ("speed-up vs baseline", _speedup_cell), ("scaling efficiency", _efficiency_cell),
     number_column("final loss", "final_loss", fmt_number),
     number_column("test accuracy", "test_accuracy", fmt_percent, 1),
     ("status", lambda r: Cell(fmt_text(r["status"]), style="" if r["status"] == "ok" else "warn")),
@@ -74,19 +78,33 @@ SUMMARY_COLUMNS = [
 
 
 def summary_section(runs: pd.DataFrame) -> Section:
-    notes = [
-        f"Scaling efficiency = samples/s ÷ (devices × samples/s of the single-device '{BASELINE_METHOD}' "
-        "run of the same lab, model and device type on the same machine; the median when it ran several "
-        f"times). Speed-up = samples/s ÷ that baseline. DDP is expected to reach {DDP_MIN_EFFICIENCY:.0%}.",
-        "Memory on CUDA is the caching allocator's peak (torch.cuda.max_memory_allocated): tensors only; on "
-        "CPU it is the peak resident set of the whole process (Python, PyTorch and the data set included). "
-        "Several values are the devices of one run, first device first.",
-    ]
+    """One row per run; a column no run has a value in is left out, and so is the note that explains it."""
     columns = SUMMARY_COLUMNS
     if "device_memory_per_device" in runs and any(runs["device_memory_per_device"].map(bool)):
         # After the allocator's peak: what the driver counts, which the allocator does not see.
         position = next(i for i, (name, _) in enumerate(SUMMARY_COLUMNS) if name == "peak memory per device") + 1
         columns = [*SUMMARY_COLUMNS[:position], DEVICE_MEMORY_COLUMN, *SUMMARY_COLUMNS[position:]]
+    table = table_from_frame(runs, columns, id="summary-table", drop_empty=True,
+                             caption=f"{len(runs)} run{'s' if len(runs) != 1 else ''}, one row each")
+    shown = set(table.columns)
+    notes = []
+    if shown & {"speed-up vs baseline", "scaling efficiency"}:
+        ddp_measured = any(is_ddp(run["method"]) and not is_missing(run["scaling_efficiency"])
+                           for run in runs.to_dict("records"))
+        notes.append(
+            f"Scaling efficiency = samples/s ÷ (devices × samples/s of the single-device '{BASELINE_METHOD}' "
+            "run of the same lab, model and device type on the same machine; the median when it ran several "
+            "times). Speed-up = samples/s ÷ that baseline."
+            + (f" DDP is expected to reach {DDP_MIN_EFFICIENCY:.0%}." if ddp_measured else ""))
+    if "% of peak" in shown:
+        notes.append("TFLOP/s is what the run achieved (its FLOPs ÷ its measured time); % of peak divides it by the "
+                     "GPU's dense datasheet peak for the precision in force (common/gpu_peaks.py).")
+    if "peak memory per device" in shown:
+        notes.append(
+            "Memory on CUDA is the caching allocator's peak (torch.cuda.max_memory_allocated): tensors only; on "
+            "CPU it is the peak resident set of the whole process (Python, PyTorch and the data set included). "
+            "Several values are the devices of one run, first device first.")
+    if DEVICE_MEMORY_COLUMN[0] in shown:
         notes.append("GPU memory in use is what the driver counts when the run ends: the CUDA context, cuBLAS/cuDNN "
                      "workspaces, NCCL's buffers and the allocator's cache, none of which the allocator's peak "
                      "includes (so DDP looks leaner than it is by the peak alone). Its source is NVML's figure for "
@@ -97,8 +115,6 @@ def summary_section(runs: pd.DataFrame) -> Section:
     lacking = missing_baselines(runs)
     if lacking:
         notes.append(f"No '{BASELINE_METHOD}' run to compute an efficiency for: " + "; ".join(lacking) + ".")
-    table = table_from_frame(runs, columns, id="summary-table",
-                             caption=f"{len(runs)} run{'s' if len(runs) != 1 else ''}, one row each")
     return Section("Summary", paragraphs=[], tables=[table], notes=notes)
 
 
@@ -150,7 +166,14 @@ def _scalar_metrics(metrics: Any) -> dict[str, Any]:
     return values
 
 
+#: Longer text in "Other metrics" is cut here, the whole of it on hover: a sentence in a cell made
+#: its row 200 px tall.
+MAX_METRIC_TEXT = 40
+
+
 def _fmt_metric(value: Any) -> Cell:
+    if isinstance(value, str) and len(value) > MAX_METRIC_TEXT:
+        return Cell(value[:MAX_METRIC_TEXT - 1].rstrip() + "…", title=value, style="long")
     if isinstance(value, (bool, str)):
         return Cell(str(value))
     if number(value) is None:
@@ -235,9 +258,13 @@ def _version(header: str, name: str) -> Column:
 PROVENANCE_COLUMNS = [
     ("run", _run_cell), text_column("file"), text_column("created (UTC)", "created"),
     text_column("host", "hostname"), text_column("device name", "device_name"),
+    ("what the machine could do", lambda r: Cell(fmt_text(r["machine_detail"]), style="wide")),
     ("launcher", lambda r: fmt_text(get(r["record"], "provenance", "distributed", "launcher"))),
+    # torch.version.cuda and cuDNN's version are what this PyTorch was built with, true on a machine
+    # with no GPU at all; NCCL is the version PyTorch loaded.
     *(_version(header, name) for header, name in
-      (("python", "python"), ("torch", "torch"), ("CUDA", "cuda"), ("cuDNN", "cudnn"), ("NCCL", "nccl"))),
+      (("python", "python"), ("torch", "torch"), ("PyTorch built with CUDA", "cuda"),
+       ("PyTorch built with cuDNN", "cudnn"), ("NCCL", "nccl"))),
     ("git commit", _commit),
     text_column("Slurm job", "slurm_job_id"),
     ("command", lambda r: Cell(_command(r["command"]), style="code")),
@@ -246,6 +273,8 @@ PROVENANCE_COLUMNS = [
 
 def provenance_section(runs: pd.DataFrame) -> Section:
     table = table_from_frame(runs, PROVENANCE_COLUMNS, id="provenance-table")
-    return Section("Provenance", paragraphs=["Where and how each run was measured, from its record."],
-                   tables=[table])
+    return Section("Provenance", paragraphs=[
+        "Where and how each run was measured, from its record. The CUDA and cuDNN versions are those the "
+        "installed PyTorch was built with (torch.version.cuda), shown on a CPU run too: they say nothing about "
+        "the machine's GPU or driver."], tables=[table])
 

@@ -14,7 +14,7 @@ import pandas as pd
 from common.atomic import write_text_atomic
 from common.errors import UserError
 from common.report import core
-from common.report.checks import Finding, out_of_range
+from common.report.checks import Finding, mixed_machines, out_of_range
 from common.report.runs import configurations_frame, csv_frame, runs_frame
 from common.report.sections import (
     Section, SectionContext, lab_section_builders, load_builtin_lab_sections,
@@ -122,7 +122,7 @@ def build_report(
 
     runs = runs_frame(loaded.records, folder)
     configs = configurations_frame(runs)
-    findings = out_of_range(runs)
+    findings = mixed_machines(runs) + out_of_range(runs)
     extra_sections, section_problems = lab_sections(runs, folder, plots)
     for problem in section_problems:
         print(f"warning: {problem.subject}: {problem.message}", file=sys.stderr)

@@ -18,6 +18,8 @@ from typing import Any, Iterable, Mapping
 
 import pandas as pd
 
+from common.machine import describe_machine, machine_label
+
 BASELINE_METHOD = "baseline"
 #: A run is compared only with runs that share these: same lab, model, kind of device and machine.
 COMPARISON_KEYS = ("lab", "model", "device_type", "machine")
@@ -25,7 +27,7 @@ COMPARISON_KEYS = ("lab", "model", "device_type", "machine")
 CONFIGURATION_KEYS = (*COMPARISON_KEYS, "method", "world_size", "devices")
 #: Metric keys the summary table shows as columns (other scalar metrics get a table of their own).
 SUMMARY_METRICS = ("samples_per_s", "time_per_epoch_s", "global_batch_size", "world_size", "devices", "memory",
-                   "final_loss", "test_accuracy")
+                   "final_loss", "test_accuracy", "achieved_tflops", "fraction_of_peak")
 
 MEMORY_SOURCES = {
     "cuda_max_memory_allocated": "CUDA peak allocated",
@@ -90,16 +92,15 @@ def sources_of(metrics: Mapping[str, Any], key: str = "source") -> str:
 
 
 def machine_of(prov: Mapping[str, Any]) -> str:
-    """Which machine a run's numbers belong to: the host, or on Slurm the cluster, plus the device name.
+    """Which machine a run's numbers belong to (``common.machine.machine_label``): the host, or on
+    Slurm the cluster, plus the device name, and for a CPU its CPUs and whether bf16 is native.
 
     On a cluster a baseline job and a DDP job rarely land on the same node, but nodes with the same
     device name in one cluster are the same hardware, so they compare. Off-cluster, two hosts with
-    the same CPU name are still different machines.
+    the same CPU name are still different machines, and so are two "vm · AMD EPYC" of which only one
+    has bf16 instructions.
     """
-    cluster = text(get(prov, "slurm", "SLURM_CLUSTER_NAME"))
-    where = f"{cluster} (Slurm)" if cluster else (text(prov.get("hostname")) or "unknown host")
-    device_name = text(get(prov, "device", "name"))
-    return f"{where} · {device_name}" if device_name else where
+    return machine_label(prov)
 
 
 def run_row(record: Mapping[str, Any], results_dir: Path | None = None) -> dict[str, Any]:
@@ -134,11 +135,16 @@ def run_row(record: Mapping[str, Any], results_dir: Path | None = None) -> dict[
         "device_name": text(get(prov, "device", "name")),
         "hostname": text(prov.get("hostname")),
         "machine": machine_of(prov),
+        "machine_detail": describe_machine(prov),
         "world_size": world_size,
         "devices": devices,
         "global_batch_size": number(metrics.get("global_batch_size")),
         "time_per_epoch_s": number(metrics.get("time_per_epoch_s")),
         "samples_per_s": number(metrics.get("samples_per_s")),
+        # How far from the hardware: the achieved TFLOP/s and its fraction of the GPU's datasheet
+        # peak for the precision in force (Lab-03 and Lab-04 record them).
+        "achieved_tflops": number(metrics.get("achieved_tflops")),
+        "fraction_of_peak": number(metrics.get("fraction_of_peak")),
         # A run no longer than its warm-up timed nothing: its throughput is "n/a", not missing.
         "not_timed": get(metrics, "step_time", "steps_timed") == 0,
         "peak_memory_bytes": max((peak for _, peak in memory), default=None),
@@ -180,8 +186,8 @@ def runs_frame(records: Iterable[Mapping[str, Any]], results_dir: Path | None = 
     """
     # dtype=object keeps a missing name as None (pandas 3 would turn it into NaN in a string column).
     runs = pd.DataFrame([run_row(r, results_dir) for r in records], dtype=object)
-    for column in ("world_size", "global_batch_size", "time_per_epoch_s", "samples_per_s",
-                   "peak_memory_bytes", "final_loss", "test_accuracy"):
+    for column in ("world_size", "global_batch_size", "time_per_epoch_s", "samples_per_s", "achieved_tflops",
+                   "fraction_of_peak", "peak_memory_bytes", "final_loss", "test_accuracy"):
         runs[column] = pd.to_numeric(runs[column], errors="coerce").astype("float64")
     runs["devices"] = runs["devices"].astype("int64")
     runs["comparison"] = _key(runs, COMPARISON_KEYS)
@@ -251,7 +257,8 @@ def csv_frame(runs: pd.DataFrame) -> pd.DataFrame:
     out["device_memory_per_device"] = runs["device_memory_per_device"].map(
         lambda memory: ";".join(f"{device}={int(used)}" for device, used in memory))
     out["device_memory_source"] = runs["device_memory_source"]
-    for column in ("baseline_samples_per_s", "speedup", "scaling_efficiency", "final_loss", "test_accuracy",
+    for column in ("baseline_samples_per_s", "speedup", "scaling_efficiency", "achieved_tflops", "fraction_of_peak",
+                   "final_loss", "test_accuracy",
                    "slurm_job_id", "git_commit", "created", "file"):
         out[column] = runs[column]
     return out

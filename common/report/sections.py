@@ -225,8 +225,13 @@ def table_from_frame(
     id: str | None = None,
     caption: str | None = None,
     row_id_column: str | None = "run_id",
+    drop_empty: bool = False,
 ) -> Table:
-    """A :class:`Table` with one row per row of ``frame``; each column is ``(header, row -> text or Cell)``."""
+    """A :class:`Table` with one row per row of ``frame``; each column is ``(header, row -> text or Cell)``.
+
+    ``drop_empty`` leaves out every column in which no row has a value (every cell ``—``): a lab
+    whose records have no such number gets no column of dashes.
+    """
     rows = []
     # Plain dicts, not iterrows(): ten times faster, and a renderer reads row["column"] either way.
     for row in frame.to_dict("records"):
@@ -235,7 +240,11 @@ def table_from_frame(
             value = render(row)
             cells.append(value if isinstance(value, Cell) else Cell(value))
         rows.append(cells)
+    headers = [header for header, _ in columns]
+    if drop_empty and rows:
+        keep = [i for i in range(len(headers)) if any(row[i].text not in (MISSING, "") for row in rows)]
+        headers, rows = [headers[i] for i in keep], [[row[i] for i in keep] for row in rows]
     row_ids = None
     if row_id_column and row_id_column in frame.columns:
         row_ids = [fmt_text(value) for value in frame[row_id_column]]
-    return Table(columns=[header for header, _ in columns], rows=rows, id=id, caption=caption, row_ids=row_ids)
+    return Table(columns=headers, rows=rows, id=id, caption=caption, row_ids=row_ids)
