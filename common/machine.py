@@ -140,7 +140,9 @@ def describe_machine(prov: Mapping[str, Any]) -> str:
     cpu = machine.get("cpu") if isinstance(machine.get("cpu"), Mapping) else None
     if cpu is None:
         return "capabilities not recorded (written before schema version 3)"
-    flags = [flag for flag, present in (cpu.get("isa") or {}).items() if present]
+    isa = cpu.get("isa") or {}
+    # In the order of X86_FLAGS/ARM_FEATURES, not the record's (its JSON keys are sorted).
+    flags = [flag for flag in (*X86_FLAGS, *ARM_FEATURES) if isa.get(flag)]
     cores = ", ".join(f"{value} {what}" for value, what in ((cpu.get("physical_cores"), "cores"),
                                                           (cpu.get("logical_cpus"), "CPUs"),
                                                           (cpu.get("usable_cpus"), "usable")) if value)

@@ -159,3 +159,11 @@ def write_tiny_mnist(root: Path, train: int = 12, test: int = 5) -> None:
         (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, count, 28, 28) + pixels)
         labels = bytes(i % 10 for i in range(count))
         (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, count) + labels)
+
+
+def fake_cpuinfo(model: str, flags: str, cpus: int = 2, threads_per_core: int = 1) -> str:
+    """``/proc/cpuinfo`` of an x86 machine with ``cpus`` logical CPUs (``threads_per_core`` per core),
+    for tests that describe another machine than the one they run on."""
+    return "\n\n".join(f"processor\t: {i}\nvendor_id\t: AuthenticAMD\nmodel name\t: {model}\nphysical id\t: 0\n"
+                       f"core id\t\t: {i // threads_per_core}\nflags\t\t: fpu sse2 {flags}"
+                       for i in range(cpus)) + "\n"

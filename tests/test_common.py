@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from common import cli, cpus, launch, results
+from helpers import fake_cpuinfo
 
 # --------------------------------------------------------------------------------------------
 # launch: who started us (pure environment logic, no torch)
@@ -149,6 +150,66 @@ def test_atomic_write_leaves_old_file_when_serialisation_fails(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
+# --------------------------------------------------------------------------------------------
+# machine: what the CPU and GPU could do, as every record carries it
+
+ZEN4 = fake_cpuinfo("AMD EPYC", "avx2 avx512f avx512_bf16 avx_vnni", cpus=4, threads_per_core=2)
+ZEN1 = fake_cpuinfo("AMD EPYC", "avx2")
+
+
+def test_cpu_description_says_whether_bf16_is_native_from_the_flags():
+    from common.machine import cpu_description
+
+    zen4, zen1 = cpu_description(ZEN4), cpu_description(ZEN1)
+    assert (zen4["model"], zen4["physical_cores"], zen4["logical_cpus"]) == ("AMD EPYC", 2, 4)
+    assert zen4["bf16"] == "native" and zen4["fp16"] == "emulated"
+    assert zen4["isa"]["avx512_bf16"] and not zen4["isa"]["amx_bf16"]
+    assert zen1["bf16"] == "emulated" and zen1["isa"] == {flag: flag == "avx2" for flag in zen1["isa"]}
+    arm = cpu_description("processor\t: 0\nFeatures\t: fp asimd fphp asimdhp bf16 sve\n")
+    assert (arm["bf16"], arm["fp16"], arm["isa"]["sve"]) == ("native", "native", True)
+    assert cpu_description("")["bf16"] == "unknown"  # no /proc/cpuinfo (macOS): not guessed
+
+
+def test_every_new_record_carries_the_machine_and_older_versions_still_read(tmp_path, monkeypatch):
+    from common import machine
+
+    monkeypatch.setattr(machine, "read_cpuinfo", lambda path="/proc/cpuinfo": ZEN1)
+    record = _record()  # a provenance without "machine": make_record adds this machine's
+    assert record["schema_version"] == 3 and record["provenance"]["machine"]["cpu"]["bf16"] == "emulated"
+    assert record["provenance"]["machine"]["gpus"] == []
+    h100 = machine.gpu_description("NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30)
+    assert (h100["peaks_from"], h100["peak_tflops"]["bf16"], h100["bf16"]) == ("H100 SXM", 989.5, "native")
+    results.write_record(record, tmp_path)
+    without = dict(record, provenance={"hostname": "h"}, run_id="no-machine")
+    (tmp_path / "v3-without-machine.json").write_text(json.dumps(without))
+    (tmp_path / "v2-without-machine.json").write_text(json.dumps(dict(without, schema_version=2, run_id="old")))
+    loaded = results.load_records(tmp_path)
+    assert sorted(r["run_id"] for r in loaded.records) == sorted([record["run_id"], "old"])
+    assert [(p.name, "provenance.machine" in why) for p, why in loaded.errors] == [("v3-without-machine.json", True)]
+
+
+def test_a_bf16_run_on_a_cpu_without_bf16_says_so_at_start_and_in_its_record(monkeypatch, capsys):
+    import torch
+
+    from common import amp, machine
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(machine, "read_cpuinfo", lambda path="/proc/cpuinfo": ZEN1.replace("EPYC", "EPYC 7551"))
+    assert amp.check_precision("bf16", cpu) == "bf16"
+    amp.check_precision("bf16", cpu)  # a second check of the same process says nothing new
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["note: bf16 is emulated on this CPU (AMD EPYC 7551: no avx512_bf16 or AMX): PyTorch "
+                       "converts to fp32 and back, so bf16 runs slower than fp32 here; its timings say nothing "
+                       "about bf16 hardware"]
+    cpu_prov = {"hostname": "h", "device": {"type": "cpu", "name": "AMD EPYC 7551"}}
+    bf16 = _record(config={"amp": "bf16"}, provenance=cpu_prov)
+    fp32 = _record(config={"amp": "fp32"}, provenance=cpu_prov)
+    assert bf16["notes"] == [printed[0].removeprefix("note: ")] and fp32["notes"] == []
+    monkeypatch.setattr(machine, "read_cpuinfo", lambda path="/proc/cpuinfo": ZEN4)
+    assert amp.announce_bf16_emulation("bf16", cpu) is None and capsys.readouterr().out == ""
+    assert _record(config={"amp": "bf16"}, provenance=cpu_prov)["notes"] == []
+
+
 def _git(repo, *args):
     env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@t"}
@@ -185,7 +246,7 @@ def test_provenance_carries_slurm_and_git(monkeypatch, tmp_path):
 
 
 def test_results_module_does_not_import_torch():
-    modules = ("common.results, common.launch, common.cli, common.cpus, common.units, common.atomic, common.errors, "
+    modules = ("common.results, common.machine, common.launch, common.cli, common.cpus, common.units, common.atomic, common.errors, "
                "common.precision_names, common.pipeline_flags, common.report, common.report.cli")
     code = f"import sys; import {modules}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

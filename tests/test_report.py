@@ -13,6 +13,7 @@ import csv
 import json
 import math
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from common.report import Section, build_report, register_section, sections as r
 from common.report.checks import DDP_MIN_EFFICIENCY, out_of_range
 from common.report.runs import configurations_frame, runs_frame
 from common.results import make_record, write_record
+from helpers import fake_cpuinfo
 from scripts import compare_results
 
 REPO = Path(__file__).resolve().parent.parent
@@ -504,3 +506,101 @@ def test_outputs_replace_the_old_file_whole_and_are_readable_by_others(tmp_path:
     assert target.read_text(encoding="utf-8") == "the new report"
     assert stat.S_IMODE(target.stat().st_mode) == 0o644  # not mkstemp's 0600: reports are shared
     assert list(tmp_path.iterdir()) == [target]
+
+
+def test_cpus_with_and_without_bf16_are_different_machines_and_emulated_bf16_is_warned(tmp_path: Path) -> None:
+    """Two VMs both called "AMD EPYC", one with avx512_bf16: their bf16 timings differ tenfold, so the
+    report labels them apart, warns that it mixes machines, and warns about the emulated bf16 run."""
+    from common.machine import cpu_description
+
+    folder = tmp_path / "results"
+    made = {}
+    for name, flags in (("emulated", "avx2"), ("native", "avx2 avx512f avx512_bf16")):
+        machine = {"cpu": cpu_description(fake_cpuinfo("AMD EPYC", flags)), "gpus": []}
+        prov = provenance(host="vm", device_type="cpu", device_name="AMD EPYC", machine=machine)
+        made[name] = make_record(lab="lab02", script="x.py", method="amp", config={"model": "mnist_cnn", "amp": "bf16"},
+                                 metrics={"samples_per_s": 4.1 if name == "emulated" else 77.2}, provenance=prov)
+        write_record(made[name], folder)
+
+    outcome = build_report(folder, tmp_path / "report.html", plots=False)
+
+    page = read_page(tmp_path / "report.html")
+    machines = {row["run_id"]: row["cells"]["machine"] for row in page.tables["summary-table"]}
+    assert machines == {made["emulated"]["run_id"]: "vm · AMD EPYC · 2 CPUs · bf16 emulated",
+                        made["native"]["run_id"]: "vm · AMD EPYC · 2 CPUs · bf16 native"}
+    warnings = page.sections["warnings"]
+    assert "2 machines: this report mixes records of different machines" in warnings
+    emulated = [w for w in outcome.warnings if "bf16 is emulated on this CPU (AMD EPYC: no avx512_bf16 or AMX)" in w]
+    assert len(emulated) == 1 and made["emulated"]["run_id"] in emulated[0]
+    detail = {row["run_id"]: row["cells"]["what the machine could do"] for row in page.tables["provenance-table"]}
+    assert "avx2 avx512f avx512_bf16): bf16 native" in detail[made["native"]["run_id"]]
+
+
+def test_summary_shows_only_filled_columns_and_tflops_where_recorded(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    sentence = "median of 5 repeats after 2 warm-up steps, the device synchronised before each clock read"
+    measured = write_run(folder, lab="lab03", method="train-amp-bf16",
+                         metrics={"achieved_tflops": 123.4, "fraction_of_peak": 0.1247, "timing_method": sentence})
+    page = report(folder, "--no-plots")
+    html = (tmp_path / "results-report.html").read_text(encoding="utf-8")
+
+    (row,) = page.tables["summary-table"]
+    assert (row["cells"]["TFLOP/s"], row["cells"]["% of peak"]) == ("123", "12.5%")
+    assert "speed-up vs baseline" not in row["cells"] and "scaling efficiency" not in row["cells"]
+    assert "DDP is expected" not in page.sections["summary"] and "% of peak divides it" in page.sections["summary"]
+    (other,) = [rows for rows in page.tables.values() if rows and "timing_method" in rows[0]["cells"]]
+    shown = other[0]["cells"]["timing_method"]
+    assert len(shown) <= 40 and shown.endswith("…") and sentence.startswith(shown[:-1])
+    assert f'title="{sentence}"' in html  # the whole text on hover
+    assert {"PyTorch built with CUDA", "PyTorch built with cuDNN"} <= set(page.tables["provenance-table"][0]["cells"])
+    assert measured["run_id"] in html
+
+    lab01 = tmp_path / "lab01"
+    lab01_folder(lab01)
+    page = report(lab01, "--no-plots")
+    assert {"speed-up vs baseline", "scaling efficiency"} <= set(page.tables["summary-table"][0]["cells"])
+    assert "TFLOP/s" not in page.tables["summary-table"][0]["cells"]
+    assert "DDP is expected to reach 80%" in page.sections["summary"]
+
+
+def _scaling_point(folder: Path, mode: str, processes: int, rate: float, training_run_id: str,
+                   accuracies: list[float]) -> dict[str, Any]:
+    evaluations = [{"epoch": i + 1, "elapsed_s": 2.0 * (i + 1) / processes, "accuracy": a}
+                   for i, a in enumerate(accuracies)]
+    record = make_record(
+        lab="lab05", script="labs/lab05_scaling/02_scaling_study.py", method=f"{mode}-scaling",
+        config={"model": "plain_cnn", "dataset": "digits", "mode": mode, "batch_size": 32,
+                "strong_global_batch_size": 32},
+        metrics={"world_size": processes, "nodes": 1, "samples_per_s": rate, "global_batch_size": 32,
+                 "evaluations": evaluations, "target_accuracy": 0.9, "time_to_target_s": None,
+                 "training_run_id": training_run_id,
+                 "memory": [{"device": "cpu", "peak_bytes": GIB, "source": "process_max_rss"}]},
+        provenance=provenance(host="vm", device_type="cpu", device_name="AMD EPYC", world_size=processes))
+    write_record(record, folder)
+    return record
+
+
+def test_lab05_report_draws_each_training_run_once_in_its_own_colour(tmp_path: Path) -> None:
+    """The one-process run is the point of both curves: one line, labelled with both modes; every
+    line has a colour of its own; the summary carries no empty baseline columns."""
+    from common.report.labs.lab05 import _scaling_rows, accuracy_curves
+
+    folder = tmp_path / "results"
+    _scaling_point(folder, "strong", 1, 3500.0, "one", [0.8, 0.93])
+    _scaling_point(folder, "weak", 1, 3500.0, "one", [0.8, 0.93])
+    _scaling_point(folder, "strong", 2, 3000.0, "strong-two", [0.75, 0.9])
+    _scaling_point(folder, "weak", 2, 4600.0, "weak-two", [0.7, 0.91])
+
+    page = report(folder)
+
+    runs = runs_frame([json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))])
+    lines = accuracy_curves(_scaling_rows(runs))
+    assert [line["label"] for line in lines] == ["strong and weak, 1 process", "strong, 2 processes",
+                                                 "weak, 2 processes"]
+    assert len({line["color"] for line in lines}) == 3
+    html = (tmp_path / "results-report.html").read_text(encoding="utf-8")
+    drawn = re.findall(r'alt="Validation accuracy against time for [^"]*: ([^"]*)"', html)
+    assert drawn == ["strong and weak, 1 process; strong, 2 processes; weak, 2 processes"]
+    columns = set(page.tables["summary-table"][0]["cells"])
+    assert not columns & {"speed-up vs baseline", "scaling efficiency"}
+    assert "DDP is expected" not in page.sections["summary"]

@@ -31,6 +31,9 @@ from common.report.sections import (
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 SCALING_METHODS = {"strong-scaling": "strong", "weak-scaling": "weak"}
+#: Ten colours a reader tells apart (matplotlib's tab10): one per line of the time-to-accuracy plot.
+PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
+           "tab:olive", "tab:cyan")
 COLORS = {"all_reduce": "tab:blue", "all_gather": "tab:orange", "reduce_scatter": "tab:green",
           "strong": "tab:blue", "weak": "tab:orange"}
 
@@ -163,6 +166,8 @@ def _scaling_rows(runs: pd.DataFrame) -> pd.DataFrame:
                      "evaluations": metrics.get("evaluations") if isinstance(metrics.get("evaluations"), list) else [],
                      "evaluations_source": metrics.get("evaluations_source"),
                      "energy_per_sample": number(get(record, "energy", "joules_per_sample")),
+                     # One training run can be the point of both curves (1 process, same batch).
+                     "training_run_id": metrics.get("training_run_id") or run["run_id"],
                      "run_id": run["run_id"]})
     return pd.DataFrame(rows)
 
@@ -249,32 +254,60 @@ def _scaling_figure(curves: pd.DataFrame, title: str) -> Any:
                       caption=f"Strong and weak scaling, {plain(title)}: measured against ideal (dashed).")
 
 
+def accuracy_curves(rows: pd.DataFrame) -> list[dict[str, Any]]:
+    """The lines of the time-to-accuracy plot: one per training run that recorded more than one
+    evaluation, each in its own colour.
+
+    A run that is the point of both curves (one process: strong and weak scaling train the same
+    batch) is drawn once, labelled with both modes. Strong scaling is solid, weak dashed.
+    """
+    palette = PALETTE
+    curves: dict[str, dict[str, Any]] = {}
+    for row in rows.sort_values(["processes", "mode"]).to_dict("records"):
+        if len(row["evaluations"]) < 2:
+            continue
+        curve = curves.get(row["training_run_id"])
+        if curve is not None:
+            curve["modes"].append(row["mode"])
+            continue
+        points = sorted(row["evaluations"], key=lambda p: p["elapsed_s"])
+        curves[row["training_run_id"]] = {"modes": [row["mode"]], "processes": row["processes"],
+                                          "x": [p["elapsed_s"] for p in points],
+                                          "y": [100 * p["accuracy"] for p in points]}
+    lines = []
+    for index, curve in enumerate(curves.values()):
+        modes = " and ".join(dict.fromkeys(curve["modes"]))
+        processes = curve["processes"]
+        lines.append({**curve, "color": palette[index % len(palette)],
+                      "linestyle": "-" if "strong" in curve["modes"] else "--",
+                      "label": f"{modes}, {processes} process{'es' if processes != 1 else ''}"})
+    return lines
+
+
 def _accuracy_figure(rows: pd.DataFrame, title: str) -> Any | None:
-    """Validation accuracy against elapsed time for every point that recorded more than one evaluation."""
+    """Validation accuracy against elapsed time for every run that recorded more than one evaluation."""
     from matplotlib.figure import Figure as MplFigure
 
     from common.report.plots import plain, png_figure
 
-    curves = [(r, r["evaluations"]) for r in rows.to_dict("records") if len(r["evaluations"]) > 1]
-    if not curves:
+    lines = accuracy_curves(rows)
+    if not lines:
         return None
     fig = MplFigure(figsize=(8, 4))
     ax = fig.add_subplot()
-    for row, points in curves:
-        points = sorted(points, key=lambda p: p["elapsed_s"])
-        ax.plot([p["elapsed_s"] for p in points], [100 * p["accuracy"] for p in points], marker=".",
-                color=COLORS[row["mode"]], alpha=0.4 + 0.6 / row["processes"],
-                label=f"{row['mode']}, {row['processes']} process(es)")
+    for line in lines:
+        ax.plot(line["x"], line["y"], marker=".", color=line["color"], linestyle=line["linestyle"], label=line["label"])
     target = _median(rows["target"])
     if target is not None:
-        ax.axhline(100 * target, color="black", linestyle="--", linewidth=1, label=f"target {target:.0%}")
+        ax.axhline(100 * target, color="black", linestyle=":", linewidth=1, label=f"target {target:.0%}")
     ax.set_xlabel("elapsed training time (s)")
     ax.set_ylabel("validation accuracy (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    return png_figure(fig, alt=f"Validation accuracy against time for {title}",
-                      caption=f"Time to accuracy, {plain(title)}: the first crossing of the dashed line is the "
-                              "time to target.")
+    drawn = "; ".join(line["label"] for line in lines)
+    return png_figure(fig, alt=f"Validation accuracy against time for {title}: {drawn}",
+                      caption=f"Time to accuracy, {plain(title)} ({drawn}; strong scaling solid, weak dashed): "
+                              "the first crossing of the dotted line is the time to target.")
 
 
 def scaling_parts(runs: pd.DataFrame, plots: bool) -> tuple[list[Table], list[Any], list[str]]:
