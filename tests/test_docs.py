@@ -50,3 +50,23 @@ def test_every_reference_record_reads_and_says_where_its_energy_is():
     old = sorted({Path(r["_path"]).parent.name for r in loaded.records if r["schema_version"] < 2})
     assert not old, f"reference records without an energy entry in {old}: run scripts/reference_runs.sh"
     assert all(r["energy"]["status"] in ("ok", "unavailable") for r in loaded.records)
+
+
+def test_every_results_table_in_the_docs_is_headed_by_the_machine_its_records_came_from():
+    """A student compares their numbers with these: the heading says which machine made them (CPU,
+    its CPUs, bf16 native or emulated), from the records, so a 10x gap on another CPU is explained."""
+    from common.machine import machine_label
+    from common.results import load_records
+
+    labels: dict[str, set[str]] = {}
+    for record in load_records(REPO / "reference-results").records:
+        labels.setdefault(record["lab"], set()).add(machine_label(record["provenance"]))
+    docs = [p for p in [REPO / "README.md", *REPO.glob("*/*/README.md")] if "<!-- results-table:" in p.read_text()]
+    checked = 0
+    for doc in docs:
+        for lab, block in re.findall(r"<!-- results-table:([\w.-]+) -->\n(.*?)<!-- /results-table:\1 -->",
+                                     doc.read_text(), re.S):
+            headings = re.findall(r"^Measured on \*\*(.+?)\*\*: ", block, re.M)
+            assert sorted(headings) == sorted(labels[lab]), f"{doc.relative_to(REPO)} ({lab})"
+            checked += 1
+    assert checked >= 5

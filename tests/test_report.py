@@ -604,3 +604,4 @@ def test_lab05_report_draws_each_training_run_once_in_its_own_colour(tmp_path: P
     columns = set(page.tables["summary-table"][0]["cells"])
     assert not columns & {"speed-up vs baseline", "scaling efficiency"}
     assert "DDP is expected" not in page.sections["summary"]
+

@@ -32,6 +32,8 @@ pytestmark = pytest.mark.browser
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 ALERT_NAME = "<script>alert(1)</script>"
 TITLE_NAME = "<script>document.title='pwned'</script>"
+LONG_TEXT = ("median of 5 repeats after 2 warm-up steps, the device synchronised before each read of the clock; "
+             "the spread is the range over the repeats, and the first epoch is dropped as warm-up")
 
 HEAD_HOOK = "<script>window.__alerts = 0; window.alert = function () { window.__alerts += 1; };</script>"
 CHECKER = """<script>
@@ -48,6 +50,8 @@ window.addEventListener("load", function () {
     images: images,
     row_ids: Array.prototype.map.call(rows, function (tr) { return tr.getAttribute("data-run-id"); }),
     method_cells: Array.prototype.map.call(rows, function (tr) { return tr.cells[2].textContent; }),
+    other_metrics_row_px: Math.max.apply(null, Array.prototype.map.call(
+      document.querySelectorAll("#other-metrics tbody tr"), function (tr) { return tr.getBoundingClientRect().height; })),
     alert_name_as_text: document.body.textContent.indexOf(%(alert)s) >= 0,
     title_name_as_text: document.body.textContent.indexOf(%(title)s) >= 0
   };
@@ -105,7 +109,7 @@ def test_report_renders_in_chromium(tmp_path: Path) -> None:
     records = [synthetic_record(rng) for _ in range(24)]
     provenance = {"hostname": "laptop", "world_size": 1, "device": {"type": "cpu", "name": "x86_64"}}
     records.append(make_record(lab="lab01", script="x.py", method=ALERT_NAME, config={"model": TITLE_NAME},
-                               metrics={"samples_per_s": 10.0}, provenance=provenance))
+                               metrics={"samples_per_s": 10.0, "timing_method": LONG_TEXT}, provenance=provenance))
     for record in records:
         write_record(record, folder)
     outcome = build_report(folder, tmp_path / "report.html")
@@ -124,3 +128,6 @@ def test_report_renders_in_chromium(tmp_path: Path) -> None:
     assert sorted(result["row_ids"]) == sorted(r["run_id"] for r in records)
     assert ALERT_NAME in result["method_cells"]
     assert result["alert_name_as_text"] and result["title_name_as_text"]
+    # A sentence in "Other metrics" is cut short (the whole on hover), not wrapped into a row 285 px tall;
+    # a row is at most two lines (the method name above wraps once).
+    assert 0 < result["other_metrics_row_px"] < 60, result["other_metrics_row_px"]
