@@ -25,6 +25,7 @@ import sys
 from typing import Any, Mapping
 
 from common.cpus import usable_cpus
+from common.machine import cpu_description, gpu_description
 from common.units import format_bytes
 
 #: Slurm variables that say how many GPUs this node's share of the job has, most specific first.
@@ -118,6 +119,7 @@ def _gpu_details(torch: Any, index: int, smoke_test: bool) -> dict[str, Any]:
         "multiprocessors": int(props.multi_processor_count),
         # bf16 runs natively from compute capability 8.0 (A100); older GPUs only emulate it, slowly.
         "bf16_native": (props.major, props.minor) >= (8, 0),
+        "peak_tflops": gpu_description(props.name)["peak_tflops"],  # datasheet, dense (common.gpu_peaks)
     }
     if smoke_test:
         try:  # a GPU can be listed and still fail on first use (driver mismatch, a GPU in a bad state)
@@ -165,6 +167,8 @@ def collect_environment(env: Mapping[str, str] | None = None, *, smoke_test: boo
             "cuda_build": torch.version.cuda is not None,
         },
         "gpus": [_gpu_details(torch, i, smoke_test) for i in range(gpu_count)],
+        # The CPU's model and flags: whether bf16 (and fp16) run natively or are emulated, slowly.
+        "cpu": cpu_description(),
         "cpus": {
             "node_cpus": os.cpu_count(),
             "usable_cpus": usable_cpus(),
@@ -250,8 +254,8 @@ def format_environment(info: Mapping[str, Any], warnings: list[str]) -> str:
         f"host            {info['hostname']} ({info['platform']})",
         f"python          {versions.get('python')} ({info['python_executable']})",
         f"torch           {versions.get('torch')}   torchvision {versions.get('torchvision')}",
-        f"CUDA (build)    {versions.get('cuda') or 'none: CPU-only build'}   cuDNN {versions.get('cudnn') or 'n/a'}"
-        f"   NCCL {versions.get('nccl') or 'n/a'}",
+        f"PyTorch built with CUDA {versions.get('cuda') or 'none (CPU-only build)'}, cuDNN "
+        f"{versions.get('cudnn') or 'n/a'}   NCCL {versions.get('nccl') or 'n/a'}  (the build's, not the machine's)",
         f"available       CUDA {yes(backends['cuda'])} | cuDNN {yes(backends['cudnn'])} | "
         f"NCCL built {yes(backends['nccl_built'])} | Gloo built {yes(backends['gloo_built'])}",
         f"GPUs (PyTorch)  {info['torch_gpus']}",
@@ -259,8 +263,15 @@ def format_environment(info: Mapping[str, Any], warnings: list[str]) -> str:
     for gpu in info["gpus"]:
         lines.append(f"  cuda:{gpu['index']}  {gpu['name']} | {format_bytes(gpu['total_memory_bytes'], unit='GiB')} | "
                      f"capability {gpu['capability']} | {gpu['multiprocessors']} SMs | "
-                     f"bf16 {'native' if gpu['bf16_native'] else 'emulated'} | test {gpu.get('smoke_test', 'skipped')}")
+                     f"bf16 {'native' if gpu['bf16_native'] else 'emulated'} | test {gpu.get('smoke_test', 'skipped')}"
+                     + (f" | datasheet bf16 {gpu['peak_tflops']['bf16']:g} TFLOP/s" if "bf16" in gpu.get("peak_tflops", {})
+                        else ""))
     cpus, slurm = info["cpus"], info["slurm"]
+    cpu = info.get("cpu")
+    if cpu:
+        flags = " ".join(flag for flag, present in cpu["isa"].items() if present) or "none of the bf16/fp16 flags"
+        lines.append(f"CPU             {cpu['model']} | {cpu['physical_cores'] or '?'} cores, {cpu['logical_cpus']} CPUs "
+                     f"| {flags} | bf16 {cpu['bf16']}, fp16 {cpu['fp16']}")
     lines.append(f"CPUs            node {cpus['node_cpus']} | usable by this process {cpus['usable_cpus']} | "
                  f"torch threads {cpus['torch_threads']} | OMP_NUM_THREADS {cpus['omp_num_threads'] or 'unset'}")
     if slurm["in_job"]:
