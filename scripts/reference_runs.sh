@@ -12,6 +12,10 @@
 # every command of the part succeeded do its records replace reference-results/MACHINE/PART/
 # (a failed part leaves the committed records as they were, and the script exits non-zero).
 #
+# MACHINE is only the folder's name: each record says what the machine could do (provenance.machine:
+# CPU model, cores, bf16/fp16 flags, GPU and its peaks), and every README table is headed by the
+# machine its records name, so numbers from a CPU with bf16 units never pass for another's.
+#
 # Environment (default in brackets):
 #   PYTHON              the interpreter [.venv/bin/python when it exists, else python]
 #   REFERENCE_DEVICE    cpu, cuda or auto [cpu]
