@@ -9,7 +9,9 @@ A Markdown file asks for a table with a marker line ``<!-- results-table:LAB -->
 the table of LAB's reference records after it, up to ``<!-- /results-table:LAB -->``. The records
 come from ``reference-results/`` (one folder per machine, e.g. ``reference-results/cpu-2core/``),
 and the columns are those of the report's summary table (common/report/), so the docs
-and the report show the same numbers the same way.
+and the report show the same numbers the same way. Each table is headed by the machine its records
+name (``common.machine``: host, CPU, its CPUs, bf16 native or emulated, and what it could do), never
+by a name typed here.
 """
 
 from __future__ import annotations
