@@ -210,6 +210,20 @@ def test_a_bf16_run_on_a_cpu_without_bf16_says_so_at_start_and_in_its_record(mon
     assert _record(config={"amp": "bf16"}, provenance=cpu_prov)["notes"] == []
 
 
+@pytest.mark.gpu
+def test_a_cuda_record_names_its_gpu_with_the_datasheet_peaks():
+    """In a fresh process on a GPU: provenance.machine.gpus holds the GPU used, its capability and,
+    for a GPU in common/gpu_peaks.py, its dense peaks (an H100 SXM: bf16 989.5 TFLOP/s)."""
+    code = ("import json, torch; from common.results import provenance; from common.gpu_peaks import gpu_peaks; "
+            "p = provenance(torch.device('cuda', 0)); g = p['machine']['gpus']; "
+            "print(json.dumps([g, torch.cuda.get_device_name(0), gpu_peaks(torch.cuda.get_device_name(0))[1]]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                         cwd=__import__("helpers").REPO)
+    gpus, name, peaks = json.loads(out.stdout)
+    assert len(gpus) == 1 and gpus[0]["name"] == name and gpus[0]["peak_tflops"] == peaks
+    assert gpus[0]["bf16"] == ("native" if float(gpus[0]["capability"]) >= 8.0 else "emulated")
+
+
 def _git(repo, *args):
     env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@t"}
