@@ -363,15 +363,20 @@ def test_the_report_shows_bandwidth_both_scaling_curves_and_overlap(runs, tmp_pa
     assert "memory copy of this machine (measured)" in html
 
 
-def test_the_bandwidth_benchmark_ends_with_no_gloo_thread_alive(tmp_path):
-    """In-process, one rank: the process group and its Gloo threads are gone when main() returns."""
-    with contextlib.redirect_stdout(io.StringIO()):
+def test_the_bandwidth_benchmark_on_one_rank_says_there_is_no_link_and_leaves_no_gloo_thread(tmp_path):
+    """In-process, one rank: no bus bandwidth of 0 and no "unknown" transport, one line instead; the
+    process group and its Gloo threads are gone when main() returns."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
         assert run_main(BENCH, ["--device", "cpu", "--dry-run", "--memcpy-repeats", "1",
                                 "--results-dir", str(tmp_path)]) == 0
     threads = {Path(task, "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()}
     assert not {name for name in threads if name.startswith(("pt_gloo", "gloo_tcp"))}, threads
-    (record,) = [r for r in _records(tmp_path) if r["method"] == "all_reduce"]
-    assert record["metrics"]["sizes"][-1]["bytes"] == 16 * 1024 and record["metrics"]["bus_factor"] == 0
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and "placement" in lines[0], lines
+    assert lines[1].startswith("bandwidth: 1 rank, backend gloo: there is no link to measure"), lines
+    assert "busbw" not in out.getvalue() and "transport:" not in out.getvalue()
+    assert _records(tmp_path) == []  # nothing was timed
 
 
 @pytest.mark.gpu
