@@ -143,7 +143,7 @@ def point_record(mode: str, processes: int, nodes: int, batch: int, training: di
     points, source = evaluations(metrics_in)
     reached = time_to_target(points, args.target_accuracy)
     keep = ("samples_per_s", "step_time", "time_per_epoch_s", "epoch_time_s", "final_loss", "train_loss",
-            "test_loss", "test_accuracy", "memory", "steps", "epochs")
+            "test_loss", "test_accuracy", "memory", "steps", "epochs", "loss_at_step")
     metrics = {key: metrics_in.get(key) for key in keep if key in metrics_in}
     metrics.update({"world_size": processes, "nodes": nodes, "per_process_batch_size": batch,
                     "global_batch_size": batch * processes, "evaluations": points, "evaluations_source": source,
