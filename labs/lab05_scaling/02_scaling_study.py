@@ -14,8 +14,8 @@ step inside a Slurm allocation, spread over as many nodes as the point needs). T
 processes:
 
 - **strong scaling**: the *global* batch stays ``--global-batch-size``; each of n processes gets
-  1/n of it. The same optimisation, done faster: ideal throughput grows n-fold, while each process's
-  share of work shrinks until communication and overheads dominate.
+  1/n of it. The same optimisation up to rounding, done faster: ideal throughput grows n-fold, while
+  each process's share of work shrinks until communication and overheads dominate.
 - **weak scaling**: each process keeps ``--batch-size``; the global batch grows n-fold. Ideal
   throughput also grows n-fold and the step time stays flat, but a larger global batch takes fewer,
   different optimiser steps per epoch: whether it reaches the target accuracy sooner is the
