@@ -16,6 +16,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from common.launch import free_port
@@ -273,6 +274,10 @@ def test_scaling_study_writes_strong_and_weak_points_at_one_and_two_processes(ru
             metrics["world_size"] if record["config"]["mode"] == "weak" else 1)
         assert metrics["evaluations"] and metrics["time_to_target_s"] == metrics["evaluations"][0]["elapsed_s"]
         assert record["config"]["training_script"] == "labs/lab01_dp_vs_ddp/04_ddp_training.py"
+    # Strong scaling splits the same global batches: the same maths up to rounding, so the same losses at first.
+    strong = {r["metrics"]["world_size"]: r["metrics"] for r in records if r["config"]["mode"] == "strong"}
+    assert len(strong[1]["loss_at_step"]) == 3
+    np.testing.assert_allclose(strong[2]["loss_at_step"], strong[1]["loss_at_step"], rtol=1e-4, atol=1e-5)
     # 1 process: plain python; 2 processes: torchrun, as a student would start them.
     assert runs["outputs"]["scaling"].count("torch.distributed.run --standalone --nproc_per_node=2") == 2
 
@@ -287,8 +292,43 @@ def test_overlap_measures_exposed_communication_for_every_bucket_size(runs):
     for b in buckets:
         assert b["step_s"] > 0 and b["no_sync_step_s"] > 0 and b["comm_alone_s"] > 0
         assert b["exposed_comm_s"] == pytest.approx(b["step_s"] - b["no_sync_step_s"])
-        assert b["hidden_fraction"] == pytest.approx(1 - b["exposed_comm_s"] / b["comm_alone_s"])
+        assert b["exposed_is_noise"] is (b["exposed_comm_s"] <= b["timing_spread_s"])
+        raw = 1 - b["exposed_comm_s"] / b["comm_alone_s"]
+        assert b["hidden_fraction_unclamped"] == pytest.approx(raw)
+        assert b["hidden_fraction"] == pytest.approx(min(1.0, max(0.0, raw)))  # 0-100%, whatever the machine did
+        assert (b["hidden_clamped_because"] is not None) is not (0 <= raw <= 1)
     assert re.search(r"note: least exposed communication with bucket_cap_mb=", runs["outputs"]["overlap"])
+    shown = [int(percent) for percent in re.findall(r"(-?\d+)%", runs["outputs"]["overlap"])]
+    assert shown and all(0 <= percent <= 100 for percent in shown), shown  # never 303%, never -40%
+
+
+def test_overlap_keeps_hidden_within_0_to_100_percent_and_calls_a_small_exposed_time_noise():
+    overlap = load_script(OVERLAP)
+    ms = [0.001 * t for t in range(10, 14)]  # 10, 11, 12, 13 ms: interquartile range 1.5 ms
+    # Synchronised steps 2 ms slower than without, all-reduce alone 4 ms: half of it hid.
+    plain = overlap.overlap_figures([t + 0.002 for t in ms], ms, 0.004)
+    assert plain["exposed_comm_s"] == pytest.approx(0.002) and plain["timing_spread_s"] == pytest.approx(0.0015)
+    assert plain["exposed_is_noise"] is False and plain["hidden_fraction"] == pytest.approx(0.5)
+    assert plain["hidden_clamped_because"] is None
+    # The step with sync 1 ms *faster*: within the spread, noise; 1 - (-1/4) = 125% is clamped to 100%.
+    faster = overlap.overlap_figures([t - 0.001 for t in ms], ms, 0.004)
+    assert faster["exposed_is_noise"] is True and faster["hidden_fraction"] == 1.0
+    assert faster["hidden_fraction_unclamped"] == pytest.approx(1.25) and "no slower" in faster["hidden_clamped_because"]
+    # 10 ms exposed for a 4 ms all-reduce (a CPU's Gloo threads slowing backward down): none hid, not -150%.
+    slower = overlap.overlap_figures([t + 0.010 for t in ms], ms, 0.004)
+    assert slower["exposed_is_noise"] is False and slower["hidden_fraction"] == 0.0
+    assert "more time than the communication costs alone" in slower["hidden_clamped_because"]
+
+
+def test_overlap_on_one_rank_says_there_is_nothing_to_overlap_and_times_nothing(tmp_path, capsys):
+    assert run_main(OVERLAP, ["--device", "cpu", "--model", "resnet18", "--image-size", "16", "--batch-size", "2",
+                              "--steps", "2", "--warmup-steps", "1", "--results-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 and "placement" in out[0] and out[2].startswith("record: "), out
+    assert out[1].startswith("overlap: 1 rank, backend gloo: ") and "no communication to overlap" in out[1]
+    (record,) = _records(tmp_path)
+    assert record["metrics"]["buckets"] == [] and "no communication to overlap" in record["metrics"]["nothing_to_overlap"]
+    assert record["notes"] == [record["metrics"]["nothing_to_overlap"]] and "%" not in json.dumps(record["metrics"])
 
 
 def test_every_record_has_an_energy_entry_and_says_why_when_it_is_unavailable(runs):
@@ -329,15 +369,20 @@ def test_the_report_shows_bandwidth_both_scaling_curves_and_overlap(runs, tmp_pa
     assert "memory copy of this machine (measured)" in html
 
 
-def test_the_bandwidth_benchmark_ends_with_no_gloo_thread_alive(tmp_path):
-    """In-process, one rank: the process group and its Gloo threads are gone when main() returns."""
-    with contextlib.redirect_stdout(io.StringIO()):
+def test_the_bandwidth_benchmark_on_one_rank_says_there_is_no_link_and_leaves_no_gloo_thread(tmp_path):
+    """In-process, one rank: no bus bandwidth of 0 and no "unknown" transport, one line instead; the
+    process group and its Gloo threads are gone when main() returns."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
         assert run_main(BENCH, ["--device", "cpu", "--dry-run", "--memcpy-repeats", "1",
                                 "--results-dir", str(tmp_path)]) == 0
     threads = {Path(task, "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()}
     assert not {name for name in threads if name.startswith(("pt_gloo", "gloo_tcp"))}, threads
-    (record,) = [r for r in _records(tmp_path) if r["method"] == "all_reduce"]
-    assert record["metrics"]["sizes"][-1]["bytes"] == 16 * 1024 and record["metrics"]["bus_factor"] == 0
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and "placement" in lines[0], lines
+    assert lines[1].startswith("bandwidth: 1 rank, backend gloo: there is no link to measure"), lines
+    assert "busbw" not in out.getvalue() and "transport:" not in out.getvalue()
+    assert _records(tmp_path) == []  # nothing was timed
 
 
 @pytest.mark.gpu

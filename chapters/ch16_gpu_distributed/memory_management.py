@@ -231,15 +231,18 @@ def checkpointing_comparison(model: DeepNet, data: torch.Tensor, target: torch.T
                              repeats: int) -> dict[str, Any]:
     """Peak memory, saved bytes and time of forward+backward, without and with checkpointing.
 
+    Each variant runs once, unmeasured, before its peak is taken: its first pass allocates what is
+    allocated once per process (on a GPU, checkpointing's recompute runs on autograd's own thread,
+    whose first matmul allocates a cuBLAS workspace of its own, a MiB that is not an activation).
     The two are timed alternately (plain, checkpointed, plain, ...), one warm-up pair dropped, so a
     change in the machine's load hits both alike; the time cost is the median of the pairs' ratios.
     """
     variants = (("plain", False), ("checkpointed", True))
     results: dict[str, Any] = {}
     model.train()
-    forward_backward(model, data, target)  # gradients now exist: the peaks below are activations only
     for label, enabled in variants:
         model.checkpoint_blocks = enabled
+        forward_backward(model, data, target)  # the warm-up; gradients now exist: the peak is activations only
         model.zero_grad(set_to_none=False)
         results[f"{label}_peak_bytes"] = peak_above_start(model, data, target, device)
         model.zero_grad(set_to_none=False)

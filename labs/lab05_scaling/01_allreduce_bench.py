@@ -21,7 +21,8 @@ this machine's measured memory-copy bandwidth. Small messages measure latency, l
 On a GPU the script asks NCCL what it used (``NCCL_DEBUG=INFO`` into a file per process, unless you
 set ``NCCL_DEBUG_FILE`` yourself) and prints it: NVLink or PCIe peer-to-peer, shared memory,
 InfiniBand, or TCP sockets, which across nodes is a warning. One record per collective (sizes,
-times, algbw, busbw, the reference, the transport, the placement of every rank, and energy).
+times, algbw, busbw, the reference, the transport, the placement of every rank, and energy). On one
+rank there is no link: the script says so in one line and times nothing.
 """
 
 from __future__ import annotations
@@ -217,6 +218,11 @@ def benchmark(args, ctx, collectives: list[str], sizes: list[int], threads: int)
             raise UserError(f"--max-bytes {format_bytes(sizes[-1])} needs about {format_bytes(2.5 * sizes[-1])} of GPU "
                             f"memory; {format_bytes(free)} is free on {device}")
     placement = record_placement(device, args.num_workers)
+    if ranks == 1:  # the same on a CPU and a GPU: a collective on one rank copies within the device, if at all
+        print0(f"bandwidth: 1 rank, backend {ctx.backend}: there is no link to measure (one rank sends nothing to "
+               "any other, so bus bandwidth would be 0 and no transport is chosen); nothing was timed and no record "
+               "written; start two or more ranks (torchrun --nproc_per_node=2, srun)")
+        return 0
     hosts = [entry["node"] for entry in placement]
     nodes = len(set(hosts))
     reference = reference_for(args, ctx, nodes)
@@ -226,8 +232,6 @@ def benchmark(args, ctx, collectives: list[str], sizes: list[int], threads: int)
         print0("reference: none (no link peak: pass --site or --peak-gbps); busbw is shown without a percentage")
     else:
         print0(f"reference: {reference.name}: {reference.gb_per_s:.2f} GB/s ({reference.source})")
-    if ranks == 1:
-        print0("note: one rank moves nothing over any link, so busbw is 0; start two or more (torchrun, srun)")
     timing = ("time.perf_counter around each call, device synchronised before each clock read, ranks at a "
               "barrier before each call; per call the slowest rank's time; median over the timed calls")
     written = []

@@ -14,8 +14,8 @@ step inside a Slurm allocation, spread over as many nodes as the point needs). T
 processes:
 
 - **strong scaling**: the *global* batch stays ``--global-batch-size``; each of n processes gets
-  1/n of it. The same optimisation, done faster: ideal throughput grows n-fold, while each process's
-  share of work shrinks until communication and overheads dominate.
+  1/n of it. The same optimisation up to rounding, done faster: ideal throughput grows n-fold, while
+  each process's share of work shrinks until communication and overheads dominate.
 - **weak scaling**: each process keeps ``--batch-size``; the global batch grows n-fold. Ideal
   throughput also grows n-fold and the step time stays flat, but a larger global batch takes fewer,
   different optimiser steps per epoch: whether it reaches the target accuracy sooner is the
@@ -143,7 +143,7 @@ def point_record(mode: str, processes: int, nodes: int, batch: int, training: di
     points, source = evaluations(metrics_in)
     reached = time_to_target(points, args.target_accuracy)
     keep = ("samples_per_s", "step_time", "time_per_epoch_s", "epoch_time_s", "final_loss", "train_loss",
-            "test_loss", "test_accuracy", "memory", "steps", "epochs")
+            "test_loss", "test_accuracy", "memory", "steps", "epochs", "loss_at_step")
     metrics = {key: metrics_in.get(key) for key in keep if key in metrics_in}
     metrics.update({"world_size": processes, "nodes": nodes, "per_process_batch_size": batch,
                     "global_batch_size": batch * processes, "evaluations": points, "evaluations_source": source,
