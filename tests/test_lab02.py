@@ -85,10 +85,15 @@ def test_the_three_pipelines_give_the_same_numbers():
     assert len(device) == -(-len(train) // 16)
 
 
-def test_sweep_records_each_step_and_the_report_shows_the_path(tmp_path, capsys):
+def test_sweep_records_each_step_and_the_report_shows_the_path(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO / LAB)  # where the README runs it
     status = run_main(f"{LAB}/sweep.py", ["--steps", "baseline,device", *TINY, "--results-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert status == 0, out
+    # The report command it ends with can be typed where the sweep ran.
+    report_command = next(line for line in out.splitlines() if line.startswith("report: ")).split()
+    assert report_command[1] == "python" and Path(report_command[2]).resolve() == REPO / "scripts/compare_results.py"
+    assert Path(report_command[2]).is_file() and report_command[3:] == ["--results-dir", str(tmp_path)]
     found = {r["method"]: r for r in records(tmp_path)}
     assert set(found) == {"baseline", "device"}
     baseline, device = found["baseline"], found["device"]
