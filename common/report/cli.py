@@ -14,7 +14,7 @@ from common.cli import one_line_errors, output_file
 from common.report import build_report
 from common.report.render import DEFAULT_REPORT_NAME
 
-__all__ = ["build_parser", "parse_args", "main"]
+__all__ = ["beside_records", "build_parser", "parse_args", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
