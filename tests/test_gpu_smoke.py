@@ -317,7 +317,7 @@ def test_lab04_memory_names_a_tensor_that_differs_from_its_prediction(tmp_path):
     (1, None, [0], "", None),
     (1, None, [2], "error: one rank: there is no communication to overlap (use 2 or more)\n", None),
     (1, None, [2], "Traceback (most recent call last):\n", "without one error line"),
-])
+], ids=["2-ranks-303%", "1-rank-a-share", "1-rank-no-share", "1-rank-refused", "1-rank-traceback"])
 def test_lab05_overlap_keeps_hidden_within_0_to_100_and_says_one_rank_has_nothing_to_hide(
         tmp_path, gpus, hidden, statuses, log, problem):
     folder = run_folder(tmp_path, statuses, log=log)
