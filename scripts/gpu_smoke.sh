@@ -11,7 +11,12 @@
 # 240) into a folder of its own, then scripts/gpu_smoke_check.py reads what they left: the device is
 # cuda, DDP used NCCL with identical replicas, memory comes from the CUDA allocator (and the device's
 # own count), no precision row failed, the traces hold GPU kernels, the two refusals ("more processes
-# than GPUs", "bf16 below compute capability 8.0") are one error line each. A failing check does not
+# than GPUs", "bf16 below compute capability 8.0") are one error line each, Lab-04's predicted memory is
+# what the tensors held and its FSDP2 checkpoint (asynchronous, bf16, activation checkpointing) resumes
+# on one GPU, Lab-05's collectives are correct over NCCL and its overlap stays within 0-100% (on one
+# GPU: nothing to overlap, said so), the main job (scripts/main_job.sh) ends with the report's path,
+# and every `pytest -m gpu` test passes, each in a pytest process of its own (pytest_gpu: a test must
+# start CUDA itself; an earlier test in the same process would hide that). A failing check does not
 # stop the others. The last lines are one table of all checks.
 #
 # Exit status: 0 every check passed, 1 a check failed, 3 none failed but some were skipped (a Python
@@ -32,12 +37,14 @@ ONLY=""
 CHECKS=(gpu_check pytorch_basics ch04_fp32 ch04_fp16 ch04_bf16 amp_training ch04_ddp
         lab01_env lab01_baseline lab01_dp lab01_ddp lab01_run_lab refuse_ranks refuse_bf16
         lab02_line_profile lab02_trace lab02_sweep lab03_precisions lab03_compile lab03_channels_last
-        ch16_memory ch16_profiling ch16_benchmark ch16_loading)
+        ch16_memory ch16_profiling ch16_benchmark ch16_loading
+        lab04_memory lab04_ddp lab04_fsdp_resume lab04_largest lab05_allreduce lab05_scaling lab05_overlap
+        main_job pytest_gpu)
 # Python modules a check needs beyond torch and torchvision (a missing one skips the check, by name).
 declare -A NEEDS=(
     [ch04_fp32]=sklearn [ch04_fp16]=sklearn [ch04_bf16]=sklearn [amp_training]=sklearn [ch04_ddp]=sklearn
     [lab01_run_lab]="sklearn pandas jinja2 matplotlib" [lab02_line_profile]=line_profiler [lab02_sweep]=line_profiler
-    [ch16_loading]=sklearn
+    [ch16_loading]=sklearn [main_job]="sklearn pandas jinja2 matplotlib" [pytest_gpu]=pytest
 )
 
 while (( $# )); do
@@ -187,6 +194,52 @@ run_ch16_profiling() {
 run_ch16_benchmark() { t "$PYTHON" "$CH16"/benchmark_cpu_vs_gpu.py --iterations 5 --warmup 2 --results-dir "$DIR"; }
 run_ch16_loading() {
     t "$PYTHON" "$CH16"/efficient_loading.py --device cuda --steps 2 --num-workers 1 --batch-size 128 --results-dir "$DIR"
+}
+
+LAB04=labs/lab04_sharded_training
+LAB05=labs/lab05_scaling
+TINY_LAB04=(--device cuda --layers 4 --width 128 --heads 4 --context 64)
+# 16 sequences per optimiser step on any number of GPUs (micro-batches of 4, accumulated as needed).
+TINY_TRAIN04=("${TINY_LAB04[@]}" --global-batch-size 16 --batch-size 4 --max-steps 6 --eval-steps 1 --log-interval 100)
+run_lab04_memory() { t "${TORCHRUN[@]}" --nproc_per_node="$GPUS" "$LAB04"/01_memory_budget.py "${TINY_LAB04[@]}" \
+    --batch-size 4 --results-dir "$DIR"; }
+run_lab04_ddp() {
+    t "${TORCHRUN[@]}" --nproc_per_node="$GPUS" "$LAB04"/02_sharded_training.py "${TINY_TRAIN04[@]}" --strategy ddp \
+        --epochs 1 --checkpoint-dir "$DIR/ckpt" --results-dir "$DIR"
+}
+run_lab04_fsdp_resume() {  # every option at once, asynchronous checkpoints; then resumed for one more epoch on 1 GPU
+    local fsdp=("${TINY_TRAIN04[@]}" --strategy fsdp --activation-checkpointing --mixed-precision bf16
+                --checkpoint-dir "$DIR/ckpt" --results-dir "$DIR")
+    t "${TORCHRUN[@]}" --nproc_per_node="$GPUS" "$LAB04"/02_sharded_training.py "${fsdp[@]}" --epochs 1 --async-checkpoint &&
+        t "${TORCHRUN[@]}" --nproc_per_node=1 "$LAB04"/02_sharded_training.py "${fsdp[@]}" --epochs 2 --resume
+}
+run_lab04_largest() {
+    t "${TORCHRUN[@]}" --nproc_per_node="$GPUS" "$LAB04"/03_largest_model.py --device cuda --layers 2 --width 64 \
+        --heads 4 --context 32 --batch-size 2 --budget 64MiB --max-doublings 4 --results-dir "$DIR"
+}
+run_lab05_allreduce() {
+    t "${TORCHRUN[@]}" --nproc_per_node="$GPUS" "$LAB05"/01_allreduce_bench.py --device cuda --min-bytes 1024 \
+        --max-bytes 1048576 --step-factor 16 --warmup 2 --iters 5 --results-dir "$DIR"
+}
+run_lab05_scaling() {  # one process: the point every scaling curve starts from
+    t "$PYTHON" "$LAB05"/02_scaling_study.py --device cuda --processes 1 --model resnet18 --dataset synthetic \
+        --image-size 32 --epochs 1 --max-steps 4 --results-dir "$DIR"
+}
+run_lab05_overlap() {  # on one GPU there is nothing to overlap: the script must say so, not print nonsense
+    t "${TORCHRUN[@]}" --nproc_per_node="$GPUS" "$LAB05"/03_overlap.py --device cuda --model resnet18 --image-size 64 \
+        --batch-size 8 --steps 3 --warmup-steps 1 --bucket-cap-mb 1,25 --results-dir "$DIR"
+}
+run_main_job() {  # the main job as README.md runs it, on the GPU(s); PYTHON: this interpreter, not a fresh .venv
+    t env PYTHON="$PYTHON" LAB01_DEVICE=cuda LAB01_NPROC="$GPUS" LAB01_GLOBAL_BATCH=$((16 * GPUS)) \
+        bash scripts/main_job.sh "$DIR"
+}
+run_pytest_gpu() {  # every gpu-marked test, each in a fresh process: CUDA is started by the test, never before
+    t_out "$DIR/tests.txt" "$PYTHON" -m pytest -p no:cacheprovider -m gpu --collect-only -q tests || return
+    local test
+    while read -r test; do
+        [[ $test == tests/*::* ]] && t "$PYTHON" -m pytest -p no:cacheprovider -q -rs -m gpu "$test"
+    done < "$DIR/tests.txt"
+    return 0
 }
 
 # --- run them ------------------------------------------------------------------------------------

@@ -426,6 +426,162 @@ def check_ch16_loading(run: Run) -> list[str]:
     return problems
 
 
+def check_lab04_memory(run: Run) -> list[str]:
+    """The memory budget on every GPU: what the tensors were predicted to hold is what they held."""
+    records, problems = records_of(run, "memory")
+    problems += exited(run) + on_cuda(records) + allocator_memory(records, run.gpus)
+    for record in records:
+        if get(record, "metrics", "world_size") != run.gpus:
+            problems.append(f"world size {get(record, 'metrics', 'world_size')!r}, expected {run.gpus}")
+        budget = get(record, "metrics", "budget") or []
+        if not budget:
+            problems.append("no variant in metrics.budget")
+        for row in budget:
+            for part in ("parameters", "gradients", "optimizer"):
+                predicted, measured = get(row, "predicted", part), get(row, "measured", part)
+                if predicted != measured:
+                    problems.append(f"{row.get('variant')}: {part} predicted {predicted!r} B, measured {measured!r} B")
+    return problems
+
+
+def sharded_training(records: Iterable[dict[str, Any]], gpus: int) -> list[str]:
+    return on_cuda(records) + status_ok(records) + nccl(records, gpus) + allocator_memory(records, gpus) \
+        + positive_rate(records)
+
+
+def check_lab04_ddp(run: Run) -> list[str]:
+    records, problems = records_of(run, "ddp")
+    problems += exited(run) + sharded_training(records, run.gpus) + identical_replicas(records, run.gpus)
+    problems += [f"{name_of(r)}: no checkpoint was saved" for r in records if not get(r, "metrics", "checkpoint_saves")]
+    return problems
+
+
+def check_lab04_fsdp_resume(run: Run) -> list[str]:
+    """FSDP2 + activation checkpointing + bf16 with asynchronous DCP saves on every GPU, then resumed on one."""
+    records, problems = records_of(run, "fsdp+ac+bf16", count=2)
+    problems += exited(run, [0, 0])
+    first = [r for r in records if not get(r, "config", "resume")]
+    resumed = [r for r in records if get(r, "config", "resume") and get(r, "config", "epochs") == 2]
+    if not resumed:
+        problems.append("no record of the resumed run (config.epochs 2, config.resume true)")
+    for record in first:
+        modes = {save.get("mode") for save in get(record, "metrics", "checkpoint_saves") or []}
+        if modes != {"async"}:
+            problems.append(f"{name_of(record)}: checkpoint saves {sorted(map(str, modes))}, expected async only")
+    for record in records:
+        if (get(record, "config", "mixed_precision"), get(record, "config", "activation_checkpointing")) != ("bf16", True):
+            problems.append(f"{name_of(record)} ran without bf16 and activation checkpointing")
+    return problems + sharded_training(first, run.gpus) + sharded_training(resumed, 1)
+
+
+def check_lab04_largest(run: Run) -> list[str]:
+    records, problems = records_of(run, "largest-model")
+    problems += exited(run) + on_cuda(records) + status_ok(records)
+    for record in records:
+        if get(record, "metrics", "measured_by") != ALLOCATOR:
+            problems.append(f"measured by {get(record, 'metrics', 'measured_by')!r}, expected {ALLOCATOR}")
+        rows = get(record, "metrics", "largest") or []
+        if not rows:
+            problems.append("no variant in metrics.largest")
+        problems += [f"{row.get('variant')}: nothing fits the budget" for row in rows
+                     if get(row, "largest", "fits") is not True]
+    return problems
+
+
+LAB05_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def check_lab05_allreduce(run: Run) -> list[str]:
+    problems = exited(run)
+    for collective in LAB05_COLLECTIVES:
+        records, more = records_of(run, collective)
+        problems += more + on_cuda(records) + status_ok(records)
+        for record in records:
+            if get(record, "provenance", "distributed", "backend") != "nccl":
+                problems.append(f"{collective}: backend {get(record, 'provenance', 'distributed', 'backend')!r}")
+            if get(record, "metrics", "world_size") != run.gpus:
+                problems.append(f"{collective}: world size {get(record, 'metrics', 'world_size')!r}, expected {run.gpus}")
+            sizes = get(record, "metrics", "sizes") or []
+            wrong = [row.get("bytes") for row in sizes if row.get("correct") is not True]
+            if not sizes or wrong:
+                problems.append(f"{collective}: {len(sizes)} message size(s), wrong result at {wrong}")
+    return problems
+
+
+def check_lab05_scaling(run: Run) -> list[str]:
+    problems = exited(run)
+    points = [r for r in run.records if str(r.get("method", "")).endswith("-scaling")]
+    if not points:
+        problems.append("no strong-scaling or weak-scaling record")
+    return problems + on_cuda(points) + status_ok(points) + positive_rate(points) + [
+        f"{name_of(r)}: world size {get(r, 'metrics', 'world_size')!r}, expected 1" for r in points
+        if get(r, "metrics", "world_size") != 1]
+
+
+def check_lab05_overlap(run: Run) -> list[str]:
+    """With more than one GPU the hidden share of communication is within 0-100%; with one there is
+    nothing to overlap, and the script says so (one error line) or records no share at all."""
+    if run.gpus == 1 and run.statuses and run.statuses[0] == 2:
+        errors = [line for line in run.log.splitlines() if line.startswith("error:")]
+        problems = no_records(run)
+        if not errors or "Traceback" in run.log:
+            problems.append("exit status 2 without one error line (or with a traceback)")
+        return problems
+    records, problems = records_of(run, "overlap")
+    problems += exited(run) + on_cuda(records) + status_ok(records)
+    for record in records:
+        if get(record, "provenance", "distributed", "backend") != "nccl":
+            problems.append(f"backend {get(record, 'provenance', 'distributed', 'backend')!r}, expected nccl")
+        for row in get(record, "metrics", "buckets") or []:
+            hidden = row.get("hidden_fraction")
+            if run.gpus == 1 and hidden is not None:
+                problems.append(f"bucket_cap_mb {row.get('bucket_cap_mb')}: hidden {hidden!r} on one rank, where "
+                                "nothing overlaps")
+            elif hidden is not None and not 0 <= hidden <= 1:
+                problems.append(f"bucket_cap_mb {row.get('bucket_cap_mb')}: hidden {hidden:.0%}, outside 0-100%")
+    return problems
+
+
+def check_main_job(run: Run) -> list[str]:
+    """scripts/main_job.sh on the GPU(s): the three methods on cuda, and the report's path printed last."""
+    problems = exited(run)
+    methods = {record.get("method") for record in run.records}
+    problems += [f"the main job left no {m!r} record" for m in ("env", "baseline", "dp", "ddp") if m not in methods]
+    lines = [line for line in run.log.splitlines() if line.strip() and not line.startswith("[smoke]")]
+    report = run.folder / "comparison_report.html"
+    if not report.is_file():
+        problems.append("no comparison_report.html")
+    elif not lines or not lines[-1].strip().endswith(str(report.name)):
+        problems.append(f"the last line printed is {lines[-1] if lines else ''!r}, not the report's path")
+    training = [r for r in run.records if r.get("method") in ("baseline", "dp", "ddp")]
+    return problems + on_cuda(training) + status_ok(training) + nccl(run.methods("ddp"), run.gpus)
+
+
+def pytest_runs(run: Run) -> list[tuple[str, int | None]]:
+    """(test id, exit status) of every ``pytest ... TEST_ID`` command in the log, in order."""
+    runs: list[tuple[str, int | None]] = []
+    for line in run.log.splitlines():
+        if line.startswith("[smoke] exit ") and runs and runs[-1][1] is None:
+            runs[-1] = (runs[-1][0], int(line.split()[2]))
+        elif line.startswith("[smoke] ") and " pytest " in line and "--collect-only" not in line:
+            runs.append((line.split()[-1], None))
+    return runs
+
+
+def check_pytest_gpu(run: Run) -> list[str]:
+    """Every gpu-marked test ran in a process of its own and passed (or skipped, e.g. needing 2 GPUs)."""
+    listing = run.folder / "tests.txt"
+    collected = [line.strip() for line in listing.read_text(encoding="utf-8").splitlines()
+                 if "::" in line] if listing.is_file() else []
+    if not collected:
+        return ["no gpu-marked test was collected (pytest -m gpu --collect-only)"]
+    runs = dict(pytest_runs(run))
+    problems = [f"{test}: not run (a timeout of the whole check?)" for test in collected if test not in runs]
+    problems += [f"{test}: exit {status}" + (" (timed out)" if status in (124, 137) else " (failed)")
+                 for test, status in runs.items() if status != 0]
+    return problems
+
+
 CHECKS: dict[str, Callable[[Run], list[str]]] = {
     "gpu_check": check_gpu_check,
     "pytorch_basics": check_pytorch_basics,
@@ -451,6 +607,15 @@ CHECKS: dict[str, Callable[[Run], list[str]]] = {
     "ch16_profiling": check_ch16_profiling,
     "ch16_benchmark": check_ch16_benchmark,
     "ch16_loading": check_ch16_loading,
+    "lab04_memory": check_lab04_memory,
+    "lab04_ddp": check_lab04_ddp,
+    "lab04_fsdp_resume": check_lab04_fsdp_resume,
+    "lab04_largest": check_lab04_largest,
+    "lab05_allreduce": check_lab05_allreduce,
+    "lab05_scaling": check_lab05_scaling,
+    "lab05_overlap": check_lab05_overlap,
+    "main_job": check_main_job,
+    "pytest_gpu": check_pytest_gpu,
 }
 
 

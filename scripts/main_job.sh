@@ -4,10 +4,14 @@
 #
 #   bash scripts/main_job.sh                 # results in results/lab01/
 #   RESULTS_DIR=/tmp/r bash scripts/main_job.sh
+#   PYTHON=python3 bash scripts/main_job.sh  # an interpreter that has the course's packages: no .venv sync
+#                                            # (an offline GPU node; scripts/gpu_smoke.sh runs it so)
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
-bash scripts/bootstrap.sh
-export PYTHON="$repo_root/.venv/bin/python"
-export PATH="$repo_root/.venv/bin:$PATH"
+if [[ -z ${PYTHON:-} ]]; then
+    bash scripts/bootstrap.sh
+    export PYTHON="$repo_root/.venv/bin/python"
+    export PATH="$repo_root/.venv/bin:$PATH"
+fi
 exec bash labs/lab01_dp_vs_ddp/run_lab.sh "$@"

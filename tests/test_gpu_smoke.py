@@ -229,6 +229,48 @@ def good_run(check: str, folder: Path) -> None:
     elif check == "gpu_check":
         (folder / "gpu_check.json").write_text(json.dumps({"torch_gpus": GPUS, "backends": {"nccl_built": True},
                                                            "gpus": [{"index": i, "smoke_test": "ok"} for i in (0, 1)]}))
+    elif check == "lab04_memory":
+        tensors = {"parameters": 100, "gradients": 100, "optimizer": 200}
+        record(folder, "memory", lab="lab04", metrics={"memory": memory(GPUS), "world_size": GPUS, "budget": [
+            {"variant": v, "predicted": {**tensors, "activations": 50}, "measured": {**tensors, "activations": 51}}
+            for v in ("ddp", "fsdp")]})
+    elif check == "lab04_ddp":
+        record(folder, "ddp", lab="lab04", provenance=ddp, metrics={
+            "world_size": GPUS, "memory": memory(GPUS), "parameters_identical": True,
+            "replica_digests": [{"parameters": "ab", "buffers": "cd"}] * GPUS,
+            "checkpoint_saves": [{"mode": "sync", "stall_s": 0.1}]})
+    elif check == "lab04_fsdp_resume":
+        (folder / "status.txt").write_text("0\n0\n")
+        options = {"mixed_precision": "bf16", "activation_checkpointing": True}
+        record(folder, "fsdp+ac+bf16", lab="lab04", provenance=ddp, config={"epochs": 1, "resume": False, **options},
+               metrics={"world_size": GPUS, "memory": memory(GPUS), "checkpoint_saves": [{"mode": "async"}]})
+        record(folder, "fsdp+ac+bf16", lab="lab04", provenance=ddp, config={"epochs": 2, "resume": True, **options})
+    elif check == "lab04_largest":
+        record(folder, "largest-model", lab="lab04", metrics={"measured_by": "cuda_max_memory_allocated", "largest": [
+            {"variant": v, "largest": {"fits": True, "layers": 8}} for v in ("ddp", "fsdp", "fsdp+ac")]})
+    elif check == "lab05_allreduce":
+        for collective in smoke.LAB05_COLLECTIVES:
+            record(folder, collective, lab="lab05", provenance=ddp, metrics={
+                "world_size": GPUS, "sizes": [{"bytes": 1024, "correct": True}, {"bytes": 2**20, "correct": True}]})
+    elif check == "lab05_scaling":
+        record(folder, "strong-scaling", lab="lab05")
+    elif check == "lab05_overlap":
+        record(folder, "overlap", lab="lab05", provenance=ddp, metrics={"world_size": GPUS, "buckets": [
+            {"bucket_cap_mb": 1.0, "hidden_fraction": 0.4}, {"bucket_cap_mb": 25.0, "hidden_fraction": 0.9}]})
+    elif check == "main_job":
+        for method in ("env", "baseline", "dp", "ddp"):
+            record(folder, method, provenance=ddp if method == "ddp" else None,
+                   metrics={"world_size": GPUS if method == "ddp" else 1})
+        (folder / "comparison_report.html").write_text("<html></html>")
+        (folder / "log.txt").write_text(f"[smoke] env ... bash scripts/main_job.sh {folder}\n"
+                                        f"report: {folder}/comparison_report.html\n[smoke] exit 0 after 40 s\n")
+    elif check == "pytest_gpu":
+        (folder / "tests.txt").write_text("tests/test_a.py::test_one[cuda]\ntests/test_b.py::test_two\n\n"
+                                          "2/600 tests collected (598 deselected) in 9.1s\n")
+        (folder / "status.txt").write_text("0\n0\n0\n")
+        (folder / "log.txt").write_text("".join(
+            f"[smoke] python -m pytest -p no:cacheprovider -q -rs -m gpu {test}\n1 passed in 3.2s\n"
+            f"[smoke] exit 0 after 5 s\n" for test in ("tests/test_a.py::test_one[cuda]", "tests/test_b.py::test_two")))
     elif check == "lab01_env":
         record(folder, "env", metrics={"gpus": GPUS, "multi_gpu": {
             "backend_tests": {"nccl": {"ok": True}}, "topology": {"available": True},
@@ -236,8 +278,116 @@ def good_run(check: str, folder: Path) -> None:
 
 
 @pytest.mark.parametrize("check", ["lab01_dp", "ch04_ddp", "amp_training", "ch16_memory", "lab02_sweep", "gpu_check",
-                                   "lab01_env"])
+                                   "lab01_env", "lab04_memory", "lab04_ddp", "lab04_fsdp_resume", "lab04_largest",
+                                   "lab05_allreduce", "lab05_scaling", "lab05_overlap", "main_job", "pytest_gpu"])
 def test_a_healthy_run_passes_its_check(check, tmp_path):
     folder = run_folder(tmp_path, [0])
     good_run(check, folder)
     assert smoke.judge(check, folder, GPUS) == []
+
+
+def test_lab04_fsdp_needs_async_saves_then_a_resumed_run_on_one_gpu(tmp_path):
+    folder = run_folder(tmp_path, [0, 0])
+    good_run("lab04_fsdp_resume", folder)
+    assert smoke.judge("lab04_fsdp_resume", folder, GPUS) == []
+    (folder / "status.txt").write_text("0\n")  # the resume never ran
+    for path in folder.glob("*.json"):
+        if json.loads(path.read_text())["config"]["resume"]:
+            path.unlink()
+    record(folder, "fsdp+ac+bf16", lab="lab04", provenance={"distributed": {"backend": "nccl"}},
+           config={"epochs": 1, "resume": False, "mixed_precision": "fp32", "activation_checkpointing": True},
+           metrics={"world_size": GPUS, "memory": memory(GPUS), "checkpoint_saves": [{"mode": "sync"}]})
+    problems = " | ".join(smoke.judge("lab04_fsdp_resume", folder, GPUS))
+    for expected in ("1 command(s) ran, 2 expected", "no record of the resumed run", "expected async only",
+                     "ran without bf16 and activation checkpointing"):
+        assert expected in problems, (expected, problems)
+
+
+def test_lab04_memory_names_a_tensor_that_differs_from_its_prediction(tmp_path):
+    folder = run_folder(tmp_path, [0])
+    record(folder, "memory", lab="lab04", metrics={"memory": memory(GPUS), "world_size": GPUS, "budget": [
+        {"variant": "fsdp", "predicted": {"parameters": 50, "gradients": 50, "optimizer": 100},
+         "measured": {"parameters": 100, "gradients": 50, "optimizer": 100}}]})
+    assert smoke.judge("lab04_memory", folder, GPUS) == ["fsdp: parameters predicted 50 B, measured 100 B"]
+
+
+@pytest.mark.parametrize("gpus, hidden, statuses, log, problem", [
+    (2, 3.03, [0], "", "hidden 303%, outside 0-100%"),
+    (1, 0.5, [0], "", "hidden 0.5 on one rank, where nothing overlaps"),
+    (1, None, [0], "", None),
+    (1, None, [2], "error: one rank: there is no communication to overlap (use 2 or more)\n", None),
+    (1, None, [2], "Traceback (most recent call last):\n", "without one error line"),
+], ids=["2-ranks-303%", "1-rank-a-share", "1-rank-no-share", "1-rank-refused", "1-rank-traceback"])
+def test_lab05_overlap_keeps_hidden_within_0_to_100_and_says_one_rank_has_nothing_to_hide(
+        tmp_path, gpus, hidden, statuses, log, problem):
+    folder = run_folder(tmp_path, statuses, log=log)
+    if statuses == [0]:
+        record(folder, "overlap", lab="lab05", provenance={"distributed": {"backend": "nccl"}},
+               metrics={"world_size": gpus, "buckets": [{"bucket_cap_mb": 1.0, "hidden_fraction": hidden}]})
+    problems = smoke.judge("lab05_overlap", folder, gpus)
+    assert (problems == []) if problem is None else any(problem in p for p in problems), problems
+
+
+def test_main_job_must_print_the_reports_path_last_and_train_on_the_gpu(tmp_path):
+    folder = run_folder(tmp_path, [0])
+    good_run("main_job", folder)
+    with (folder / "log.txt").open("a") as log:
+        log.write("some later line\n")
+    record(folder, "baseline", device="cpu")
+    problems = " | ".join(smoke.judge("main_job", folder, GPUS))
+    assert "not the report's path" in problems and "ran on 'cpu', not cuda" in problems
+
+
+def test_pytest_gpu_names_each_failed_or_missing_test(tmp_path):
+    folder = run_folder(tmp_path, [0, 0, 1])
+    good_run("pytest_gpu", folder)
+    (folder / "tests.txt").write_text("tests/test_a.py::test_one[cuda]\ntests/test_b.py::test_two\n"
+                                      "tests/test_c.py::test_three\n")
+    log = (folder / "log.txt").read_text().replace("exit 0 after 5 s", "exit 1 after 5 s", 1)
+    (folder / "log.txt").write_text(log)
+    assert smoke.judge("pytest_gpu", folder, GPUS) == ["tests/test_c.py::test_three: not run (a timeout of the whole "
+                                                       "check?)", "tests/test_a.py::test_one[cuda]: exit 1 (failed)"]
+
+
+def test_the_pytest_check_runs_each_collected_gpu_test_in_its_own_process(tmp_path):
+    """gpu_smoke.sh with a stand-in interpreter: pytest's collection lists two tests, and each is then
+    run by a pytest process of its own; the checker reads the log those runs left."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/bash
+case "$*" in
+    "-c import torch"*) echo "1 2.15.0 NVIDIA H100 80GB HBM3" ;;
+    "-c import "*) exit 0 ;;
+    scripts/gpu_smoke_check.py*) exec {PYTHON} "$@" ;;
+    *--collect-only*) printf 'tests/test_a.py::test_one[cuda]\\ntests/test_b.py::test_two\\n\\n2/9 tests collected\\n' ;;
+    *"-m gpu tests/test_a.py::test_one[cuda]") echo "1 passed" ;;
+    *"-m gpu tests/test_b.py::test_two") echo "1 failed"; exit 1 ;;
+    *) echo "unexpected: $*" >&2; exit 99 ;;
+esac
+""")
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(REPO / "scripts/gpu_smoke.sh"), "--only", "pytest_gpu", "--out",
+                           str(tmp_path / "smoke")], env=script_env(PYTHON=str(fake)), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert re.search(r"pytest_gpu +FAIL .*tests/test_b.py::test_two: exit 1 \(failed\)$", proc.stdout, re.M), proc.stdout
+    assert "test_one" not in proc.stdout.splitlines()[-2]
+    log = (tmp_path / "smoke" / "pytest_gpu" / "log.txt").read_text()
+    runs = [line for line in log.splitlines() if line.startswith("[smoke] ") and " -m gpu tests/" in line]
+    assert [line.split()[-1] for line in runs] == ["tests/test_a.py::test_one[cuda]", "tests/test_b.py::test_two"]
+    assert "1 passed" in log
+
+
+def test_the_main_job_runs_with_a_given_interpreter_without_syncing_a_venv(tmp_path):
+    """How the smoke check runs the main job on an offline GPU node: PYTHON names the interpreter, and
+    the lab runs with it, end to end, without bootstrap.sh (which needs the network to sync .venv)."""
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/bash\necho "$*" >> {calls}\n')
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(REPO / "scripts/main_job.sh"), str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=60, env=script_env(PYTHON=str(fake)))
+    assert proc.returncode == 0, proc.stderr
+    assert "bootstrap" not in proc.stderr
+    scripts = [Path(line.split()[0]).name for line in calls.read_text().splitlines()]
+    assert scripts[:3] == ["01_environment_check.py", "02_baseline_single_gpu.py", "03_dataparallel_training.py"]
+    assert proc.stdout.splitlines()[-1] == f"report: {tmp_path / 'out' / 'comparison_report.html'}"

@@ -85,10 +85,15 @@ def test_the_three_pipelines_give_the_same_numbers():
     assert len(device) == -(-len(train) // 16)
 
 
-def test_sweep_records_each_step_and_the_report_shows_the_path(tmp_path, capsys):
+def test_sweep_records_each_step_and_the_report_shows_the_path(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO / LAB)  # where the README runs it
     status = run_main(f"{LAB}/sweep.py", ["--steps", "baseline,device", *TINY, "--results-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert status == 0, out
+    # The report command it ends with can be typed where the sweep ran.
+    report_command = next(line for line in out.splitlines() if line.startswith("report: ")).split()
+    assert report_command[1] == "python" and Path(report_command[2]).resolve() == REPO / "scripts/compare_results.py"
+    assert Path(report_command[2]).is_file() and report_command[3:] == ["--results-dir", str(tmp_path)]
     found = {r["method"]: r for r in records(tmp_path)}
     assert set(found) == {"baseline", "device"}
     baseline, device = found["baseline"], found["device"]
@@ -149,10 +154,30 @@ def test_data_pipeline_benchmark_dry_run_writes_three_records(tmp_path, capsys):
     assert metrics["ratios"]["b/c"]["per_round"] == [pytest.approx(metrics["b_over_c"])]
 
 
+@pytest.mark.parametrize("job_id", ["88", None])
+def test_job_script_names_its_profile_after_the_job_or_local_outside_slurm(tmp_path, job_id):
+    """In a job the profile is <jobid>.lprof as in the USC lab; run outside Slurm it is local.lprof,
+    never the hidden ".lprof" that `line_profiler -rmt *.lprof` would skip."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "kernprof").write_text('#!/bin/sh\necho "KERNPROF $*"\n')
+    (tools / "python").write_text("#!/bin/sh\nexit 0\n")  # pytorch.sh asks: is torch importable? yes
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    env = {key: value for key, value in script_env().items()
+           if not key.startswith(("SLURM_", "HPC_DL_LABS_", "CONDA", "VIRTUAL_ENV"))}
+    env.update(PATH=f"{tools}:/usr/bin:/bin", **({"SLURM_JOB_ID": job_id, "SLURM_JOBID": job_id} if job_id else {}))
+    done = subprocess.run(["bash", str(REPO / LAB / "job.slurm")], cwd=REPO / LAB, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    profile = f"{job_id or 'local'}.lprof"
+    assert f"KERNPROF -o {profile} -l mnist_classify.py --epochs=3" in done.stdout.splitlines()
+    assert f"line profile: {profile}  (python -m line_profiler -rmt {profile})" in done.stdout
+
+
 def test_job_script_is_the_seeds_job_and_shellcheck_clean():
     job = REPO / LAB / "job.slurm"
     text = job.read_text()
-    assert 'kernprof -o "${SLURM_JOBID}.lprof" -l mnist_classify.py --epochs=3' in text
     assert "set -euo pipefail" in text
     for line in text.splitlines():
         if line.startswith("#SBATCH"):

@@ -1,7 +1,7 @@
 """The report's command line: ``python scripts/compare_results.py`` and every lab entry that runs it.
 
 The flags are those of the seed's ``performance_comparison.py`` (``--results-dir``,
-``--output-report``, ``--generate-plots``) plus ``--csv``, ``--no-plots`` and ``--title``.
+``--output-report``, ``--generate-plots``) plus ``--lab``, ``--csv``, ``--no-plots`` and ``--title``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from common.cli import one_line_errors, output_file
 from common.report import build_report
 from common.report.render import DEFAULT_REPORT_NAME
 
-__all__ = ["build_parser", "parse_args", "main"]
+__all__ = ["beside_records", "build_parser", "parse_args", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,10 +22,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Turn a folder of result records into one self-contained HTML report and a CSV summary."))
     parser.add_argument("--results-dir", type=Path, default=Path("results"),
                         help="folder of result records, searched recursively (default: %(default)s)")
+    parser.add_argument("--lab", default=None,
+                        help="only this lab's (or chapter's) records, e.g. lab04 or ch04; the report is then "
+                             "RESULTS_DIR/LAB_comparison_report.html (default: every record found, all labs in "
+                             "one report)")
     parser.add_argument("--output-report", type=output_file, default=None,
-                        help=f"HTML file to write (default: RESULTS_DIR/{DEFAULT_REPORT_NAME})")
+                        help="HTML file to write; a bare file name (no folder) is put in RESULTS_DIR, beside the "
+                             f"records (default: RESULTS_DIR/{DEFAULT_REPORT_NAME})")
     parser.add_argument("--csv", type=output_file, default=None,
-                        help="CSV summary to write, one row per run (default: the report's path with .csv)")
+                        help="CSV summary to write, one row per run; a bare file name is put in RESULTS_DIR "
+                             "(default: the report's path with .csv)")
     parser.add_argument("--generate-plots", dest="plots", action="store_true", default=True,
                         help="draw throughput, memory and efficiency plots (default: on)")
     parser.add_argument("--no-plots", dest="plots", action="store_false",
@@ -39,13 +45,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def beside_records(path: Path | None, results_dir: Path) -> Path | None:
+    """A bare file name goes into the results folder: the seed's ``--output-report comparison_report.html``
+    would otherwise leave the report in whatever folder the command was typed in."""
+    return results_dir / path if path is not None and len(path.parts) == 1 else path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    outcome = build_report(args.results_dir, args.output_report, args.csv, plots=args.plots, title=args.title)
+    report = beside_records(args.output_report, args.results_dir)
+    if report is None and args.lab is not None:
+        report = args.results_dir / f"{args.lab}_{DEFAULT_REPORT_NAME}"
+    outcome = build_report(args.results_dir, report, beside_records(args.csv, args.results_dir), plots=args.plots,
+                           title=args.title, lab=args.lab)
     problems = len(outcome.warnings)
     print(f"read {outcome.runs} run{'s' if outcome.runs != 1 else ''}"
           f"{f', skipped {len(outcome.skipped)} file(s)' if outcome.skipped else ''}"
           f"{f'; {problems} warning(s), listed in the report' if problems else ''}")
+    if len(outcome.labs) > 1:
+        print(f"note: runs of {len(outcome.labs)} labs in one report ({', '.join(outcome.labs)}); "
+              f"--lab {outcome.labs[0]} makes a report of one lab")
     print(f"csv: {outcome.csv_path}")
     print(f"report: {outcome.report_path}")
     return 0

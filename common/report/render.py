@@ -35,6 +35,7 @@ class ReportOutcome:
     runs: int
     skipped: list[tuple[str, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    labs: list[str] = field(default_factory=list)  # the labs (and chapters) whose runs the report shows
 
 
 def _environment() -> jinja2.Environment:
@@ -93,11 +94,13 @@ def build_report(
     *,
     plots: bool = True,
     title: str | None = None,
+    lab: str | None = None,
 ) -> ReportOutcome:
     """Read every record under ``results_dir`` and write an HTML report and a CSV summary.
 
     ``output_report`` defaults to ``<results_dir>/comparison_report.html`` and ``csv_path`` to the
-    report's path with ``.csv``. Files that are not readable records are skipped and named, here on
+    report's path with ``.csv``. ``lab`` keeps only that lab's records (``"lab04"``, ``"ch04"``).
+    Files that are not readable records are skipped and named, here on
     stderr and in the report. Raises :class:`UserError` when the folder is missing or holds no
     readable record.
     """
@@ -115,6 +118,12 @@ def build_report(
     skipped = [(relative_name(path, folder), reason) for path, reason in loaded.errors]
     for name, reason in skipped:
         print(f"warning: skipped {name}: {reason}", file=sys.stderr)
+    if lab is not None:
+        found = sorted({str(record.get("lab")) for record in loaded.records})
+        loaded.records[:] = [record for record in loaded.records if record.get("lab") == lab]
+        if not loaded.records:
+            raise UserError(f"no result records of {lab} in {folder} (its records are of: "
+                            f"{', '.join(found) or 'no lab'})")
     if not loaded.records:
         if skipped:
             raise UserError(f"none of the {_plural(len(skipped), 'file')} in {folder} is a readable result record")
@@ -157,4 +166,4 @@ def build_report(
     warnings = [f"skipped {name}: {reason}" for name, reason in skipped]
     warnings += [f"{f.subject}: {f.message}" for f in findings]
     return ReportOutcome(report_path=report_path, csv_path=csv_out, runs=len(runs), skipped=skipped,
-                         warnings=warnings)
+                         warnings=warnings, labs=sorted(runs["lab"].unique()))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import linecache
+import os
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,7 @@ from common.results import make_record, provenance, write_record
 LAB_DIR = Path(__file__).resolve().parent
 TRAIN_SCRIPT = LAB_DIR / "mnist_classify.py"
 SCRIPT = "labs/lab02_profiling/sweep.py"
+REPORT_SCRIPT = LAB_DIR.parents[1] / "scripts" / "compare_results.py"
 #: The line of ``train()`` that waits for the next batch: the seed's 84.5 %.
 DATA_LOADING_LINE = "for batch_idx, (data, target) in enumerate(train_loader):"
 
@@ -81,6 +83,14 @@ def optimisation_path(args: argparse.Namespace) -> list[Step]:
     if args.include_compile:
         steps.append(Step("compile", "torch.compile (compile time recorded separately)", (("--compile", None),)))
     return steps
+
+
+def from_here(path: Path) -> str:
+    """``path`` as the user can type it where they are: relative to the working folder, else absolute."""
+    try:
+        return os.path.relpath(path)
+    except ValueError:  # another drive on Windows
+        return str(path)
 
 
 def data_loading_share(lprof_path: str | Path, function: str = "train") -> float:
@@ -228,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nsweep {sweep_id} ({args.dataset}, {args.epochs} epoch(s) per step; provisional on a shared machine)")
     print(markdown_table(rows))
     print(f"line profiles: {profile_dir}/{sweep_id}_*.lprof (python -m line_profiler -rmt FILE)")
-    print(f"report: python scripts/compare_results.py --results-dir {args.results_dir}")
+    print(f"report: python {from_here(REPORT_SCRIPT)} --results-dir {args.results_dir}")
     return 1 if failures else 0
 
 
