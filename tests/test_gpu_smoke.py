@@ -328,6 +328,20 @@ def test_lab05_overlap_keeps_hidden_within_0_to_100_and_says_one_rank_has_nothin
     assert (problems == []) if problem is None else any(problem in p for p in problems), problems
 
 
+@pytest.mark.parametrize(("log", "records", "problem"), [
+    ("bandwidth: 1 rank, backend nccl: there is no link to measure (one rank sends nothing)\n", 0, None),
+    ("bandwidth: 1 rank, backend nccl: there is no link to measure (one rank sends nothing)\n", 1,
+     "1 record(s) written, expected none"),
+    ("all_reduce 1024 B busbw 0.00 GB/s\n", 0, "line is missing"),
+], ids=["says-so", "wrote-a-record", "printed-numbers"])
+def test_lab05_allreduce_on_one_gpu_says_there_is_no_link_and_writes_nothing(tmp_path, log, records, problem):
+    folder = run_folder(tmp_path, [0], log=log)
+    for _ in range(records):
+        record(folder, "all_reduce", lab="lab05", metrics={"world_size": 1})
+    problems = smoke.judge("lab05_allreduce", folder, 1)
+    assert (problems == []) if problem is None else any(problem in p for p in problems), problems
+
+
 def test_main_job_must_print_the_reports_path_last_and_train_on_the_gpu(tmp_path):
     folder = run_folder(tmp_path, [0])
     good_run("main_job", folder)
