@@ -373,17 +373,17 @@ def test_samples_per_s_agrees_with_the_epoch_time_when_the_loader_is_slow(tmp_pa
     """A step starts when the loop asks for its batch: with no step left out as warm-up, samples/s
     times the epoch's wall time is the epoch's samples, however long the loader made the loop wait;
     the record and the last line say how much of the epoch was spent waiting."""
-    monkeypatch.setattr(load_script(TRAIN), "get_dataset", _slow_digits(delay_s=0.003))
-    assert run_main(TRAIN, ["--device", "cpu", "--epochs", "1", "--max-steps", "4", "--batch-size", "16",
+    monkeypatch.setattr(load_script(TRAIN), "get_dataset", _slow_digits(delay_s=0.01))
+    assert run_main(TRAIN, ["--device", "cpu", "--epochs", "1", "--max-steps", "4", "--batch-size", "8",
                             "--num-workers", "0", "--warmup-steps", "0", "--log-interval", "1000",
                             "--results-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     (record,) = _records(tmp_path)
     metrics = record["metrics"]
     assert record["config"]["data_loader"]["kind"] == "DataLoader"  # a set read sample by sample: not resident
-    samples = metrics["steps"] * 16
-    assert metrics["samples_per_s"] * metrics["epoch_time_s"][0] == pytest.approx(samples, rel=0.03)
-    assert metrics["data_wait_s"] >= samples * 0.003
+    samples = metrics["steps"] * 8
+    assert metrics["samples_per_s"] * metrics["epoch_time_s"][0] == pytest.approx(samples, rel=0.05)
+    assert metrics["data_wait_s"] >= samples * 0.01
     share = re.search(r"waiting for data (\d+)% of the epochs", out)
     assert share and int(share.group(1)) == round(100 * metrics["data_wait_s"] / metrics["epoch_time_s"][0]), out
 
