@@ -388,9 +388,25 @@ def test_samples_per_s_agrees_with_the_epoch_time_when_the_loader_is_slow(tmp_pa
     assert share and int(share.group(1)) == round(100 * metrics["data_wait_s"] / metrics["epoch_time_s"][0]), out
 
 
-def test_data_resident_on_the_device_trains_on_the_loaders_batches(tmp_path, capsys):
+def test_data_resident_on_the_device_trains_on_the_loaders_batches(tmp_path, monkeypatch, capsys):
     """--data-on-device yes (the whole set in memory, batches cut there) and no (a DataLoader) give
-    the same batches in the same order, epoch after epoch: the same losses, step by step."""
+    the same batches in the same order, epoch after epoch: the same losses, step by step. And the
+    training steps read no number back from the device (on a GPU each read makes the CPU wait):
+    the losses are fetched together at the log lines and the end of the epoch."""
+    import torch
+
+    script, reads = load_script(TRAIN), []
+    real_train, real_item, real_float = script.train, torch.Tensor.item, torch.Tensor.__float__
+
+    def counting_train(*args, **kwargs):
+        if args[2].__class__.__name__ == "DataLoader":  # it draws its workers' seed with .item(), on the CPU
+            return real_train(*args, **kwargs)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "item", lambda self: reads.append("item") or real_item(self))
+            patch.setattr(torch.Tensor, "__float__", lambda self: reads.append("float") or real_float(self))
+            return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(script, "train", counting_train)
     losses = {}
     for choice in ("yes", "no"):
         assert run_main(TRAIN, ["--device", "cpu", "--epochs", "2", "--max-steps", "2", "--num-workers", "0",
@@ -401,6 +417,7 @@ def test_data_resident_on_the_device_trains_on_the_loaders_batches(tmp_path, cap
         kind = record["config"]["data_loader"]["kind"]
         assert kind == ("resident" if choice == "yes" else "DataLoader")
     assert len(losses["yes"]) == 4 and losses["yes"] == losses["no"]
+    assert reads == []  # 4 training steps cut from the resident set, no loss read one at a time
     assert "batches: whole data set in cpu memory" in capsys.readouterr().out
 
 
