@@ -11,6 +11,12 @@ What it teaches: the device-agnostic training loop (move the model once, move ev
 ``model.train()``/``model.eval()``), how to time it honestly, and mixed precision with autocast and
 a GradScaler. Every run writes a result record (``--results-dir``) that the report tool reads.
 
+Feeding the device: MNIST is decoded once into one normalised tensor, and with
+``--data-on-device auto`` the whole set is copied to the GPU once when it fits; each step cuts its
+batch there (``batches:`` at the start says so). Otherwise a DataLoader with ``--num-workers``
+processes (from ``SLURM_CPUS_PER_TASK``) and pinned memory feeds it. Samples/s include any wait for
+data, so they agree with the epoch's wall time.
+
 ``--amp`` chooses the precision of the forward pass: ``fp32`` (off), ``bf16`` (CPU and recent GPUs)
 or ``fp16`` (GPU; uses a GradScaler). Gradients are clipped after ``scaler.unscale_()`` so the clip
 threshold applies to the true gradients, not the scaled ones. ``amp_training.py`` runs fp32 and AMP
