@@ -3,8 +3,8 @@
 ==============  ==================================================  ==========================
 name            what                                                where it comes from
 ==============  ==================================================  ==========================
-``mnist``       torchvision's MNIST (60k/10k, 1x28x28)              ``--data-dir`` (downloaded on
-                                                                    a login node beforehand)
+``mnist``       MNIST (60k/10k, 1x28x28), decoded once into one     ``--data-dir`` (downloaded on
+                normalised tensor (:class:`DecodedImages`)          a login node beforehand)
 ``digits``      real handwritten digits (1,797, 8x8 upsampled to    bundled inside scikit-learn:
                 1x28x28), fixed 80/20 stratified train/test split   always available
 ``cifar10``     CIFAR-10 (50k/10k, 3x32x32)                         ``--data-dir``
@@ -18,6 +18,11 @@ name            what                                                where it com
 
 Nothing here downloads. A missing data set raises :class:`~common.errors.UserError` that names
 the command to run on a login node (``scripts/download_data.py``).
+
+``mnist`` and ``digits`` are held in memory as tensors, ready for the model: a batch is one indexing
+operation. :func:`make_loader` feeds them through a DataLoader (``num_workers`` processes), or, with
+``resident_on=device``, keeps the whole set in that device's memory and cuts the batches there
+(:class:`ResidentBatches`; :func:`resident_device` decides when it fits).
 """
 
 from __future__ import annotations
@@ -25,10 +30,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, TensorDataset
 
 from common.errors import UserError
 
@@ -37,6 +42,11 @@ MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 #: Above this many bytes a synthetic set is generated per sample instead of kept in memory.
 SYNTHETIC_CACHE_LIMIT = 512 * 2**20
+#: ``--data-on-device auto`` keeps a data set on a GPU when it takes at most this share of the free
+#: memory: the rest is left for the model, its gradients, the optimiser and the activations.
+RESIDENT_SHARE = 0.5
+#: The choices of ``--data-on-device`` (:func:`resident_device`).
+RESIDENT_CHOICES = ("auto", "yes", "no")
 
 
 @dataclass
@@ -144,6 +154,21 @@ def load_digits_split(test_fraction: float = 0.2, image_size: int = 28, seed: in
     return TensorDataset(images[train], labels[train]), TensorDataset(images[test], labels[test])
 
 
+class DecodedImages(TensorDataset):
+    """Images decoded once, before training: ``tensors`` holds the normalised float images
+    (N, C, H, W) and the labels a model reads, so a sample or a batch is one indexing operation.
+
+    ``data`` (the images as stored, uint8) and ``targets`` keep the names torchvision gives them.
+    torchvision's own ``MNIST`` instead turns every sample of every epoch into a PIL image, then a
+    float tensor, then a normalised one: 60,000 times an epoch, which starves a GPU.
+    """
+
+    def __init__(self, data: torch.Tensor, targets: torch.Tensor, mean: float, std: float) -> None:
+        self.data, self.targets = data, targets
+        images = (data.float() / 255 - mean) / std  # the arithmetic of ToTensor + Normalize, on all at once
+        super().__init__(images.unsqueeze(1) if images.dim() == 3 else images, targets)
+
+
 #: The torchvision sets read from ``--data-dir``: class, the folder that shows a copy is there, mean, std, shape.
 _TORCHVISION_SETS: dict[str, tuple[Any, ...]] = {
     "mnist": ("MNIST", "MNIST/raw", (MNIST_MEAN,), (MNIST_STD,), (1, 28, 28)),
@@ -152,19 +177,24 @@ _TORCHVISION_SETS: dict[str, tuple[Any, ...]] = {
 
 
 def _torchvision_splits(name: str, data_dir: Path) -> DataSplits:
-    """MNIST or CIFAR-10 as torchvision reads them from ``data_dir``, normalised; never downloads."""
+    """MNIST or CIFAR-10 as torchvision reads them from ``data_dir``, normalised; never downloads.
+
+    MNIST comes back as :class:`DecodedImages` (decoded once); CIFAR-10 is transformed per sample.
+    """
     from torchvision import datasets, transforms
 
     class_name, folder, mean, std, shape = _TORCHVISION_SETS[name]
     if not (data_dir / folder).is_dir():
         raise _missing(name, data_dir, f" (expected {folder}/)")
-    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
+    tf = None if name == "mnist" else transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
     dataset = getattr(datasets, class_name)
     try:
         train = dataset(str(data_dir), train=True, download=False, transform=tf)
         test = dataset(str(data_dir), train=False, download=False, transform=tf)
     except RuntimeError as err:
         raise _missing(name, data_dir, f" ({err})") from None
+    if name == "mnist":  # torchvision holds the whole set as one uint8 tensor: normalise it once, here
+        train, test = (DecodedImages(split.data, split.targets, mean[0], std[0]) for split in (train, test))
     return DataSplits(train, test, name, shape, 10)
 
 
@@ -206,20 +236,118 @@ def get_dataset(name: str, data_dir: str | Path = "data", *, image_size: int | N
 
 def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool, distributed: bool = False,
                 num_workers: int = 0, pin_memory: bool = False, seed: int = 0, drop_last: bool = False,
-                **loader_kwargs: Any) -> tuple[DataLoader, DistributedSampler | None]:
+                resident_on: torch.device | None = None,
+                **loader_kwargs: Any) -> tuple[DataLoader | ResidentBatches, DistributedSampler | None]:
     """A DataLoader, with a ``DistributedSampler`` when the run is distributed.
 
     The sampler is returned so the training loop can call ``sampler.set_epoch(epoch)``: without it
-    every epoch sees the same order on every rank.
+    every epoch sees the same order on every rank. A shuffled order depends only on ``seed`` and
+    the epoch, never on ``num_workers`` (a DataLoader with persistent workers would otherwise draw
+    another order from the second epoch on, and a resumed run would not repeat an unbroken one).
+
+    ``resident_on``: keep the whole data set in that device's memory and cut the batches there
+    (:class:`ResidentBatches`, the same batches in the same order; no workers, no copies per step).
     """
-    sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last) if distributed else None
-    generator = torch.Generator().manual_seed(seed)
+    # One replica when not distributed: the same epoch-seeded permutation, whatever the workers do.
+    sampler = DistributedSampler(dataset, num_replicas=None if distributed else 1, rank=None if distributed else 0,
+                                 shuffle=shuffle, seed=seed, drop_last=drop_last) if distributed or shuffle else None
+    if resident_on is not None:
+        return ResidentBatches(dataset, batch_size, resident_on, sampler=sampler, drop_last=drop_last), sampler
     if num_workers > 0:
         loader_kwargs.setdefault("persistent_workers", True)
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None, sampler=sampler,
-                        num_workers=num_workers, pin_memory=pin_memory, drop_last=drop_last,
-                        generator=generator, **loader_kwargs)
-    return loader, sampler
+    # Its own generator, for the seeds of the workers: without one the DataLoader draws them from the
+    # global generator, and dropout masks would depend on the number of workers and of epochs begun.
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                        pin_memory=pin_memory, drop_last=drop_last, generator=torch.Generator().manual_seed(seed),
+                        **loader_kwargs)
+    return loader, sampler if distributed else None
+
+
+def _tensors_of(dataset: Dataset) -> list[torch.Tensor] | None:
+    """The tensors a data set is made of (a ``TensorDataset`` or a ``Subset`` of one), else ``None``."""
+    if isinstance(dataset, TensorDataset):
+        return list(dataset.tensors)
+    if isinstance(dataset, Subset):
+        inner = _tensors_of(dataset.dataset)
+        index = torch.as_tensor(list(dataset.indices), dtype=torch.long)
+        return None if inner is None else [tensor[index] for tensor in inner]
+    return None
+
+
+def resident_device(choice: str, datasets: Iterable[Dataset], device: torch.device) -> torch.device | None:
+    """Where ``--data-on-device`` (``choice``: auto, yes, no) keeps ``datasets`` whole: ``device``, or
+    ``None`` for a DataLoader.
+
+    ``auto``: on a CPU whenever the sets are tensors already (a DataLoader's workers would only copy
+    them), on a GPU when they also take at most :data:`RESIDENT_SHARE` of its free memory; ``yes``
+    insists, and a set that is read sample by sample (``synthetic``, ``cifar10``, image folders)
+    is then an error.
+    """
+    if choice == "no":
+        return None
+    tensors = [_tensors_of(dataset) for dataset in datasets]
+    if any(parts is None for parts in tensors):
+        if choice == "yes":
+            raise UserError("--data-on-device yes needs a data set held in memory as tensors (mnist, digits); "
+                            "this one is read sample by sample: use --data-on-device no")
+        return None
+    if choice == "auto" and device.type == "cuda":
+        needed = sum(t.numel() * t.element_size() for parts in tensors for t in parts)  # type: ignore[union-attr]
+        free, _total = torch.cuda.mem_get_info(device)
+        if needed > RESIDENT_SHARE * free:
+            return None
+    return device
+
+
+class ResidentBatches:
+    """Batches cut from a data set held whole in one device's memory: the loader of a set that fits.
+
+    The tensors are copied to ``device`` once; each epoch the order (from ``sampler``, the one a
+    DataLoader would use, or the data set's own order) is copied there once too, and every batch is
+    one ``index_select`` on the device: no worker processes, no host-to-device copy per step, no
+    waiting. The batches are those of :func:`make_loader`'s DataLoader, in the same order.
+    """
+
+    num_workers = 0
+
+    def __init__(self, dataset: Dataset, batch_size: int, device: torch.device, *,
+                 sampler: Sampler[int] | None = None, drop_last: bool = False) -> None:
+        tensors = _tensors_of(dataset)
+        if tensors is None:
+            raise UserError("only a data set held as tensors can be kept on the device")
+        self.tensors = [tensor.to(device) for tensor in tensors]
+        self.dataset, self.batch_size, self.device = dataset, batch_size, device
+        self.sampler, self.drop_last = sampler, drop_last
+        self.batch_sampler = None  # what set_loader_epoch looks at: the sampler's set_epoch does it
+
+    def __len__(self) -> int:
+        count = len(self.sampler) if self.sampler is not None else len(self.tensors[0])  # type: ignore[arg-type]
+        return count // self.batch_size if self.drop_last else math.ceil(count / self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        if self.sampler is None:
+            order = torch.arange(len(self.tensors[0]), device=self.device)
+        else:
+            order = torch.as_tensor(list(self.sampler), dtype=torch.long).to(self.device)
+        for step in range(len(self)):
+            index = order[step * self.batch_size:(step + 1) * self.batch_size]
+            yield tuple(tensor.index_select(0, index) for tensor in self.tensors)
+
+
+def describe_loader(loader: Any) -> dict[str, Any]:
+    """What feeds a training loop, for the record: resident on a device, or a DataLoader's workers."""
+    if isinstance(loader, ResidentBatches):
+        return {"kind": "resident", "device": str(loader.device), "num_workers": 0}
+    return {"kind": type(loader).__name__, "num_workers": getattr(loader, "num_workers", 0),
+            "pin_memory": bool(getattr(loader, "pin_memory", False))}
+
+
+def loader_line(loader: Any) -> str:
+    """:func:`describe_loader` as words for a progress line."""
+    facts = describe_loader(loader)
+    if facts["kind"] == "resident":
+        return f"whole data set in {facts['device']} memory"
+    return f"DataLoader, {facts['num_workers']} worker(s){', pinned memory' if facts['pin_memory'] else ''}"
 
 
 def set_loader_epoch(loader: DataLoader, epoch: int, seed: int) -> None:

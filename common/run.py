@@ -30,8 +30,12 @@ What the run owns, so that no training script writes it again:
   restore the tracked objects and every rank's random generators, and continue at the step where
   the run stopped, with the same data order (each epoch's shuffle depends only on the seed and the
   epoch number; the steps already done are skipped).
-- **Measuring**: step timing (warm-up dropped, device synchronised), per-step losses averaged over
-  ranks, peak memory of every rank, and for DDP a hash of every replica's parameters.
+- **Measuring**: step timing (warm-up dropped, device synchronised; a step starts when the loop asks
+  for its batch, so waiting for the loader counts and samples/s agrees with the epoch times), the
+  time spent waiting for data, what fed the loop (a DataLoader and its workers, or a data set
+  resident on the device), per-step losses averaged over ranks (kept on the device until a log
+  line or the end of the epoch needs them: no synchronisation per step for a loss), peak memory
+  of every rank, and for DDP a hash of every replica's parameters.
 - **The record**: built by :func:`common.results.training_metrics` with the metric names the schema
   documents, written by rank 0 only.
 """
@@ -51,7 +55,7 @@ from torch import nn
 from common.checkpoint import (StopSignal, capture_rng_state, check_same_settings, load_checkpoint,
                                restore_rng_state, save_checkpoint)
 from common.cli import apply_dry_run, config_dict, non_negative_int, output_file, positive_int
-from common.data import set_loader_epoch
+from common.data import describe_loader, set_loader_epoch
 from common.device import configure_threads, describe, resolve_device, use_deterministic_algorithms
 from common.distributed import (DistContext, all_reduce_mean, any_rank, gather_objects, init_distributed, print0,
                                 print_rank, teardown_distributed)
@@ -223,6 +227,10 @@ class TrainingRun:
         self.timer: StepTimer | None = None
         self.threads = 0
         self._local_losses: list[float] = []
+        self._pending_losses: list[torch.Tensor] = []  # this rank's losses still on the device (no sync per step)
+        self._loader: dict[str, Any] | None = None  # what fed the training loop (common.data.describe_loader)
+        self._waited_s = 0.0  # time the steps this process ran spent waiting for their batch
+        self._loop_s = 0.0  # wall time of the epochs' loops this process ran
         self._global_batch: int | None = None  # samples per optimiser step over all ranks
         self._current_epoch: int | None = None  # inside run.epochs()' loop body
         self._samples_run = 0  # samples of every rank through the steps this process ran (energy per sample)
@@ -370,37 +378,61 @@ class TrainingRun:
         signal and, if so, raises :class:`Preempted` on every rank at the same step.
         """
         total = len(loader) if self.args.max_steps is None else min(len(loader), self.args.max_steps)
+        self._loader = self._loader or describe_loader(loader)
         start = time.perf_counter()
         with self.energy:  # the energy counters are read at the start and end of the epoch's steps
             yield from self._timed_steps(loader, total)
         elapsed = time.perf_counter() - start
         self.progress.epoch_time_s.append(elapsed)
         self.progress.train_time_s += elapsed
+        self._loop_s += elapsed
 
     def _timed_steps(self, loader: Iterable[Any], total: int) -> Iterator[Any]:
-        for step, batch in enumerate(loader):
-            if step >= total:
+        batches = iter(loader)
+        for step in range(total):
+            asked = time.perf_counter()
+            batch = next(batches, None)  # waiting for the loader is part of the step: a starved device shows
+            if batch is None:
                 break
+            waited = time.perf_counter() - asked
             if step < self.start_step:
                 continue
             stop = self.stop.requested is not None
             if any_rank(stop, self.device) if self.distributed else stop:
                 raise Preempted(step)
-            logged = len(self._local_losses)
+            logged = len(self._local_losses) + len(self._pending_losses)
             samples = _batch_size(batch) * self.world_size
             self._global_batch = self._global_batch or samples
-            with self.timer.step(samples=samples):
+            with self.timer.step(samples=samples, waited_s=waited):
                 yield batch
             self.progress.steps += 1
             self._samples_run += samples
+            self._waited_s += waited
             interval = getattr(self.args, "log_interval", 10)
-            if len(self._local_losses) > logged and (step % interval == 0 or step == total - 1):
+            if len(self._local_losses) + len(self._pending_losses) > logged and (step % interval == 0
+                                                                                 or step == total - 1):
+                self._fetch_losses()  # the one synchronisation for losses between log lines
                 rank0 = " (rank 0's share)" if self.world_size > 1 else ""
                 self.print(f"epoch {self.epoch} step {step + 1}/{total}: loss {self._local_losses[-1]:.4f}{rank0}")
 
     def log_loss(self, loss: torch.Tensor | float) -> None:
-        """This step's training loss on this rank (averaged over ranks at the end of the epoch)."""
-        self._local_losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))
+        """This step's training loss on this rank (averaged over ranks at the end of the epoch).
+
+        A tensor stays on its device until a log line or the end of the epoch needs the number:
+        reading it at once (``float(loss)``, ``loss.item()``) would make the CPU wait for the GPU
+        at every step, instead of queuing the next step while the GPU works.
+        """
+        if isinstance(loss, torch.Tensor):
+            self._pending_losses.append(loss.detach().float().reshape(()))
+        else:
+            self._fetch_losses()
+            self._local_losses.append(float(loss))
+
+    def _fetch_losses(self) -> None:
+        """The losses still on the device, copied to the host at once (one synchronisation)."""
+        if self._pending_losses:
+            self._local_losses.extend(torch.stack(self._pending_losses).tolist())
+            self._pending_losses = []
 
     def evaluated(self, test_loss: float, test_accuracy: float) -> None:
         """The held-out loss and accuracy after this epoch (kept with the training time so far)."""
@@ -410,6 +442,7 @@ class TrainingRun:
 
     def _reduce_epoch_losses(self) -> None:
         """Turn this rank's losses of the steps since the last call into means over ranks (one collective)."""
+        self._fetch_losses()
         losses = all_reduce_mean(self._local_losses, self.device) if self.distributed else self._local_losses
         self._local_losses = []
         self.progress.epoch_losses.extend(losses)
@@ -458,10 +491,12 @@ class TrainingRun:
         if digests is not None and not all_metrics["buffers_identical"] and _has_batchnorm(model):
             notes.append("BatchNorm running statistics differ between ranks: each rank keeps its own unless DDP "
                          "broadcasts buffers before every forward; the checkpoint holds rank 0's")
+        all_metrics["data_wait_s"] = self._waited_s  # this process's steps: waiting for their batches
         extra = {"distributed": self.ctx.describe(), "placement": self.placement} if self.ctx is not None else None
         record = make_record(lab=self.lab, script=self.script, method=method or self.method,
                              config=config_dict(self.args, resolved_device=str(self.device),
-                                                global_batch_size=all_metrics["global_batch_size"], **(config or {})),
+                                                global_batch_size=all_metrics["global_batch_size"],
+                                                data_loader=self._loader, **(config or {})),
                              metrics=all_metrics, notes=notes, energy=energy,
                              provenance=provenance(self.device, self.world_size, extra))
         path = write_record(record, self.args.results_dir)
@@ -472,6 +507,7 @@ class TrainingRun:
             f"train loss {all_metrics['final_loss']:.4f}" if all_metrics["final_loss"] is not None else None,
             f"{format_rate(all_metrics['samples_per_s'])} samples/s" + (" (job)" if self.world_size > 1 else ""),
             f"median step {1000 * median:.1f} ms" if median is not None else "median step n/a (shorter than warm-up)",
+            f"waiting for data {100 * self._waited_s / self._loop_s:.0f}% of the epochs" if self._loop_s else None,
         ])))
         for entry in memory:
             self.print(f"peak memory rank {entry['rank']} {entry['device']}: {format_bytes(entry['peak_bytes'])} "

@@ -83,7 +83,9 @@ class StepTimer:
     """Times training steps: ``with timer.step(batch_size): ...``.
 
     Steps before ``warmup_steps`` are run but not recorded. ``samples`` is what this step processed
-    (multiply by the world size for a job's throughput, or pass the global batch).
+    (multiply by the world size for a job's throughput, or pass the global batch). ``waited_s``: how
+    long the step waited for its batch before the ``with`` block, counted as part of the step, so
+    that a starved device shows in the step times and the throughput.
     """
 
     def __init__(self, device: torch.device, warmup_steps: int = 2) -> None:
@@ -92,14 +94,16 @@ class StepTimer:
         self.seen = 0
         self.times: list[float] = []
         self.samples: list[int] = []
+        self.waits_included = False
 
     @contextmanager
-    def step(self, samples: int) -> Iterator[None]:
+    def step(self, samples: int, waited_s: float | None = None) -> Iterator[None]:
         synchronize(self.device)
         start = time.perf_counter()
         yield
         synchronize(self.device)
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start + (waited_s or 0.0)
+        self.waits_included |= waited_s is not None
         self.seen += 1
         if self.seen > self.warmup_steps:
             self.times.append(elapsed)
@@ -108,7 +112,8 @@ class StepTimer:
     @property
     def method(self) -> str:
         sync = "torch.cuda.synchronize() before each clock read" if self.device.type == "cuda" else "CPU (synchronous)"
-        return f"time.perf_counter per step, {sync}, first {self.warmup_steps} step(s) dropped"
+        wait = ", waiting for the batch included" if self.waits_included else ""
+        return f"time.perf_counter per step{wait}, {sync}, first {self.warmup_steps} step(s) dropped"
 
     def summary(self) -> dict[str, Any]:
         return summarize(self.times, self.samples, warmup_steps=min(self.seen, self.warmup_steps), method=self.method)

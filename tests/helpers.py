@@ -83,10 +83,10 @@ def signalling_timer(timer_class: type, during_step: int, signum: int | None = N
     import signal
 
     class SignallingTimer(timer_class):  # type: ignore[misc, valid-type]
-        def step(self, samples):
+        def step(self, samples, **how):
             if self.seen == during_step:
                 signal.raise_signal(signal.SIGUSR1 if signum is None else signum)
-            return super().step(samples)
+            return super().step(samples, **how)
 
     return SignallingTimer
 

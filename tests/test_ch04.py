@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from helpers import REPO, code_diff, load_script, preempt_and_resume, run_main, run_script, torchrun
+from helpers import (REPO, code_diff, load_script, preempt_and_resume, run_main, run_script, torchrun,
+                     write_tiny_mnist)
 
 TRAIN = "chapters/ch04_deep_learning/mnist_training.py"
 DDP = "chapters/ch04_deep_learning/multi_gpu_ddp.py"
@@ -161,6 +162,8 @@ def test_ddp_script_is_the_single_device_script_plus_the_ddp_lines():
     (["--model", "resnet51"], "unknown model 'resnet51'"),
     (["--dataset", "imagenet"], "invalid choice: 'imagenet'"),
     (["--dataset", "mnist", "--data-dir", "/nonexistent/data"], "mnist not found under /nonexistent/data"),
+    (["--dataset", "synthetic", "--data-on-device", "yes", "--device", "cpu"],
+     "--data-on-device yes needs a data set held in memory as tensors"),
 ])
 def test_bad_input_one_line_and_nothing_written(argv, message, tmp_path, capsys):
     import torch
@@ -287,3 +290,193 @@ def test_scripts_document_python_torchrun_and_sbatch_usage():
         doc = load_script(path).__doc__
         assert "python " in doc and "sbatch " in doc
     assert "torchrun " in load_script(DDP).__doc__
+
+
+# --------------------------------------------------------------------------------------------
+# Feeding the device: the data decoded once, workers from the allocation, honest samples/s
+
+
+def test_mnist_is_decoded_once_into_normalised_tensors(tmp_path):
+    """The whole set is one normalised float tensor, equal to torchvision's per-sample ToTensor +
+    Normalize; a sample is a view into it (no work per sample); the stored uint8 images stay readable."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from torch.utils.data import TensorDataset
+    from torchvision import transforms
+
+    from common.data import MNIST_MEAN, MNIST_STD, get_dataset
+
+    write_tiny_mnist(tmp_path, train=12, test=5)
+    splits = get_dataset("mnist", tmp_path)
+    assert isinstance(splits.train, TensorDataset) and isinstance(splits.test, TensorDataset)
+    images, labels = splits.train.tensors
+    assert images.dtype == torch.float32 and images.shape == (12, 1, 28, 28) and labels.tolist() == [
+        i % 10 for i in range(12)]
+    per_sample = transforms.Compose([transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))])
+    for index in range(12):
+        expected = per_sample(Image.fromarray(splits.train.data[index].numpy()))
+        torch.testing.assert_close(splits.train[index][0], expected, rtol=0, atol=1e-6)
+        assert splits.train[index][0].untyped_storage().data_ptr() == images.untyped_storage().data_ptr()
+    raw = np.frombuffer((tmp_path / "MNIST/raw/train-images-idx3-ubyte").read_bytes()[16:], dtype=np.uint8)
+    assert splits.train.data.dtype == torch.uint8 and splits.train.data.flatten().tolist() == raw.tolist()
+
+
+def test_the_worker_count_in_force_comes_from_the_allocation_and_is_recorded(tmp_path, monkeypatch, capsys):
+    """SLURM_CPUS_PER_TASK sets --num-workers in all three scripts; the DataLoader a run used has
+    that many workers, and the record says so (and what --data-on-device auto chose on a CPU)."""
+    from common.cpus import default_num_workers, usable_cpus
+
+    if usable_cpus() < 2:
+        pytest.skip("one usable CPU: the allocation leaves no core for a worker")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "2")
+    workers = default_num_workers()
+    assert workers == 1  # two CPUs allocated: one trains, one loads
+    for script in (TRAIN, DDP, "chapters/ch04_deep_learning/amp_training.py"):
+        assert load_script(script).build_parser().parse_args([]).num_workers == workers, script
+    assert run_main(TRAIN, ["--device", "cpu", "--dry-run", "--data-on-device", "no",
+                            "--results-dir", str(tmp_path / "loader")]) == 0
+    assert f"batches: DataLoader, {workers} worker(s)" in capsys.readouterr().out
+    (record,) = _records(tmp_path / "loader")
+    assert record["config"]["num_workers"] == workers
+    assert record["config"]["data_loader"] == {"kind": "DataLoader", "num_workers": workers, "pin_memory": False}
+
+
+def _slow_digits(delay_s: float):
+    """get_dataset, but the digits' training samples take ``delay_s`` each to load (a slow disk)."""
+    import time
+
+    from torch.utils.data import Dataset
+
+    from common.data import get_dataset
+
+    class Slow(Dataset):
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __len__(self):
+            return len(self.inner)
+
+        def __getitem__(self, index):
+            time.sleep(delay_s)
+            return self.inner[index]
+
+    def slow_get_dataset(*args, **kwargs):
+        splits = get_dataset(*args, **kwargs)
+        splits.train = Slow(splits.train)
+        return splits
+
+    return slow_get_dataset
+
+
+def test_samples_per_s_agrees_with_the_epoch_time_when_the_loader_is_slow(tmp_path, monkeypatch, capsys):
+    """A step starts when the loop asks for its batch: with no step left out as warm-up, samples/s
+    times the epoch's wall time is the epoch's samples, however long the loader made the loop wait;
+    the record and the last line say how much of the epoch was spent waiting."""
+    monkeypatch.setattr(load_script(TRAIN), "get_dataset", _slow_digits(delay_s=0.01))
+    assert run_main(TRAIN, ["--device", "cpu", "--epochs", "1", "--max-steps", "4", "--batch-size", "8",
+                            "--num-workers", "0", "--warmup-steps", "0", "--log-interval", "1000",
+                            "--results-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    (record,) = _records(tmp_path)
+    metrics = record["metrics"]
+    assert record["config"]["data_loader"]["kind"] == "DataLoader"  # a set read sample by sample: not resident
+    samples = metrics["steps"] * 8
+    assert metrics["samples_per_s"] * metrics["epoch_time_s"][0] == pytest.approx(samples, rel=0.05)
+    assert metrics["data_wait_s"] >= samples * 0.01
+    share = re.search(r"waiting for data (\d+)% of the epochs", out)
+    assert share and int(share.group(1)) == round(100 * metrics["data_wait_s"] / metrics["epoch_time_s"][0]), out
+
+
+def test_data_resident_on_the_device_trains_on_the_loaders_batches(tmp_path, monkeypatch, capsys):
+    """--data-on-device yes (the whole set in memory, batches cut there) and no (a DataLoader) give
+    the same batches in the same order, epoch after epoch: the same losses, step by step. And the
+    training steps read no number back from the device (on a GPU each read makes the CPU wait):
+    the losses are fetched together at the log lines and the end of the epoch."""
+    import torch
+
+    script, reads = load_script(TRAIN), []
+    real_train, real_item, real_float = script.train, torch.Tensor.item, torch.Tensor.__float__
+
+    def counting_train(*args, **kwargs):
+        if args[2].__class__.__name__ == "DataLoader":  # it draws its workers' seed with .item(), on the CPU
+            return real_train(*args, **kwargs)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "item", lambda self: reads.append("item") or real_item(self))
+            patch.setattr(torch.Tensor, "__float__", lambda self: reads.append("float") or real_float(self))
+            return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(script, "train", counting_train)
+    losses = {}
+    for choice in ("yes", "no"):
+        assert run_main(TRAIN, ["--device", "cpu", "--epochs", "2", "--max-steps", "2", "--num-workers", "0",
+                                "--data-on-device", choice, "--log-interval", "1000",
+                                "--results-dir", str(tmp_path / choice)]) == 0
+        (record,) = _records(tmp_path / choice)
+        losses[choice] = record["metrics"]["loss_at_step"]
+        kind = record["config"]["data_loader"]["kind"]
+        assert kind == ("resident" if choice == "yes" else "DataLoader")
+    assert len(losses["yes"]) == 4 and losses["yes"] == losses["no"]
+    assert reads == []  # 4 training steps cut from the resident set, no loss read one at a time
+    assert "batches: whole data set in cpu memory" in capsys.readouterr().out
+
+
+def test_a_shuffled_loaders_order_does_not_depend_on_its_workers():
+    """Every epoch's order comes from the seed and the epoch alone: with persistent workers too, so
+    a resumed run (a fresh loader) repeats the epoch an unbroken run saw."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from common.data import make_loader, set_loader_epoch
+
+    dataset = TensorDataset(torch.arange(40))
+    orders = {}
+    for workers in (0, 1):
+        loader, _ = make_loader(dataset, 8, shuffle=True, num_workers=workers, seed=3)
+        orders[workers] = []
+        for epoch in (1, 2, 3):
+            set_loader_epoch(loader, epoch, 3)
+            orders[workers].append(torch.cat([batch for (batch,) in loader]).tolist())
+    assert orders[0] == orders[1] and orders[0][0] != orders[0][1]
+    fresh, _ = make_loader(dataset, 8, shuffle=True, num_workers=1, seed=3)
+    set_loader_epoch(fresh, 2, 3)  # a run resumed in epoch 2
+    assert torch.cat([batch for (batch,) in fresh]).tolist() == orders[1][1]
+
+
+def test_data_on_device_auto_keeps_the_set_on_a_gpu_only_when_it_fits(monkeypatch):
+    """auto: on a GPU when the set takes at most half its free memory (the rest is the model's);
+    a CPU keeps tensors where they are; a set read sample by sample goes through a DataLoader."""
+    import torch
+    from torch.utils.data import Subset
+
+    from common.data import RESIDENT_SHARE, SyntheticImages, get_dataset, resident_device
+    from common.errors import UserError
+
+    splits = get_dataset("digits")
+    size = sum(t.numel() * t.element_size() for split in (splits.train, splits.test) for t in split.tensors)
+    gpu = torch.device("cuda", 0)
+    for free, expected in ((size / RESIDENT_SHARE + 1, gpu), (size / RESIDENT_SHARE - 1, None)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (int(free), 80 * 2**30))
+        assert resident_device("auto", [splits.train, splits.test], gpu) == expected, free
+    assert resident_device("yes", [splits.train], gpu) == gpu  # insisted on: no memory check
+    cpu = torch.device("cpu")
+    assert resident_device("auto", [splits.train, Subset(splits.test, range(0, 359, 2))], cpu) == cpu
+    assert resident_device("no", [splits.train], cpu) is None
+    assert resident_device("auto", [SyntheticImages(8, (1, 28, 28))], cpu) is None
+    with pytest.raises(UserError, match="--data-on-device yes needs a data set held in memory as tensors"):
+        resident_device("yes", [SyntheticImages(8, (1, 28, 28))], cpu)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_mnist_is_resident_and_samples_per_s_agrees_with_the_epoch(tmp_path):
+    """A fresh process on the GPU: MNIST (decoded once) sits in GPU memory, the batches are cut
+    there, and the recorded throughput agrees with the epoch's wall time."""
+    write_tiny_mnist(tmp_path / "data", train=640, test=100)
+    proc = run_script(TRAIN, "--device", "cuda", "--dataset", "mnist", "--data-dir", str(tmp_path / "data"),
+                      "--epochs", "1", "--warmup-steps", "0", "--results-dir", str(tmp_path / "r"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "batches: whole data set in cuda:0 memory" in proc.stdout
+    (record,) = _records(tmp_path / "r")
+    metrics = record["metrics"]
+    assert record["config"]["data_loader"] == {"kind": "resident", "device": "cuda:0", "num_workers": 0}
+    assert metrics["samples_per_s"] * metrics["epoch_time_s"][0] == pytest.approx(640, rel=0.1)

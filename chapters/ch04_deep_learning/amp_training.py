@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-interval", type=int, default=10,
                         help="steps between loss lines of each run (default: %(default)s)")
     # Small defaults on purpose: bf16 on a CPU without native bf16 is about ten times slower than fp32.
-    add_common_args(parser, epochs=2, batch_size=64, num_workers=0)
+    add_common_args(parser, epochs=2, batch_size=64)  # --num-workers from the allocation, passed on
     return parser
 
 
@@ -102,7 +102,7 @@ def run_one(mnist_training: ModuleType, precision: str, args: argparse.Namespace
             device: torch.device) -> dict[str, Any]:
     """Train once in ``precision`` through ``mnist_training.main`` and return the record it wrote."""
     argv = ["--amp", precision, "--device", device.type, "--seed", str(args.seed), "--dataset", args.dataset,
-            "--model", args.model, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
+            "--model", args.model, "--data-on-device", args.data_on_device, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
             "--data-dir", str(args.data_dir), "--results-dir", str(args.results_dir),
             "--num-workers", str(args.num_workers), "--log-interval", str(args.log_interval)]
     if args.max_steps is not None:

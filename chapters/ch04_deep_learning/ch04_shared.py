@@ -12,7 +12,7 @@ import argparse
 
 from common import amp
 from common.cli import positive_float, positive_int
-from common.data import DATASETS
+from common.data import DATASETS, RESIDENT_CHOICES, RESIDENT_SHARE
 from common.run import add_training_args
 
 #: Settings a resumed run must share with the run that wrote the checkpoint (more --epochs is fine).
@@ -20,11 +20,17 @@ RESUME_SETTINGS = ("dataset", "model", "batch_size", "seed", "amp", "max_steps")
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """``--dataset`` and ``--model``: what the chapter trains (``amp_training.py`` passes them on)."""
+    """``--dataset``, ``--model`` and ``--data-on-device``: what the chapter trains, and where its
+    batches come from (``amp_training.py`` passes them on)."""
     group = parser.add_argument_group("MNIST training (same in mnist_training.py and multi_gpu_ddp.py)")
     group.add_argument("--dataset", choices=DATASETS, default="digits",
                        help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
     group.add_argument("--model", default="mnist_cnn", help="model name (default: %(default)s)")
+    group.add_argument("--data-on-device", choices=RESIDENT_CHOICES, default="auto",
+                       help="keep the whole data set in the memory of --device and cut the batches there, with no "
+                            "DataLoader: auto = when it is held as tensors (mnist, digits) and, on a GPU, takes at "
+                            f"most {100 * RESIDENT_SHARE:.0f}%% of its free memory; no = a DataLoader with --num-workers "
+                            "worker processes (default: %(default)s)")
     return group
 
 

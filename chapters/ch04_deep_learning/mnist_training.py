@@ -11,6 +11,12 @@ What it teaches: the device-agnostic training loop (move the model once, move ev
 ``model.train()``/``model.eval()``), how to time it honestly, and mixed precision with autocast and
 a GradScaler. Every run writes a result record (``--results-dir``) that the report tool reads.
 
+Feeding the device: MNIST is decoded once into one normalised tensor, and with
+``--data-on-device auto`` the whole set is copied to the GPU once when it fits; each step cuts its
+batch there (``batches:`` at the start says so). Otherwise a DataLoader with ``--num-workers``
+processes (from ``SLURM_CPUS_PER_TASK``) and pinned memory feeds it. Samples/s include any wait for
+data, so they agree with the epoch's wall time.
+
 ``--amp`` chooses the precision of the forward pass: ``fp32`` (off), ``bf16`` (CPU and recent GPUs)
 or ``fp16`` (GPU; uses a GradScaler). Gradients are clipped after ``scaler.unscale_()`` so the clip
 threshold applies to the true gradients, not the scaled ones. ``amp_training.py`` runs fp32 and AMP
@@ -39,7 +45,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import amp
 from common.cli import add_common_args, script_parser
-from common.data import get_dataset, make_loader
+from common.data import get_dataset, loader_line, make_loader, resident_device
 from common.device import seed_everything
 from common.errors import run_main
 from common.evaluation import evaluate
@@ -73,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_mnist_args(parser)
     parser.add_argument("--save-model", action="store_true", help="save the trained weights next to the record (default: off)")
     add_checkpoint_args(parser)
-    add_common_args(parser, epochs=3, batch_size=64, num_workers=0)
+    add_common_args(parser, epochs=3, batch_size=64)  # --num-workers from the allocation
     return parser
 
 
@@ -85,14 +91,17 @@ def main(argv: list[str] | None = None) -> int:
         seed_everything(args.seed)
         splits = get_dataset(args.dataset, args.data_dir, image_size=28, channels=1, seed=args.seed)  # MNIST-shaped
         model = build_model(args.model, num_classes=splits.num_classes, in_channels=splits.input_shape[0]).to(device)
+        resident = resident_device(args.data_on_device, [splits.train, splits.test], device)  # whole set on the GPU?
         train_loader, _ = make_loader(splits.train, args.batch_size, shuffle=True, num_workers=args.num_workers,
-                                      pin_memory=device.type == "cuda", seed=args.seed)
-        test_loader, _ = make_loader(splits.test, args.test_batch_size, shuffle=False, num_workers=args.num_workers)
+                                      pin_memory=device.type == "cuda", seed=args.seed, resident_on=resident)
+        test_loader, _ = make_loader(splits.test, args.test_batch_size, shuffle=False, num_workers=args.num_workers,
+                                     resident_on=resident)
         optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
         scaler = amp.grad_scaler(device, args.amp)
         run.print(f"{run.describe()} | data {args.dataset} {splits.input_shape} train={len(splits.train)} "
                   f"test={len(splits.test)} | precision {args.amp}")
+        run.print(f"batches: {loader_line(train_loader)}")
 
         run.track(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         for _epoch in run.epochs(train_loader):  # the epoch's shuffle is seeded from its number

@@ -40,7 +40,7 @@ from torch.utils.data import Subset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common import amp
 from common.cli import add_common_args, script_parser
-from common.data import get_dataset, make_loader
+from common.data import get_dataset, loader_line, make_loader, resident_device
 from common.device import seed_everything
 from common.errors import run_main
 from common.evaluation import evaluate
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     add_mnist_args(parser)
     add_checkpoint_args(parser, always=True)
-    add_common_args(parser, epochs=3, batch_size=64, num_workers=0)
+    add_common_args(parser, epochs=3, batch_size=64)  # --num-workers from the allocation
     return parser
 
 
@@ -86,18 +86,22 @@ def main(argv: list[str] | None = None) -> int:
         seed_everything(args.seed)  # the same seed on every rank: every replica starts from the same weights
         splits = get_dataset(args.dataset, args.data_dir, image_size=28, channels=1, seed=args.seed)  # MNIST-shaped
         model = build_model(args.model, num_classes=splits.num_classes, in_channels=splits.input_shape[0]).to(device)
+        resident = resident_device(args.data_on_device, [splits.train, splits.test], device)  # whole set on the GPU?
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         seed_everything(args.seed + run.rank)  # now each rank draws its own dropout masks
         # Each rank takes its own shard of every epoch; the test set is split between ranks too.
         train_loader, _ = make_loader(splits.train, args.batch_size, shuffle=True, distributed=True,
-                                      num_workers=args.num_workers, pin_memory=device.type == "cuda", seed=args.seed)
+                                      num_workers=args.num_workers, pin_memory=device.type == "cuda", seed=args.seed,
+                                      resident_on=resident)
         test_slice = Subset(splits.test, range(run.rank, len(splits.test), run.world_size))
-        test_loader, _ = make_loader(test_slice, args.test_batch_size, shuffle=False, num_workers=args.num_workers)
+        test_loader, _ = make_loader(test_slice, args.test_batch_size, shuffle=False, num_workers=args.num_workers,
+                                     resident_on=resident)
         optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
         scaler = amp.grad_scaler(device, args.amp)
         run.print(f"DDP: {run.describe()} | data {args.dataset} {splits.input_shape} train={len(splits.train)} "
                   f"test={len(splits.test)} | precision {args.amp} | global batch {args.batch_size * run.world_size}")
+        run.print(f"batches: {loader_line(train_loader)}")
 
         run.track(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         for _epoch in run.epochs(train_loader):  # sampler.set_epoch(epoch): a new order each epoch, alike on every rank
