@@ -207,6 +207,45 @@ def test_the_world_size_does_not_change_the_optimiser_steps(runs):
                                _training(runs, "fsdp4")["metrics"]["loss_at_step"], rtol=RTOL, atol=0)
 
 
+def _all_gathers_per_step(monkeypatch, tmp_path, *flags: str) -> list[int]:
+    """FSDP2's all-gathers (one per gathered block or root) in each optimiser step of a 1-rank run of
+    4 micro-batches per step: the unshards FSDP2 starts (on one rank it copies instead of calling the
+    collective, at the same places)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    calls, at_step = [], []
+    original = FSDPParamGroup.unshard
+
+    def counted(group, *args, **kwargs):
+        started = group._all_gather_result is None
+        original(group, *args, **kwargs)
+        calls.extend([1] if started and group._all_gather_result is not None else [])
+
+    monkeypatch.setattr(FSDPParamGroup, "unshard", counted)
+    hook = register_optimizer_step_post_hook(lambda *_: at_step.append(len(calls)))
+    try:
+        argv = [*TINY, "--strategy", "fsdp", "--epochs", "1", "--max-steps", "2", "--results-dir",
+                str(tmp_path / "r"), "--checkpoint-dir", str(tmp_path / "c"), *flags]
+        assert run_main(TRAIN, argv) == 0
+    finally:
+        hook.remove()
+    return [b - a for a, b in zip([0, *at_step], at_step)]
+
+
+def test_fsdp_keeps_blocks_gathered_between_micro_batches_of_one_step(monkeypatch, tmp_path, capsys):
+    """Gradient accumulation re-gathers nothing the previous micro-batch's backward left gathered: of the 2
+    all-gathers per block and micro-batch (forward, then backward), the later micro-batches' forwards need
+    none; without resharding after forward, each block is gathered once per optimiser step."""
+    units = 4 + 1  # 4 blocks, each its own unit, and the root's (embeddings, final norm, head)
+    default = _all_gathers_per_step(monkeypatch, tmp_path / "default")
+    assert "FSDP2's gathers and copies are pure overhead" in capsys.readouterr().out
+    # The root is never resharded after its forward (FSDP2 gathers it once per micro-batch, for forward).
+    assert default == [4 * (2 + 1 + 1 + 1) + (1 + 0 + 0 + 0)] * 2, default  # every micro-batch re-gathered: 4*8+4
+    kept = _all_gathers_per_step(monkeypatch, tmp_path / "kept", "--no-reshard-after-forward")
+    assert kept == [units] * 2, kept
+
+
 # --------------------------------------------------------------------------------------------
 # Memory per rank
 
