@@ -55,8 +55,8 @@ from common.run import TrainingRun, add_training_args
 from common.sharded_checkpoint import DistributedCheckpointer, add_distributed_checkpoint_args
 from common.units import format_bytes
 from labs.lab04_sharded_training.lab04_shared import (
-    LAB, PRECISIONS, STRATEGIES, add_model_args, build_model, check_strategy, language_model_loss, shape_from_args,
-    tensor_bytes, variant_name,
+    LAB, PRECISIONS, STRATEGIES, add_model_args, build_model, check_strategy, describe_throughput,
+    language_model_loss, shape_from_args, tensor_bytes, throughput, variant_name,
 )
 
 SCRIPT = "labs/lab04_sharded_training/02_sharded_training.py"
@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="FSDP2 frees each gathered block after its forward and gathers it again for backward "
                             "(ZeRO-3); --no-reshard-after-forward keeps it until backward: one all-gather "
                             "fewer per block, more memory (ZeRO-2) (default: %(default)s)")
+    group.add_argument("--compile", action="store_true",
+                       help="torch.compile each transformer block (fuses its small kernels; the first steps "
+                            "compile, so raise --warmup-steps) (default: off)")
     group.add_argument("--global-batch-size", type=positive_int, default=64,
                        help="sequences per optimiser step over all ranks, whatever their number (default: %(default)s)")
     group.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank, every strategy and every world size start from the same weights (seeded build).
         model = build_model(shape, args.strategy, device, precision=args.mixed_precision,
                             activation_checkpointing=args.activation_checkpointing, seed=args.seed,
-                            reshard_after_forward=args.reshard_after_forward)
+                            reshard_after_forward=args.reshard_after_forward, compile_blocks=args.compile)
         if args.strategy == "fsdp" and run.world_size == 1:
             run.print("fsdp on 1 rank: nothing to shard across, so FSDP2's gathers and copies are pure overhead "
                       "here; use --strategy ddp on one device, and FSDP2 when there are ranks to shard over")
@@ -170,9 +173,12 @@ def main(argv: list[str] | None = None) -> int:
             run.print(f"rank {entry['rank']} holds {format_bytes(entry['total'])}: parameters "
                       f"{format_bytes(entry['parameters'])}, gradients {format_bytes(entry['gradients'])}, "
                       f"AdamW state {format_bytes(entry['optimizer'])}")
+        # How far from the hardware: the model's FLOPs per second against the GPU's dense peak.
+        speed = throughput(shape, run.timer.summary()["samples_per_s"], device, args.mixed_precision, run.world_size)
+        run.print(describe_throughput(speed))
         run.finish(config={**splits.describe(), **shape.describe(), "accumulation_steps": args.accumulation_steps},
                    metrics={"tensor_bytes": held, "checkpoint_saves": checkpointer.timings,
-                            "parameters": transformer_parameter_count(shape)})
+                            "parameters": transformer_parameter_count(shape), **speed})
     return 0
 
 
