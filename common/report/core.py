@@ -10,8 +10,8 @@ import pandas as pd
 from common.report.checks import DDP_MIN_EFFICIENCY, Finding, is_ddp, missing_baselines
 from common.report.runs import BASELINE_METHOD, SUMMARY_METRICS, get, number
 from common.report.sections import (
-    MISSING, Cell, Column, Row, Section, Table, fmt_int, fmt_memory, fmt_number, fmt_percent, fmt_rate,
-    fmt_ratio, fmt_seconds, fmt_text, is_missing, num, number_column, table_from_frame, text_column,
+    LABS_WITHOUT_SCALING, MISSING, Cell, Column, Row, Section, Table, fmt_int, fmt_memory, fmt_number,
+    fmt_percent, fmt_rate, fmt_ratio, fmt_seconds, fmt_text, is_missing, num, number_column, table_from_frame, text_column,
 )
 
 #: How many extra metric columns a lab's "other metrics" table shows at most.
@@ -74,19 +74,22 @@ SUMMARY_COLUMNS = [
 
 
 def summary_section(runs: pd.DataFrame) -> Section:
+    scaling = not runs["lab"].isin(LABS_WITHOUT_SCALING).all()
     notes = [
         f"Scaling efficiency = samples/s ÷ (devices × samples/s of the single-device '{BASELINE_METHOD}' "
         "run of the same lab, model and device type on the same machine; the median when it ran several "
         f"times). Speed-up = samples/s ÷ that baseline. DDP is expected to reach {DDP_MIN_EFFICIENCY:.0%}.",
+    ] if scaling else []
+    notes.append(
         "Memory on CUDA is the caching allocator's peak (torch.cuda.max_memory_allocated): tensors only; on "
         "CPU it is the peak resident set of the whole process (Python, PyTorch and the data set included). "
-        "Several values are the devices of one run, first device first.",
-    ]
-    columns = SUMMARY_COLUMNS
+        "Several values are the devices of one run, first device first.")
+    columns = SUMMARY_COLUMNS if scaling else [
+        column for column in SUMMARY_COLUMNS if column[0] not in ("speed-up vs baseline", "scaling efficiency")]
     if "device_memory_per_device" in runs and any(runs["device_memory_per_device"].map(bool)):
         # After the allocator's peak: what the driver counts, which the allocator does not see.
-        position = next(i for i, (name, _) in enumerate(SUMMARY_COLUMNS) if name == "peak memory per device") + 1
-        columns = [*SUMMARY_COLUMNS[:position], DEVICE_MEMORY_COLUMN, *SUMMARY_COLUMNS[position:]]
+        position = next(i for i, (name, _) in enumerate(columns) if name == "peak memory per device") + 1
+        columns = [*columns[:position], DEVICE_MEMORY_COLUMN, *columns[position:]]
         notes.append("GPU memory in use is what the driver counts when the run ends: the CUDA context, cuBLAS/cuDNN "
                      "workspaces, NCCL's buffers and the allocator's cache, none of which the allocator's peak "
                      "includes (so DDP looks leaner than it is by the peak alone). Its source is NVML's figure for "
@@ -94,7 +97,7 @@ def summary_section(runs: pd.DataFrame) -> Section:
                      "to see which.")
     for run in runs.to_dict("records"):
         notes += [f"Note from run {run['run_id']} ({run['lab']} {run['method']}): {note}" for note in run["notes"]]
-    lacking = missing_baselines(runs)
+    lacking = missing_baselines(runs) if scaling else []
     if lacking:
         notes.append(f"No '{BASELINE_METHOD}' run to compute an efficiency for: " + "; ".join(lacking) + ".")
     table = table_from_frame(runs, columns, id="summary-table",

@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"checkpoints {'async' if args.async_checkpoint else 'sync'} in {args.checkpoint_dir}")
 
         run.track(model=model, optimizer=optimizer)
+        resumed_at_step = run.progress.steps or None  # optimiser steps the checkpoint had taken (None: fresh)
         for _epoch in run.epochs(train_loader):
             train(model, train_loader, optimizer, args, run)
             # Next-character loss and accuracy; every rank runs --eval-steps batches (FSDP2's forward is collective).
@@ -178,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         run.print(describe_throughput(speed))
         run.finish(config={**splits.describe(), **shape.describe(), "accumulation_steps": args.accumulation_steps},
                    metrics={"tensor_bytes": held, "checkpoint_saves": checkpointer.timings,
-                            "parameters": transformer_parameter_count(shape), **speed})
+                            "parameters": transformer_parameter_count(shape), "resumed_at_step": resumed_at_step,
+                            **speed})
     return 0
 
 
