@@ -54,3 +54,8 @@ def gpu_peaks(device_name: str) -> tuple[str | None, dict[str, float]]:
         if key in name:
             return gpu, dict(peaks)
     return None, {}
+
+
+def peak_tflops(device_name: str, precision: str) -> float | None:
+    """Dense peak TFLOP/s of a CUDA device at one of :data:`PRECISIONS`; ``None`` when the table has no figure."""
+    return gpu_peaks(device_name)[1].get(precision)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, REPO, load_script, run_main, script_env
+from helpers import PYTHON, REPO, load_script, run_main, run_script, script_env
 
 LAB = "labs/lab04_sharded_training"
 BUDGET = f"{LAB}/01_memory_budget.py"
@@ -43,9 +43,21 @@ MODEL = ["--device", "cpu", "--layers", "4", "--width", "32", "--heads", "4", "-
 TINY = [*MODEL, "--global-batch-size", "16", "--batch-size", "4", "--epochs", "2", "--max-steps", "10",
         "--eval-steps", "1", "--lr", "3e-3", "--seed", "3", "--warmup-steps", "1", "--log-interval", "100"]
 MEMORY = [*MODEL, "--batch-size", "2"]
-# Depth doubles from 2 blocks; with 4 MiB per rank DDP fits 2 blocks of width 64 and FSDP2 on 2 ranks 4.
-LARGEST_ARGS = ["--device", "cpu", "--layers", "2", "--width", "64", "--heads", "4", "--context", "32",
-                "--batch-size", "2", "--budget", "4MiB", "--variants", "ddp", "fsdp"]
+
+
+def _readme_command(script: str) -> list[str]:
+    """The arguments of the README's CPU command for ``script`` (its step-by-step block), as typed."""
+    import shlex
+
+    text = (REPO / LAB / "README.md").read_text().replace("\\\n", " ")
+    (line,) = [line for line in text.splitlines() if f"{LAB}/{script} --device cpu" in line]
+    words = shlex.split(line)
+    return words[words.index(f"{LAB}/{script}") + 1:]
+
+
+# The README's command: depth doubles from 2 blocks; with 4 MiB per rank DDP fits 2 blocks of width 64,
+# FSDP2 on 2 ranks 4, and FSDP2 with activation checkpointing more.
+LARGEST_ARGS = _readme_command("03_largest_model.py")
 STEPS = 20
 
 
@@ -207,6 +219,91 @@ def test_the_world_size_does_not_change_the_optimiser_steps(runs):
                                _training(runs, "fsdp4")["metrics"]["loss_at_step"], rtol=RTOL, atol=0)
 
 
+def _all_gathers_per_step(monkeypatch, tmp_path, *flags: str) -> list[int]:
+    """FSDP2's all-gathers (one per gathered block or root) in each optimiser step of a 1-rank run of
+    4 micro-batches per step: the unshards FSDP2 starts (on one rank it copies instead of calling the
+    collective, at the same places)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    calls, at_step = [], []
+    original = FSDPParamGroup.unshard
+
+    def counted(group, *args, **kwargs):
+        started = group._all_gather_result is None
+        original(group, *args, **kwargs)
+        calls.extend([1] if started and group._all_gather_result is not None else [])
+
+    monkeypatch.setattr(FSDPParamGroup, "unshard", counted)
+    hook = register_optimizer_step_post_hook(lambda *_: at_step.append(len(calls)))
+    try:
+        argv = [*TINY, "--strategy", "fsdp", "--epochs", "1", "--max-steps", "2", "--results-dir",
+                str(tmp_path / "r"), "--checkpoint-dir", str(tmp_path / "c"), *flags]
+        assert run_main(TRAIN, argv) == 0
+    finally:
+        hook.remove()
+    return [b - a for a, b in zip([0, *at_step], at_step)]
+
+
+def test_fsdp_keeps_blocks_gathered_between_micro_batches_of_one_step(monkeypatch, tmp_path, capsys):
+    """Gradient accumulation re-gathers nothing the previous micro-batch's backward left gathered: of the 2
+    all-gathers per block and micro-batch (forward, then backward), the later micro-batches' forwards need
+    none; without resharding after forward, each block is gathered once per optimiser step."""
+    units = 4 + 1  # 4 blocks, each its own unit, and the root's (embeddings, final norm, head)
+    default = _all_gathers_per_step(monkeypatch, tmp_path / "default")
+    assert "FSDP2's gathers and copies are pure overhead" in capsys.readouterr().out
+    # The root is never resharded after its forward (FSDP2 gathers it once per micro-batch, for forward).
+    assert default == [4 * (2 + 1 + 1 + 1) + (1 + 0 + 0 + 0)] * 2, default  # every micro-batch re-gathered: 4*8+4
+    kept = _all_gathers_per_step(monkeypatch, tmp_path / "kept", "--no-reshard-after-forward")
+    assert kept == [units] * 2, kept
+
+
+def test_training_records_carry_tokens_per_second_and_no_made_up_peak_on_cpu(runs):
+    """Tokens/s is samples/s x context; MFU needs the device's peak, which a CPU does not have."""
+    from common.models import TransformerShape
+    from labs.lab04_sharded_training.lab04_shared import flops_per_token
+
+    for name in ("ddp4", "fsdp2", "resume1"):
+        metrics = _training(runs, name)["metrics"]
+        assert metrics["tokens_per_s"] == pytest.approx(metrics["samples_per_s"] * 32)
+        assert metrics["flops_per_token"] == flops_per_token(TransformerShape(4, 32, 4, 32, 128))
+        assert metrics["mfu"] is None and metrics["peak_tflops"] is None
+        assert metrics["mfu_reason"] == "no peak known for this CPU"
+    assert _training(runs, "resume1")["metrics"]["resumed_at_step"] == 10
+    assert _training(runs, "fsdp4")["metrics"]["resumed_at_step"] is None
+
+
+def test_mfu_is_the_model_flops_over_the_gpus_dense_peak_for_the_precision_in_force(monkeypatch):
+    """On a (faked) H100: 6 N + 12 L H Q T FLOPs per token against 989.5 TFLOP/s in bf16, TF32's
+    494.5 for fp32 matmuls that PyTorch lets run as TF32, and fp32's 67 when it does not."""
+    import torch
+
+    from common.models import TransformerShape, transformer_parameter_count
+    from labs.lab04_sharded_training.lab04_shared import flops_per_token, throughput
+
+    shape = TransformerShape(layers=24, width=1024, heads=16, context=1024, vocab_size=128)
+    assert transformer_parameter_count(shape) > 300e6  # the README's GPU-sized configuration
+    multiplying = transformer_parameter_count(shape) - (128 + 1024) * 1024
+    assert flops_per_token(shape) == 6 * multiplying + 12 * 24 * 16 * 64 * 1024
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    gpu = torch.device("cuda", 0)
+    bf16 = throughput(shape, 40.0, gpu, "bf16", devices=1)
+    assert bf16["tokens_per_s"] == 40 * 1024 and bf16["peak_tflops"] == 989.5
+    assert bf16["mfu"] == pytest.approx(40 * 1024 * flops_per_token(shape) / 989.5e12)
+    assert throughput(shape, 80.0, gpu, "bf16", devices=2)["mfu"] == pytest.approx(bf16["mfu"])  # per device
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert throughput(shape, 40.0, gpu, "fp32", devices=1)["peak_tflops"] == 494.5
+        torch.set_float32_matmul_precision("highest")
+        assert throughput(shape, 40.0, gpu, "fp32", devices=1)["peak_tflops"] == 67
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    unknown = throughput(shape, 40.0, gpu, "bf16", devices=1)
+    assert unknown["mfu"] is None and "no bf16 peak for 'Some Future GPU'" in unknown["mfu_reason"]
+
+
 # --------------------------------------------------------------------------------------------
 # Memory per rank
 
@@ -238,6 +335,7 @@ def test_fsdp_trains_a_larger_model_than_ddp_within_the_same_budget(runs):
     largest = {row["variant"]: row for row in record["metrics"]["largest"]}
     assert largest["ddp"]["largest"]["layers"] == 2 and largest["fsdp"]["largest"]["layers"] == 4
     assert largest["fsdp"]["times_ddp"] > 1.7
+    assert largest["fsdp+ac"]["largest"]["layers"] > largest["fsdp"]["largest"]["layers"]
     for row in largest.values():  # the search went on until a try did not fit, measured each time
         assert row["tries"][-1]["fits"] is False and row["tries"][-1]["bytes"] > record["metrics"]["budget_bytes"]
         assert all(t["bytes"] <= record["metrics"]["budget_bytes"] for t in row["tries"][:-1])
@@ -319,6 +417,19 @@ def test_report_section_shows_memory_losses_checkpoint_stalls_and_the_largest_mo
     assert outcome.skipped == [] and outcome.runs == len(list(folder.glob("*.json")))
     html = (tmp_path / "report.html").read_text()
     assert "Lab 04: sharded data parallel (FSDP2)" in html and "Training loss per step of the DDP and FSDP2" in html
+    # Lab-04 has no single-device baseline: no empty speed-up or efficiency columns, no DDP efficiency target.
+    summary = html[html.index('id="summary-table"'):]
+    summary = summary[:summary.index("</table>")]
+    assert "<th" in summary and "speed-up" not in summary and "scaling efficiency" not in summary
+    assert "DDP is expected to reach" not in html
+    # The loss plot names the resumed runs and where they continued (epoch 1 = 10 steps), and says how
+    # curves that lie on one another are told apart.
+    caption = html[html.index("DDP (dashed, circles)"):]
+    caption = caption[:caption.index("</figcaption>")]
+    assert "relative difference from the DDP run" in caption
+    assert "fsdp · 1 ranks · sync · resumed at step 10" in caption and "fsdp · 2 ranks · sync · resumed at step 10" in caption
+    assert "fsdp · 4 ranks" not in caption  # the uninterrupted runs are not called resumed
+    assert "no peak known for this CPU" in html
 
     load_builtin_lab_sections()
     frame = runs_frame(load_records(folder).records)
@@ -331,6 +442,7 @@ def test_report_section_shows_memory_losses_checkpoint_stalls_and_the_largest_mo
         (variant, ranks) for variant in ("ddp", "fsdp", "fsdp+ac", "fsdp+bf16") for ranks in ("2", "4"))
     assert all(row["measured ÷ predicted (parameters + gradients + AdamW)"] == "1" for row in memory)
     training = tables["lab04-training"]
+    assert {row["MFU"] for row in training} == {"n/a"} and all(row["tokens/s"] != "—" for row in training)
     differences = {(row["method"], row["ranks"]): row["largest step difference from DDP"] for row in training}
     assert differences[("ddp", "4")] == "—" and float(differences[("fsdp", "4")]) <= RTOL
     stalls = tables["lab04-checkpoints"]
@@ -537,6 +649,23 @@ def test_on_a_gpu_the_allocator_peak_holds_at_least_what_the_tensors_hold(tmp_pa
         (rank,) = row["measured_per_rank"]
         assert rank["peak"]["source"] == "cuda_max_memory_allocated"
         assert rank["peak"]["peak_bytes"] >= row["measured"]["total"], row["variant"]
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_compiled_bf16_run_records_its_mfu_against_the_gpus_peak(tmp_path):
+    """The README's GPU-sized configuration, scaled down, in a fresh process: every block compiled,
+    bf16, and an MFU measured against the datasheet's bf16 peak (the figure itself comes from the
+    README's full-size command, as a record)."""
+    result = run_script(TRAIN, "--device", "cuda", "--layers", "4", "--width", "512", "--heads", "8",
+                        "--context", "512", "--strategy", "fsdp", "--mixed-precision", "bf16", "--compile",
+                        "--no-reshard-after-forward", "--global-batch-size", "16", "--batch-size", "8",
+                        "--epochs", "1", "--max-steps", "8", "--warmup-steps", "4", "--eval-steps", "1",
+                        "--results-dir", str(tmp_path / "r"), "--checkpoint-dir", str(tmp_path / "c"), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    metrics = _record(tmp_path / "r")["metrics"]
+    assert metrics["peak_precision"] == "bf16" and metrics["peak_tflops"] is not None, metrics["mfu_reason"]
+    assert 0 < metrics["mfu"] < 1 and metrics["tokens_per_s"] > 0
+    assert "MFU" in result.stdout and "pure overhead" in result.stdout
 
 
 def test_report_section_survives_records_with_missing_or_odd_values():

@@ -10,8 +10,8 @@ import pandas as pd
 from common.report.checks import DDP_MIN_EFFICIENCY, Finding, is_ddp, missing_baselines
 from common.report.runs import BASELINE_METHOD, SUMMARY_METRICS, get, number
 from common.report.sections import (
-    MISSING, Cell, Column, Row, Section, Table, fmt_int, fmt_memory, fmt_number, fmt_percent, fmt_rate,
-    fmt_ratio, fmt_seconds, fmt_text, is_missing, num, number_column, table_from_frame, text_column,
+    LABS_WITHOUT_SCALING, MISSING, Cell, Column, Row, Section, Table, fmt_int, fmt_memory, fmt_number,
+    fmt_percent, fmt_rate, fmt_ratio, fmt_seconds, fmt_text, is_missing, num, number_column, table_from_frame, text_column,
 )
 
 #: How many extra metric columns a lab's "other metrics" table shows at most.
@@ -78,12 +78,15 @@ SUMMARY_COLUMNS = [
 
 
 def summary_section(runs: pd.DataFrame) -> Section:
-    """One row per run; a column no run has a value in is left out, and so is the note that explains it."""
-    columns = SUMMARY_COLUMNS
+    """One row per run; a column no run has a value in is left out, and so is the note that explains it.
+    Labs that are not about scaling (LABS_WITHOUT_SCALING) have no speed-up or efficiency columns."""
+    scaling = not runs["lab"].isin(LABS_WITHOUT_SCALING).all()
+    columns = SUMMARY_COLUMNS if scaling else [
+        column for column in SUMMARY_COLUMNS if column[0] not in ("speed-up vs baseline", "scaling efficiency")]
     if "device_memory_per_device" in runs and any(runs["device_memory_per_device"].map(bool)):
         # After the allocator's peak: what the driver counts, which the allocator does not see.
-        position = next(i for i, (name, _) in enumerate(SUMMARY_COLUMNS) if name == "peak memory per device") + 1
-        columns = [*SUMMARY_COLUMNS[:position], DEVICE_MEMORY_COLUMN, *SUMMARY_COLUMNS[position:]]
+        position = next(i for i, (name, _) in enumerate(columns) if name == "peak memory per device") + 1
+        columns = [*columns[:position], DEVICE_MEMORY_COLUMN, *columns[position:]]
     table = table_from_frame(runs, columns, id="summary-table", drop_empty=True,
                              caption=f"{len(runs)} run{'s' if len(runs) != 1 else ''}, one row each")
     shown = set(table.columns)
@@ -112,7 +115,7 @@ def summary_section(runs: pd.DataFrame) -> Section:
                      "to see which.")
     for run in runs.to_dict("records"):
         notes += [f"Note from run {run['run_id']} ({run['lab']} {run['method']}): {note}" for note in run["notes"]]
-    lacking = missing_baselines(runs)
+    lacking = missing_baselines(runs) if scaling else []
     if lacking:
         notes.append(f"No '{BASELINE_METHOD}' run to compute an efficiency for: " + "; ".join(lacking) + ".")
     return Section("Summary", paragraphs=[], tables=[table], notes=notes)

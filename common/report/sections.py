@@ -103,6 +103,10 @@ Row = Mapping[str, Any]
 SectionBuilder = Callable[[SectionContext], "Section | Iterable[Section] | None"]
 #: lab -> {builder name -> builder}; keyed by name so importing a module twice adds nothing twice.
 _LAB_SECTIONS: dict[str, dict[str, SectionBuilder]] = {}
+#: Labs whose runs compare strategies on the same devices rather than device counts: when every run of
+#: a report is from these, the summary leaves out the speed-up and scaling-efficiency columns (a lab's
+#: section module adds its lab).
+LABS_WITHOUT_SCALING: set[str] = set()
 
 
 def register_section(lab: str) -> Callable[[SectionBuilder], SectionBuilder]:

@@ -55,8 +55,8 @@ from common.run import TrainingRun, add_training_args
 from common.sharded_checkpoint import DistributedCheckpointer, add_distributed_checkpoint_args
 from common.units import format_bytes
 from labs.lab04_sharded_training.lab04_shared import (
-    LAB, PRECISIONS, STRATEGIES, add_model_args, build_model, check_strategy, language_model_loss, shape_from_args,
-    tensor_bytes, variant_name,
+    LAB, PRECISIONS, STRATEGIES, add_model_args, build_model, check_strategy, describe_throughput,
+    language_model_loss, shape_from_args, tensor_bytes, throughput, variant_name,
 )
 
 SCRIPT = "labs/lab04_sharded_training/02_sharded_training.py"
@@ -83,9 +83,13 @@ def train(model, loader, optimizer, args, run) -> None:
 
 def gradient_sync(model, enabled: bool):
     """DDP: ``no_sync()`` skips the all-reduce. FSDP2: ``set_requires_gradient_sync(False)`` skips the
-    reduce-scatter (each block then keeps its whole gradient until the last micro-batch)."""
+    reduce-scatter (each block keeps its whole gradient until the last micro-batch), and
+    ``set_reshard_after_backward(False)`` keeps each block gathered after its backward, so the next
+    micro-batch does not all-gather it again: fewer collectives for the memory of the gathered model
+    during the accumulation (ZeRO-2 for those micro-batches). The last micro-batch restores both."""
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(enabled)
+        model.set_reshard_after_backward(enabled)
         return nullcontext()
     return nullcontext() if enabled else model.no_sync()
 
@@ -100,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep only each block's input in the forward pass, recompute in backward (default: off)")
     group.add_argument("--mixed-precision", choices=PRECISIONS, default="fp32",
                        help="bf16: FSDP2 computes in bf16, AdamW updates fp32 shards (default: %(default)s)")
+    group.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                       help="FSDP2 frees each gathered block after its forward and gathers it again for backward "
+                            "(ZeRO-3); --no-reshard-after-forward keeps it until backward: one all-gather "
+                            "fewer per block, more memory (ZeRO-2) (default: %(default)s)")
+    group.add_argument("--compile", action="store_true",
+                       help="torch.compile each transformer block (fuses its small kernels; the first steps "
+                            "compile, so raise --warmup-steps) (default: off)")
     group.add_argument("--global-batch-size", type=positive_int, default=64,
                        help="sequences per optimiser step over all ranks, whatever their number (default: %(default)s)")
     group.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
@@ -131,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         splits = load_stdlib_text(shape.context)
         # Every rank, every strategy and every world size start from the same weights (seeded build).
         model = build_model(shape, args.strategy, device, precision=args.mixed_precision,
-                            activation_checkpointing=args.activation_checkpointing, seed=args.seed)
+                            activation_checkpointing=args.activation_checkpointing, seed=args.seed,
+                            reshard_after_forward=args.reshard_after_forward, compile_blocks=args.compile)
+        if args.strategy == "fsdp" and run.world_size == 1:
+            run.print("fsdp on 1 rank: nothing to shard across, so FSDP2's gathers and copies are pure overhead "
+                      "here; use --strategy ddp on one device, and FSDP2 when there are ranks to shard over")
         # The same global batches whatever the number of ranks; this rank takes every world_size-th sequence.
         train_loader = make_global_batch_loader(splits.train, args.global_batch_size, rank=run.rank,
                                                 world_size=run.world_size, seed=args.seed,
@@ -147,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"checkpoints {'async' if args.async_checkpoint else 'sync'} in {args.checkpoint_dir}")
 
         run.track(model=model, optimizer=optimizer)
+        resumed_at_step = run.progress.steps or None  # optimiser steps the checkpoint had taken (None: fresh)
         for _epoch in run.epochs(train_loader):
             train(model, train_loader, optimizer, args, run)
             # Next-character loss and accuracy; every rank runs --eval-steps batches (FSDP2's forward is collective).
@@ -158,9 +174,13 @@ def main(argv: list[str] | None = None) -> int:
             run.print(f"rank {entry['rank']} holds {format_bytes(entry['total'])}: parameters "
                       f"{format_bytes(entry['parameters'])}, gradients {format_bytes(entry['gradients'])}, "
                       f"AdamW state {format_bytes(entry['optimizer'])}")
+        # How far from the hardware: the model's FLOPs per second against the GPU's dense peak.
+        speed = throughput(shape, run.timer.summary()["samples_per_s"], device, args.mixed_precision, run.world_size)
+        run.print(describe_throughput(speed))
         run.finish(config={**splits.describe(), **shape.describe(), "accumulation_steps": args.accumulation_steps},
                    metrics={"tensor_bytes": held, "checkpoint_saves": checkpointer.timings,
-                            "parameters": transformer_parameter_count(shape)})
+                            "parameters": transformer_parameter_count(shape), "resumed_at_step": resumed_at_step,
+                            **speed})
     return 0
 
 

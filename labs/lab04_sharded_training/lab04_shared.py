@@ -31,7 +31,8 @@ from common.amp import announce_bf16_emulation
 from common.cli import positive_int
 from common.data import TEXT_VOCAB_SIZE
 from common.errors import UserError
-from common.models import DecoderOnlyTransformer, TransformerShape
+from common.gpu_peaks import peak_tflops
+from common.models import DecoderOnlyTransformer, TransformerShape, transformer_parameter_count
 
 LAB = "lab04"
 STRATEGIES = ("ddp", "fsdp")
@@ -113,7 +114,8 @@ def check_strategy(strategy: str, precision: str, device: torch.device, *, world
 
 
 def apply_strategy(model: nn.Module, strategy: str, device: torch.device, *, precision: str = "fp32",
-                   activation_checkpointing: bool = False) -> nn.Module:
+                   activation_checkpointing: bool = False, reshard_after_forward: bool = True,
+                   compile_blocks: bool = False) -> nn.Module:
     """Wrap ``model`` for data-parallel training: ``ddp`` or ``fsdp`` (FSDP2).
 
     DDP keeps the whole model on every rank and all-reduces the gradients. FSDP2 replaces every
@@ -121,7 +123,11 @@ def apply_strategy(model: nn.Module, strategy: str, device: torch.device, *, pre
     on each block makes the block one communication unit: all-gather its parameters before its
     forward (and again before its backward), reduce-scatter its gradients after its backward, and
     free the gathered copy in between. The root call covers what is left (embeddings, final norm,
-    head). ``precision="bf16"`` gathers the parameters in bf16 and computes in bf16 while the
+    head). ``reshard_after_forward=False`` keeps each block gathered from its forward to its backward
+    (one all-gather per block per step instead of two, ZeRO-2's memory). ``compile_blocks`` compiles
+    each block on its own (``block.compile()``, before wrapping, as torchtitan does): one compiled
+    graph reused by every block, with FSDP2's hooks left between blocks where they belong.
+    ``precision="bf16"`` gathers the parameters in bf16 and computes in bf16 while the
     sharded fp32 copy stays the one the optimiser updates, and gradients are reduced in fp32.
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -129,6 +135,9 @@ def apply_strategy(model: nn.Module, strategy: str, device: torch.device, *, pre
                         "initialised; start the script with torchrun or srun, or let it create a one-process "
                         "group (common.distributed.init_distributed(..., force_process_group=True))")
     model.activation_checkpointing = activation_checkpointing
+    if compile_blocks:
+        for block in model.blocks:
+            block.compile()
     if strategy == "ddp":
         if precision != "fp32":
             raise UserError("--mixed-precision bf16 is FSDP2's MixedPrecisionPolicy; use --strategy fsdp "
@@ -145,7 +154,7 @@ def apply_strategy(model: nn.Module, strategy: str, device: torch.device, *, pre
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision == "bf16" else MixedPrecisionPolicy()
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
@@ -167,6 +176,62 @@ def random_batch(shape: TransformerShape, batch_size: int, device: torch.device,
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, shape.vocab_size, (batch_size, shape.context + 1), generator=generator)
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+# --------------------------------------------------------------------------------------------
+# Speed against the hardware: tokens/s and model FLOPs utilisation
+
+
+def flops_per_token(shape: TransformerShape) -> int:
+    """Model FLOPs to train on one token: ``6 N + 12 L H Q T`` (the PaLM paper's appendix B).
+
+    N: the parameters that multiply (every one but the two embedding tables, which are lookups);
+    each takes 2 FLOPs per token forward and 4 backward. The attention scores and their weighted
+    sum add ``12 L H Q T`` (L blocks, H heads of width Q, so H Q = width, over a context of T),
+    counted whole although causal attention computes half of them (the usual convention). The
+    recomputation of activation checkpointing is not counted: it is work the hardware does, not
+    work the model needs (hardware FLOPs utilisation would count it).
+    """
+    multiplying = transformer_parameter_count(shape) - (shape.vocab_size + shape.context) * shape.width
+    return 6 * multiplying + 12 * shape.layers * shape.width * shape.context
+
+
+def matmul_precision(precision: str) -> str:
+    """The precision the matrix units run in: bf16, or fp32 matmuls as TF32 where PyTorch allows it."""
+    if precision == "bf16":
+        return "bf16"
+    try:
+        return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    except RuntimeError:  # the new fp32_precision settings in a mixed state: assume the strict one
+        return "fp32"
+
+
+def throughput(shape: TransformerShape, samples_per_s: float | None, device: torch.device, precision: str,
+               devices: int) -> dict[str, Any]:
+    """Tokens/s of the whole job and its model FLOPs utilisation (MFU): the model's FLOPs per second
+    ÷ (devices × the device's dense peak at the precision in force, from ``common.gpu_peaks``)."""
+    tokens_per_s = samples_per_s * shape.context if samples_per_s else None
+    per_token = flops_per_token(shape)
+    achieved = tokens_per_s * per_token / devices / 1e12 if tokens_per_s else None
+    in_force = matmul_precision(precision)
+    peak, reason = None, "no peak known for this CPU"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = peak_tflops(name, in_force)
+        reason = None if peak else f"no {in_force} peak for {name!r} in common/gpu_peaks.py"
+    mfu = achieved / peak if achieved is not None and peak else None
+    if peak and achieved is None:
+        reason = "no step was timed (the run was no longer than its warm-up)"
+    return {"tokens_per_s": tokens_per_s, "flops_per_token": per_token, "achieved_tflops_per_device": achieved,
+            "peak_tflops": peak, "peak_precision": in_force, "mfu": mfu, "mfu_reason": reason}
+
+
+def describe_throughput(speed: dict[str, Any]) -> str:
+    tokens = f"{speed['tokens_per_s']:,.0f} tokens/s" if speed["tokens_per_s"] else "tokens/s n/a"
+    if speed["mfu"] is None:
+        return f"{tokens} | MFU n/a: {speed['mfu_reason']}"
+    return (f"{tokens} | {speed['achieved_tflops_per_device']:.1f} TFLOP/s per device = MFU {100 * speed['mfu']:.1f}% "
+            f"of {speed['peak_tflops']:g} ({speed['peak_precision']} dense peak)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,7 +312,8 @@ def process_rss_bytes() -> int | None:
 
 
 def build_model(shape: TransformerShape, strategy: str, device: torch.device, *, precision: str = "fp32",
-                activation_checkpointing: bool = False, seed: int = 0, on_meta: bool = False) -> nn.Module:
+                activation_checkpointing: bool = False, seed: int = 0, on_meta: bool = False,
+                reshard_after_forward: bool = True, compile_blocks: bool = False) -> nn.Module:
     """The transformer, seeded (every rank and every strategy start from the same weights), wrapped.
 
     ``on_meta=True`` never holds the whole model on a rank: it is built on the ``meta`` device (shapes,
@@ -257,7 +323,8 @@ def build_model(shape: TransformerShape, strategy: str, device: torch.device, *,
     torch.manual_seed(seed)
     if not on_meta:
         return apply_strategy(DecoderOnlyTransformer(shape), strategy, device, precision=precision,
-                              activation_checkpointing=activation_checkpointing)
+                              activation_checkpointing=activation_checkpointing,
+                              reshard_after_forward=reshard_after_forward, compile_blocks=compile_blocks)
     with torch.device("meta"):
         model = DecoderOnlyTransformer(shape)
     if strategy == "ddp":  # DDP copies rank 0's weights to the others: they must exist first

@@ -23,13 +23,17 @@ import pandas as pd
 
 from common.report.runs import get, number
 from common.report.sections import (
-    Section, SectionContext, fmt_bytes, fmt_int, fmt_number, fmt_ratio, fmt_seconds, fmt_text, num,
-    register_section, table_from_frame,
+    LABS_WITHOUT_SCALING, Cell, Section, SectionContext, fmt_bytes, fmt_int, fmt_number, fmt_percent, fmt_ratio,
+    fmt_seconds, fmt_text, num, register_section, table_from_frame,
 )
 
 PARTS = ("parameters", "gradients", "optimizer", "activations")
 #: Training methods of 02_sharded_training.py start with one of these.
 STRATEGIES = ("ddp", "fsdp")
+#: Lab-04 compares strategies on the same ranks: no single-device baseline, so no speed-up or efficiency.
+LABS_WITHOUT_SCALING.add("lab04")
+#: Line style and marker per curve of the loss plot, so that curves lying on one another stay visible.
+_STYLES = [("-", "s"), (":", "^"), ("-.", "v"), ("-", "D"), (":", "x"), ("-.", "+")]
 
 
 def _config(record: dict, key: str) -> Any:
@@ -109,6 +113,9 @@ def _training_rows(runs: pd.DataFrame) -> pd.DataFrame:
             "complete": statistics.median(s["complete_s"] for s in saves if number(s.get("complete_s")) is not None)
             if any(number(s.get("complete_s")) is not None for s in saves) else None,
             "parameters": number(get(record, "metrics", "parameters")),
+            "resumed_at": number(get(record, "metrics", "resumed_at_step")),
+            "tokens_per_s": number(get(record, "metrics", "tokens_per_s")),
+            "mfu": number(get(record, "metrics", "mfu")), "mfu_reason": get(record, "metrics", "mfu_reason"),
             "key": (run["machine"], _shape(record), run["global_batch_size"], _config(record, "seed"),
                     _config(record, "lr")),
         })
@@ -131,24 +138,58 @@ def _loss_difference(training: pd.DataFrame) -> pd.Series:
     return pd.Series(differences, index=training.index, dtype="object")
 
 
+def _resumed_at(row: dict) -> int | None:
+    value = row["resumed_at"]
+    return None if value is None or pd.isna(value) or not value else int(value)
+
+
+def _curve_label(row: dict) -> str:
+    resumed = f" · resumed at step {_resumed_at(row)}" if _resumed_at(row) else ""
+    return f"{row['method']} · {fmt_int(row['world_size'])} ranks · {row['mode']}{resumed}"
+
+
 def _loss_figure(training: pd.DataFrame) -> Any:
+    """Loss per step (top) and each run's relative difference from its DDP twin (bottom): runs that
+    compute the same thing draw one curve on top of another, so the lower panel shows them apart."""
     from matplotlib.figure import Figure as MplFigure
 
     from common.report.plots import plain, png_figure
 
-    fig = MplFigure(figsize=(8, 3.6))
-    ax = fig.add_subplot()
-    for row in training.to_dict("records")[:12]:
+    rows = training.to_dict("records")[:12]
+    fig = MplFigure(figsize=(8, 5.4))
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    others = iter(_STYLES * 2)
+    resumed = []
+    for row in rows:
         steps = [i + 1 for i, x in enumerate(row["losses"]) if x is not None]
         values = [x for x in row["losses"] if x is not None]
-        ax.plot(steps, values, label=plain(f"{row['method']} · {fmt_int(row['world_size'])} ranks · {row['mode']}"),
-                linestyle="--" if row["method"] == "ddp" else "-")
-    ax.set_xlabel("optimiser step")
-    ax.set_ylabel("training loss (mean over ranks)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small", loc="upper right")
-    return png_figure(fig, alt="Training loss per step of the DDP and FSDP2 runs",
-                      caption="With the same seed and global batch, DDP (dashed) and FSDP2 follow the same curve.")
+        linestyle, marker = ("--", "o") if row["method"] == "ddp" else next(others)
+        top.plot(steps, values, label=plain(_curve_label(row)), linestyle=linestyle, marker=marker, markersize=4,
+                 markevery=max(1, len(steps) // 10), markerfacecolor="none", alpha=0.85)
+        if _resumed_at(row):
+            resumed.append(_curve_label(row))
+            top.axvline(_resumed_at(row) + 0.5, color="grey", linewidth=0.8, linestyle=":")
+        ddp = next((r for r in rows if r["method"] == "ddp" and r["key"] == row["key"]), None)
+        if ddp is not None and row is not ddp:
+            pairs = [(i + 1, abs(a - b) / abs(b)) for i, (a, b) in enumerate(zip(row["losses"], ddp["losses"]))
+                     if a is not None and b]
+            bottom.plot([p[0] for p in pairs], [p[1] for p in pairs], linestyle=linestyle, marker=marker,
+                        markersize=4, markerfacecolor="none")
+    top.set_ylabel("training loss (mean over ranks)")
+    top.grid(alpha=0.3)
+    top.legend(fontsize="small", loc="upper right")
+    bottom.set_yscale("symlog", linthresh=1e-7)
+    bottom.set_xlabel("optimiser step")
+    bottom.set_ylabel("|loss − DDP's| / DDP's")
+    bottom.grid(alpha=0.3)
+    caption = ("With the same seed and global batch, DDP (dashed, circles) and FSDP2 (other line styles and "
+               "markers) follow the same curve, drawn on top of one another; below, each run's relative "
+               "difference from the DDP run of the same model and batch, step by step (0 where they agree exactly).")
+    if resumed:
+        caption += (" Resumed runs (dotted vertical line at the step they continued from; the steps before it "
+                    "are the interrupted run's): " + "; ".join(resumed) + ".")
+    return png_figure(fig, alt="Training loss per step of the DDP and FSDP2 runs, and their difference from DDP",
+                      caption=caption)
 
 
 def _largest_rows(runs: pd.DataFrame) -> pd.DataFrame:
@@ -196,8 +237,14 @@ def sharded_training(ctx: SectionContext) -> Section | None:
             ("held per rank (tensors)", lambda r: num(fmt_bytes(r["held"]))),
             ("peak per rank", lambda r: num(fmt_bytes(r["peak"]))),
             ("samples/s", lambda r: num(fmt_number(r["samples_per_s"], 3))),
+            ("tokens/s", lambda r: num(fmt_number(r["tokens_per_s"], 3))),
+            ("MFU", lambda r: Cell(fmt_percent(r["mfu"], 1), title=r["mfu_reason"] or None, style="num")
+             if r["mfu"] is not None and not pd.isna(r["mfu"]) else Cell(
+                 "n/a", title=r["mfu_reason"] if isinstance(r["mfu_reason"], str) else "not recorded", style="num")),
         ], id="lab04-training", caption="DDP against FSDP2: the same seed and global batch should give the same losses step by step "
-                   "(relative difference from the DDP run of the same model and batch)"))
+                   "(relative difference from the DDP run of the same model and batch). MFU: the model's FLOPs per second "
+                   "(6 N + 12 L H Q T per token) over the device's dense peak for the precision in force; "
+                   "hover n/a for why there is none"))
         if ctx.plots and any(training["losses"].map(len)):
             figures.append(_loss_figure(training))
         saved = training[training["saves"] > 0]
