@@ -168,6 +168,23 @@ def compile_and_warm_up(model, device, args):
     return compiled, time.perf_counter() - start
 
 
+def measure_floors(args, model, device, optimizer, scaler, graph, step_time_s):
+    """The step's FLOP floor, launch floor and regime, printed; run after the last evaluation (the
+    steps it runs change nothing that is reported)."""
+    data, target = example_batch(args, device)
+    eager_model = getattr(model, "_orig_mod", model)  # FLOPs of a compiled model: count on the module it wraps
+    step_floors = floors.measure_floors(
+        lambda: training_step(args, model, device, optimizer, scaler, data, target), device,
+        precision=args.amp, step_time_s=step_time_s, in_graph=graph is not None,
+        flop_step=(lambda: training_step(args, eager_model, device, optimizer, scaler, data, target))
+        if args.compile else None,
+        kernels_note="--compile on a CPU: its generated code calls no PyTorch operators to count"
+        if args.compile and device.type == "cpu" else "")
+    for line in floors.floors_lines(step_floors):
+        print(line, flush=True)
+    return step_floors
+
+
 def default_method(args) -> str:
     """``baseline`` for the seed's configuration, ``custom`` for anything else (``--method`` names it)."""
     current = {key: getattr(args, key) for key in SEED_CONFIGURATION}
@@ -297,30 +314,21 @@ def main(argv: list[str] | None = None) -> int:
     timed = slice(1, None) if args.epochs > 1 else slice(None)
     samples_per_s = sum(epoch_samples[timed]) / sum(epoch_times[timed])
     memory = peak_memory(device)
-    step_time_s = sum(epoch_times[timed]) / sum(epoch_steps[timed])
-    # The step's floors, measured after the last evaluation: the steps they run change nothing reported.
-    data, target = example_batch(args, device)
-    step_floors = floors.measure_floors(
-        lambda: training_step(args, model, device, optimizer, scaler, data, target), device,
-        precision=args.amp, step_time_s=step_time_s, in_graph=graph is not None,
-        flop_step=(lambda: training_step(args, model._orig_mod, device, optimizer, scaler, data, target))
-        if args.compile else None,
-        kernels_note="--compile on a CPU: its generated code calls no PyTorch operators to count"
-        if args.compile and device.type == "cpu" else "")
-    for line in floors.floors_lines(step_floors):
-        print(line, flush=True)
+    step_floors = measure_floors(args, model, device, optimizer, scaler, graph,
+                                 step_time_s=sum(epoch_times[timed]) / sum(epoch_steps[timed]))
+    headline = {key: step_floors.pop(key) for key in FLOOR_METRICS}  # the rest stays under "floors"
     full_batches = len(train_data) // args.batch_size
+    graph_record = {"requested": args.cuda_graph, "captured": graph is not None,
+                    "reason": None if graph or not args.cuda_graph else blocker,
+                    "capture_s": graph.capture_s if graph else None,
+                    "eager_steps": sum(max(0, steps - full_batches) for steps in epoch_steps) if graph else None}
     metrics = {
         "train_loss": train_losses, "final_loss": train_losses[-1], "test_loss": test_loss,
         "test_accuracy": accuracy, "epochs": args.epochs, "steps": sum(epoch_steps), "logged_loss": logged_losses,
         "global_batch_size": args.batch_size, "world_size": 1, "epoch_time_s": epoch_times,
         "time_per_epoch_s": statistics.median(epoch_times), "samples_per_s": samples_per_s,
         "compile_s": compile_s, "memory": [memory],
-        "cuda_graph": {"requested": args.cuda_graph, "captured": graph is not None,
-                       "reason": None if graph or not args.cuda_graph else blocker,
-                       "capture_s": graph.capture_s if graph else None,
-                       "eager_steps": sum(max(0, steps - full_batches) for steps in epoch_steps) if graph else None},
-        **{key: step_floors.pop(key) for key in FLOOR_METRICS}, "floors": step_floors,
+        "cuda_graph": graph_record, **headline, "floors": step_floors,
         "timing_method": "time.perf_counter around train(), device synchronised before each read; the epoch "
                          "includes waiting for the loader; samples/s and step_time_s over epochs 2.. (all when "
                          "only one)",
