@@ -37,7 +37,7 @@ from common.device import synchronize
 __all__ = ["CapturedStep", "capture_blocker"]
 
 #: Eager steps before capture (PyTorch's CUDA graph notes use 3).
-WARMUP_STEPS = 3
+_WARMUP_STEPS = 3
 
 
 def capture_blocker(device: torch.device, *, grad_scaling: bool, compiled: bool) -> str | None:
@@ -81,7 +81,7 @@ class CapturedStep:
         with torch.cuda.stream(side), warnings.catch_warnings():
             # capturable=True warns once when a step runs outside a capture, as the warm-up must
             warnings.filterwarnings("ignore", message=".*capturable=True.*")
-            for _ in range(WARMUP_STEPS):
+            for _ in range(_WARMUP_STEPS):
                 step(self.data, self.target)
         torch.cuda.current_stream(device).wait_stream(side)
         # Undo the warm-up in place: the graph will read and write these very tensors.

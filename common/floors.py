@@ -175,7 +175,8 @@ def _regime(flop_floor: float | None, launch_floor: float | None, step_time: flo
         if launch_floor >= flop_floor:
             return "launch-bound", (f"issuing its {things} takes {launch_floor / flop_floor:.1f}x as long as its "
                                     "maths would at peak")
-        return "compute-bound", f"its maths at peak takes {flop_floor / launch_floor:.1f}x as long as issuing its {things}"
+        return "compute-bound", (f"its maths at peak takes {flop_floor / launch_floor:.1f}x as long as issuing "
+                                 f"its {things}")
     share = launch_floor / step_time if step_time > 0 else float("inf")
     if share >= 0.5:
         return "launch-bound", f"calling its {things} is {share:.1%} of the step"
@@ -214,7 +215,8 @@ def floors_lines(floors: dict[str, Any]) -> list[str]:
         if floors["fraction_of_peak"] is not None:
             rate += f" = {floors['fraction_of_peak']:.1%} of peak"
     return [f"per step: {flop} | {launch} | measured {_seconds(floors['step_time_s'])}{rate}",
-            f"regime: {floors['regime'] or 'unknown'}: {floors['regime_why']}{_WHAT_MOVES_IT.get(floors['regime'], '')}"]
+            f"regime: {floors['regime'] or 'unknown'}: {floors['regime_why']}"
+            f"{_WHAT_MOVES_IT.get(floors['regime'], '')}"]
 
 
 def measure_floors(step: Callable[[], Any], device: torch.device, *, precision: str, step_time_s: float,

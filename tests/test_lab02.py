@@ -184,7 +184,8 @@ def test_cuda_graph_step_on_a_cpu_runs_eagerly_says_why_and_records_the_floors(t
     assert metrics["achieved_tflops"] == pytest.approx(floors["flops_per_step"] / metrics["step_time_s"] / 1e12)
     # A CPU has no datasheet peak: no FLOP floor and no fraction of it, each with the reason.
     assert metrics["flop_floor_s"] is None and metrics["fraction_of_peak"] is None
-    assert "no peak for a CPU" in floors["reasons"]["flop_floor_s"] == floors["reasons"]["fraction_of_peak"]
+    assert "no peak for a CPU" in floors["reasons"]["flop_floor_s"]
+    assert floors["reasons"]["fraction_of_peak"] == floors["reasons"]["flop_floor_s"]
     # The launch floor counts operators (said so) at the measured cost of calling one.
     assert "an operator count, not kernels" in floors["counted"] and metrics["kernels_per_step"] > 50
     assert metrics["launch_floor_s"] == pytest.approx(metrics["kernels_per_step"] * floors["launch_latency_s"])
@@ -213,8 +214,11 @@ def test_a_larger_batch_adds_flops_not_kernels_and_moves_a_gpu_step_from_launch_
                for name, run in (("small", small), ("large", large))}
     assert counted["large"][0] == 8 * counted["small"][0] and counted["large"][1] == counted["small"][1]
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(floors, "fp32_math", lambda: {"matmul": "ieee", "cudnn_conv": "tf32"})
+    assert floors.peak_for(torch.device("cuda"), "fp32")[0] == 494.5  # cuDNN may use TF32: the lower floor
+    monkeypatch.setattr(floors, "fp32_math", lambda: {"matmul": "ieee", "cudnn_conv": "ieee"})
     peak, source = floors.peak_for(torch.device("cuda"), "fp32")
-    assert source.startswith("H100 SXM datasheet") and peak in (67.0, 494.5)  # tf32 when cuDNN may use it
+    assert peak == 67.0 and source.startswith("H100 SXM datasheet, fp32")
     flops_at_64, kernels = counted["small"][0] * 16, counted["small"][1]
 
     def regime(flops: int) -> str:

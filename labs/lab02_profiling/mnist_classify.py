@@ -34,7 +34,6 @@ transform pipeline on any of them (see ``common/pipelines.py``).
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import time
@@ -219,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch.compile the model; compile time is measured and recorded separately (default: off)")
     tuning.add_argument("--cuda-graph", action="store_true",
                         help="capture the whole training step once as a CUDA graph and replay it for every full "
-                             "batch; on a CPU (or with fp16, --compile) the step runs eagerly and says why (default: off)")
+                             "batch; on a CPU (or with fp16, --compile) the step runs eagerly and says why "
+                             "(default: off)")
     parser.add_argument("--launch-blocking", action="store_true",
                         help="CUDA_LAUNCH_BLOCKING=1: every CUDA call waits for its kernels, so a line profile on a "
                              "GPU shows each line's own GPU time; slower overall (default: off)")
