@@ -1,6 +1,6 @@
 """A whole training step captured once as a CUDA graph, then replayed for every batch (Lab-02).
 
-An eager step of a small model is some hundred tiny kernels, each issued from Python through
+An eager step of a small model is many tiny kernels, each issued from Python through
 PyTorch's dispatcher; the GPU finishes each before the CPU has issued the next, so the step takes
 as long as the issuing. A CUDA graph records the kernels of one step once; a replay issues all of
 them with one launch and the GPU runs them back to back. What a graph needs, and how it gets it here:
