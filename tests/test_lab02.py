@@ -187,3 +187,106 @@ def test_job_script_is_the_seeds_job_and_shellcheck_clean():
         pytest.skip("shellcheck is not installed in this environment (uv sync installs it)")
     done = subprocess.run([str(shellcheck), str(job)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout
+
+
+def test_cuda_graph_step_on_a_cpu_runs_eagerly_says_why_and_records_the_floors(tmp_path, capsys):
+    status = run_main(TRAIN, [*TINY, "--pipeline", "device", "--num-workers", "0", "--cuda-graph",
+                              "--results-dir", str(tmp_path)])
+    assert status == 0
+    out = capsys.readouterr().out
+    why = "graph: not captured (CPU: CUDA graphs need a GPU)"
+    assert why in out and "regime: compute- or memory-bound" in out
+    (record,) = records(tmp_path)
+    metrics, floors = record["metrics"], record["metrics"]["floors"]
+    assert why in record["notes"] and record["config"]["cuda_graph"] is True
+    assert metrics["cuda_graph"]["captured"] is False and metrics["cuda_graph"]["reason"] in why
+    assert metrics["steps"] == 2 and metrics["step_time_s"] == pytest.approx(metrics["epoch_time_s"][0] / 2)
+    # One training step of MnistNet at batch 64: forward, then backward at twice the forward's FLOPs,
+    # less the first convolution's input gradient (the images need none).
+    conv1, conv2 = 2 * 64 * 32 * 26 * 26 * 1 * 9, 2 * 64 * 64 * 24 * 24 * 32 * 9
+    forward = conv1 + conv2 + 2 * 64 * 9216 * 128 + 2 * 64 * 128 * 10
+    assert floors["flops_per_step"] == 3 * forward - conv1
+    assert metrics["achieved_tflops"] == pytest.approx(floors["flops_per_step"] / metrics["step_time_s"] / 1e12)
+    # A CPU has no datasheet peak: no FLOP floor and no fraction of it, each with the reason.
+    assert metrics["flop_floor_s"] is None and metrics["fraction_of_peak"] is None
+    assert "no peak for a CPU" in floors["reasons"]["flop_floor_s"]
+    assert floors["reasons"]["fraction_of_peak"] == floors["reasons"]["flop_floor_s"]
+    # The launch floor counts operators (said so) at the measured cost of calling one.
+    assert "an operator count, not kernels" in floors["counted"] and metrics["kernels_per_step"] > 50
+    assert metrics["launch_floor_s"] == pytest.approx(metrics["kernels_per_step"] * floors["launch_latency_s"])
+    assert metrics["regime"] == "compute- or memory-bound" and metrics["launch_floor_s"] < metrics["step_time_s"] / 2
+
+
+def test_a_larger_batch_adds_flops_not_kernels_and_moves_a_gpu_step_from_launch_to_compute_bound(monkeypatch):
+    import torch
+    import torch.nn.functional as F
+
+    from common import floors
+    from common.models import MnistNet
+
+    model = MnistNet()
+    optimizer = torch.optim.Adadelta(model.parameters())
+
+    def step(batch: int):
+        def run():
+            optimizer.zero_grad(set_to_none=True)
+            F.nll_loss(model(torch.zeros(batch, 1, 28, 28)), torch.zeros(batch, dtype=torch.long)).backward()
+            optimizer.step()
+        return run
+
+    small, large = step(4), step(32)
+    counted = {name: (floors.count_flops(run), floors.count_kernels(run, torch.device("cpu"))[0])
+               for name, run in (("small", small), ("large", large))}
+    assert counted["large"][0] == 8 * counted["small"][0] and counted["large"][1] == counted["small"][1]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(floors, "fp32_math", lambda: {"matmul": "ieee", "cudnn_conv": "tf32"})
+    assert floors.peak_for(torch.device("cuda"), "fp32")[0] == 494.5  # cuDNN may use TF32: the lower floor
+    monkeypatch.setattr(floors, "fp32_math", lambda: {"matmul": "ieee", "cudnn_conv": "ieee"})
+    peak, source = floors.peak_for(torch.device("cuda"), "fp32")
+    assert peak == 67.0 and source.startswith("H100 SXM datasheet, fp32")
+    flops_at_64, kernels = counted["small"][0] * 16, counted["small"][1]
+
+    def regime(flops: int) -> str:
+        return floors.step_floors(flops=flops, kernels=kernels, counted="CUDA kernels", latency_s=5e-6,
+                                  latency_method="", step_time_s=1e-3, peak_tflops=peak, peak_source=source)["regime"]
+
+    assert regime(flops_at_64) == "launch-bound" and regime(flops_at_64 * 1024) == "compute-bound"
+
+
+def test_the_sweep_puts_the_graph_step_after_device_and_its_flags_make_a_graph_run():
+    sweep, train = load_script(f"{LAB}/sweep.py"), load_script(TRAIN)
+    args = sweep.build_parser().parse_args([])
+    path = sweep.optimisation_path(args)
+    names = [step.name for step in path]
+    assert names[names.index("device") + 1] == "graph"
+    settings: dict = {}
+    for step in path[:names.index("graph") + 1]:
+        settings.update(step.flags)
+    parsed = train.build_parser().parse_args([*sweep.forwarded_flags(args), *sweep.command_line(settings)])
+    assert parsed.cuda_graph and parsed.pipeline == "device" and parsed.batch_size == 64 and not parsed.compile
+
+
+@pytest.mark.gpu
+def test_gpu_graph_step_is_captured_and_trains_step_by_step_like_the_eager_device_step(tmp_path):
+    """Fresh processes, as a student runs them: the same seed, data and steps, eager and captured."""
+    from helpers import run_script
+
+    shared = ["--device", "cuda", "--pipeline", "device", "--num-workers", "0", "--epochs", "2", "--log-interval", "1"]
+    found = {}
+    for name, extra in (("eager", []), ("graph", ["--cuda-graph"])):
+        done = run_script(TRAIN, *shared, *extra, "--results-dir", str(tmp_path / name))
+        assert done.returncode == 0, done.stdout + done.stderr
+        (found[name],) = records(tmp_path / name)
+    assert "graph: captured in" in done.stdout
+    graph = found["graph"]["metrics"]
+    # digits: 1,438 training images = 22 batches of 64 and one of 30, which runs eagerly each epoch.
+    assert graph["cuda_graph"]["captured"] is True and graph["cuda_graph"]["eager_steps"] == 2
+    eager_losses, graph_losses = (sum(found[name]["metrics"]["logged_loss"], []) for name in ("eager", "graph"))
+    assert len(eager_losses) == len(graph_losses) == 46
+    assert graph_losses == pytest.approx(eager_losses, rel=1e-3)  # same weights, batches, dropout masks and lr
+    for record in found.values():
+        metrics = record["metrics"]
+        assert metrics["kernels_per_step"] > 20 and record["metrics"]["floors"]["counted"] == "CUDA kernels"
+        assert metrics["flop_floor_s"] > 0 and metrics["launch_floor_s"] > 0 and 0 < metrics["fraction_of_peak"] < 1
+        assert metrics["regime"] in ("launch-bound", "compute-bound")
+    assert "CUDA graph" in graph["floors"]["latency_method"]

@@ -76,6 +76,8 @@ def optimisation_path(args: argparse.Namespace) -> list[Step]:
         Step("tensor", "images converted to tensors once; one indexing op per batch", (("--pipeline", "tensor"),)),
         Step("device", "whole data set resident on the device; batches sliced there, no DataLoader",
              (("--pipeline", "device"),)),
+        Step("graph", "the whole training step captured once as a CUDA graph, replayed in one launch (GPU only)",
+             (("--cuda-graph", None),)),
         Step("large-batch", f"batch {args.large_batch_size}", (("--batch-size", str(args.large_batch_size)),)),
         Step("channels-last", "NHWC memory layout for model and images", (("--channels-last", None),)),
         Step("amp", f"mixed precision ({args.amp})", (("--amp", args.amp),)),
@@ -149,12 +151,12 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     def fmt(value: Any, spec: str) -> str:
         return "—" if value is None else format(value, spec)
 
-    lines = ["| step | change | time / epoch (s) | samples/s | speed-up | data-loading line | test accuracy |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| step | change | time / epoch (s) | samples/s | speed-up | data-loading line | regime | test accuracy |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
     for row in rows:
         lines.append(f"| {row['step']} | {row['change']} | {fmt(row['time_per_epoch_s'], '.2f')} | "
                      f"{fmt(row['samples_per_s'], ',.0f')} | {fmt(row['speedup'], '.2f')}× | "
-                     f"{fmt(row['share'], '.1%')} | {fmt(row['test_accuracy'], '.1%')} |")
+                     f"{fmt(row['share'], '.1%')} | {row['regime'] or '—'} | {fmt(row['test_accuracy'], '.1%')} |")
     return "\n".join(lines)
 
 
@@ -231,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             written = write_record(record, args.results_dir)
             rows.append({"step": step.name, "change": step.change, "time_per_epoch_s": metrics["time_per_epoch_s"],
                          "samples_per_s": metrics["samples_per_s"], "speedup": speedup, "share": share,
-                         "test_accuracy": metrics.get("test_accuracy")})
+                         "regime": metrics.get("regime"), "test_accuracy": metrics.get("test_accuracy")})
             print(f"== {step.name}: {metrics['time_per_epoch_s']:.2f} s/epoch, {metrics['samples_per_s']:.0f} "
                   f"samples/s, data-loading line {share:.1%} of train() | record {written}", flush=True)
 
