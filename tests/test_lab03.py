@@ -444,3 +444,20 @@ def test_container_definition_installs_the_course_dependencies():
             assert not re.search(rf'"{name}[<>=]', sections["post"])
         else:
             assert f'"{spec}"' in sections["post"], f"{spec} from pyproject.toml is not installed in the image"
+
+
+@pytest.mark.gpu
+def test_gpu_small_batch_says_launch_bound_and_fp16_is_compared_after_applied_steps(tmp_path):
+    """A fresh process on a GPU: batch 2 is far below 5% of the peak (one launch-bound line, the fraction in every
+    record), half runs with float32 BatchNorm, and amp-fp16's skipped steps do not make it DIVERGED."""
+    result = run_script(SCRIPT, "--device", "cuda", "--models", "resnet50", "--image-size", "224", "-b", "12",
+                        "-w", "3", "-n", "3", "--precisions", "fp32,half,amp-fp16,amp-bf16", "--modes", "train",
+                        "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path / "records"), timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sum(line.startswith("launch-bound: ") for line in result.stdout.splitlines()) == 1
+    by_method = records_by_method(tmp_path / "records")
+    for precision in ("fp32", "half", "amp-fp16", "amp-bf16"):
+        metrics = by_method[f"train-{precision}"][0]["metrics"]
+        assert metrics["peak_tflops"] and 0 < metrics["fraction_of_peak"] < 1
+        assert metrics["loss_check"]["verdict"] != "diverged", metrics["loss_check"]
+        assert metrics["loss_check"]["compared_after_steps"] == metrics["loss_check"]["check_steps"] - 1
