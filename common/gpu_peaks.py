@@ -57,5 +57,11 @@ def gpu_peaks(device_name: str) -> tuple[str | None, dict[str, float]]:
 
 
 def peak_tflops(device_name: str, precision: str) -> float | None:
-    """Dense peak TFLOP/s of a CUDA device at one of :data:`PRECISIONS`; ``None`` when the table has no figure."""
+    """Dense datasheet TFLOP/s of a CUDA device at one of :data:`PRECISIONS`; ``None`` when not in the table.
+
+    The figure to divide an achieved TFLOP/s by (model FLOPs utilisation): the precision is the one
+    the matrix maths ran in (``bf16`` for bfloat16 autocast, ``tf32`` for float32 on TF32 tensor cores).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision is one of {PRECISIONS}, not {precision!r}")
     return gpu_peaks(device_name)[1].get(precision)

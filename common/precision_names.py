@@ -19,7 +19,8 @@ PRECISIONS: dict[str, str] = {
     "fp32": "float32 with TF32 off: true IEEE single precision, the seed's 'float' (PyTorch 1.6 had no TF32)",
     "tf32": "float32 storage, convolutions and matmuls on TF32 tensor cores (10-bit mantissa); "
             "PyTorch's default for cuDNN convolutions on Ampere and newer",
-    "half": "the whole model cast to float16 (model.half()), no loss scaling: the seed's 'half'",
+    "half": "the model cast to float16 (model.half()) but BatchNorm kept float32, no loss scaling: "
+            "the SJTU page's 'half'",
     "amp-fp16": "float32 weights, autocast to float16 for convolutions and matmuls, GradScaler against underflow",
     "amp-bf16": "float32 weights, autocast to bfloat16 (float32's exponent range, so no scaler)",
 }

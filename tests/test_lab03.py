@@ -139,7 +139,8 @@ def test_records_carry_the_documented_metrics(cpu_run):
             assert len(metrics["ms_per_batch_samples"]) == 2
             assert metrics["samples_per_s"] > 0
             assert metrics["flops_per_batch"] > 0 and metrics["achieved_tflops"] > 0
-            assert metrics["peak_tflops"] is None and "CPU" in metrics["peak_tflops_source"]
+            assert metrics["peak_tflops"] is None and "no peak known for this CPU" in metrics["peak_tflops_source"]
+            assert metrics["fraction_of_peak"] is None and metrics["launch_bound"] is None
             assert metrics["memory"][0]["source"] == "process_max_rss"
             assert metrics["step_time"]["method"].startswith("time.perf_counter per step, CPU")
             assert metrics["step_time"]["steps_timed"] == 2 and metrics["step_time"]["warmup_steps"] == 1
@@ -148,6 +149,7 @@ def test_records_carry_the_documented_metrics(cpu_run):
     inference = by_method["inference-fp32"][0]["metrics"]["flops_per_batch"]
     assert 2.5 < train / inference < 3.5
     assert any("float16 on a CPU" in note for note in by_method["train-half"][0]["notes"])
+    assert "launch-bound" not in cpu_run["stdout"]  # no peak known for a CPU: nothing to be far from
 
 
 def test_unsupported_precisions_are_skipped_records_with_the_reason(cpu_run):
@@ -168,7 +170,9 @@ def test_loss_check_against_fp32(cpu_run):
     assert fp32["losses"][-1] < fp32["losses"][0]  # the three steps do train
     for precision in CPU_RUNS:
         check = checks[precision]["loss_check"]
-        assert check["steps"] == 3 and check["fp32_losses"] == fp32["losses"]
+        assert check["check_steps"] == check["applied_steps"] == check["attempts"] == 3
+        assert check["skipped_steps"] == 0 and check["compared_after_steps"] == 2 and check["verdict"] == "agrees"
+        assert check["fp32_losses"] == fp32["losses"]
         assert check["tolerance"] == shared().DEFAULT_LOSS_TOLERANCE
         assert checks[precision]["loss_relative_diff_vs_fp32"] == check["relative_diff"]
         assert not checks[precision]["diverged"]
@@ -176,6 +180,88 @@ def test_loss_check_against_fp32(cpu_run):
     # bfloat16 and float16 round for real (8 and 11 significant bits), yet stay inside the tolerance.
     for precision in ("half", "amp-bf16"):
         assert 1e-4 < checks[precision]["loss_relative_diff_vs_fp32"] < shared().DEFAULT_LOSS_TOLERANCE
+
+
+def with_overflowing_scaler(monkeypatch, backoff_factor: float):
+    """amp-bf16's loss check gets a real GradScaler whose scale overflows float32 (2**127 times a gradient
+    above 2), as amp-fp16's 65536 overflowed float16 on an H100: the scaler's own inf check skips those steps."""
+    import torch
+
+    bench = load_script(SCRIPT)
+    make_optimizer = bench.make_optimizer
+
+    def overflowing(model, precision, device, args):
+        optimizer, scaler = make_optimizer(model, precision, device, args)
+        if precision == "amp-bf16":
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, backoff_factor=backoff_factor)
+        return optimizer, scaler
+
+    monkeypatch.setattr(bench, "make_optimizer", overflowing)
+    return bench
+
+
+def test_the_loss_check_compares_after_the_same_number_of_applied_steps(tmp_path, monkeypatch):
+    """Skipped GradScaler steps leave the weights as they were: the check tries again and compares the loss
+    with fp32's after as many applied steps, so a healthy precision is not called DIVERGED."""
+    with_overflowing_scaler(monkeypatch, backoff_factor=0.5)
+    argv = ["--device", "cpu", "--models", "resnet18", "--image-size", "64", "-b", "2", "-w", "0", "-n", "1",
+            "--check-steps", "2", "--precisions", "fp32,amp-bf16", "--modes", "inference", "--seed", "1",
+            "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path / "records")]
+    with quiet_single_thread() as out:
+        assert run_main(SCRIPT, argv) == 0
+    by_method = records_by_method(tmp_path / "records")
+    fp32, bf16 = (by_method[f"inference-{p}"][0]["metrics"]["loss_check"] for p in ("fp32", "amp-bf16"))
+    assert fp32["skipped_steps"] == 0 and fp32["attempts"] == 2
+    assert bf16["skipped_steps"] >= 1 and bf16["attempts"] == bf16["applied_steps"] + bf16["skipped_steps"]
+    assert bf16["applied_steps"] == 2 and bf16["compared_after_steps"] == 1 and len(bf16["losses"]) == 2
+    assert bf16["losses"][1] < bf16["losses"][0]  # the compared loss is after a real update
+    assert bf16["verdict"] == "agrees" and not bf16["diverged"] and bf16["relative_diff"] < 0.05
+    assert any(note.startswith(f"GradScaler skipped {bf16['skipped_steps']} of the {bf16['attempts']}")
+               for note in by_method["inference-amp-bf16"][0]["notes"])
+    assert "DIVERGED" not in out.getvalue() and "step(s) skipped" in out.getvalue()
+
+
+def test_a_check_whose_every_step_was_skipped_is_inconclusive(tmp_path, monkeypatch):
+    """Every attempt overflows (at 32x32 the gradients reach 100+; the scale stays above 2**126): the weights
+    never move, and the verdict is inconclusive, not DIVERGED, in the record, the CSV and the report."""
+    bench = with_overflowing_scaler(monkeypatch, backoff_factor=0.9)
+    monkeypatch.setattr(bench, "MAX_SKIPPED_CHECK_STEPS", 2)  # the cap, small to stay cheap
+    argv = ["--device", "cpu", "--models", "resnet18", "--image-size", "32", "-b", "2", "-w", "0", "-n", "1",
+            "--check-steps", "2", "--precisions", "fp32,amp-bf16", "--modes", "inference", "--seed", "1",
+            "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path / "records")]
+    with quiet_single_thread() as out:
+        assert run_main(SCRIPT, argv) == 0
+    (record,) = records_by_method(tmp_path / "records")["inference-amp-bf16"]
+    check = record["metrics"]["loss_check"]
+    assert (check["attempts"], check["skipped_steps"], check["applied_steps"]) == (2, 2, 0)
+    assert check["verdict"] == "inconclusive" and not check["diverged"] and check["relative_diff"] is None
+    assert len(check["losses"]) == 1  # the untrained loss only: nothing trained to compare
+    assert record["notes"] == ["INCONCLUSIVE: GradScaler skipped all 2 attempted steps: the weights never moved, "
+                               "so there is no training to compare with fp32's"]
+    assert "INCONCLUSIVE" in out.getvalue() and "DIVERGED" not in out.getvalue()
+    with open(tmp_path / "csv" / "cpu_1_procs_summary.csv", newline="") as handle:
+        rows = {row["precision"]: row for row in csv.DictReader(handle)}
+    assert (rows["amp-bf16"]["check_verdict"], rows["amp-bf16"]["diverged"]) == ("inconclusive", "no")
+    from common.report import build_report
+
+    page = build_report(tmp_path / "records", tmp_path / "report.html", plots=False).report_path.read_text()
+    page = page[page.index("<h2>Lab 03: precision benchmark"):]
+    page = page[:page.index("</section>")]
+    assert ">inconclusive</td>" in page and "⚠ diverged" not in page
+
+
+def test_half_keeps_batchnorm_in_float32():
+    """model.half() for the convolutions and the linear layer; BatchNorm's weights and statistics stay float32."""
+    import torch
+
+    from common.models import build_model
+
+    bench = load_script(SCRIPT)
+    model = bench.make_model(build_model("resnet18", num_classes=10), "half", torch.device("cpu"), False)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and all(t.dtype == torch.float32 for m in norms for t in (*m.parameters(), *m.buffers())
+                         if t.is_floating_point())
+    assert model.conv1.weight.dtype == model.fc.weight.dtype == torch.float16
 
 
 def test_a_precision_over_the_tolerance_is_flagged(tmp_path):
@@ -188,7 +274,7 @@ def test_a_precision_over_the_tolerance_is_flagged(tmp_path):
     by_method = records_by_method(tmp_path / "records")
     bf16, fp32 = by_method["inference-amp-bf16"][0], by_method["inference-fp32"][0]
     assert bf16["metrics"]["diverged"] and not fp32["metrics"]["diverged"]
-    assert any(note.startswith("DIVERGED: loss after 2 steps") for note in bf16["notes"])
+    assert any(note.startswith("DIVERGED: loss after 1 applied steps") for note in bf16["notes"])
     assert "DIVERGED" in out.getvalue()
     with open(tmp_path / "csv" / "cpu_1_procs_summary.csv", newline="") as handle:
         flagged = {row["precision"]: row["diverged"] for row in csv.DictReader(handle)}
@@ -297,6 +383,22 @@ def test_shared_rules_without_torch():
     assert stalled["diverged"] and "over the 5% tolerance" in stalled["reason"]
     broken = lab.compare_losses([6.9, float("inf"), float("nan")], [6.9, 5.0, 3.0])
     assert broken["diverged"] and broken["reason"] == "loss became NaN or inf" and broken["relative_diff"] is None
+    # Four skipped steps, as on the H100 (scale 65536 -> 4096): compared after the same two applied steps.
+    late = lab.compare_losses([6.9, 5.01, 3.01], [6.9, 5.0, 3.0], attempts=7, skipped_steps=4)
+    assert late["verdict"] == "agrees" and (late["applied_steps"], late["compared_after_steps"]) == (3, 2)
+    capped = lab.compare_losses([6.9, 5.01], [6.9, 5.0, 3.0], attempts=17, skipped_steps=16)  # gave up at the cap
+    assert capped["verdict"] == "agrees" and capped["fp32_loss"] == 5.0 and capped["compared_after_steps"] == 1
+    never = lab.compare_losses([6.9], [6.9, 5.0, 3.0], attempts=16, skipped_steps=16)
+    assert never["verdict"] == "inconclusive" and not never["diverged"] and "skipped all 16" in never["reason"]
+    # Far from the peak is launch-bound; one line, with the remedy; nothing where no peak is known.
+    h100 = [{"model": "resnet50", "mode": "train", "precision": p, "fraction_of_peak": f}
+            for p, f in (("fp32", 0.16), ("tf32", 0.03), ("amp-bf16", 0.015))]
+    line = lab.launch_bound_line(h100, 12)
+    assert line.startswith("launch-bound: 2 of 3 results below 5% of the GPU's peak (lowest: resnet50 train amp-bf16")
+    assert "\n" not in line and "raise -b" in line and "--compile" in line and "CUDA graphs" in line
+    assert lab.launch_bound_line([{**row, "fraction_of_peak": None} for row in h100], 12) is None
+    assert lab.peak_tflops("cpu", "AMD EPYC 7763", "fp32") == (None, "no peak known for this CPU (it depends on cores, "
+                                                               "clock and vector units)")
     assert lab.iterations_csv({"a": [1.0, 2.5], "b": [3.0, 4.0]}) == "a,b\n1.0000,3.0000\n2.5000,4.0000\n"
     assert lab.csv_name(lab.device_tag("cuda", "NVIDIA A100-SXM4-40GB", 1), "fp32", "train") == \
         "NVIDIA-A100-SXM4-40GB_1_gpus_fp32_model_train_benchmark.csv"
@@ -342,3 +444,20 @@ def test_container_definition_installs_the_course_dependencies():
             assert not re.search(rf'"{name}[<>=]', sections["post"])
         else:
             assert f'"{spec}"' in sections["post"], f"{spec} from pyproject.toml is not installed in the image"
+
+
+@pytest.mark.gpu
+def test_gpu_small_batch_says_launch_bound_and_fp16_is_compared_after_applied_steps(tmp_path):
+    """A fresh process on a GPU: batch 2 is far below 5% of the peak (one launch-bound line, the fraction in every
+    record), half runs with float32 BatchNorm, and amp-fp16's skipped steps do not make it DIVERGED."""
+    result = run_script(SCRIPT, "--device", "cuda", "--models", "resnet50", "--image-size", "224", "-b", "12",
+                        "-w", "3", "-n", "3", "--precisions", "fp32,half,amp-fp16,amp-bf16", "--modes", "train",
+                        "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path / "records"), timeout=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sum(line.startswith("launch-bound: ") for line in result.stdout.splitlines()) == 1
+    by_method = records_by_method(tmp_path / "records")
+    for precision in ("fp32", "half", "amp-fp16", "amp-bf16"):
+        metrics = by_method[f"train-{precision}"][0]["metrics"]
+        assert metrics["peak_tflops"] and 0 < metrics["fraction_of_peak"] < 1
+        assert metrics["loss_check"]["verdict"] != "diverged", metrics["loss_check"]
+        assert metrics["loss_check"]["compared_after_steps"] == metrics["loss_check"]["check_steps"] - 1

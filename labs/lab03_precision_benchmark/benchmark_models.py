@@ -54,7 +54,8 @@ from common.models import build_model, zoo_models
 from common.precision_names import MODES, PRECISIONS
 from common.timing import StepTimer, peak_memory, reset_peak_memory
 from labs.lab03_precision_benchmark.lab03_shared import (
-    DEFAULT_LOSS_TOLERANCE, MOMENTUM, NUM_CLASSES, SEED_MODELS, Output, compare_losses, compile_outcome, parse_list,
+    DEFAULT_LOSS_TOLERANCE, MAX_SKIPPED_CHECK_STEPS, MOMENTUM, NUM_CLASSES, SEED_MODELS, Output, compare_losses,
+    compile_outcome, parse_list,
 )
 
 #: Precisions that cast the whole model; the others keep float32 weights.
@@ -119,6 +120,9 @@ def forward_context(precision: str, device: torch.device) -> AbstractContextMana
 def make_model(base: torch.nn.Module, precision: str, device: torch.device, channels_last: bool) -> torch.nn.Module:
     """A copy of ``base`` (the same initial weights for every precision) cast and placed for ``precision``."""
     model = copy.deepcopy(base).to(device=device, dtype=WEIGHT_DTYPES.get(precision, torch.float32))
+    if precision == "half":  # BatchNorm stays float32, as in float16 training: cuDNN's batch norm takes float16
+        # activations with float32 weights only; float16 ones send it to PyTorch's slower kernels.
+        model.apply(lambda m: m.float() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) else None)
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
@@ -148,7 +152,7 @@ def train_step(model, images, labels, optimizer, scaler, precision, device) -> t
 
 def make_optimizer(model: torch.nn.Module, precision: str, device: torch.device, args: argparse.Namespace):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=MOMENTUM)
-    return optimizer, amp.grad_scaler(device, "fp16" if precision == "amp-fp16" else "fp32")
+    return optimizer, amp.grad_scaler(device, AUTOCAST.get(precision, "fp32"))  # a scaler for fp16 only
 
 
 def time_training(model, images, labels, precision, device, args) -> StepTimer:
@@ -171,22 +175,21 @@ def time_inference(model, images, precision, device, args) -> StepTimer:
     return timer
 
 
-def check_losses(base, images, labels, precision, device, args) -> tuple[list[float], int]:
-    """The loss at each of ``--check-steps`` training steps from ``base``'s weights on one batch.
-
-    The same initial weights, batch and optimiser for every precision, on the plain model (no DDP, no
-    compile), so only the precision differs. Also how many steps amp-fp16's GradScaler skipped
-    (inf/NaN gradients at its scale: the weights stay put, which alone moves the loss from fp32's).
-    """
+def check_losses(base, images, labels, precision, device, args) -> tuple[list[float], int, int]:
+    """The losses after 0, 1, ... applied training steps from ``base``'s weights on one batch (the same for
+    every precision, plain model: only the precision differs), the attempts and the skips: amp-fp16's
+    GradScaler skips a step whose gradients overflow at its scale (the weights stay put; tried again)."""
     model = make_model(base, precision, device, args.channels_last).train()
     optimizer, scaler = make_optimizer(model, precision, device, args)
     inputs = make_inputs(images, precision, args.channels_last)
-    losses, skipped = [], 0
-    for _ in range(args.check_steps):
+    losses, attempts, skipped = [], 0, 0
+    while len(losses) < args.check_steps and skipped < MAX_SKIPPED_CHECK_STEPS:
         scale = scaler.get_scale()
-        losses.append(float(train_step(model, inputs, labels, optimizer, scaler, precision, device)))
-        skipped += scaler.get_scale() < scale  # the scaler halves its scale when it skips a step
-    return losses, skipped
+        loss = float(train_step(model, inputs, labels, optimizer, scaler, precision, device))
+        if attempts - skipped == len(losses):  # the first loss after this many applied steps
+            losses.append(loss)
+        attempts, skipped = attempts + 1, skipped + (scaler.get_scale() < scale)  # a skip halves the scale
+    return losses, attempts, skipped
 
 
 def count_flops(model_name: str, batch_size: int, image_size: int) -> dict[str, int]:
@@ -271,17 +274,16 @@ def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: D
         images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator).to(device)
         labels = torch.randint(0, NUM_CLASSES, (args.batch_size,), generator=generator).to(device)
         amp.set_fp32_math("ieee")
-        reference, _ = check_losses(base, images, labels, "fp32", device, args)
+        reference, _, _ = check_losses(base, images, labels, "fp32", device, args)
         for precision in runnable:
             # PyTorch runs cuDNN convolutions on TF32 tensor cores (Ampere and newer) by default, so
             # "float32" on an A100 is TF32 unless switched off: the fp32 rows switch it off, tf32 rows on.
             amp.set_fp32_math("tf32" if precision == "tf32" else "ieee")
             done: list[str] = []
             try:
-                losses, skipped_steps = ((reference, 0) if precision == "fp32"
-                                         else check_losses(base, images, labels, precision, device, args))
-                check = {**compare_losses(losses, reference, args.loss_tolerance),
-                         "scaler_skipped_steps": skipped_steps}
+                losses, attempts, skipped = ((reference, len(reference), 0) if precision == "fp32"
+                                             else check_losses(base, images, labels, precision, device, args))
+                check = compare_losses(losses, reference, args.loss_tolerance, attempts=attempts, skipped_steps=skipped)
                 for mode in args.modes:
                     with EnergyMeter(device) as meter:
                         timer, memory, compilation = time_mode(mode, base, images, labels, precision, device, args,

@@ -6,8 +6,10 @@ can use these without importing torch:
 - :func:`unsupported_reason`, which says why a precision of :data:`common.precision_names.PRECISIONS`
   cannot run on a device (the reason goes into the CSV summary and the record).
 - :func:`peak_tflops`: the datasheet peak of known GPUs per precision (``common.gpu_peaks``), to
-  put an achieved TFLOP/s next to what the device could do.
-- :func:`compare_losses`: the correctness check of a precision against fp32, and its threshold.
+  put an achieved TFLOP/s next to what the device could do, and :func:`launch_bound_line`, which says
+  when the runs are far below it.
+- :func:`compare_losses`: the correctness check of a precision against fp32, its threshold, and how
+  many skipped GradScaler steps it waits through.
 - :func:`csv_name`, :func:`iterations_csv`, :func:`summary_csv`: the CSV layout of the seed's
   ``benchmark_models.py`` (one file per mode and precision, a column per model, a row per
   iteration, milliseconds per batch), plus one summary file that also lists what was skipped.
@@ -28,6 +30,7 @@ from common.atomic import write_text_atomic
 from common.cli import config_dict
 from common.errors import UserError
 from common.gpu_peaks import gpu_peaks
+from common.gpu_peaks import peak_tflops as gpu_peak_tflops
 from common.precision_names import PRECISIONS
 from common.results import fp32_math_info, make_record, provenance, write_record
 
@@ -52,6 +55,15 @@ MOMENTUM = 0.9
 #: initialisation) is the scale, not the final loss: that one tends to zero as the steps fit the one
 #: batch, and a ratio to a number near zero makes harmless rounding look large.
 DEFAULT_LOSS_TOLERANCE = 0.05
+#: How many skipped steps the check waits through. amp-fp16's GradScaler starts at a scale of 2**16
+#: and halves it at every step whose scaled gradients overflow float16 (the step is skipped and the
+#: weights stay put): after 16 skips it scales by 1, not at all, and gradients that still overflow do
+#: so in float16 itself, which more attempts cannot mend. On an H100 ResNet-50 at batch 12 skipped 4.
+MAX_SKIPPED_CHECK_STEPS = 16
+#: Below this share of the GPU's peak a run is launch-bound: its kernels are too small to fill the
+#: GPU, which spends the step waiting on one launch after another (on an H100, ResNet-50 at batch 12
+#: reaches 1-3% of the tensor-core peak; a matmul of 8192x8192 matrices reaches about 75%).
+LAUNCH_BOUND_FRACTION = 0.05
 
 
 def parse_list(text: str, valid: Sequence[str], what: str) -> list[str]:
@@ -104,39 +116,74 @@ _PEAK_PRECISION = {"fp64": "fp64", "fp32": "fp32", "tf32": "tf32", "half": "fp16
 def peak_tflops(device_type: str, device_name: str, precision: str) -> tuple[float | None, str]:
     """``(peak TFLOP/s, where the figure comes from)`` of one device; ``None`` when not known."""
     if device_type != "cuda":
-        return None, "not known for CPUs (it depends on cores, clock and vector units)"
-    gpu, peaks = gpu_peaks(device_name)
+        return None, "no peak known for this CPU (it depends on cores, clock and vector units)"
+    gpu, _ = gpu_peaks(device_name)
     if gpu is None:
         return None, f"no datasheet figure for {device_name!r} in common/gpu_peaks.py"
-    value, source = peaks.get(_PEAK_PRECISION[precision]), f"{gpu} datasheet"
+    value, source = gpu_peak_tflops(device_name, _PEAK_PRECISION[precision]), f"{gpu} datasheet"
     return (value, source) if value is not None else (None, f"{source} lists no {precision} figure")
+
+
+def launch_bound_line(rows: Sequence[Mapping[str, Any]], batch_size: int) -> str | None:
+    """One line naming the results below :data:`LAUNCH_BOUND_FRACTION` of the GPU's peak, and the remedy.
+
+    ``rows`` are the summary rows; one without a ``fraction_of_peak`` (a CPU, a GPU not in the table)
+    says nothing: there is no peak to be far from.
+    """
+    known = [row for row in rows if row.get("fraction_of_peak") is not None]
+    low = sorted((row for row in known if row["fraction_of_peak"] < LAUNCH_BOUND_FRACTION),
+                 key=lambda row: row["fraction_of_peak"])
+    if not low:
+        return None
+    worst = low[0]
+    return (f"launch-bound: {len(low)} of {len(known)} results below {LAUNCH_BOUND_FRACTION:.0%} of the GPU's peak "
+            f"(lowest: {worst['model']} {worst['mode']} {worst['precision']}, {worst['fraction_of_peak']:.1%}); at "
+            f"batch {batch_size} the GPU waits on many small kernel launches: raise -b (256 fills an H100 with "
+            "ResNet-50), or cut the launches: --compile fuses kernels, and CUDA graphs (torch.compile "
+            "mode='reduce-overhead') replay a whole step as one launch")
 
 
 # --------------------------------------------------------------------------------------------
 # Correctness against fp32
 
 
-def compare_losses(losses: Sequence[float], reference: Sequence[float],
-                   tolerance: float = DEFAULT_LOSS_TOLERANCE) -> dict[str, Any]:
-    """Compare the loss after the check steps with fp32's (same initial weights, same batch).
+def compare_losses(losses: Sequence[float], reference: Sequence[float], tolerance: float = DEFAULT_LOSS_TOLERANCE,
+                   *, attempts: int | None = None, skipped_steps: int = 0) -> dict[str, Any]:
+    """Compare a precision's loss with fp32's after the same number of *applied* optimiser steps.
 
-    ``relative_diff`` is ``|loss - fp32 loss| / fp32's first loss`` (see
-    :data:`DEFAULT_LOSS_TOLERANCE` for why the first loss is the scale). ``diverged`` is true when the
-    loss is NaN/inf or ``relative_diff`` exceeds ``tolerance``; ``reason`` says which.
+    ``losses[k]`` and ``reference[k]`` are the losses on the check batch after k steps that updated
+    the weights (same initial weights, same batch). fp32 applies every step; amp-fp16's GradScaler
+    skips a step whose scaled gradients overflow, leaving the weights as they were, so comparing after
+    the same number of *attempted* steps would set an untrained model against a trained one.
+    ``attempts`` and ``skipped_steps`` say how the check got there; ``losses`` is shorter than
+    ``reference`` when it gave up after :data:`MAX_SKIPPED_CHECK_STEPS` skips.
+
+    ``verdict``: ``diverged`` when a loss is NaN/inf or ``relative_diff`` (``|loss - fp32 loss| /
+    fp32's first loss``; :data:`DEFAULT_LOSS_TOLERANCE` says why the first) exceeds ``tolerance``;
+    ``inconclusive`` when no step was applied though more were asked (the weights never moved: there
+    is no training to compare); else ``agrees``. ``diverged`` is true for the first only; ``reason`` says why.
     """
-    loss, ref_loss, scale = losses[-1], reference[-1], abs(reference[0]) or 1.0
-    result: dict[str, Any] = {"steps": len(losses), "losses": list(losses), "fp32_losses": list(reference),
-                              "loss": loss, "fp32_loss": ref_loss, "tolerance": tolerance,
-                              "abs_diff": None, "relative_diff": None, "diverged": False, "reason": ""}
+    steps = len(losses) - 1  # applied optimiser steps before the compared loss
+    attempts = len(losses) if attempts is None else attempts
+    loss, ref_loss, scale = losses[-1], reference[steps], abs(reference[0]) or 1.0
+    result: dict[str, Any] = {"check_steps": len(reference), "attempts": attempts,
+                              "applied_steps": attempts - skipped_steps, "skipped_steps": skipped_steps,
+                              "compared_after_steps": steps, "losses": list(losses), "fp32_losses": list(reference),
+                              "loss": loss, "fp32_loss": ref_loss, "tolerance": tolerance, "abs_diff": None,
+                              "relative_diff": None, "verdict": "agrees", "diverged": False, "reason": ""}
     if not all(math.isfinite(v) for v in losses):
-        result.update(diverged=True, reason="loss became NaN or inf")
+        result.update(verdict="diverged", diverged=True, reason="loss became NaN or inf")
+        return result
+    if steps == 0 and len(reference) > 1:
+        result.update(verdict="inconclusive", reason=(f"GradScaler skipped all {attempts} attempted steps: the weights "
+                                                      "never moved, so there is no training to compare with fp32's"))
         return result
     result["abs_diff"] = abs(loss - ref_loss)
     result["relative_diff"] = result["abs_diff"] / scale
     if result["relative_diff"] > tolerance:
-        result.update(diverged=True, reason=(f"loss after {len(losses)} steps is {loss:.4g}, fp32's is "
-                                             f"{ref_loss:.4g}: {result['relative_diff']:.1%} of the initial loss, "
-                                             f"over the {tolerance:.0%} tolerance"))
+        result.update(verdict="diverged", diverged=True,
+                      reason=(f"loss after {steps} applied steps is {loss:.4g}, fp32's is {ref_loss:.4g}: "
+                              f"{result['relative_diff']:.1%} of the initial loss, over the {tolerance:.0%} tolerance"))
     return result
 
 
@@ -185,8 +232,9 @@ def iterations_csv(ms_by_model: Mapping[str, Sequence[float]]) -> str:
 
 
 SUMMARY_COLUMNS = ("mode", "precision", "model", "status", "ms_per_batch_median", "ms_per_batch_mean",
-                   "ms_per_batch_std", "samples_per_s", "achieved_tflops", "peak_tflops", "check_loss",
-                   "fp32_check_loss", "loss_relative_diff", "diverged", "reason")
+                   "ms_per_batch_std", "samples_per_s", "achieved_tflops", "peak_tflops", "fraction_of_peak",
+                   "check_loss", "fp32_check_loss", "loss_relative_diff", "check_applied_steps",
+                   "check_skipped_steps", "check_verdict", "diverged", "reason")
 
 
 def summary_csv(rows: Iterable[Mapping[str, Any]]) -> str:
@@ -289,6 +337,7 @@ class Output:
         ms = {key: step_time[f"{key}_s"] * 1000 for key in ("median", "mean", "std", "min", "max")}
         achieved = flops / (step_time["median_s"] * 1e12)  # per device: each process ran its own batch
         peak, peak_source = peak_tflops(self.device.type, self.device_name, precision)
+        fraction = achieved / peak if peak else None  # None where no peak is known: peak_source says why
         metrics = {
             "ms_per_batch": ms,
             "ms_per_batch_samples": [t * 1000 for t in timer.times],
@@ -299,7 +348,8 @@ class Output:
             "achieved_tflops": achieved,
             "peak_tflops": peak,
             "peak_tflops_source": peak_source,
-            "fraction_of_peak": achieved / peak if peak else None,
+            "fraction_of_peak": fraction,
+            "launch_bound": None if fraction is None else fraction < LAUNCH_BOUND_FRACTION,
             "loss_check": check,
             "loss_diff_vs_fp32": check["abs_diff"],
             "loss_relative_diff_vs_fp32": check["relative_diff"],
@@ -310,15 +360,19 @@ class Output:
         eager = compilation is not None and not compilation["compiled"]
         # How the clock was read is in metrics.step_time.method; notes are for what needs attention.
         notes = [f"{world} DDP processes: the times are rank 0's"] if world > 1 else []
-        if check["diverged"]:
-            notes.append(f"DIVERGED: {check['reason']}")
+        if check["verdict"] != "agrees":
+            notes.append(f"{check['verdict'].upper()}: {check['reason']}")
         if eager:
             notes.append(f"NOT COMPILED: --compile was given but dynamo captured {compilation['graphs']} graph(s) "
                          f"and hit its recompile limit {compilation['recompile_limit_hits']} time(s): these times are "
                          "eager")
-        if check["scaler_skipped_steps"]:
-            notes.append(f"GradScaler skipped {check['scaler_skipped_steps']} of the {check['steps']} check steps "
-                         "(inf/NaN gradients), leaving the weights unchanged for them")
+        if check["skipped_steps"] and check["verdict"] != "inconclusive":
+            notes.append(f"GradScaler skipped {check['skipped_steps']} of the {check['attempts']} attempted check "
+                         "steps (inf/NaN gradients at its scale, which it then halved): the loss is compared with "
+                         f"fp32's after the same number of applied steps ({check['compared_after_steps']})")
+        if metrics["launch_bound"]:
+            notes.append(f"launch-bound: {fraction:.1%} of the {peak:g} TFLOP/s peak, below "
+                         f"{LAUNCH_BOUND_FRACTION:.0%}: raise -b, or cut the kernel launches (--compile, CUDA graphs)")
         if precision == "half" and self.device.type == "cpu":
             notes.append("float16 on a CPU without float16 arithmetic is converted to float32 inside each kernel: "
                          "expect it slower than fp32")
@@ -327,15 +381,19 @@ class Output:
         self.rows.append({"mode": mode, "precision": precision, "model": model, "status": "ok",
                           "ms_per_batch_median": ms["median"], "ms_per_batch_mean": ms["mean"],
                           "ms_per_batch_std": ms["std"], "samples_per_s": metrics["samples_per_s"],
-                          "achieved_tflops": achieved, "peak_tflops": peak, "check_loss": check["loss"],
-                          "fp32_check_loss": check["fp32_loss"], "loss_relative_diff": check["relative_diff"],
+                          "achieved_tflops": achieved, "peak_tflops": peak, "fraction_of_peak": fraction,
+                          "check_loss": check["loss"], "fp32_check_loss": check["fp32_loss"],
+                          "loss_relative_diff": check["relative_diff"], "check_applied_steps": check["applied_steps"],
+                          "check_skipped_steps": check["skipped_steps"], "check_verdict": check["verdict"],
                           "diverged": check["diverged"], "reason": check["reason"]})
         relative = "—" if check["relative_diff"] is None else f"{check['relative_diff']:.2%}"
-        share = f" = {achieved / peak:.0%} of {peak:g}" if peak else ""
+        share = f" = {fraction:.0%} of {peak:g}" if peak else ""
+        skipped = f", {check['skipped_steps']} step(s) skipped" if check["skipped_steps"] else ""
+        verdict = f"  {check['verdict'].upper()}" if check["verdict"] != "agrees" else ""
         self.print(f"{model:<18} {mode:<9} {precision:<9} {ms['median']:9.2f} ms/batch (mean {ms['mean']:.2f} "
                    f"± {ms['std']:.2f}) | {metrics['samples_per_s']:8.1f} img/s | {achieved:7.3f} TFLOP/s{share} | "
-                   f"loss {check['loss']:.4f}, fp32 {check['fp32_loss']:.4f} ({relative})"
-                   f"{'  DIVERGED' if check['diverged'] else ''}{'  NOT COMPILED (eager)' if eager else ''}")
+                   f"loss {check['loss']:.4f}, fp32 {check['fp32_loss']:.4f} ({relative}{skipped})"
+                   f"{verdict}{'  NOT COMPILED (eager)' if eager else ''}")
 
     def write_csvs(self) -> None:
         if not self.ctx.is_main:
@@ -350,6 +408,9 @@ class Output:
         self.write_csvs()
         if self.ctx.is_main:
             print(seed_table(self.rows, self.args.modes, self.args.precisions), flush=True)
+            launch_bound = launch_bound_line(self.rows, self.args.batch_size)
+            if launch_bound:
+                print(launch_bound, flush=True)
         self.print(f"csv: {self.args.folder}/{self.tag}_*.csv | {self.records} record(s) in {self.args.results_dir}")
         if self.failures:
             self.print(f"{self.failures} result(s) failed; their records say why")

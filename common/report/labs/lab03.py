@@ -44,6 +44,7 @@ def _results(runs: pd.DataFrame) -> pd.DataFrame:
             "loss": number(check.get("loss")) if isinstance(check, dict) else None,
             "fp32_loss": number(check.get("fp32_loss")) if isinstance(check, dict) else None,
             "diverged": bool(check.get("diverged")) if isinstance(check, dict) else False,
+            "inconclusive": isinstance(check, dict) and check.get("verdict") == "inconclusive",
             "check_reason": check.get("reason") if isinstance(check, dict) else None,
         })
     return pd.DataFrame(rows)
@@ -139,6 +140,8 @@ def _loss_table(grid: _Grid, caption: str) -> Table:
         relative = _median(results["loss_rel"])
         text = "NaN/inf" if relative is None and diverged else fmt_percent(relative, 2)
         first = results.iloc[0]
+        if relative is None and results["inconclusive"].any():  # GradScaler skipped every step: nothing to compare
+            return Cell("inconclusive", title=first["check_reason"], style="num warn")
         title = (f"loss {fmt_number(first['loss'])} vs fp32 {fmt_number(first['fp32_loss'])}"
                  + (f"; {first['check_reason']}" if diverged and first["check_reason"] else ""))
         return Cell(text + (" ⚠ diverged" if diverged else ""), title=title, style="num warn" if diverged else "num")
@@ -170,8 +173,9 @@ def precision_section(ctx: SectionContext) -> Section | None:
         "the factor after it is fp32's time divided by this precision's (above 1 is faster). fp32 means TF32 off.",
         "Achieved TFLOP/s counts only convolutions and matmuls (torch.utils.flop_counter), per device; the peak is "
         "the device's datasheet figure for that precision (dense, no sparsity), where known.",
-        "Correctness: after a few SGD steps the loss of each precision is compared with fp32's; a difference "
-        "above the run's tolerance (5% of the initial loss by default) or a NaN/inf flags the precision (⚠).",
+        "Correctness: after a few SGD steps the loss of each precision is compared with fp32's after as many applied "
+        "steps (amp-fp16's GradScaler may skip some); a difference above the run's tolerance (5% of the initial loss "
+        "by default) or a NaN/inf flags the precision (⚠); when every step was skipped the check is inconclusive.",
     ]
     notes = [f"Flagged by the loss check: {', '.join(dict.fromkeys(flagged))}."] if flagged else []
     return Section("Lab 03: precision benchmark", paragraphs=paragraphs, tables=tables, notes=notes)
