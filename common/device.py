@@ -58,6 +58,11 @@ def resolve_device(name: str = "auto", local_rank: int = 0, local_world_size: in
                                 "use --device cpu for Gloo processes")
             index = local_rank
         set_fp32_math("ieee")  # fp32 means fp32: see the module docstring
+        # Start CUDA here, on this process's GPU: CUDA starts lazily, and a first call that is not a
+        # tensor operation (torch.cuda.reset_peak_memory_stats) fails with "Invalid device argument"
+        # because the caching allocator does not exist yet; the memory counters read 0 until then.
+        torch.cuda.set_device(index)
+        torch.cuda.init()
         return torch.device("cuda", index)
     raise UserError(f"unknown device {name!r}; choose auto, cpu or cuda")
 
