@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import load_script, run_main
+from helpers import load_script, run_fresh, run_main
 
 CHAPTER = "chapters/ch16_gpu_distributed"
 
@@ -88,8 +88,10 @@ def test_accumulation_check_would_catch_a_wrong_gradient():
 
 
 @pytest.mark.gpu
-def test_memory_management_on_a_gpu_uses_the_cuda_allocator(tmp_path, monkeypatch):
-    record, _ = run_memory(tmp_path, "cuda", monkeypatch)
+def test_memory_management_on_a_gpu_uses_the_cuda_allocator(tmp_path):
+    run_fresh(f"{CHAPTER}/memory_management.py", ["--device", "cuda", "--depth", "6", "--width", "128",
+                                                   "--batch-size", "64", "--repeats", "1", "--results-dir", str(tmp_path)])
+    (record,) = [json.loads(path.read_text()) for path in tmp_path.glob("*.json")]
     assert record["metrics"]["phases"][0]["source"] == "cuda_memory_allocated"
     checkpointing = record["metrics"]["checkpointing"]
     assert checkpointing["checkpointed_peak_bytes"] < checkpointing["plain_peak_bytes"]

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import PYTHON, REPO, load_script, run_main, script_env
+from helpers import PYTHON, REPO, load_script, run_fresh, run_main, script_env
 
 H100 = "NVIDIA H100 80GB HBM3"
 V100 = "Tesla V100-SXM2-32GB"
@@ -650,11 +650,11 @@ def test_gpu_nccl_group_is_bound_to_its_device_and_fp32_is_real(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_memory_management_forward_pass_is_activations_only(tmp_path, capsys):
-    status = run_main("chapters/ch16_gpu_distributed/memory_management.py",
-                      ["--device", "cuda", "--depth", "6", "--width", "128", "--batch-size", "64", "--repeats", "1",
-                       "--results-dir", str(tmp_path)])
-    assert status == 0 and "CUDA memory summary" in capsys.readouterr().out
+def test_gpu_memory_management_forward_pass_is_activations_only(tmp_path):
+    out = run_fresh("chapters/ch16_gpu_distributed/memory_management.py",
+                    ["--device", "cuda", "--depth", "6", "--width", "128", "--batch-size", "64", "--repeats", "1",
+                     "--results-dir", str(tmp_path)])
+    assert "CUDA memory summary" in out
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
     forward = record["metrics"]["phases"][0]
     assert forward["source"] == "cuda_memory_allocated"
@@ -677,13 +677,24 @@ def test_gpu_environment_check_matches_every_cuda_device_to_the_topology():
 
 @pytest.mark.gpu
 def test_gpu_lab03_compile_is_recorded_as_compiled(tmp_path):
-    status = run_main("labs/lab03_precision_benchmark/benchmark_models.py",
-                      ["--device", "cuda", "--models", "resnet18", "--modes", "inference", "--precisions",
-                       "fp32,amp-bf16", "--image-size", "64", "-b", "4", "-w", "2", "-n", "2", "--check-steps", "1",
-                       "--compile", "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path)])
-    assert status == 0
+    run_fresh("labs/lab03_precision_benchmark/benchmark_models.py",
+              ["--device", "cuda", "--models", "resnet18", "--modes", "inference", "--precisions",
+               "fp32,amp-bf16", "--image-size", "64", "-b", "4", "-w", "2", "-n", "2", "--check-steps", "1",
+               "--compile", "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path)])
     for path in tmp_path.glob("*.json"):
         record = json.loads(path.read_text())
         assert record["metrics"]["compile"]["compiled"] is True, record["metrics"]["compile"]
         expected = "tf32" if record["method"].endswith("tf32") else "ieee"
         assert record["provenance"]["fp32_math"]["cudnn_conv"] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script", ["chapters/ch04_deep_learning/mnist_training.py",
+                                    "labs/lab01_dp_vs_ddp/02_baseline_single_gpu.py"])
+def test_gpu_single_process_training_in_a_fresh_process_records_its_peak_memory(script, tmp_path):
+    """A fresh process, as a user starts it: the first CUDA call is the script's own (nothing warmed it)."""
+    run_fresh(script, ["--device", "cuda", "--dry-run", "--results-dir", str(tmp_path)])
+    records = [json.loads(path.read_text()) for path in tmp_path.glob("*.json")]
+    memory = [entry for record in records for entry in record["metrics"]["memory"]]
+    assert memory and all(entry["source"] == "cuda_max_memory_allocated" and entry["peak_bytes"] > 0
+                          for entry in memory), memory
