@@ -197,7 +197,7 @@ class DistributedCheckpointer:
         if not found:
             return None
         self._reading = found[-1]
-        read_metadata(self._reading)  # first, so broken metadata is our one line, not DCP's fallback and traceback
+        _read_metadata(self._reading)  # first, so broken metadata is our one line, not DCP's fallback and traceback
         progress = {"progress": _Pickled()}
         try:
             dcp.load(progress, checkpoint_id=str(self._reading))
@@ -243,7 +243,7 @@ class DistributedCheckpointer:
             self._group = None
 
 
-def read_metadata(folder: Path) -> Any:
+def _read_metadata(folder: Path) -> Any:
     """The DCP metadata of checkpoint ``folder``; one line naming the folder where it cannot be read."""
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -255,7 +255,7 @@ def read_metadata(folder: Path) -> Any:
 
 def check_same_model(folder: Path, model_state: dict[str, Any]) -> None:
     """Refuse, with one line, a checkpoint whose model tensors differ in name or shape from ``model_state``."""
-    saved = {key[len("model."):]: value for key, value in read_metadata(folder).state_dict_metadata.items()
+    saved = {key[len("model."):]: value for key, value in _read_metadata(folder).state_dict_metadata.items()
              if key.startswith("model.")}
     missing = sorted(set(model_state) - set(saved))
     unexpected = sorted(set(saved) - set(model_state))
