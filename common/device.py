@@ -10,6 +10,9 @@ On a GPU, "fp32" in this course means IEEE float32: ``resolve_device`` turns PyT
 for cuDNN convolutions off (``common.amp.set_fp32_math``), so fp32 baselines are not a TF32 hybrid.
 Scripts that measure TF32 (Lab-03's ``tf32`` rows, ``pytorch_basics.py --dtypes tf32``) turn it
 on where they measure it, and every record says which was in force (``provenance.fp32_math``).
+
+``resolve_device`` also starts CUDA on this process's GPU (``set_device`` and ``init``), so the
+memory counters of ``common.timing`` are live from the first step, whatever the script calls first.
 """
 
 from __future__ import annotations
