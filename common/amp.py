@@ -114,12 +114,15 @@ def set_fp32_math(mode: str) -> None:
     """
     if mode not in FP32_MATH:
         raise ValueError(f"fp32 maths is one of {FP32_MATH}, not {mode!r}")
-    if _new_tf32_api():
+    # The old flags first: PyTorch carries them over to the new API, so code that still reads them
+    # (``allow_tf32``, ``torch.get_float32_matmul_precision()``, many libraries do) keeps working.
+    # Setting only the new API leaves the old readers raising "a mix of the legacy and new APIs".
+    torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+    torch.backends.cudnn.allow_tf32 = mode == "tf32"
+    if _new_tf32_api():  # then spell every level out, so both APIs read the same mode (conv and RNN agree)
         torch.backends.cuda.matmul.fp32_precision = mode
         torch.backends.cudnn.conv.fp32_precision = mode
-    else:  # the flags older PyTorch has
-        torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
-        torch.backends.cudnn.allow_tf32 = mode == "tf32"
+        torch.backends.cudnn.rnn.fp32_precision = mode
 
 
 def autocast(device: torch.device, precision: str) -> AbstractContextManager:

@@ -35,7 +35,22 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
     path = Path(path)
     if not path.is_file():
         return None
-    return torch.load(path, map_location=map_location, weights_only=False)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as error:  # truncated, another file, a pickle of something else: all one answer
+        raise unreadable_checkpoint(path, error) from error
+    if not isinstance(state, dict):
+        raise unreadable_checkpoint(path, f"it holds a {type(state).__name__}, not a checkpoint's dict")
+    return state
+
+
+def unreadable_checkpoint(path: str | os.PathLike[str], why: object) -> UserError:
+    """The one line for a checkpoint that cannot be read: which file, why, and what to do."""
+    lines = [line.strip() for line in str(why).splitlines() if line.strip()]
+    reason = lines[-1][:200] if lines else type(why).__name__  # DCP's errors end in the cause after a traceback
+    return UserError(f"{path} cannot be read as a checkpoint ({reason}): it may be truncated or not a checkpoint "
+                     "of this script; move it away (or give --checkpoint another path) and run without --resume "
+                     "to start fresh")
 
 
 def check_same_settings(state: dict[str, Any], settings: dict[str, Any], path: str | os.PathLike[str]) -> None:

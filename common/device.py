@@ -10,6 +10,9 @@ On a GPU, "fp32" in this course means IEEE float32: ``resolve_device`` turns PyT
 for cuDNN convolutions off (``common.amp.set_fp32_math``), so fp32 baselines are not a TF32 hybrid.
 Scripts that measure TF32 (Lab-03's ``tf32`` rows, ``pytorch_basics.py --dtypes tf32``) turn it
 on where they measure it, and every record says which was in force (``provenance.fp32_math``).
+
+``resolve_device`` also starts CUDA on this process's GPU (``set_device`` and ``init``), so the
+memory counters of ``common.timing`` are live from the first step, whatever the script calls first.
 """
 
 from __future__ import annotations
@@ -58,6 +61,11 @@ def resolve_device(name: str = "auto", local_rank: int = 0, local_world_size: in
                                 "use --device cpu for Gloo processes")
             index = local_rank
         set_fp32_math("ieee")  # fp32 means fp32: see the module docstring
+        # Start CUDA here, on this process's GPU: CUDA starts lazily, and a first call that is not a
+        # tensor operation (torch.cuda.reset_peak_memory_stats) fails with "Invalid device argument"
+        # because the caching allocator does not exist yet; the memory counters read 0 until then.
+        torch.cuda.set_device(index)
+        torch.cuda.init()
         return torch.device("cuda", index)
     raise UserError(f"unknown device {name!r}; choose auto, cpu or cuda")
 

@@ -39,11 +39,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from common.checkpoint import unreadable_checkpoint
 from common.errors import UserError
 
 __all__ = ["DistributedCheckpointer", "add_distributed_checkpoint_args", "complete_checkpoints", "check_same_model"]
 
+# DCP wraps what went wrong on each rank in a CheckpointException, which derives from BaseException
+# (not Exception), so ``except Exception`` does not catch it.
+_LOAD_ERRORS = (Exception, CheckpointException)
 _FOLDER = re.compile(r"^ckpt-(\d{6})-(.+)$")
 
 
@@ -192,9 +197,15 @@ class DistributedCheckpointer:
         if not found:
             return None
         self._reading = found[-1]
+        _read_metadata(self._reading)  # first, so broken metadata is our one line, not DCP's fallback and traceback
         progress = {"progress": _Pickled()}
-        dcp.load(progress, checkpoint_id=str(self._reading))
-        saved = progress["progress"].value
+        try:
+            dcp.load(progress, checkpoint_id=str(self._reading))
+            saved = progress["progress"].value
+            if not isinstance(saved, dict) or not {"others", "tracked", "state"} <= saved.keys():
+                raise ValueError("its progress entry is not this course's")
+        except _LOAD_ERRORS as error:  # broken .metadata, a missing or truncated shard file
+            raise unreadable_checkpoint(self._reading, error) from error
         self._others = saved["others"]
         return {**{name: f"DCP shards in {self._reading}" for name in saved["tracked"]}, **saved["state"],
                 "checkpoint_folder": str(self._reading)}
@@ -213,7 +224,10 @@ class DistributedCheckpointer:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         check_same_model(self._reading, model_state)
         payload = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(payload, checkpoint_id=str(self._reading))
+        try:
+            dcp.load(payload, checkpoint_id=str(self._reading))
+        except _LOAD_ERRORS as error:  # a shard file truncated after the metadata was written
+            raise unreadable_checkpoint(self._reading, error) from error
         set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=payload["optimizer"])
         for name, value in self._others.items():
             if name in tracked:
@@ -229,12 +243,20 @@ class DistributedCheckpointer:
             self._group = None
 
 
-def check_same_model(folder: Path, model_state: dict[str, Any]) -> None:
-    """Refuse, with one line, a checkpoint whose model tensors differ in name or shape from ``model_state``."""
+def _read_metadata(folder: Path) -> Any:
+    """The DCP metadata of checkpoint ``folder``; one line naming the folder where it cannot be read."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    saved = {key[len("model."):]: value for key, value in FileSystemReader(str(folder)).read_metadata()
-             .state_dict_metadata.items() if key.startswith("model.")}
+    try:
+        return FileSystemReader(str(folder)).read_metadata()
+    except _LOAD_ERRORS as error:
+        raise unreadable_checkpoint(folder, error) from error
+
+
+def check_same_model(folder: Path, model_state: dict[str, Any]) -> None:
+    """Refuse, with one line, a checkpoint whose model tensors differ in name or shape from ``model_state``."""
+    saved = {key[len("model."):]: value for key, value in _read_metadata(folder).state_dict_metadata.items()
+             if key.startswith("model.")}
     missing = sorted(set(model_state) - set(saved))
     unexpected = sorted(set(saved) - set(model_state))
     if missing or unexpected:

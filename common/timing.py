@@ -134,9 +134,16 @@ def time_function(fn: Callable[[], Any], device: torch.device, *, repeats: int =
     return summarize(times, warmup_steps=warmup, method=f"time.perf_counter, {sync}, {warmup} warm-up call(s) dropped")
 
 
+NOT_STARTED = "not measured: CUDA was not started in this process"
+
+
 def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak-memory window (CUDA only; a process's peak RSS cannot be reset)."""
-    if device.type == "cuda":
+    """Start a new peak-memory window (CUDA only; a process's peak RSS cannot be reset).
+
+    Before CUDA has started there is no allocator to reset (PyTorch raises "Invalid device
+    argument"); then nothing was allocated either, and :func:`peak_memory` says "not measured".
+    """
+    if device.type == "cuda" and torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats(device)
 
 
@@ -151,8 +158,12 @@ def peak_memory(device: torch.device) -> dict[str, Any]:
 
     ``peak_bytes`` (``source``) is the caching allocator's peak on a GPU, the peak RSS on CPU. On a
     GPU, ``device_used_bytes`` (``device_used_source``) is what the device has in use now, as
-    :func:`device_memory_used` reads it.
+    :func:`device_memory_used` reads it. Before CUDA has started in this process the allocator's
+    counters read 0, which would pass for a measurement: then ``peak_bytes`` is ``None`` and
+    ``source`` says why (a record keeps the gap, the report shows n/a).
     """
+    if device.type == "cuda" and not torch.cuda.is_initialized():
+        return {"device": str(device), "peak_bytes": None, "peak_reserved_bytes": None, "source": NOT_STARTED}
     if device.type == "cuda":
         return {"device": str(device), "peak_bytes": int(torch.cuda.max_memory_allocated(device)),
                 "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),

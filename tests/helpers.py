@@ -145,6 +145,17 @@ def run_script(relpath: str, *args: str, cwd: Path | None = None, timeout: float
                           timeout=timeout)
 
 
+def run_fresh(relpath: str, argv: list[str], timeout: float = 300) -> str:
+    """Run a script in a fresh process, as a user does; assert it succeeded; return its output.
+
+    GPU tests use this rather than :func:`run_main`: in the test process an earlier test may have
+    started CUDA already, which hides every bug of a script that uses CUDA before starting it.
+    """
+    done = run_script(relpath, *argv, timeout=timeout)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout
+
+
 def torchrun(nproc: int) -> list[str]:
     """argv prefix for ``torchrun --standalone --nproc_per_node=N`` with this interpreter."""
     return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from common.envcheck import allocation_agreement, count_gpu_spec, slurm_gpu_count, visible_devices_count
-from helpers import REPO, load_script, run_main
+from helpers import REPO, load_script, run_fresh, run_main
 
 CHAPTER = REPO / "chapters" / "ch04_deep_learning"
 BASICS = "chapters/ch04_deep_learning/pytorch_basics.py"
@@ -208,20 +208,19 @@ def test_gpu_check_human_output_off_cluster(monkeypatch, capsys):
 
 
 @pytest.mark.gpu
-def test_gpu_check_on_a_gpu(capsys):
+def test_gpu_check_on_a_gpu():
     import torch
 
-    assert run_main(CHECK, ["--json"]) == 0
-    info = json.loads(capsys.readouterr().out)
+    info = json.loads(run_fresh(CHECK, ["--json"]))
     assert info["torch_gpus"] == torch.cuda.device_count() and info["backends"]["cudnn"]
     assert all(gpu["smoke_test"] == "ok" and gpu["total_memory_bytes"] > 0 for gpu in info["gpus"])
 
 
 @pytest.mark.gpu
-def test_basics_on_a_gpu_reports_peak_fraction(tmp_path, capsys):
+def test_basics_on_a_gpu_reports_peak_fraction(tmp_path):
     import torch
 
-    assert run_main(BASICS, ["--size", "2048", "--repeats", "3", "--skip-tour", "--results-dir", str(tmp_path)]) == 0
+    run_fresh(BASICS, ["--size", "2048", "--repeats", "3", "--skip-tour", "--results-dir", str(tmp_path)])
     (record,) = _records(tmp_path).values()
     rows = record["metrics"]["matmul"]
     assert record["config"]["resolved_device"].startswith("cuda") and rows

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import load_script, run_main
+from helpers import load_script, run_fresh, run_main
 
 CHAPTER = "chapters/ch16_gpu_distributed"
 
@@ -115,11 +115,8 @@ def test_checkpointing_peaks_are_measured_after_each_variant_has_run_once(monkey
 def test_memory_management_on_a_gpu_uses_the_cuda_allocator(tmp_path):
     """In a fresh process, as a user runs it, at a size where activations outweigh any one-time workspace
     (8 blocks of 1024 features, batch 256: about 1 MiB per activation tensor)."""
-    from helpers import run_script
-
-    result = run_script(f"{CHAPTER}/memory_management.py", "--device", "cuda", "--depth", "8", "--width", "1024",
-                        "--batch-size", "256", "--repeats", "2", "--results-dir", str(tmp_path), cwd=tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_fresh(f"{CHAPTER}/memory_management.py", ["--device", "cuda", "--depth", "8", "--width", "1024",
+                                                   "--batch-size", "256", "--repeats", "2", "--results-dir", str(tmp_path)])
     record = only_record(tmp_path)
     assert record["metrics"]["phases"][0]["source"] == "cuda_memory_allocated"
     checkpointing = record["metrics"]["checkpointing"]

@@ -616,3 +616,76 @@ def test_print_rank_writes_each_line_in_one_piece(monkeypatch):
     out = Pieces()
     print_rank("device cpu", "(1 threads)", file=out)
     assert out.writes == ["[n2:3] device cpu (1 threads)\n"] and out.flushes == 1
+
+
+# --- a checkpoint that cannot be read ---------------------------------------------------------------
+
+def _broken_single_file(form: str, path) -> None:
+    import torch
+
+    if form == "truncated":
+        torch.save({"model": {"w": torch.zeros(1000)}, "step": 3}, path)
+        path.write_bytes(path.read_bytes()[:300])
+    elif form == "not_a_checkpoint":
+        path.write_text("these are notes, not a checkpoint\n")
+    else:  # a pickle of something else
+        torch.save([1, 2, 3], path)
+
+
+def _broken_dcp_folder(form: str, folder) -> None:
+    checkpoint = folder / "ckpt-000001-epoch1"  # what DistributedCheckpointer.save names a folder
+    checkpoint.mkdir(parents=True)
+    (checkpoint / ".metadata").write_bytes(b"" if form == "empty" else b"\x80\x04 broken metadata")
+    if form == "shards_only":
+        (checkpoint / "__0_0.distcp").write_bytes(b"\0" * 64)
+
+
+SINGLE = "chapters/ch04_deep_learning/mnist_training.py"
+SINGLE_ARGS = ["--device", "cpu", "--epochs", "1", "--max-steps", "2", "--batch-size", "8", "--resume"]
+SHARDED = "labs/lab04_sharded_training/02_sharded_training.py"
+SHARDED_ARGS = ["--device", "cpu", "--layers", "1", "--width", "16", "--heads", "2", "--context", "8",
+                "--global-batch-size", "4", "--batch-size", "4", "--max-steps", "2", "--resume"]
+
+
+@pytest.mark.parametrize("form", ["truncated", "not_a_checkpoint", "another_pickle"])
+def test_an_unreadable_single_file_checkpoint_is_one_line_naming_it_before_training(form, tmp_path, capsys):
+    from helpers import run_main
+
+    checkpoint = tmp_path / "run.pt"
+    _broken_single_file(form, checkpoint)
+    status = run_main(SINGLE, [*SINGLE_ARGS, "--checkpoint", str(checkpoint), "--results-dir", str(tmp_path / "r")])
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert status == 2 and len(err) == 1, captured.err[-2000:]
+    assert str(checkpoint) in err[0] and "cannot be read as a checkpoint" in err[0] and "without --resume" in err[0]
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("form", ["empty", "garbage", "shards_only"])
+def test_a_distributed_checkpoint_with_broken_metadata_is_one_line_naming_the_folder(form, tmp_path, capsys):
+    from helpers import run_main
+
+    _broken_dcp_folder(form, tmp_path / "ckpt")
+    status = run_main(SHARDED, [*SHARDED_ARGS, "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                "--results-dir", str(tmp_path / "r")])
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert status == 2 and len(err) == 1, captured.err[-2000:]
+    assert "ckpt-000001-epoch1" in err[0] and "cannot be read as a checkpoint" in err[0]
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("script", [SINGLE, SHARDED])
+def test_an_unreadable_checkpoint_ends_a_real_process_with_status_2_and_no_traceback(script, tmp_path):
+    from helpers import run_script
+
+    if script == SINGLE:
+        _broken_single_file("truncated", tmp_path / "run.pt")
+        argv = [*SINGLE_ARGS, "--checkpoint", str(tmp_path / "run.pt")]
+    else:
+        _broken_dcp_folder("garbage", tmp_path / "ckpt")
+        argv = [*SHARDED_ARGS, "--checkpoint-dir", str(tmp_path / "ckpt")]
+    done = run_script(script, *argv, "--results-dir", str(tmp_path / "r"), timeout=120)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1 and "cannot be read as a checkpoint" in err[0], done.stderr[-3000:]
+    assert not (tmp_path / "r").exists()

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import PYTHON, REPO, load_script, run_main, script_env
+from helpers import PYTHON, REPO, load_script, run_fresh, run_main, script_env
 
 H100 = "NVIDIA H100 80GB HBM3"
 V100 = "Tesla V100-SXM2-32GB"
@@ -34,7 +34,10 @@ def fake_gpus(monkeypatch):
     """
     import torch
 
-    before = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+    backends = torch.backends
+    levels = (backends.cuda.matmul, backends.cudnn, backends.cudnn.conv, backends.cudnn.rnn)
+    before = [level.fp32_precision for level in levels]
+    legacy_before = (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32)
 
     def install(count: int = 2, capability: tuple[int, int] = (9, 0), name: str = H100,
                 bus_ids: list[int] | None = None, free_total: tuple[int, int] = (70 * 2**30, 80 * 2**30)) -> None:
@@ -49,16 +52,31 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(cuda, "get_device_name", lambda device=None: name)
         monkeypatch.setattr(cuda, "get_device_properties", lambda index: props[int(getattr(index, "index", index) or 0)])
         monkeypatch.setattr(cuda, "is_bf16_supported", lambda *args, **kwargs: True)  # emulation says yes
-        monkeypatch.setattr(cuda, "set_device", lambda device: None)
+        # Like a real GPU, CUDA starts on the first real CUDA call (torch.cuda.init, set_device, a
+        # tensor op): before that the allocator's counters read 0 and resetting them raises.
+        started = {"cuda": False}
+
+        def start(*args, **kwargs) -> None:
+            started["cuda"] = True
+
+        def reset_peak_memory_stats(device=None) -> None:
+            if not started["cuda"]:
+                raise RuntimeError("Invalid device argument : did you call init?")
+
+        monkeypatch.setattr(cuda, "init", start)
+        monkeypatch.setattr(cuda, "set_device", start)
+        monkeypatch.setattr(cuda, "is_initialized", lambda: started["cuda"])
         monkeypatch.setattr(cuda, "current_device", lambda: 0)
         monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: free_total)
-        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
-        monkeypatch.setattr(cuda, "max_memory_reserved", lambda device=None: 4 * 2**30)
-        monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device=None: None)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: 3 * 2**30 if started["cuda"] else 0)
+        monkeypatch.setattr(cuda, "max_memory_reserved", lambda device=None: 4 * 2**30 if started["cuda"] else 0)
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats", reset_peak_memory_stats)
         monkeypatch.setattr(cuda, "can_device_access_peer", lambda i, j: True)
 
     yield install
-    torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+    backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32 = legacy_before
+    for level, value in zip(levels, before):
+        level.fp32_precision = value
 
 
 @pytest.fixture
@@ -204,6 +222,37 @@ def test_a_cuda_run_uses_real_fp32_and_records_say_which_maths_was_in_force(fake
                                                                 "tf32_hardware": True}
 
 
+def test_legacy_tf32_readers_work_and_agree_with_the_record_after_the_maths_is_set(fake_gpus):
+    import torch
+
+    from common.amp import fp32_math, set_fp32_math
+
+    fake_gpus(count=1)
+    for mode, matmul_precision in (("tf32", "high"), ("ieee", "highest")):
+        set_fp32_math(mode)
+        # code outside the course (and older lessons) still reads the old flags: they must not raise
+        assert torch.backends.cuda.matmul.allow_tf32 is (mode == "tf32")
+        assert torch.backends.cudnn.allow_tf32 is (mode == "tf32")
+        assert torch.get_float32_matmul_precision() == matmul_precision
+        assert fp32_math() == {"matmul": mode, "cudnn_conv": mode}
+
+
+def test_memory_helpers_before_cuda_starts_say_not_measured_and_resolving_the_device_starts_it(fake_gpus):
+    import torch
+
+    from common.device import resolve_device
+    from common.timing import peak_memory, reset_peak_memory
+
+    fake_gpus(count=1)
+    gpu = torch.device("cuda", 0)
+    reset_peak_memory(gpu)  # CUDA not started: resetting the allocator's peak would raise
+    entry = peak_memory(gpu)
+    assert entry["peak_bytes"] is None and "not started" in entry["source"]  # not a 0 that looks measured
+    assert resolve_device("cuda") == gpu and torch.cuda.is_initialized()
+    reset_peak_memory(gpu)
+    assert (peak_memory(gpu)["peak_bytes"], peak_memory(gpu)["source"]) == (3 * 2**30, "cuda_max_memory_allocated")
+
+
 # --------------------------------------------------------------------------------------------
 # Item 7: cudnn.benchmark off and on, both timed after a warm-up
 
@@ -284,6 +333,7 @@ def test_peak_memory_on_a_gpu_adds_what_the_device_has_in_use(fake_gpus, monkeyp
     from common.timing import peak_memory
 
     fake_gpus(count=1, free_total=(70 * 2**30, 80 * 2**30))
+    torch.cuda.init()  # as resolve_device does
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: cudaMemGetInfo for the whole GPU
     entry = peak_memory(torch.device("cuda", 0))
     assert (entry["peak_bytes"], entry["source"]) == (3 * 2**30, "cuda_max_memory_allocated")
@@ -600,11 +650,11 @@ def test_gpu_nccl_group_is_bound_to_its_device_and_fp32_is_real(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_memory_management_forward_pass_is_activations_only(tmp_path, capsys):
-    status = run_main("chapters/ch16_gpu_distributed/memory_management.py",
-                      ["--device", "cuda", "--depth", "6", "--width", "128", "--batch-size", "64", "--repeats", "1",
-                       "--results-dir", str(tmp_path)])
-    assert status == 0 and "CUDA memory summary" in capsys.readouterr().out
+def test_gpu_memory_management_forward_pass_is_activations_only(tmp_path):
+    out = run_fresh("chapters/ch16_gpu_distributed/memory_management.py",
+                    ["--device", "cuda", "--depth", "6", "--width", "128", "--batch-size", "64", "--repeats", "1",
+                     "--results-dir", str(tmp_path)])
+    assert "CUDA memory summary" in out
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
     forward = record["metrics"]["phases"][0]
     assert forward["source"] == "cuda_memory_allocated"
@@ -627,13 +677,24 @@ def test_gpu_environment_check_matches_every_cuda_device_to_the_topology():
 
 @pytest.mark.gpu
 def test_gpu_lab03_compile_is_recorded_as_compiled(tmp_path):
-    status = run_main("labs/lab03_precision_benchmark/benchmark_models.py",
-                      ["--device", "cuda", "--models", "resnet18", "--modes", "inference", "--precisions",
-                       "fp32,amp-bf16", "--image-size", "64", "-b", "4", "-w", "2", "-n", "2", "--check-steps", "1",
-                       "--compile", "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path)])
-    assert status == 0
+    run_fresh("labs/lab03_precision_benchmark/benchmark_models.py",
+              ["--device", "cuda", "--models", "resnet18", "--modes", "inference", "--precisions",
+               "fp32,amp-bf16", "--image-size", "64", "-b", "4", "-w", "2", "-n", "2", "--check-steps", "1",
+               "--compile", "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path)])
     for path in tmp_path.glob("*.json"):
         record = json.loads(path.read_text())
         assert record["metrics"]["compile"]["compiled"] is True, record["metrics"]["compile"]
         expected = "tf32" if record["method"].endswith("tf32") else "ieee"
         assert record["provenance"]["fp32_math"]["cudnn_conv"] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("script", ["chapters/ch04_deep_learning/mnist_training.py",
+                                    "labs/lab01_dp_vs_ddp/02_baseline_single_gpu.py"])
+def test_gpu_single_process_training_in_a_fresh_process_records_its_peak_memory(script, tmp_path):
+    """A fresh process, as a user starts it: the first CUDA call is the script's own (nothing warmed it)."""
+    run_fresh(script, ["--device", "cuda", "--dry-run", "--results-dir", str(tmp_path)])
+    records = [json.loads(path.read_text()) for path in tmp_path.glob("*.json")]
+    memory = [entry for record in records for entry in record["metrics"]["memory"]]
+    assert memory and all(entry["source"] == "cuda_max_memory_allocated" and entry["peak_bytes"] > 0
+                          for entry in memory), memory

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, REPO, code_diff, load_script, preempt_and_resume, run_main, script_env, torchrun
+from helpers import PYTHON, REPO, code_diff, load_script, preempt_and_resume, run_fresh, run_main, script_env, torchrun
 
 LAB = "labs/lab01_dp_vs_ddp"
 ENV_CHECK = f"{LAB}/01_environment_check.py"
@@ -322,8 +322,7 @@ def test_dataparallel_records_every_gpu_and_the_primary_holds_most(tmp_path, cap
         pytest.skip("needs 2 or more GPUs")
     argv = ["--model", "resnet18", "--batch-size", "64", "--synthetic-size", "256", "--epochs", "1",
             "--num-workers", "0", "--gpus", "1,0", "--save-model", "--results-dir", str(tmp_path)]
-    assert run_main(DP, argv) == 0
-    assert torch.cuda.current_device() == 1  # the first listed GPU is the current device, not GPU 0
+    run_fresh(DP, argv)
     record = _record(tmp_path)
     memory = record["metrics"]["memory"]
     assert [m["device"] for m in memory] == ["cuda:1", "cuda:0"] and record["metrics"]["devices"] == 2

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, REPO, load_script, run_main, run_script, script_env
+from helpers import PYTHON, REPO, load_script, run_fresh, run_main, run_script, script_env
 
 LAB = "labs/lab04_sharded_training"
 BUDGET = f"{LAB}/01_memory_budget.py"
@@ -642,7 +642,7 @@ def test_help_shows_defaults():
 def test_on_a_gpu_the_allocator_peak_holds_at_least_what_the_tensors_hold(tmp_path):
     """On a GPU every tensor comes from the caching allocator, so its peak over a step is at least the
     parameters, gradients, AdamW state and saved activations the step ends with."""
-    assert run_main(BUDGET, [*MEMORY, "--device", "cuda", "--results-dir", str(tmp_path)]) == 0
+    run_fresh(BUDGET, [*MEMORY, "--device", "cuda", "--results-dir", str(tmp_path)])
     record = _record(tmp_path)
     for row in record["metrics"]["budget"]:
         assert row["predicted"]["states"] == pytest.approx(row["measured"]["states"], rel=0.10), row["variant"]
