@@ -236,8 +236,8 @@ def test_a_check_whose_every_step_was_skipped_is_inconclusive(tmp_path, monkeypa
     assert (check["attempts"], check["skipped_steps"], check["applied_steps"]) == (2, 2, 0)
     assert check["verdict"] == "inconclusive" and not check["diverged"] and check["relative_diff"] is None
     assert len(check["losses"]) == 1  # the untrained loss only: nothing trained to compare
-    assert record["notes"] == ["INCONCLUSIVE: GradScaler skipped all 2 attempted steps: the weights never moved, "
-                               "so there is no training to compare with fp32's"]
+    assert record["notes"][0] == ("INCONCLUSIVE: GradScaler skipped all 2 attempted steps: the weights never moved, "
+                                  "so there is no training to compare with fp32's")
     assert "INCONCLUSIVE" in out.getvalue() and "DIVERGED" not in out.getvalue()
     with open(tmp_path / "csv" / "cpu_1_procs_summary.csv", newline="") as handle:
         rows = {row["precision"]: row for row in csv.DictReader(handle)}
