@@ -94,16 +94,22 @@ def test_preempted_single_device_run_resumes_to_the_same_weights(device, tmp_pat
     assert not (tmp_path / "none").exists()
 
 
-@pytest.mark.slow
-def test_bf16_autocast_on_cpu_within_one_point_of_fp32(fp32_run, tmp_path, capsys):
-    _, out, _ = fp32_run
-    fp32_accuracy = _accuracy_printed(out)
-    assert run_main(TRAIN, ["--device", "cpu", "--epochs", "4", "--amp", "bf16", "--results-dir", str(tmp_path),
-                            "--log-interval", "1000"]) == 0
+def test_bf16_autocast_on_cpu_follows_the_fp32_run_step_by_step(fp32_run, tmp_path):
+    """Same seed, same batches: bf16 autocast's first losses stay within bf16's rounding of fp32's.
+
+    Only the first steps: on a CPU without bf16 instructions (the course's CI machine) every bf16 step
+    is emulated and takes about a second, and later steps drift apart as rounding differences grow
+    (the accuracy after whole epochs is in the chapter's reference table)."""
+    steps = 6
+    _, _, fp32_results = fp32_run
+    (fp32_record,) = _records(fp32_results)
+    assert run_main(TRAIN, ["--device", "cpu", "--dataset", "digits", "--epochs", "1", "--max-steps", str(steps),
+                            "--amp", "bf16", "--results-dir", str(tmp_path), "--log-interval", "1000"]) == 0
     (record,) = _records(tmp_path)
     assert record["method"] == "bf16" and record["config"]["amp"] == "bf16"
-    assert abs(record["metrics"]["test_accuracy"] - fp32_accuracy) <= 0.01, (record["metrics"]["test_accuracy"],
-                                                                            fp32_accuracy)
+    bf16_losses, fp32_losses = record["metrics"]["loss_at_step"], fp32_record["metrics"]["loss_at_step"][:steps]
+    assert len(bf16_losses) == steps and bf16_losses != fp32_losses  # bf16 really ran: not the same bits
+    assert bf16_losses == pytest.approx(fp32_losses, rel=0.05), (bf16_losses, fp32_losses)
 
 
 def test_ddp_two_gloo_processes_agree_and_only_rank0_writes(tmp_path):
