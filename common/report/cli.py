@@ -46,7 +46,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def beside_records(path: Path | None, results_dir: Path) -> Path | None:
-    """A bare file name goes into the results folder: the seed's ``--output-report comparison_report.html``
+    """A bare file name goes into the results folder: the Lab-01 handout's ``--output-report comparison_report.html``
     would otherwise leave the report in whatever folder the command was typed in."""
     return results_dir / path if path is not None and len(path.parts) == 1 else path
 

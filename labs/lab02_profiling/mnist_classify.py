@@ -110,7 +110,7 @@ def training_step(args, model, device, optimizer, scaler, data, target):
 
 
 def make_optimizer(args, model, device, capturable):
-    """The seed's Adadelta. For a CUDA graph it keeps its state and learning rate on the GPU, so a
+    """The USC lab's Adadelta. For a CUDA graph it keeps its state and learning rate on the GPU, so a
     replay never waits for the CPU and StepLR's new learning rate reaches the captured step."""
     if capturable:
         return torch.optim.Adadelta(model.parameters(), lr=torch.tensor(args.lr, device=device), capturable=True,
