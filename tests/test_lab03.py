@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, load_script, run_main, run_script
+from helpers import REPO, fake_cpuinfo, load_script, run_main, run_script
 
 SCRIPT = "labs/lab03_precision_benchmark/benchmark_models.py"
 TINY = ["--device", "cpu", "--models", "resnet18", "--image-size", "64", "-b", "2", "-w", "1", "-n", "2",
@@ -226,6 +226,10 @@ def test_a_check_whose_every_step_was_skipped_is_inconclusive(tmp_path, monkeypa
     never move, and the verdict is inconclusive, not DIVERGED, in the record, the CSV and the report."""
     bench = with_overflowing_scaler(monkeypatch, backoff_factor=0.9)
     monkeypatch.setattr(bench, "MAX_SKIPPED_CHECK_STEPS", 2)  # the cap, small to stay cheap
+    from common import machine
+
+    # A CPU without bf16 units: the run says so in one line at start, and its bf16 record says so too.
+    monkeypatch.setattr(machine, "read_cpuinfo", lambda path="/proc/cpuinfo": fake_cpuinfo("AMD EPYC 7302", "avx2"))
     argv = ["--device", "cpu", "--models", "resnet18", "--image-size", "32", "-b", "2", "-w", "0", "-n", "1",
             "--check-steps", "2", "--precisions", "fp32,amp-bf16", "--modes", "inference", "--seed", "1",
             "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path / "records")]
@@ -239,6 +243,8 @@ def test_a_check_whose_every_step_was_skipped_is_inconclusive(tmp_path, monkeypa
     assert record["notes"][0] == ("INCONCLUSIVE: GradScaler skipped all 2 attempted steps: the weights never moved, "
                                   "so there is no training to compare with fp32's")
     assert "INCONCLUSIVE" in out.getvalue() and "DIVERGED" not in out.getvalue()
+    emulated = [line for line in out.getvalue().splitlines() if line.startswith("note: bf16 is emulated")]
+    assert len(emulated) == 1 and "AMD EPYC 7302" in emulated[0] and emulated[0][6:] in record["notes"]
     with open(tmp_path / "csv" / "cpu_1_procs_summary.csv", newline="") as handle:
         rows = {row["precision"]: row for row in csv.DictReader(handle)}
     assert (rows["amp-bf16"]["check_verdict"], rows["amp-bf16"]["diverged"]) == ("inconclusive", "no")

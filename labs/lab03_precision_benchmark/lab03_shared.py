@@ -26,6 +26,7 @@ import math
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
+from common.amp import announce_bf16_emulation
 from common.atomic import write_text_atomic
 from common.cli import config_dict
 from common.errors import UserError
@@ -310,6 +311,7 @@ class Output:
             reason = unsupported_reason(precision, self.device.type, self.device_name, capability)
             if reason is None:
                 runnable.append(precision)
+                announce_bf16_emulation(precision, self.device)  # one line where the CPU has no bf16 units
                 continue
             self.print(f"skipping {precision}: {reason}")
             for mode in self.args.modes:
