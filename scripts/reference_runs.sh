@@ -19,6 +19,8 @@
 # Environment (default in brackets):
 #   PYTHON              the interpreter [.venv/bin/python when it exists, else python]
 #   REFERENCE_DEVICE    cpu, cuda or auto [cpu]
+#   REFERENCE_NPROC     processes of the distributed commands [2 on cpu; on cuda one per GPU: more
+#                       processes than GPUs are refused, so a 1-GPU node runs them on 1 rank]
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
@@ -32,6 +34,15 @@ fi
 if [[ -x .venv/bin/python ]]; then PYTHON=${PYTHON:-$repo_root/.venv/bin/python}; else PYTHON=${PYTHON:-python}; fi
 DEVICE=${REFERENCE_DEVICE:-cpu}
 export PYTHON OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+if [[ $DEVICE == cpu ]]; then
+    NPROC=${REFERENCE_NPROC:-2}
+else
+    NPROC=${REFERENCE_NPROC:-$("$PYTHON" -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
+fi
+# Lab-04's memory budget on 2 and 4 ranks on a CPU (Gloo shares the cores); on GPUs, on the ranks there are.
+if [[ $DEVICE == cpu ]]; then MEMORY_NPROCS=${LAB04_MEMORY_NPROCS:-"2 4"}; else MEMORY_NPROCS=${LAB04_MEMORY_NPROCS:-$NPROC}; fi
+SCALING_PROCESSES=1
+if (( NPROC > 1 )); then SCALING_PROCESSES="1,$NPROC"; fi
 torchrun() { "$PYTHON" -m torch.distributed.run --standalone "$@"; }
 
 run_ch04() {
@@ -40,7 +51,7 @@ run_ch04() {
         --results-dir "$out"
     "$PYTHON" chapters/ch04_deep_learning/mnist_training.py --device "$DEVICE" --epochs 4 --log-interval 1000 \
         --amp bf16 --results-dir "$out"
-    torchrun --nproc_per_node 2 chapters/ch04_deep_learning/multi_gpu_ddp.py --device "$DEVICE" --epochs 4 \
+    torchrun --nproc_per_node "$NPROC" chapters/ch04_deep_learning/multi_gpu_ddp.py --device "$DEVICE" --epochs 4 \
         --log-interval 1000 --results-dir "$out" --checkpoint "$out/../checkpoints/ddp.pt"
 }
 
@@ -69,14 +80,15 @@ run_lab03() {
 }
 
 run_lab04() {
-    LAB04_DEVICE=$DEVICE LAB04_MEMORY_NPROCS="2 4" bash labs/lab04_sharded_training/run_lab.sh "$1"
+    LAB04_DEVICE=$DEVICE LAB04_NPROC=$NPROC LAB04_MEMORY_NPROCS="$MEMORY_NPROCS" bash labs/lab04_sharded_training/run_lab.sh "$1"
     rm -f "$1/comparison_report.html"
 }
 
 run_lab05() {
-    torchrun --nproc_per_node 2 labs/lab05_scaling/01_allreduce_bench.py --device "$DEVICE" --results-dir "$1"
-    "$PYTHON" labs/lab05_scaling/02_scaling_study.py --device "$DEVICE" --processes 1,2 --epochs 3 --results-dir "$1"
-    torchrun --nproc_per_node 2 labs/lab05_scaling/03_overlap.py --device "$DEVICE" --model resnet18 \
+    torchrun --nproc_per_node "$NPROC" labs/lab05_scaling/01_allreduce_bench.py --device "$DEVICE" --results-dir "$1"
+    "$PYTHON" labs/lab05_scaling/02_scaling_study.py --device "$DEVICE" --processes "$SCALING_PROCESSES" --epochs 3 \
+        --results-dir "$1"
+    torchrun --nproc_per_node "$NPROC" labs/lab05_scaling/03_overlap.py --device "$DEVICE" --model resnet18 \
         --image-size 32 --batch-size 8 --steps 6 --results-dir "$1"
 }
 
