@@ -40,7 +40,8 @@ else
     NPROC=${REFERENCE_NPROC:-$("$PYTHON" -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
 fi
 # Lab-04's memory budget on 2 and 4 ranks on a CPU (Gloo shares the cores); on GPUs, on the ranks there are.
-if [[ $DEVICE == cpu ]]; then MEMORY_NPROCS=${LAB04_MEMORY_NPROCS:-"2 4"}; else MEMORY_NPROCS=${LAB04_MEMORY_NPROCS:-$NPROC}; fi
+MEMORY_NPROCS=${LAB04_MEMORY_NPROCS:-$NPROC}
+if [[ $DEVICE == cpu ]]; then MEMORY_NPROCS=${LAB04_MEMORY_NPROCS:-"2 4"}; fi
 SCALING_PROCESSES=1
 if (( NPROC > 1 )); then SCALING_PROCESSES="1,$NPROC"; fi
 torchrun() { "$PYTHON" -m torch.distributed.run --standalone "$@"; }
@@ -80,7 +81,8 @@ run_lab03() {
 }
 
 run_lab04() {
-    LAB04_DEVICE=$DEVICE LAB04_NPROC=$NPROC LAB04_MEMORY_NPROCS="$MEMORY_NPROCS" bash labs/lab04_sharded_training/run_lab.sh "$1"
+    LAB04_DEVICE=$DEVICE LAB04_NPROC=$NPROC LAB04_MEMORY_NPROCS="$MEMORY_NPROCS" \
+        bash labs/lab04_sharded_training/run_lab.sh "$1"
     rm -f "$1/comparison_report.html"
 }
 
