@@ -264,14 +264,14 @@ def format_environment(info: Mapping[str, Any], warnings: list[str]) -> str:
         lines.append(f"  cuda:{gpu['index']}  {gpu['name']} | {format_bytes(gpu['total_memory_bytes'], unit='GiB')} | "
                      f"capability {gpu['capability']} | {gpu['multiprocessors']} SMs | "
                      f"bf16 {'native' if gpu['bf16_native'] else 'emulated'} | test {gpu.get('smoke_test', 'skipped')}"
-                     + (f" | datasheet bf16 {gpu['peak_tflops']['bf16']:g} TFLOP/s" if "bf16" in gpu.get("peak_tflops", {})
-                        else ""))
+                     + (f" | datasheet bf16 {gpu['peak_tflops']['bf16']:g} TFLOP/s"
+                        if "bf16" in gpu.get("peak_tflops", {}) else ""))
     cpus, slurm = info["cpus"], info["slurm"]
     cpu = info.get("cpu")
     if cpu:
         flags = " ".join(flag for flag, present in cpu["isa"].items() if present) or "none of the bf16/fp16 flags"
-        lines.append(f"CPU             {cpu['model']} | {cpu['physical_cores'] or '?'} cores, {cpu['logical_cpus']} CPUs "
-                     f"| {flags} | bf16 {cpu['bf16']}, fp16 {cpu['fp16']}")
+        lines.append(f"CPU             {cpu['model']} | {cpu['physical_cores'] or '?'} cores, "
+                     f"{cpu['logical_cpus']} CPUs | {flags} | bf16 {cpu['bf16']}, fp16 {cpu['fp16']}")
     lines.append(f"CPUs            node {cpus['node_cpus']} | usable by this process {cpus['usable_cpus']} | "
                  f"torch threads {cpus['torch_threads']} | OMP_NUM_THREADS {cpus['omp_num_threads'] or 'unset'}")
     if slurm["in_job"]:

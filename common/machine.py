@@ -20,7 +20,8 @@ from typing import Any, Mapping
 from common.cpus import usable_cpus
 from common.gpu_peaks import gpu_peaks
 
-__all__ = ["X86_FLAGS", "ARM_FEATURES", "BF16_EMULATION_PREFIX", "read_cpuinfo", "cpu_description", "gpu_description", "machine_label",
+__all__ = ["X86_FLAGS", "ARM_FEATURES", "BF16_EMULATION_PREFIX", "read_cpuinfo", "cpu_description", "gpu_description",
+           "machine_label",
            "describe_machine", "bf16_emulation_note"]
 
 #: x86 flags that decide low-precision speed: bf16 runs natively with avx512_bf16 or AMX (amx_bf16 on

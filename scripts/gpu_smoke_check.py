@@ -469,7 +469,8 @@ def check_lab04_fsdp_resume(run: Run) -> list[str]:
         if modes != {"async"}:
             problems.append(f"{name_of(record)}: checkpoint saves {sorted(map(str, modes))}, expected async only")
     for record in records:
-        if (get(record, "config", "mixed_precision"), get(record, "config", "activation_checkpointing")) != ("bf16", True):
+        settings = (get(record, "config", "mixed_precision"), get(record, "config", "activation_checkpointing"))
+        if settings != ("bf16", True):
             problems.append(f"{name_of(record)} ran without bf16 and activation checkpointing")
     return problems + sharded_training(first, run.gpus) + sharded_training(resumed, 1)
 
@@ -506,7 +507,8 @@ def check_lab05_allreduce(run: Run) -> list[str]:
             if get(record, "provenance", "distributed", "backend") != "nccl":
                 problems.append(f"{collective}: backend {get(record, 'provenance', 'distributed', 'backend')!r}")
             if get(record, "metrics", "world_size") != run.gpus:
-                problems.append(f"{collective}: world size {get(record, 'metrics', 'world_size')!r}, expected {run.gpus}")
+                problems.append(f"{collective}: world size {get(record, 'metrics', 'world_size')!r}, "
+                                f"expected {run.gpus}")
             sizes = get(record, "metrics", "sizes") or []
             wrong = [row.get("bytes") for row in sizes if row.get("correct") is not True]
             if not sizes or wrong:

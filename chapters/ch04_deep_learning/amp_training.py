@@ -102,7 +102,8 @@ def run_one(mnist_training: ModuleType, precision: str, args: argparse.Namespace
             device: torch.device) -> dict[str, Any]:
     """Train once in ``precision`` through ``mnist_training.main`` and return the record it wrote."""
     argv = ["--amp", precision, "--device", device.type, "--seed", str(args.seed), "--dataset", args.dataset,
-            "--model", args.model, "--data-on-device", args.data_on_device, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
+            "--model", args.model, "--data-on-device", args.data_on_device, "--epochs", str(args.epochs),
+            "--batch-size", str(args.batch_size),
             "--data-dir", str(args.data_dir), "--results-dir", str(args.results_dir),
             "--num-workers", str(args.num_workers), "--log-interval", str(args.log_interval)]
     if args.max_steps is not None:

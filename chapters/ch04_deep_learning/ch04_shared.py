@@ -29,8 +29,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group.add_argument("--data-on-device", choices=RESIDENT_CHOICES, default="auto",
                        help="keep the whole data set in the memory of --device and cut the batches there, with no "
                             "DataLoader: auto = when it is held as tensors (mnist, digits) and, on a GPU, takes at "
-                            f"most {100 * RESIDENT_SHARE:.0f}%% of its free memory; no = a DataLoader with --num-workers "
-                            "worker processes (default: %(default)s)")
+                            f"most {100 * RESIDENT_SHARE:.0f}%% of its free memory; no = a DataLoader with "
+                            "--num-workers worker processes (default: %(default)s)")
     return group
 
 

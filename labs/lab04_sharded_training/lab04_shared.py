@@ -341,7 +341,8 @@ def build_model(shape: TransformerShape, strategy: str, device: torch.device, *,
 
 
 def variant_name(strategy: str, precision: str = "fp32", activation_checkpointing: bool = False) -> str:
-    """``ddp``, ``fsdp``, ``fsdp+ac``, ``fsdp+bf16``, ``fsdp+ac+bf16`` (the keys of :data:`VARIANTS`): a record's method."""
+    """A record's method: ``ddp``, ``fsdp``, ``fsdp+ac``, ``fsdp+bf16``, ``fsdp+ac+bf16`` (the keys of
+    :data:`VARIANTS`)."""
     parts = [strategy] + (["ac"] if activation_checkpointing else []) + ([precision] if precision != "fp32" else [])
     return "+".join(parts)
 
