@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from common.amp import announce_bf16_emulation
+from common.amp import announce_bf16_emulation, fp32_math
 from common.cli import positive_int
 from common.data import TEXT_VOCAB_SIZE
 from common.errors import UserError
@@ -200,10 +200,7 @@ def matmul_precision(precision: str) -> str:
     """The precision the matrix units run in: bf16, or fp32 matmuls as TF32 where PyTorch allows it."""
     if precision == "bf16":
         return "bf16"
-    try:
-        return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    except RuntimeError:  # the new fp32_precision settings in a mixed state: assume the strict one
-        return "fp32"
+    return "tf32" if fp32_math()["matmul"] == "tf32" else "fp32"  # what common.amp says is in force
 
 
 def throughput(shape: TransformerShape, samples_per_s: float | None, device: torch.device, precision: str,
