@@ -38,23 +38,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
-from common import amp, pipelines
-from common.cli import add_common_args, config_dict, positive_int, script_parser
-from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
-from common.energy import EnergyMeter
+from common.train import amp
+from common.data import pipelines
+from common.cli import add_common_args, add_dataset_args, config_dict, positive_int, script_parser
+from common.runtime.device import configure_threads, describe, resolve_device, seed_everything, synchronize
+from common.measure.energy import EnergyMeter
 from common.errors import UserError, run_main
 from common.models import MnistNet
-from common.pipeline_flags import add_dataset_args
 from common.results import make_record, provenance, write_record
 
 SCRIPT = "bench/data_pipeline.py"

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
 
 _start_imports = time.perf_counter()
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 from common.cli import positive_int
 from common.errors import run_main
 from common.report import build_report

@@ -9,7 +9,13 @@ its own defaults; a script that does not train (a benchmark) takes ``add_run_arg
 that ``torch.distributed.launch`` passes. Argument types reject bad values with one clear argparse
 error line.
 
-This module must not import torch.
+The names that some flags choose between live here too, once: Lab-02's input pipelines and data sets
+(``--pipeline``, ``--dataset``: :func:`add_dataset_args`), and Lab-03's precisions and modes
+(:data:`BENCHMARK_PRECISIONS`, :data:`BENCHMARK_MODES`), which its report section lays out in the
+same order. A script that starts others as processes (Lab-02's ``sweep.py``) offers the same flags
+without importing torch.
+
+This module must not import torch (2-4 s): parsers and the report read it.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from common.cpus import default_num_workers
+from common.runtime.cpus import default_num_workers
 
 
 def _whole_number(text: str, minimum: int) -> int:
@@ -112,7 +118,7 @@ def accept_launcher_local_rank(parser: argparse.ArgumentParser) -> argparse.Argu
 
     The deprecated launcher (seed 004's command) adds the flag to every process's command line; it
     also sets ``LOCAL_RANK`` in the environment, and the environment stays the source of truth
-    (``common.launch.detect_launch``), so the value is accepted and not used. Hidden from ``--help``:
+    (``common.runtime.launch.detect_launch``), so the value is accepted and not used. Hidden from ``--help``:
     torchrun is the way to start these scripts.
     """
     parser.add_argument("--local-rank", "--local_rank", dest="launcher_local_rank", type=int,
@@ -179,7 +185,7 @@ def add_common_args(
 def add_timing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, warmup: int, repeats: int,
                     what: str, repeats_flag: str = "--repeats") -> None:
     """How a measurement repeats (convention 8): ``--warmup`` untimed runs of ``what`` first, then
-    timed ones whose median is reported (``common.timing.time_function``'s ``warmup`` and ``repeats``).
+    timed ones whose median is reported (``common.measure.timing.time_function``'s ``warmup`` and ``repeats``).
 
     ``repeats_flag`` names the timed count: ``--repeats``, or the name a script's seed and records
     use (Lab-05's ``--iters`` after nccl-tests, Chapter 16's ``--iterations``).
@@ -207,3 +213,33 @@ def config_dict(args: argparse.Namespace, **derived: Any) -> dict[str, Any]:
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
     config.update(derived)
     return config
+
+
+#: How Lab-02's batches are made (``common.data.pipelines.make_loader``), from the LANTA chapter's to the fastest.
+PIPELINES = ("pil", "tensor", "device")
+#: The MNIST-shaped data sets the pipelines read as uint8 images (``common.data.pipelines.load_uint8``).
+DATASETS = ("digits", "mnist", "synthetic")
+
+
+def add_dataset_args(parser: argparse.ArgumentParser) -> None:
+    """``--dataset`` and ``--synthetic-size``: what ``common.data.pipelines.load_uint8`` reads, the same flags in every script."""
+    parser.add_argument("--dataset", choices=DATASETS, default="digits",
+                        help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
+    parser.add_argument("--synthetic-size", type=positive_int, default=60_000,
+                        help="training images of --dataset synthetic, MNIST's count by default (default: %(default)s)")
+
+
+#: Every precision Lab-03's benchmark knows, in the order its tables show them, with what it means.
+#: (The ``--amp`` choices of the training scripts are another list: :data:`common.train.amp.PRECISIONS`.)
+BENCHMARK_PRECISIONS: dict[str, str] = {
+    "fp64": "float64 weights and inputs (model.double()): the SJTU page's 'double'",
+    "fp32": "float32 with TF32 off: true IEEE single precision, the SJTU page's 'float' (PyTorch 1.6 had no TF32)",
+    "tf32": "float32 storage, convolutions and matmuls on TF32 tensor cores (10-bit mantissa); "
+            "PyTorch's default for cuDNN convolutions on Ampere and newer",
+    "half": "the model cast to float16 (model.half()) but BatchNorm kept float32, no loss scaling: "
+            "the SJTU page's 'half'",
+    "amp-fp16": "float32 weights, autocast to float16 for convolutions and matmuls, GradScaler against underflow",
+    "amp-bf16": "float32 weights, autocast to bfloat16 (float32's exponent range, so no scaler)",
+}
+#: What Lab-03 times: a training step (forward, backward, optimiser) or a forward pass alone.
+BENCHMARK_MODES = ("train", "inference")

@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from common.atomic import write_text_atomic
-from common.energy import not_measured
-from common.machine import bf16_emulation_note, cpu_description, gpu_description
+from common.measure.energy import not_measured
+from common.runtime.machine import bf16_emulation_note, cpu_description, gpu_description
 
 SCHEMA_NAME = "hpc-dl-labs/result"
-#: 2 added the required top-level ``energy`` entry (``common.energy``); 3 the required
-#: ``provenance.machine`` (``common.machine``: CPU model, cores, bf16/fp16 flags, GPU peaks).
+#: 2 added the required top-level ``energy`` entry (``common.measure.energy``); 3 the required
+#: ``provenance.machine`` (``common.runtime.machine``: CPU model, cores, bf16/fp16 flags, GPU peaks).
 #: Records of versions 1 and 2 are still read (the report labels their bf16 capability unknown).
 SCHEMA_VERSION = 3
 #: Versions of the schema this code can read.
@@ -152,7 +152,7 @@ def fp32_math_info(device: Any) -> dict[str, Any]:
     whether the device has TF32 at all (``tf32_hardware``: CUDA compute capability 8.0 or newer)."""
     import torch
 
-    from common.amp import fp32_math
+    from common.train.amp import fp32_math
 
     device = torch.device(device)
     hardware = device.type == "cuda" and tuple(torch.cuda.get_device_capability(device)) >= (8, 0)
@@ -172,7 +172,7 @@ def cpu_model_name() -> str:
 
 
 def machine_info(device: Any = None) -> dict[str, Any]:
-    """What this machine could do (``common.machine``): the CPU, and the CUDA ``device`` with its peaks."""
+    """What this machine could do (``common.runtime.machine``): the CPU, and the CUDA ``device`` with its peaks."""
     machine: dict[str, Any] = {"cpu": cpu_description(), "gpus": []}
     if device is not None:
         import torch
@@ -214,7 +214,7 @@ def training_metrics(*, train_loss: list[float], loss_at_step: list[float], epoc
                      replica_digests: list[Mapping[str, str]] | None = None) -> dict[str, Any]:
     """The ``metrics`` of a training run, with the names ``docs/results-schema.md`` documents.
 
-    Every training script's record is built here (through :class:`common.run.TrainingRun`), so
+    Every training script's record is built here (through :class:`common.train.run.TrainingRun`), so
     the report reads the same keys from all of them. ``samples_per_s`` is the whole job's
     throughput (the step timer counts every rank's samples).
     """
@@ -252,7 +252,7 @@ def make_record(
 ) -> dict[str, Any]:
     """Build a record dictionary in the current schema (see ``docs/results-schema.md``).
 
-    ``energy`` is what ``common.energy.EnergyMeter.result()`` measured over the run's timed region;
+    ``energy`` is what ``common.measure.energy.EnergyMeter.result()`` measured over the run's timed region;
     without it the record says energy was not measured (never a guessed number). A ``provenance``
     without ``machine`` gets this machine's CPU (records are made where the run ran); a bf16 run on
     a CPU that only emulates bf16 gets a note saying so (the report shows it as a warning).

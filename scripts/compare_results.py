@@ -26,10 +26,7 @@ command line.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 from common.errors import run_main
 from common.report.cli import main
 

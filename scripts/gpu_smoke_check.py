@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 from common.results import load_records
 
 ALLOCATOR = "cuda_max_memory_allocated"
@@ -185,7 +184,7 @@ def check_pytorch_basics(run: Run) -> list[str]:
             missing = {"fp32", "tf32", "bf16", "fp16"} - {row.get("dtype") for row in rows}
             problems += [f"no matmul row for {', '.join(sorted(missing))}"] if missing else []
         if get(record, "metrics", "peak_source") is None:
-            problems.append("no datasheet peak for this GPU in common/gpu_peaks.py")
+            problems.append("no datasheet peak for this GPU in common/measure/gpu_peaks.py")
     return problems
 
 

@@ -12,8 +12,8 @@ A template's first block says what the job needs (nodes, GPUs per node, time ...
 node than the partition has, a GPU model it lacks, an unknown partition) fails here on one line,
 not hours later in the queue. The template contract and the profile format: slurm/sites/README.md.
 
-This file is the command line only: the profiles are read by common/sites.py, a job is resolved
-against a site by scripts/sbatch_render/jobs.py and rendered by scripts/sbatch_render/rendering.py.
+This file is the command line only: the profiles are read by common/slurm/sites.py, a job is resolved
+against a site by common/slurm/jobs.py and rendered by common/slurm/rendering.py.
 It must not import torch (tests call ``main(argv)`` in-process).
 """
 
@@ -24,16 +24,11 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `python scripts/render_sbatch.py` from a checkout without install
-    sys.path.insert(0, str(REPO_ROOT))
-
-from common.cli import one_line_errors, output_dir, output_file  # noqa: E402
-from common.errors import UserError, run_main  # noqa: E402
-from common.sites import display_path, find_site, load_sites  # noqa: E402
-from scripts.sbatch_render.jobs import JOB_KEYS, PLACEHOLDER, TEMPLATE_SUFFIX, parse_settings, read_template  # noqa: E402
-from scripts.sbatch_render.rendering import (COMMITTED_RENDERINGS, render, render_all, write_committed,  # noqa: E402
-                                             write_script)
+from common.cli import one_line_errors, output_dir, output_file
+from common.errors import UserError, run_main
+from common.slurm.jobs import JOB_KEYS, PLACEHOLDER, TEMPLATE_SUFFIX, parse_settings, read_template
+from common.slurm.rendering import COMMITTED_RENDERINGS, render, render_all, write_committed, write_script
+from common.slurm.sites import display_path, find_site, load_sites
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ the table of LAB's reference records after it, up to ``<!-- /results-table:LAB -
 come from ``reference-results/`` (one folder per machine, e.g. ``reference-results/cpu-2core/``),
 and the columns are those of the report's summary table (common/report/), so the docs
 and the report show the same numbers the same way. Each table is headed by the machine its records
-name (``common.machine``: host, CPU, its CPUs, bf16 native or emulated, and what it could do), never
+name (``common.runtime.machine``: host, CPU, its CPUs, bf16 native or emulated, and what it could do), never
 by a name typed here.
 """
 
@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 from common.atomic import write_text_atomic
 from common.errors import UserError, run_main
 from common.results import load_records

@@ -106,14 +106,14 @@ def preempt_and_resume(script: str, argv: list[str], folder: Path, monkeypatch, 
 
     import torch
 
-    import common.run
+    import common.train.run
 
     def run(name: str, *extra: str) -> int:
         return run_main(script, [*argv, "--results-dir", str(folder / name), "--checkpoint", str(folder / f"{name}.pt"),
                                  *extra])
 
     assert run("whole") == 0
-    monkeypatch.setattr(common.run, "StepTimer", signalling_timer(common.run.StepTimer, during_step=during_step))
+    monkeypatch.setattr(common.train.run, "StepTimer", signalling_timer(common.train.run.StepTimer, during_step=during_step))
     assert run("cut") == 0
     monkeypatch.undo()
     out = capsys.readouterr().out

@@ -30,14 +30,14 @@ from helpers import load_script, signalling_timer  # noqa: E402
 
 
 def run_one(job: dict, rank: int, out: Path) -> int:
-    import common.run
+    import common.train.run
     from common.errors import run_main
 
     module = load_script(job["script"])
     log = out / (f"{job['name']}.log" if rank == 0 else f"{job['name']}.rank{rank}.log")
-    original = common.run.StepTimer
+    original = common.train.run.StepTimer
     if rank == 0 and job.get("signal_during_step") is not None:
-        common.run.StepTimer = signalling_timer(original, during_step=job["signal_during_step"])
+        common.train.run.StepTimer = signalling_timer(original, during_step=job["signal_during_step"])
     try:
         with open(log, "w") as handle, contextlib.redirect_stdout(handle), contextlib.redirect_stderr(handle):
             try:
@@ -46,11 +46,11 @@ def run_one(job: dict, rank: int, out: Path) -> int:
                 return int(exit_.code or 0)
         return 0
     finally:
-        common.run.StepTimer = original
+        common.train.run.StepTimer = original
 
 
 def main() -> int:
-    from common.distributed import init_distributed, teardown_distributed
+    from common.runtime.distributed import init_distributed, teardown_distributed
 
     plan, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)

@@ -311,7 +311,7 @@ def test_mnist_is_decoded_once_into_normalised_tensors(tmp_path):
     from torch.utils.data import TensorDataset
     from torchvision import transforms
 
-    from common.data import MNIST_MEAN, MNIST_STD, get_dataset
+    from common.data.datasets import MNIST_MEAN, MNIST_STD, get_dataset
 
     write_tiny_mnist(tmp_path, train=12, test=5)
     splits = get_dataset("mnist", tmp_path)
@@ -331,7 +331,7 @@ def test_mnist_is_decoded_once_into_normalised_tensors(tmp_path):
 def test_the_worker_count_in_force_comes_from_the_allocation_and_is_recorded(tmp_path, monkeypatch, capsys):
     """SLURM_CPUS_PER_TASK sets --num-workers in all three scripts; the DataLoader a run used has
     that many workers, and the record says so (and what --data-on-device auto chose on a CPU)."""
-    from common.cpus import default_num_workers, usable_cpus
+    from common.runtime.cpus import default_num_workers, usable_cpus
 
     if usable_cpus() < 2:
         pytest.skip("one usable CPU: the allocation leaves no core for a worker")
@@ -354,7 +354,7 @@ def _slow_digits(delay_s: float):
 
     from torch.utils.data import Dataset
 
-    from common.data import get_dataset
+    from common.data.datasets import get_dataset
 
     class Slow(Dataset):
         def __init__(self, inner):
@@ -433,7 +433,7 @@ def test_a_shuffled_loaders_order_does_not_depend_on_its_workers():
     import torch
     from torch.utils.data import TensorDataset
 
-    from common.data import make_loader, set_loader_epoch
+    from common.data.datasets import make_loader, set_loader_epoch
 
     dataset = TensorDataset(torch.arange(40))
     orders = {}
@@ -455,7 +455,7 @@ def test_data_on_device_auto_keeps_the_set_on_a_gpu_only_when_it_fits(monkeypatc
     import torch
     from torch.utils.data import Subset
 
-    from common.data import RESIDENT_SHARE, SyntheticImages, get_dataset, resident_device
+    from common.data.datasets import RESIDENT_SHARE, SyntheticImages, get_dataset, resident_device
     from common.errors import UserError
 
     splits = get_dataset("digits")

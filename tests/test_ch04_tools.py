@@ -1,4 +1,4 @@
-"""Chapter 4's tools: pytorch_basics.py, gpu_check.py (common/envcheck.py), amp_training.py, the README.
+"""Chapter 4's tools: pytorch_basics.py, gpu_check.py (common/runtime/envcheck.py), amp_training.py, the README.
 
 Every script runs for real, in-process on CPU with tiny sizes. The README's commands are checked
 against the files and argument parsers they name, and its Python examples are executed.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.envcheck import allocation_agreement, count_gpu_spec, slurm_gpu_count, visible_devices_count
+from common.runtime.envcheck import allocation_agreement, count_gpu_spec, slurm_gpu_count, visible_devices_count
 from helpers import REPO, load_script, run_fresh, run_main
 
 CHAPTER = REPO / "chapters" / "ch04_deep_learning"
@@ -102,10 +102,10 @@ def test_peak_table_unknown_devices_and_readme_agree():
     assert f"| FP16 Performance | {a100['fp16']:g} TFLOPS |" in readme
 
 
-# --- common/envcheck.py and gpu_check.py -----------------------------------------------------------
+# --- common/runtime/envcheck.py and gpu_check.py -----------------------------------------------------------
 
 def test_envcheck_imports_without_torch():
-    code = "import sys, common.envcheck; assert 'torch' not in sys.modules, 'torch was imported'"
+    code = "import sys, common.runtime.envcheck; assert 'torch' not in sys.modules, 'torch was imported'"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
 

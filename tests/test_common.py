@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-from common import cli, cpus, launch, results
+from common import cli, results
+
+from common.runtime import cpus, launch
 from helpers import fake_cpuinfo
 
 # --------------------------------------------------------------------------------------------
@@ -158,7 +160,7 @@ ZEN1 = fake_cpuinfo("AMD EPYC", "avx2")
 
 
 def test_cpu_description_says_whether_bf16_is_native_from_the_flags():
-    from common.machine import cpu_description
+    from common.runtime.machine import cpu_description
 
     zen4, zen1 = cpu_description(ZEN4), cpu_description(ZEN1)
     assert (zen4["model"], zen4["physical_cores"], zen4["logical_cpus"]) == ("AMD EPYC", 2, 4)
@@ -171,7 +173,7 @@ def test_cpu_description_says_whether_bf16_is_native_from_the_flags():
 
 
 def test_every_new_record_carries_the_machine_and_older_versions_still_read(tmp_path, monkeypatch):
-    from common import machine
+    from common.runtime import machine
 
     monkeypatch.setattr(machine, "read_cpuinfo", lambda path="/proc/cpuinfo": ZEN1)
     record = _record()  # a provenance without "machine": make_record adds this machine's
@@ -191,7 +193,9 @@ def test_every_new_record_carries_the_machine_and_older_versions_still_read(tmp_
 def test_a_bf16_run_on_a_cpu_without_bf16_says_so_at_start_and_in_its_record(monkeypatch, capsys):
     import torch
 
-    from common import amp, machine
+    from common.train import amp
+
+    from common.runtime import machine
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(machine, "read_cpuinfo", lambda path="/proc/cpuinfo": ZEN1.replace("EPYC", "EPYC 7551"))
@@ -213,8 +217,8 @@ def test_a_bf16_run_on_a_cpu_without_bf16_says_so_at_start_and_in_its_record(mon
 @pytest.mark.gpu
 def test_a_cuda_record_names_its_gpu_with_the_datasheet_peaks():
     """In a fresh process on a GPU: provenance.machine.gpus holds the GPU used, its capability and,
-    for a GPU in common/gpu_peaks.py, its dense peaks (an H100 SXM: bf16 989.5 TFLOP/s)."""
-    code = ("import json, torch; from common.results import provenance; from common.gpu_peaks import gpu_peaks; "
+    for a GPU in common/measure/gpu_peaks.py, its dense peaks (an H100 SXM: bf16 989.5 TFLOP/s)."""
+    code = ("import json, torch; from common.results import provenance; from common.measure.gpu_peaks import gpu_peaks; "
             "p = provenance(torch.device('cuda', 0)); g = p['machine']['gpus']; "
             "print(json.dumps([g, torch.cuda.get_device_name(0), gpu_peaks(torch.cuda.get_device_name(0))[1]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
@@ -260,8 +264,8 @@ def test_provenance_carries_slurm_and_git(monkeypatch, tmp_path):
 
 
 def test_results_module_does_not_import_torch():
-    modules = ("common.results, common.machine, common.launch, common.cli, common.cpus, common.units, common.atomic, common.errors, "
-               "common.precision_names, common.pipeline_flags, common.report, common.report.cli")
+    modules = ("common.results, common.runtime.machine, common.runtime.launch, common.cli, common.runtime.cpus, common.units, common.atomic, common.errors, "
+               "common.cli, common.cli, common.report, common.report.cli")
     code = f"import sys; import {modules}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(__import__('helpers').REPO)})
@@ -315,7 +319,7 @@ def test_script_parser_and_dry_run_caps_a_scripts_own_counts(capsys):
 
 
 def test_training_flags_are_the_ones_training_run_reads(capsys):
-    from common.run import add_training_args
+    from common.train.run import add_training_args
 
     parser = cli.script_parser(None)
     add_training_args(parser)
@@ -334,7 +338,7 @@ def test_training_flags_are_the_ones_training_run_reads(capsys):
 def test_device_resolution_on_this_machine():
     import torch
 
-    from common.device import resolve_device
+    from common.runtime.device import resolve_device
     from common.errors import UserError
 
     assert resolve_device("cpu").type == "cpu"
@@ -347,7 +351,7 @@ def test_device_resolution_on_this_machine():
 def test_threads_follow_slurm_allocation():
     import torch
 
-    from common.device import configure_threads
+    from common.runtime.device import configure_threads
 
     before = torch.get_num_threads()
     try:
@@ -362,7 +366,7 @@ def test_threads_follow_slurm_allocation():
 def test_digits_split_is_fixed_stratified_and_mnist_shaped():
     import torch
 
-    from common.data import get_dataset
+    from common.data.datasets import get_dataset
 
     a, b = get_dataset("digits"), get_dataset("digits")
     assert a.input_shape == (1, 28, 28) and a.num_classes == 10
@@ -377,7 +381,7 @@ def test_digits_split_is_fixed_stratified_and_mnist_shaped():
 def test_synthetic_is_deterministic_and_learnable_shape():
     import torch
 
-    from common.data import SyntheticImages, get_dataset
+    from common.data.datasets import SyntheticImages, get_dataset
 
     s1 = get_dataset("synthetic", image_size=16, channels=3, synthetic_size=64, seed=3)
     s2 = get_dataset("synthetic", image_size=16, channels=3, synthetic_size=64, seed=3)
@@ -392,7 +396,7 @@ def test_synthetic_is_deterministic_and_learnable_shape():
 
 
 def test_missing_data_names_the_download_script(tmp_path):
-    from common.data import get_dataset
+    from common.data.datasets import get_dataset
     from common.errors import UserError
 
     with pytest.raises(UserError, match="scripts/download_data.py mnist"):
@@ -429,7 +433,7 @@ def test_step_timer_drops_warmup_and_summarises():
 
     import torch
 
-    from common.timing import StepTimer, peak_memory, summarize
+    from common.measure.timing import StepTimer, peak_memory, summarize
 
     timer = StepTimer(torch.device("cpu"), warmup_steps=2)
     for i in range(6):
@@ -449,7 +453,7 @@ def test_step_timer_drops_warmup_and_summarises():
 def test_amp_choices():
     import torch
 
-    from common import amp
+    from common.train import amp
     from common.errors import UserError
 
     cpu = torch.device("cpu")
@@ -466,7 +470,7 @@ def test_reductions_over_ranks_sum_mean_and_max_numbers_and_lists(monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from common import distributed
+    from common.runtime import distributed
 
     # Not distributed: values come back as they were (as floats), nothing is communicated.
     assert distributed.all_reduce_sum(3) == 3.0 and distributed.all_reduce_mean([1, 2]) == [1.0, 2.0]
@@ -500,7 +504,7 @@ def test_evaluate_scores_classifiers_and_token_models_and_adds_the_ranks_slices(
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from common.evaluation import evaluate
+    from common.train.evaluation import evaluate
 
     cpu = torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
@@ -544,7 +548,7 @@ def test_checkpoint_is_atomic_and_stop_signal_sets_flag(tmp_path):
 
     import torch
 
-    from common.checkpoint import StopSignal, load_checkpoint, save_checkpoint
+    from common.checkpoint.single_file import StopSignal, load_checkpoint, save_checkpoint
 
     path = save_checkpoint({"w": torch.arange(3)}, tmp_path / "c.pt")
     assert torch.equal(load_checkpoint(path)["w"], torch.arange(3))
@@ -597,7 +601,7 @@ def test_records_are_readable_by_the_group(tmp_path):
 def test_print_rank_writes_each_line_in_one_piece(monkeypatch):
     """The ranks of a job share one output file: a line written in pieces (tag, space, text,
     newline, as print does) interleaves with the other ranks' lines mid-line."""
-    from common.distributed import print_rank
+    from common.runtime.distributed import print_rank
 
     for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}.items():
         monkeypatch.setenv(name, value)

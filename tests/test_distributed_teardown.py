@@ -6,7 +6,7 @@ watchdog and heartbeat (``pt_nccl*``). If any of them is still alive when the in
 a worker that releases a tensor takes the GIL from a finalising interpreter, and the process aborts
 (``terminate called without an active exception``) *after* the script's main function returned:
 the job fails under ``srun --kill-on-bad-exit`` although training succeeded. It happened to about
-3 resumed DDP runs in 50 under Slurm. ``common.distributed`` makes sure that tearing the group down
+3 resumed DDP runs in 50 under Slurm. ``common.runtime.distributed`` makes sure that tearing the group down
 really ends it; this test proves it for each distributed entry point.
 
 Each entry point runs as a user runs it, in its own process on the CPU (Gloo), with the smallest
@@ -44,7 +44,7 @@ class EntryPoint:
 
 
 #: Every distributed entry point of the course. A new distributed script (one that calls
-#: common.distributed.init_distributed) adds one line here: its path, the smallest arguments that
+#: common.runtime.distributed.init_distributed) adds one line here: its path, the smallest arguments that
 #: still create a process group on the CPU (a script that forces a group even alone runs as one
 #: process; others need -g 2 or the like), how many Python processes it runs, and a line of its
 #: output that only a run under a process group prints.
@@ -108,7 +108,7 @@ def test_the_report_hook_sees_a_group_thread_that_outlives_main(tmp_path):
     reports = tmp_path / "threads"
     reports.mkdir()
     keep_group = tmp_path / "keep_group.py"
-    keep_group.write_text("from common.distributed import init_distributed\n"
+    keep_group.write_text("from common.runtime.distributed import init_distributed\n"
                           "kept = init_distributed('cpu', force_process_group=True)  # never torn down\n")
     env = script_env(HPC_DL_LABS_THREAD_REPORT=str(reports))
     env["PYTHONPATH"] = f"{REPO / 'tests' / 'exit_threads'}:{env['PYTHONPATH']}"
@@ -120,11 +120,11 @@ def test_the_report_hook_sees_a_group_thread_that_outlives_main(tmp_path):
 
 def test_every_torch_module_that_binds_the_world_group_is_imported_before_the_group():
     """Scan torch.distributed's sources for ``def f(..., group=group.WORLD)``: a torch upgrade that adds
-    one must add its module to common.distributed.MODULES_BINDING_THE_WORLD_GROUP, or its import after
+    one must add its module to common.runtime.distributed.MODULES_BINDING_THE_WORLD_GROUP, or its import after
     init would hold the group (and its threads) to the end of the process."""
     import torch.distributed
 
-    from common.distributed import MODULES_BINDING_THE_WORLD_GROUP
+    from common.runtime.distributed import MODULES_BINDING_THE_WORLD_GROUP
 
     root = Path(torch.distributed.__file__).parent
     binding = set()
@@ -150,7 +150,7 @@ def test_teardown_leaves_the_environment_as_it_found_it(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import os\n"
-        "from common.distributed import init_distributed, teardown_distributed\n"
+        "from common.runtime.distributed import init_distributed, teardown_distributed\n"
         "names = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')\n"
         "os.environ['MASTER_ADDR'] = '127.0.0.1'  # as a launcher would have set it\n"
         "before = {k: os.environ.get(k) for k in names}\n"

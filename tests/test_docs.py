@@ -55,7 +55,7 @@ def test_every_reference_record_reads_and_says_where_its_energy_is():
 def test_every_results_table_in_the_docs_is_headed_by_the_machine_its_records_came_from():
     """A student compares their numbers with these: the heading says which machine made them (CPU,
     its CPUs, bf16 native or emulated), from the records, so a 10x gap on another CPU is explained."""
-    from common.machine import machine_label
+    from common.runtime.machine import machine_label
     from common.results import load_records
 
     labels: dict[str, set[str]] = {}

@@ -48,7 +48,7 @@ def test_check_accepts_a_complete_mnist_that_the_data_module_reads(tmp_path, no_
     out = capsys.readouterr().out
     assert f"mnist: present in {tmp_path / 'MNIST'} (train 12, test 5 samples)" in out
     assert f"pass --data-dir {tmp_path} to the training scripts" in out
-    from common.data import get_dataset
+    from common.data.datasets import get_dataset
 
     splits = get_dataset("mnist", tmp_path)  # the layout checked here is the one training reads
     assert len(splits.train) == 12 and len(splits.test) == 5 and splits.train[0][0].shape == (1, 28, 28)
@@ -73,7 +73,7 @@ def test_download_without_network_fails_cleanly_and_leaves_nothing(tmp_path, no_
 
 
 def test_training_side_missing_data_error_names_this_script(tmp_path):
-    from common.data import get_dataset
+    from common.data.datasets import get_dataset
     from common.errors import UserError
 
     for name in ("mnist", "cifar10"):

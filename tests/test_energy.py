@@ -1,4 +1,4 @@
-"""common.energy: every source's logic on CPU, against a fake NVML, a fake RAPL tree and a fake sstat.
+"""common.measure.energy: every source's logic on CPU, against a fake NVML, a fake RAPL tree and a fake sstat.
 
 This machine has no GPU, no /sys/class/powercap and no Slurm job around the tests, so the real
 sources all say ``unavailable``; the fakes below exercise what they do where they can read.
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from common import energy
-from common.energy import EnergyMeter, EnergyUnavailable, NvmlSource, RaplSource, SlurmSource, combine
+from common.measure import energy
+from common.measure.energy import EnergyMeter, EnergyUnavailable, NvmlSource, RaplSource, SlurmSource, combine
 from common.results import make_record, validate_record
 from helpers import wait_for
 

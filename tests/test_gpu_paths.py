@@ -110,7 +110,7 @@ def one_error_line(capsys) -> str:
 def test_bf16_is_refused_below_compute_capability_8_although_is_bf16_supported_says_yes(fake_gpus):
     import torch
 
-    from common import amp
+    from common.train import amp
     from common.errors import UserError
 
     cuda = torch.device("cuda", 0)
@@ -136,7 +136,7 @@ def test_mnist_training_with_bf16_on_a_v100_is_one_error_line(fake_gpus, tmp_pat
 
 
 def test_more_processes_on_a_node_than_gpus_is_refused_naming_both_counts(fake_gpus):
-    from common.device import resolve_device
+    from common.runtime.device import resolve_device
     from common.errors import UserError
 
     fake_gpus(count=2)
@@ -151,7 +151,7 @@ def test_init_distributed_refuses_on_every_rank_when_torchrun_starts_more_proces
         fake_gpus, launch_env, monkeypatch):
     import torch.distributed as dist
 
-    from common.distributed import init_distributed
+    from common.runtime.distributed import init_distributed
     from common.errors import UserError
 
     fake_gpus(count=2)
@@ -168,7 +168,7 @@ def test_nccl_is_given_its_device_at_init(fake_gpus, launch_env, monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from common.distributed import init_distributed
+    from common.runtime.distributed import init_distributed
 
     fake_gpus(count=2)
     launch_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
@@ -185,8 +185,8 @@ def test_srun_with_gpus_per_task_gives_each_task_its_own_gpu(fake_gpus, launch_e
     import torch
     import torch.distributed as dist
 
-    from common.distributed import init_distributed
-    from common.launch import local_world_size
+    from common.runtime.distributed import init_distributed
+    from common.runtime.launch import local_world_size
 
     fake_gpus(count=1)  # srun --gpus-per-task=1: every task sees one GPU, its own
     launch_env(SLURM_JOB_ID="77", SLURM_STEP_ID="0", SLURM_PROCID="3", SLURM_LOCALID="3", SLURM_NODEID="0",
@@ -206,8 +206,8 @@ def test_srun_with_gpus_per_task_gives_each_task_its_own_gpu(fake_gpus, launch_e
 def test_a_cuda_run_uses_real_fp32_and_records_say_which_maths_was_in_force(fake_gpus):
     import torch
 
-    from common.amp import fp32_math, set_fp32_math
-    from common.device import resolve_device
+    from common.train.amp import fp32_math, set_fp32_math
+    from common.runtime.device import resolve_device
     from common.results import provenance
 
     fake_gpus(count=1)
@@ -225,7 +225,7 @@ def test_a_cuda_run_uses_real_fp32_and_records_say_which_maths_was_in_force(fake
 def test_legacy_tf32_readers_work_and_agree_with_the_record_after_the_maths_is_set(fake_gpus):
     import torch
 
-    from common.amp import fp32_math, set_fp32_math
+    from common.train.amp import fp32_math, set_fp32_math
 
     fake_gpus(count=1)
     for mode, matmul_precision in (("tf32", "high"), ("ieee", "highest")):
@@ -240,8 +240,8 @@ def test_legacy_tf32_readers_work_and_agree_with_the_record_after_the_maths_is_s
 def test_memory_helpers_before_cuda_starts_say_not_measured_and_resolving_the_device_starts_it(fake_gpus):
     import torch
 
-    from common.device import resolve_device
-    from common.timing import peak_memory, reset_peak_memory
+    from common.runtime.device import resolve_device
+    from common.measure.timing import peak_memory, reset_peak_memory
 
     fake_gpus(count=1)
     gpu = torch.device("cuda", 0)
@@ -290,8 +290,8 @@ def test_lab03_compile_resets_dynamo_per_configuration_and_records_whether_it_co
 
     from torch._dynamo.utils import counters
 
-    from common.distributed import DistContext
-    from common.launch import LaunchInfo
+    from common.runtime.distributed import DistContext
+    from common.runtime.launch import LaunchInfo
     from labs.lab03_precision_benchmark.lab03_shared import RECOMPILE_LIMIT_HIT, compile_outcome
 
     bench = load_script("labs/lab03_precision_benchmark/benchmark_models.py")
@@ -330,7 +330,7 @@ def test_lab03_compile_resets_dynamo_per_configuration_and_records_whether_it_co
 def test_peak_memory_on_a_gpu_adds_what_the_device_has_in_use(fake_gpus, monkeypatch):
     import torch
 
-    from common.timing import peak_memory
+    from common.measure.timing import peak_memory
 
     fake_gpus(count=1, free_total=(70 * 2**30, 80 * 2**30))
     torch.cuda.init()  # as resolve_device does
@@ -409,7 +409,7 @@ def test_environment_check_matches_topology_to_cuda_devices_by_pci_bus_id(fake_g
 def test_launch_blocking_is_set_before_cuda_starts_and_refused_after(monkeypatch, tmp_path):
     import torch
 
-    from common.device import set_launch_blocking
+    from common.runtime.device import set_launch_blocking
     from common.errors import UserError
 
     env: dict[str, str] = {}
@@ -482,7 +482,7 @@ def test_rng_state_keeps_only_this_ranks_gpu_and_restores_where_fewer_gpus_are_v
     restored on every rank raised an IndexError there."""
     import torch
 
-    from common.checkpoint import capture_rng_state, restore_rng_state
+    from common.checkpoint.single_file import capture_rng_state, restore_rng_state
 
     calls = []
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: calls.append(("get", str(device))) or "gen3")
@@ -591,7 +591,7 @@ def test_minimum_versions_are_those_of_pyproject():
 def test_a_run_shorter_than_its_warm_up_prints_na_not_zero_samples_per_s(tmp_path, capsys):
     import torch
 
-    from common.timing import StepTimer, format_rate, format_speedup
+    from common.measure.timing import StepTimer, format_rate, format_speedup
 
     timer = StepTimer(torch.device("cpu"), warmup_steps=2)
     for _ in range(2):
@@ -635,8 +635,8 @@ def test_gpu_nccl_group_is_bound_to_its_device_and_fp32_is_real(tmp_path):
     import torch
     import torch.distributed as dist
 
-    from common.amp import fp32_math
-    from common.distributed import init_distributed, teardown_distributed
+    from common.train.amp import fp32_math
+    from common.runtime.distributed import init_distributed, teardown_distributed
 
     ctx = init_distributed("cuda", force_process_group=True)
     try:

@@ -183,7 +183,7 @@ def test_each_script_is_the_previous_one_plus_its_lesson():
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_ranks_split_each_global_batch_without_overlap(world_size):
-    from common.data import GlobalBatchSampler
+    from common.data.datasets import GlobalBatchSampler
 
     single = GlobalBatchSampler(50, 8, seed=5)
     ranks = [GlobalBatchSampler(50, 8, rank=r, world_size=world_size, seed=5) for r in range(world_size)]
@@ -205,7 +205,7 @@ def test_ranks_split_each_global_batch_without_overlap(world_size):
 
 def test_sampler_rejects_uneven_or_too_large_batches():
     from common.errors import UserError
-    from common.data import GlobalBatchSampler
+    from common.data.datasets import GlobalBatchSampler
 
     with pytest.raises(UserError, match="divide evenly"):
         GlobalBatchSampler(100, 10, rank=0, world_size=4)

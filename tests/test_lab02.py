@@ -69,7 +69,7 @@ def test_runs_under_plain_python_with_each_pipeline(tmp_path, capsys, pipeline, 
 def test_the_three_pipelines_give_the_same_numbers():
     import torch
 
-    from common import pipelines
+    from common.data import pipelines
 
     train, _ = pipelines.load_uint8("digits", REPO / "data")
     assert train.images.dtype == torch.uint8 and train.images.shape[1:] == (28, 28)
@@ -221,7 +221,7 @@ def test_a_larger_batch_adds_flops_not_kernels_and_moves_a_gpu_step_from_launch_
     import torch
     import torch.nn.functional as F
 
-    from common import floors
+    from common.measure import floors
     from common.models import MnistNet
 
     model = MnistNet()

@@ -226,7 +226,7 @@ def test_a_check_whose_every_step_was_skipped_is_inconclusive(tmp_path, monkeypa
     never move, and the verdict is inconclusive, not DIVERGED, in the record, the CSV and the report."""
     bench = with_overflowing_scaler(monkeypatch, backoff_factor=0.9)
     monkeypatch.setattr(bench, "MAX_SKIPPED_CHECK_STEPS", 2)  # the cap, small to stay cheap
-    from common import machine
+    from common.runtime import machine
 
     # A CPU without bf16 units: the run says so in one line at start, and its bf16 record says so too.
     monkeypatch.setattr(machine, "read_cpuinfo", lambda path="/proc/cpuinfo": fake_cpuinfo("AMD EPYC 7302", "avx2"))

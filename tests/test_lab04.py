@@ -74,7 +74,7 @@ def _launch(processes: int, plan: list[dict], root: Path, name: str) -> dict[str
     (``PYTHONDONTWRITEBYTECODE``, as on the CI machine) every rank would compile torch's sources
     again; they share a bytecode cache instead, so the second launch finds it warm.
     """
-    from common.launch import free_port
+    from common.runtime.launch import free_port
 
     plan_file, out = root / f"{name}.json", root / f"{name}-logs"
     plan_file.write_text(json.dumps(plan))
@@ -167,7 +167,7 @@ def _final_parameters(folder: Path) -> dict:
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from common.sharded_checkpoint import complete_checkpoints
+    from common.checkpoint.sharded import complete_checkpoints
 
     newest = complete_checkpoints(folder)[-1]
     target = folder.parent / f"{newest.name}.pt"
@@ -370,7 +370,7 @@ def test_preemption_saves_a_dcp_checkpoint_on_every_rank_and_the_resume_continue
     assert runs["statuses"]["preempted"] == 0, log[-3000:]
     assert "received SIGUSR1: saved" in log and "at epoch 2 step 4" in log
     assert not (runs["root"] / "preempted" / "results").exists()  # stopped before the end: no record
-    from common.sharded_checkpoint import complete_checkpoints
+    from common.checkpoint.sharded import complete_checkpoints
 
     folders = [p.name for p in complete_checkpoints(runs["root"] / "preempted" / "ckpt")]
     assert folders[-1].endswith("epoch3-step0")  # the resumed run's final save
@@ -483,7 +483,7 @@ def test_dcp_folder_with_other_tensor_shapes_is_refused_before_loading(runs):
     """The second guard: a folder whose tensors do not fit the model (say, another script's)."""
     from common.errors import UserError
     from common.models import DecoderOnlyTransformer, TransformerShape
-    from common.sharded_checkpoint import check_same_model, complete_checkpoints
+    from common.checkpoint.sharded import check_same_model, complete_checkpoints
 
     folder = complete_checkpoints(runs["root"] / "fsdp4" / "ckpt")[-1]
     wider = DecoderOnlyTransformer(TransformerShape(layers=4, width=64, heads=4, context=32)).state_dict()
@@ -549,7 +549,8 @@ def test_largest_model_on_cpu_needs_a_budget(tmp_path, capsys):
 
 
 def test_stdlib_text_is_deterministic_split_per_module_and_shifted_by_one():
-    from common.data import STDLIB_TEXT_MODULES, TEXT_VOCAB_SIZE, UNKNOWN_CHAR_ID, decode_text, load_stdlib_text
+    from common.data.datasets import (STDLIB_TEXT_MODULES, TEXT_VOCAB_SIZE, UNKNOWN_CHAR_ID, decode_text,
+                                      load_stdlib_text)
 
     first, second = load_stdlib_text(64), load_stdlib_text(64)
     assert first.describe() == second.describe()
@@ -565,7 +566,7 @@ def test_stdlib_text_is_deterministic_split_per_module_and_shifted_by_one():
 def test_stdlib_text_leaves_out_modules_without_source_and_refuses_an_install_without_any(monkeypatch):
     import importlib.util
 
-    import common.data as data
+    import common.data.datasets as data
     from common.errors import UserError
 
     real = importlib.util.find_spec
@@ -600,7 +601,7 @@ def test_transformer_parameter_formula_and_activation_checkpointing_change_nothi
 
 
 def test_only_complete_checkpoint_folders_count(tmp_path):
-    from common.sharded_checkpoint import complete_checkpoints
+    from common.checkpoint.sharded import complete_checkpoints
 
     for name, complete in (("ckpt-000002-epoch2-step0", True), ("ckpt-000010-epoch3-step0", True),
                            ("ckpt-000011-epoch3-step5", False), ("notes", True)):

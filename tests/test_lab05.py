@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.launch import free_port
+from common.runtime.launch import free_port
 from helpers import PYTHON, REPO, load_script, run_main, script_env
 
 LAB = "labs/lab05_scaling"
@@ -98,7 +98,7 @@ def test_nccl_writes_its_debug_output_to_a_file_per_process_unless_told_otherwis
 
 
 def test_link_peaks_come_from_the_site_profile_with_their_source():
-    from common.sites import Link
+    from common.slurm.sites import Link
 
     lanta = shared.site_links("lanta")
     reference = shared.link_reference(lanta, nodes=1, site="lanta")
@@ -208,7 +208,7 @@ def runs(tmp_path_factory):
     """
     cache = tmp_path_factory.mktemp("pycache")
     env = script_env(PYTHONPYCACHEPREFIX=str(cache), PYTHONDONTWRITEBYTECODE="")
-    subprocess.run([PYTHON, "-c", "import torch.distributed.run, torch.nn.parallel, torchvision, common.energy"],
+    subprocess.run([PYTHON, "-c", "import torch.distributed.run, torch.nn.parallel, torchvision, common.measure.energy"],
                    env=env, cwd=REPO, check=True)
     folders = {name: tmp_path_factory.mktemp(name) for name in ("bench2", "bench4", "scaling", "overlap")}
     jobs = {

@@ -148,7 +148,7 @@ def test_code_cites_only_documents_in_this_repository():
 
 
 #: The lesson scripts a student reads first, and the most code (docstring and blank lines not
-#: counted) each may have: the rest of a run's plumbing lives in ``common.run.TrainingRun``.
+#: counted) each may have: the rest of a run's plumbing lives in ``common.train.run.TrainingRun``.
 LINE_BUDGETS = {
     "chapters/ch04_deep_learning/mnist_training.py": 120,
     "chapters/ch04_deep_learning/multi_gpu_ddp.py": 135,

@@ -3,7 +3,7 @@
 Two jobs that share a node need different ``MASTER_PORT``s, or the second one's rank 0 cannot open
 its rendezvous ("address already in use") or, worse, its ranks join the other job's. The port comes
 from the job id (and step id), computed by ``slurm/lib/job_header.sh`` in the batch script and by
-``common.launch.port_from_job`` in a task started by ``srun`` without the header; both must give the
+``common.runtime.launch.port_from_job`` in a task started by ``srun`` without the header; both must give the
 same number. (On the test cluster: ``tests/slurm/test_testbed.py`` runs two such jobs at once.)
 """
 
@@ -14,7 +14,7 @@ import random
 import shutil
 import subprocess
 
-from common import launch
+from common.runtime import launch
 from helpers import REPO
 
 

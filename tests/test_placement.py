@@ -1,4 +1,4 @@
-"""common.placement: cores, the GPU's NUMA node and DataLoader workers, against a fake sysfs tree."""
+"""common.runtime.placement: cores, the GPU's NUMA node and DataLoader workers, against a fake sysfs tree."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.placement import (check_placement, cpu_list, gpu_numa_node, numa_nodes, parse_cpu_list,
+from common.runtime.placement import (check_placement, cpu_list, gpu_numa_node, numa_nodes, parse_cpu_list,
                               placement_lines, record_placement)
 
 BUS = "0000:3b:00.0"

@@ -1,4 +1,4 @@
-"""scripts/render_sbatch.py (common/sites.py, scripts/sbatch_render/) and slurm/lib/job_header.sh, without Slurm.
+"""scripts/render_sbatch.py (common/slurm/sites.py, common/slurm/) and slurm/lib/job_header.sh, without Slurm.
 
 Every site profile loads; every template in the repository renders for every site and keeps the
 template contract (comments on every #SBATCH line, the job header, srun --kill-on-bad-exit=1,
@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 from helpers import load_script
 
-from common import sites
+from common.slurm import sites
 from common.errors import UserError
-from scripts.sbatch_render import jobs, rendering
+from common.slurm import jobs, rendering
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "render_sbatch.py"

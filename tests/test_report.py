@@ -510,7 +510,7 @@ def test_outputs_replace_the_old_file_whole_and_are_readable_by_others(tmp_path:
 def test_cpus_with_and_without_bf16_are_different_machines_and_emulated_bf16_is_warned(tmp_path: Path) -> None:
     """Two VMs both called "AMD EPYC", one with avx512_bf16: their bf16 timings differ tenfold, so the
     report labels them apart, warns that it mixes machines, and warns about the emulated bf16 run."""
-    from common.machine import cpu_description
+    from common.runtime.machine import cpu_description
 
     folder = tmp_path / "results"
     made = {}

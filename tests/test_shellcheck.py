@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from common.sites import find_site, site_names
-from scripts.sbatch_render.jobs import read_template
-from scripts.sbatch_render.rendering import FOLDER_PATTERN, render
+from common.slurm.sites import find_site, site_names
+from common.slurm.jobs import read_template
+from common.slurm.rendering import FOLDER_PATTERN, render
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHELLCHECK = Path(sys.executable).with_name("shellcheck")

@@ -1,4 +1,4 @@
-"""common/sites.py: site profiles loaded one by one or all together, link peaks, one-line errors.
+"""common/slurm/sites.py: site profiles loaded one by one or all together, link peaks, one-line errors.
 
 The profiles of the repository and what the renderer does with them: tests/test_render_sbatch.py.
 """
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from common.errors import UserError
-from common.sites import LINK_SCOPES, Link, find_site, load_site, load_sites, site_names
+from common.slurm.sites import LINK_SCOPES, Link, find_site, load_site, load_sites, site_names
 
 PROFILE = """\
 name: lab

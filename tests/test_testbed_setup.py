@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from common.sites import find_site, load_sites
+from common.slurm.sites import find_site, load_sites
 from testbed import daemons, resources
 from testbed.__main__ import main as cli_main
 
@@ -38,7 +38,7 @@ def test_a_cluster_takes_the_first_block_of_ports_that_is_free():
         second = daemons.free_port_block(nodes=2)
     assert second >= first + daemons.PORT_BLOCK
     assert (second - daemons.FIRST_PORT) % daemons.PORT_BLOCK == 0
-    assert second + 2 < 20000  # below the jobs' rendezvous ports (common.launch.PORT_BASE)
+    assert second + 2 < 20000  # below the jobs' rendezvous ports (common.runtime.launch.PORT_BASE)
 
 
 def test_an_owner_is_alive_only_while_its_process_runs():

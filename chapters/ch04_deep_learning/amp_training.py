@@ -27,21 +27,19 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common import amp
+from common.train import amp
 from common.cli import add_common_args, apply_dry_run, config_dict, script_parser
-from common.device import describe, resolve_device
-from common.energy import not_measured
+from common.runtime.device import describe, resolve_device
+from common.measure.energy import not_measured
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
-from common.timing import format_rate, format_speedup
+from common.measure.timing import format_rate, format_speedup
 from common.units import format_bytes
 from chapters.ch04_deep_learning.ch04_shared import add_data_args
 
@@ -156,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print("speed-up = samples/s of the precision / samples/s of fp32 (timed steps after warm-up); "
           "Δ acc = test accuracy minus fp32's, in percentage points")
-    if device.type == "cuda":  # is the baseline real fp32, or half TF32? (common.device.resolve_device decides)
+    if device.type == "cuda":  # is the baseline real fp32, or half TF32? (common.runtime.device.resolve_device decides)
         print("fp32 baseline maths: {matmul} matmuls, {cudnn_conv} convolutions (ieee: real fp32; tf32: tensor "
               "cores)".format(**records[BASELINE]["provenance"].get("fp32_math", {"matmul": "?", "cudnn_conv": "?"})))
 

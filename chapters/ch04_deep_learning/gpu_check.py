@@ -14,7 +14,7 @@ the Python, PyTorch, torchvision, CUDA, cuDNN and NCCL versions; whether CUDA, c
 are there; each GPU's name, memory and compute capability (after a tiny computation on it); and the
 allocation Slurm describes (``SLURM_CPUS_PER_TASK``, ``SLURM_GPUS_ON_NODE``/``SLURM_JOB_GPUS``,
 ``CUDA_VISIBLE_DEVICES``), with a warning for every place where the two disagree, e.g. Slurm
-allocated 4 GPUs and PyTorch sees none. The logic lives in ``common/envcheck.py`` so Lab-01's
+allocated 4 GPUs and PyTorch sees none. The logic lives in ``common/runtime/envcheck.py`` so Lab-01's
 environment check can extend it.
 """
 
@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import script_parser
-from common.envcheck import add_check_args, allocation_agreement, collect_environment, format_environment
+from common.runtime.envcheck import add_check_args, allocation_agreement, collect_environment, format_environment
 from common.errors import run_main
 
 

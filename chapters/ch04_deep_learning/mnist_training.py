@@ -27,8 +27,8 @@ Pre-emption (``sbatch/single_gpu.sbatch``): with ``--checkpoint PATH`` the run s
 every epoch, and on SIGUSR1 (``#SBATCH --signal=B:USR1@120``) or SIGTERM it stops at the next step,
 saves atomically and exits 0. Run it again with ``--resume`` and it continues from that step, ending
 with the same weights as a run that was never stopped. Without ``--checkpoint`` nothing is saved
-and a signal ends the run as usual. ``common.run.TrainingRun`` does this bookkeeping (and the
-timing and the result record) and ``common.evaluation.evaluate`` scores the held-out split, so that
+and a signal ends the run as usual. ``common.train.run.TrainingRun`` does this bookkeeping (and the
+timing and the result record) and ``common.train.evaluation.evaluate`` scores the held-out split, so that
 what you read below is the training itself. The flags, shared with ``multi_gpu_ddp.py``, are in
 ``ch04_shared.py``.
 """
@@ -36,21 +36,18 @@ what you read below is the training itself. The flags, shared with ``multi_gpu_d
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common import amp
+from common.train import amp
 from common.cli import add_common_args, script_parser
-from common.data import get_dataset, loader_line, make_loader, resident_device
-from common.device import seed_everything
+from common.data.datasets import get_dataset, loader_line, make_loader, resident_device
+from common.runtime.device import seed_everything
 from common.errors import run_main
-from common.evaluation import evaluate
+from common.train.evaluation import evaluate
 from common.models import build_model
-from common.run import TrainingRun, add_checkpoint_args
+from common.train.run import TrainingRun, add_checkpoint_args
 from chapters.ch04_deep_learning.ch04_shared import RESUME_SETTINGS, add_mnist_args
 
 SCRIPT = "chapters/ch04_deep_learning/mnist_training.py"

@@ -16,7 +16,7 @@ same order; only rank 0 prints, writes the record and saves the checkpoint.
 This file is ``mnist_training.py`` plus the lines that make it DDP: ``diff mnist_training.py
 multi_gpu_ddp.py`` shows them all (``tests/test_ch04.py`` keeps that diff small, so the pair stays
 in step). ``train()`` is the same function: the ranks agreeing to stop at the same step is done by
-``common.run.TrainingRun``, which also keeps the checkpoints and writes the record; the evaluation
+``common.train.run.TrainingRun``, which also keeps the checkpoints and writes the record; the evaluation
 adds up the slices the ranks scored (``across_ranks=True``). The flags are ``ch04_shared.py``'s.
 
 Pre-emption: on SIGUSR1 (``#SBATCH --signal=B:USR1@120``) or SIGTERM, all ranks agree to stop at the
@@ -29,23 +29,20 @@ as a run that was never interrupted. Without ``--checkpoint`` it is kept in
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Subset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common import amp
+from common.train import amp
 from common.cli import add_common_args, script_parser
-from common.data import get_dataset, loader_line, make_loader, resident_device
-from common.device import seed_everything
+from common.data.datasets import get_dataset, loader_line, make_loader, resident_device
+from common.runtime.device import seed_everything
 from common.errors import run_main
-from common.evaluation import evaluate
+from common.train.evaluation import evaluate
 from common.models import build_model
-from common.run import TrainingRun, add_checkpoint_args
+from common.train.run import TrainingRun, add_checkpoint_args
 from chapters.ch04_deep_learning.ch04_shared import RESUME_SETTINGS, add_mnist_args
 
 SCRIPT = "chapters/ch04_deep_learning/multi_gpu_ddp.py"

@@ -25,21 +25,18 @@ emulates bf16, which is much *slower* than fp32 there.
 from __future__ import annotations
 
 import argparse
-import sys
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import add_timing_args, config_dict, output_dir, positive_int, script_parser
-from common.device import configure_threads, describe, resolve_device, seed_everything
-from common.energy import EnergyMeter
+from common.runtime.device import configure_threads, describe, resolve_device, seed_everything
+from common.measure.energy import EnergyMeter
 from common.errors import UserError, run_main
-from common.gpu_peaks import gpu_peaks
+from common.measure.gpu_peaks import gpu_peaks
 from common.results import make_record, provenance, write_record
-from common.timing import time_function
+from common.measure.timing import time_function
 
 SCRIPT = "chapters/ch04_deep_learning/pytorch_basics.py"
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32,
@@ -50,7 +47,7 @@ DEFAULT_SIZE = {"cuda": 8192, "cpu": 512}
 
 
 def peak_for(device_name: str) -> tuple[str | None, dict[str, float]]:
-    """The datasheet peaks of a GPU (``common.gpu_peaks``, Lab-03 reads the same table): a label and
+    """The datasheet peaks of a GPU (``common.measure.gpu_peaks``, Lab-03 reads the same table): a label and
     ``{precision: dense TFLOP/s}``; ``(None, {})`` for CPUs and GPUs the table does not know."""
     gpu, peaks = gpu_peaks(device_name)
     return (f"NVIDIA {gpu} (data sheet, dense)", peaks) if gpu else (None, {})

@@ -24,21 +24,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import add_common_args, add_timing_args, apply_dry_run, config_dict, script_parser
-from common.device import configure_threads, describe, resolve_device, seed_everything
-from common.energy import EnergyMeter
+from common.runtime.device import configure_threads, describe, resolve_device, seed_everything
+from common.measure.energy import EnergyMeter
 from common.errors import run_main
 from common.models import add_image_model_args, build_model, input_shape
 from common.results import make_record, provenance, write_record
-from common.timing import StepTimer
+from common.measure.timing import StepTimer
 
 SCRIPT = "chapters/ch16_gpu_distributed/benchmark_cpu_vs_gpu.py"
 

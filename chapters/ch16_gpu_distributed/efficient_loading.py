@@ -11,14 +11,14 @@ What it teaches: the seed sets ``torch.set_num_threads(8)``, ``cudnn.benchmark =
 DataLoader options in one block. Here each is measured on its own:
 
 1. ``torch.set_num_threads(n)``: CPU training-step time for n = 1 .. the CPUs of this task. On a
-   cluster use the allocation (``SLURM_CPUS_PER_TASK``, what ``common.device.configure_threads``
+   cluster use the allocation (``SLURM_CPUS_PER_TASK``, what ``common.runtime.device.configure_threads``
    does), never a number typed in: 8 threads on a 4-CPU allocation run slower than 4.
 2. ``torch.backends.cudnn.benchmark``: on a GPU, the first step with it on tries several convolution
    algorithms (slow), later steps use the fastest. Only for fixed input shapes. Skipped on a CPU,
    where there is no cuDNN. One untimed step runs first: the first convolution of a process also
    creates cuDNN's and cuBLAS's handles and workspaces, and without the warm-up that cost would land
    on whichever setting is timed first ("off"), making "on" look better than it is.
-3. DataLoader options on the seed's per-sample PIL pipeline (Lab-02's, in ``common/pipelines.py``):
+3. DataLoader options on the seed's per-sample PIL pipeline (Lab-02's, in ``common/data/pipelines.py``):
    how fast one epoch of batches arrives with 0, 1 and more workers, and with ``persistent_workers``
    in the second epoch. ``pin_memory`` only matters with a GPU. Lab-02's ``sweep.py`` measures the same
    options inside real training, together with the pipelines that make most of them unnecessary.
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -36,15 +35,14 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common import pipelines
+from common.data import pipelines
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_int, script_parser
-from common.device import configure_threads, describe, resolve_device, seed_everything
-from common.energy import EnergyMeter
+from common.runtime.device import configure_threads, describe, resolve_device, seed_everything
+from common.measure.energy import EnergyMeter
 from common.errors import run_main
 from common.models import MnistNet
 from common.results import make_record, provenance, write_record
-from common.timing import time_function
+from common.measure.timing import time_function
 
 SCRIPT = "chapters/ch16_gpu_distributed/efficient_loading.py"
 

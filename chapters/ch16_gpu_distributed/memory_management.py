@@ -27,7 +27,7 @@ measured cold it would be counted as the forward pass's activations. A CPU has n
 (RSS) moves in coarse steps and includes Python and PyTorch themselves, so on a CPU this script runs
 the step under ``torch.profiler`` with ``profile_memory=True``: the profiler logs every tensor
 allocation and free, and the running sum of those bytes is the CPU's "allocated", whose maximum is
-its "peak". The process's peak RSS (``common.timing``) is printed next to it for scale. A second,
+its "peak". The process's peak RSS (``common.measure.timing``) is printed next to it for scale. A second,
 independent view of part 2 counts the bytes autograd saves for the backward pass
 (``torch.autograd.graph.saved_tensors_hooks``), which is exactly what checkpointing trades away.
 """
@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,13 +48,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_int, script_parser
-from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
-from common.energy import EnergyMeter
+from common.runtime.device import configure_threads, describe, resolve_device, seed_everything, synchronize
+from common.measure.energy import EnergyMeter
 from common.errors import run_main
 from common.results import make_record, provenance, write_record
-from common.timing import peak_memory, process_peak_rss_bytes
+from common.measure.timing import peak_memory, process_peak_rss_bytes
 from common.units import format_bytes
 
 SCRIPT = "chapters/ch16_gpu_distributed/memory_management.py"

@@ -25,20 +25,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.atomic import atomic_path
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_int, script_parser
-from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
-from common.energy import EnergyMeter
+from common.runtime.device import configure_threads, describe, resolve_device, seed_everything, synchronize
+from common.measure.energy import EnergyMeter
 from common.errors import run_main
 from common.models import add_image_model_args, build_model, input_shape
-from common.profiling import add_trace_args, top_operators
+from common.measure.profiling import add_trace_args, top_operators
 from common.results import make_record, provenance, write_record
 
 SCRIPT = "chapters/ch16_gpu_distributed/profiling.py"

@@ -101,7 +101,7 @@ def summary_section(runs: pd.DataFrame) -> Section:
             + (f" DDP is expected to reach {DDP_MIN_EFFICIENCY:.0%}." if ddp_measured else ""))
     if "% of peak" in shown:
         notes.append("TFLOP/s is what the run achieved (its FLOPs ÷ its measured time); % of peak divides it by the "
-                     "GPU's dense datasheet peak for the precision in force (common/gpu_peaks.py).")
+                     "GPU's dense datasheet peak for the precision in force (common/measure/gpu_peaks.py).")
     if "peak memory per device" in shown:
         notes.append(
             "Memory on CUDA is the caching allocator's peak (torch.cuda.max_memory_allocated): tensors only; on "
@@ -237,7 +237,7 @@ def energy_section(runs: pd.DataFrame) -> Section:
     notes = [f"Why energy was unavailable: {reason}" for reason in reasons[:5]]
     return Section("Energy", paragraphs=[
         f"{measured} of {len(rows)} run(s) measured their energy: NVML's counter of each GPU plus the RAPL counters "
-        "of each node's CPU packages where readable, else Slurm's ConsumedEnergy (common/energy.py). Hover over "
+        "of each node's CPU packages where readable, else Slurm's ConsumedEnergy (common/measure/energy.py). Hover over "
         "'unavailable' for the reason; no number is estimated."], tables=[table], notes=notes)
 
 

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping
 
 import pandas as pd
 
-from common.machine import describe_machine, machine_label
+from common.runtime.machine import describe_machine, machine_label
 
 BASELINE_METHOD = "baseline"
 #: A run is compared only with runs that share these: same lab, model, kind of device and machine.
@@ -92,7 +92,7 @@ def sources_of(metrics: Mapping[str, Any], key: str = "source") -> str:
 
 
 def machine_of(prov: Mapping[str, Any]) -> str:
-    """Which machine a run's numbers belong to (``common.machine.machine_label``): the host, or on
+    """Which machine a run's numbers belong to (``common.runtime.machine.machine_label``): the host, or on
     Slurm the cluster, plus the device name, and for a CPU its CPUs and whether bf16 is native.
 
     On a cluster a baseline job and a DDP job rarely land on the same node, but nodes with the same

@@ -11,7 +11,7 @@ Usage:
 (One process looks at the whole node, so there is no torchrun form.)
 
 What it teaches: before timing DP against DDP, know what you were given. Chapter 4's check
-(``common.envcheck``: versions, GPUs, CPUs, the Slurm allocation, and a warning where the allocation
+(``common.runtime.envcheck``: versions, GPUs, CPUs, the Slurm allocation, and a warning where the allocation
 and the devices this process sees disagree) plus what matters for multi-GPU training:
 
 - **Topology**: which GPU pairs can read each other's memory directly (peer access: DataParallel's
@@ -36,14 +36,11 @@ import json
 import re
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any, Mapping
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import output_dir, script_parser
-from common.energy import EnergyMeter
-from common.envcheck import add_check_args, allocation_agreement, collect_environment, format_environment
+from common.measure.energy import EnergyMeter
+from common.runtime.envcheck import add_check_args, allocation_agreement, collect_environment, format_environment
 from common.errors import run_main
 from common.results import make_record, provenance, write_record
 
@@ -111,7 +108,7 @@ def nvidia_smi_bus_ids(smi: str) -> dict[str, str]:
 
 def cuda_to_topology(count: int, bus_ids: Mapping[str, str]) -> list[dict[str, Any]]:
     """For every visible ``cuda:N``: its PCI bus id and the ``GPUk`` of ``nvidia-smi topo -m`` with the same one."""
-    from common.device import normalise_bus_id, pci_bus_id  # imports torch
+    from common.runtime.device import normalise_bus_id, pci_bus_id  # imports torch
 
     by_bus = {normalise_bus_id(bus_id): name for name, bus_id in bus_ids.items()}
     rows = []
@@ -140,7 +137,7 @@ def backend_test(backend: str, device: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from common.launch import free_port
+    from common.runtime.launch import free_port
 
     if dist.is_initialized():
         return {"ok": None, "detail": "skipped: a process group is already running in this process"}

@@ -13,29 +13,26 @@ global batch (the README's commands do), or the scaling efficiency means nothing
 
 ``03_dataparallel_training.py`` is this script with DataParallel: diff the two files and the
 difference is the lesson (``train()`` is the same code). Data order and initial weights come from
-the seed alone (``common.data.GlobalBatchSampler``), so with ``--model plain_cnn`` the three
-scripts print the same losses step by step. ``common.run.TrainingRun`` times the steps and writes
-the record, and ``common.evaluation.evaluate`` scores the held-out split, so what you read below is
+the seed alone (``common.data.datasets.GlobalBatchSampler``), so with ``--model plain_cnn`` the three
+scripts print the same losses step by step. ``common.train.run.TrainingRun`` times the steps and writes
+the record, and ``common.train.evaluation.evaluate`` scores the held-out split, so what you read below is
 the training.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import add_common_args, script_parser
-from common.data import make_global_batch_loader, make_loader
-from common.device import seed_everything
+from common.data.datasets import make_global_batch_loader, make_loader
+from common.runtime.device import seed_everything
 from common.errors import run_main
-from common.evaluation import evaluate
+from common.train.evaluation import evaluate
 from common.models import build_model
-from common.run import TrainingRun
+from common.train.run import TrainingRun
 from labs.lab01_dp_vs_ddp.lab01_shared import LAB, add_lab_args, lab_data
 
 SCRIPT = "labs/lab01_dp_vs_ddp/02_baseline_single_gpu.py"

@@ -29,21 +29,18 @@ GPUs that do not exist stops with one error line.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import add_common_args, script_parser
-from common.data import make_global_batch_loader, make_loader
-from common.device import seed_everything
+from common.data.datasets import make_global_batch_loader, make_loader
+from common.runtime.device import seed_everything
 from common.errors import UserError, run_main
-from common.evaluation import evaluate
+from common.train.evaluation import evaluate
 from common.models import build_model
-from common.run import TrainingRun
+from common.train.run import TrainingRun
 from labs.lab01_dp_vs_ddp.lab01_shared import LAB, add_lab_args, check_gpu_ids, lab_data, parse_gpu_ids
 
 SCRIPT = "labs/lab01_dp_vs_ddp/03_dataparallel_training.py"

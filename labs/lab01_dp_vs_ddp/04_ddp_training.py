@@ -26,9 +26,9 @@ communication buckets: one copy less), ``--bucket-cap-mb`` (bucket size: fewer, 
 against earlier overlap), ``--broadcast-buffers`` (copy rank 0's BatchNorm statistics to every rank
 before each forward) and ``--find-unused-parameters`` (needed only when some parameters get no
 gradient; costs a graph traversal per step). ``--amp bf16|fp16`` runs the forward pass in mixed
-precision (``common.amp``).
+precision (``common.train.amp``).
 
-Pre-emption, as in Chapter 4's ``multi_gpu_ddp.py`` (``common.run.TrainingRun`` does it for both):
+Pre-emption, as in Chapter 4's ``multi_gpu_ddp.py`` (``common.train.run.TrainingRun`` does it for both):
 on SIGUSR1 (``#SBATCH --signal=B:USR1@120``) or SIGTERM all ranks agree to stop at the next step,
 rank 0 saves ``--checkpoint`` (default ``RESULTS_DIR/checkpoints/04_ddp_training.pt``) atomically,
 and the job exits 0; ``--resume`` continues from that step with the same data order. Diff this file
@@ -38,25 +38,22 @@ against ``03_dataparallel_training.py``: the difference is DDP.
 from __future__ import annotations
 
 import argparse
-import sys
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Subset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common import amp
+from common.train import amp
 from common.cli import add_common_args, positive_float, positive_int, script_parser
-from common.data import make_global_batch_loader, make_loader
-from common.device import seed_everything
-from common.distributed import ddp_buffer_sync
+from common.data.datasets import make_global_batch_loader, make_loader
+from common.runtime.device import seed_everything
+from common.runtime.distributed import ddp_buffer_sync
 from common.errors import run_main
-from common.evaluation import evaluate
+from common.train.evaluation import evaluate
 from common.models import build_model
-from common.run import TrainingRun, add_checkpoint_args
+from common.train.run import TrainingRun, add_checkpoint_args
 from labs.lab01_dp_vs_ddp.lab01_shared import LAB, add_lab_args, lab_data
 
 SCRIPT = "labs/lab01_dp_vs_ddp/04_ddp_training.py"

@@ -20,10 +20,7 @@ CSV of the table beside it.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.errors import run_main
 from common.report.cli import main
 

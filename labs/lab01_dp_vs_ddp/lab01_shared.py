@@ -4,7 +4,7 @@
 the same model on the same samples in the same order with the same global batch; only then do a
 time per epoch, a throughput and a loss curve say something about DP against DDP. The pieces that
 make that true and that other labs use too live in ``common``: the global-batch sampler
-(``common.data.GlobalBatchSampler``: every run walks the same global batches, a DDP rank takes a
+(``common.data.datasets.GlobalBatchSampler``: every run walks the same global batches, a DDP rank takes a
 slice of each), the plain CNN without BatchNorm or dropout (``common.models.PlainCNN``, for the
 step-by-step equivalence check) and the replica hashes (``common.models.replica_digests``). What
 is Lab-01's own is here:
@@ -21,9 +21,9 @@ import os
 from typing import Sequence
 
 from common.cli import positive_float, positive_int
-from common.data import DATASETS, DataSplits, get_dataset
+from common.data.datasets import DATASETS, DataSplits, get_dataset
 from common.errors import UserError
-from common.run import add_training_args
+from common.train.run import add_training_args
 
 LAB = "lab01"
 
@@ -34,7 +34,7 @@ LAB = "lab01"
 
 def add_lab_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The model, data and optimiser flags of scripts 02, 03 and 04 (same names, same defaults), then
-    those of :func:`common.run.add_training_args`."""
+    those of :func:`common.train.run.add_training_args`."""
     group = parser.add_argument_group("model and data (same in 02, 03 and 04)")
     group.add_argument("--model", default="resnet50",
                        help="torchvision model name, or plain_cnn (no BatchNorm: the three methods then agree "

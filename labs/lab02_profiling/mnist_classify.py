@@ -28,31 +28,31 @@ captures the whole step once and replays it as one launch (on a CPU it runs eage
 
 Data: ``--dataset digits`` (bundled, offline, the default), ``mnist`` (from ``--data-dir``) or
 ``synthetic`` (MNIST-sized, ``--synthetic-size``). ``--pipeline pil`` is the seed's per-sample PIL
-transform pipeline on any of them (see ``common/pipelines.py``).
+transform pipeline on any of them (see ``common/data/pipelines.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from line_profiler import profile  # a no-op decorator unless the script runs under kernprof
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common import amp, cuda_graphs, floors, pipelines
-from common.cli import add_common_args, apply_dry_run, config_dict, positive_float, positive_int, script_parser
-from common.device import configure_threads, describe, resolve_device, seed_everything, set_launch_blocking, synchronize
-from common.energy import EnergyMeter
+from common.train import amp, cuda_graphs
+from common.measure import floors
+from common.data import pipelines
+from common.cli import (PIPELINES, add_common_args, add_dataset_args, apply_dry_run, config_dict, positive_float,
+                        positive_int, script_parser)
+from common.runtime.device import (configure_threads, describe, resolve_device, seed_everything, set_launch_blocking,
+                                   synchronize)
+from common.measure.energy import EnergyMeter
 from common.errors import run_main
 from common.models import MnistNet
-from common.pipeline_flags import PIPELINES, add_dataset_args
 from common.results import make_record, provenance, write_record
-from common.timing import peak_memory, reset_peak_memory
+from common.measure.timing import peak_memory, reset_peak_memory
 from common.units import format_bytes
 
 SCRIPT = "labs/lab02_profiling/mnist_classify.py"

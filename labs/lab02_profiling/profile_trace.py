@@ -22,23 +22,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common import pipelines
+from common.data import pipelines
 from common.atomic import atomic_path
-from common.cli import add_common_args, config_dict, non_negative_int, positive_int, script_parser
-from common.device import configure_threads, describe, resolve_device, seed_everything, synchronize
-from common.energy import EnergyMeter
+from common.cli import (PIPELINES, add_common_args, add_dataset_args, config_dict, non_negative_int, positive_int,
+                        script_parser)
+from common.runtime.device import configure_threads, describe, resolve_device, seed_everything, synchronize
+from common.measure.energy import EnergyMeter
 from common.errors import run_main
 from common.models import MnistNet
-from common.pipeline_flags import PIPELINES, add_dataset_args
-from common.profiling import add_trace_args, top_operators
+from common.measure.profiling import add_trace_args, top_operators
 from common.results import make_record, provenance, write_record
 
 SCRIPT = "labs/lab02_profiling/profile_trace.py"

@@ -34,10 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common.cli import add_common_args, apply_dry_run, output_dir, positive_int, script_parser
+from common.cli import add_common_args, add_dataset_args, apply_dry_run, output_dir, positive_int, script_parser
 from common.errors import UserError, run_main
-from common.pipeline_flags import add_dataset_args
 from common.results import make_record, provenance, write_record
 
 LAB_DIR = Path(__file__).resolve().parent

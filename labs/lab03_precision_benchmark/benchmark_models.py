@@ -42,17 +42,16 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
-from common import amp
-from common.cli import add_run_args, non_negative_int, output_dir, positive_float, positive_int, script_parser
-from common.device import configure_threads, describe, resolve_device, seed_everything
-from common.distributed import DistContext, init_distributed, print0, teardown_distributed
-from common.energy import EnergyMeter
+from common.train import amp
+from common.cli import (BENCHMARK_MODES as MODES, BENCHMARK_PRECISIONS as PRECISIONS, add_run_args, non_negative_int,
+                        output_dir, positive_float, positive_int, script_parser)
+from common.runtime.device import configure_threads, describe, resolve_device, seed_everything
+from common.runtime.distributed import DistContext, init_distributed, print0, teardown_distributed
+from common.measure.energy import EnergyMeter
 from common.errors import UserError, run_main
-from common.launch import detect_launch
+from common.runtime.launch import detect_launch
 from common.models import build_model, zoo_models
-from common.precision_names import MODES, PRECISIONS
-from common.timing import StepTimer, peak_memory, reset_peak_memory
+from common.measure.timing import StepTimer, peak_memory, reset_peak_memory
 from labs.lab03_precision_benchmark.lab03_shared import (
     DEFAULT_LOSS_TOLERANCE, MAX_SKIPPED_CHECK_STEPS, MOMENTUM, NUM_CLASSES, SEED_MODELS, Output, compare_losses,
     compile_outcome, parse_list,
@@ -60,7 +59,7 @@ from labs.lab03_precision_benchmark.lab03_shared import (
 
 #: Precisions that cast the whole model; the others keep float32 weights.
 WEIGHT_DTYPES = {"fp64": torch.float64, "half": torch.float16}
-#: Precisions that autocast, by their name in common.amp.
+#: Precisions that autocast, by their name in common.train.amp.
 AUTOCAST = {"amp-fp16": "fp16", "amp-bf16": "bf16"}
 
 

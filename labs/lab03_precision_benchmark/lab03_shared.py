@@ -3,9 +3,9 @@
 Kept apart so that the benchmark script shows the measuring, and so that the report and the tests
 can use these without importing torch:
 
-- :func:`unsupported_reason`, which says why a precision of :data:`common.precision_names.PRECISIONS`
+- :func:`unsupported_reason`, which says why a precision of :data:`common.cli.PRECISIONS`
   cannot run on a device (the reason goes into the CSV summary and the record).
-- :func:`peak_tflops`: the datasheet peak of known GPUs per precision (``common.gpu_peaks``), to
+- :func:`peak_tflops`: the datasheet peak of known GPUs per precision (``common.measure.gpu_peaks``), to
   put an achieved TFLOP/s next to what the device could do, and :func:`launch_bound_line`, which says
   when the runs are far below it.
 - :func:`compare_losses`: the correctness check of a precision against fp32, its threshold, and how
@@ -26,13 +26,12 @@ import math
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
-from common.amp import announce_bf16_emulation
+from common.train.amp import announce_bf16_emulation
 from common.atomic import write_text_atomic
-from common.cli import config_dict
+from common.cli import BENCHMARK_PRECISIONS as PRECISIONS, config_dict
 from common.errors import UserError
-from common.gpu_peaks import gpu_peaks
-from common.gpu_peaks import peak_tflops as gpu_peak_tflops
-from common.precision_names import PRECISIONS
+from common.measure.gpu_peaks import gpu_peaks
+from common.measure.gpu_peaks import peak_tflops as gpu_peak_tflops
 from common.results import fp32_math_info, make_record, provenance, write_record
 
 LAB = "lab03"
@@ -92,7 +91,7 @@ def unsupported_reason(precision: str, device_type: str, device_name: str = "",
         if precision == "tf32":
             return "TF32 is a tensor-core format of NVIDIA GPUs from Ampere (sm_80) on; CPUs have no TF32 mode"
         if precision == "amp-fp16":
-            return ("amp-fp16 (float16 autocast + GradScaler) is the CUDA recipe; common.amp runs fp16 autocast "
+            return ("amp-fp16 (float16 autocast + GradScaler) is the CUDA recipe; common.train.amp runs fp16 autocast "
                     "on CUDA only. On a CPU use amp-bf16, which needs no scaler")
         return None
     if device_type == "cuda" and capability is not None and capability < (8, 0):
@@ -106,10 +105,10 @@ def unsupported_reason(precision: str, device_type: str, device_name: str = "",
 
 
 # --------------------------------------------------------------------------------------------
-# Peak TFLOP/s: the datasheet table in common.gpu_peaks (shared with Chapter 4's pytorch_basics.py),
+# Peak TFLOP/s: the datasheet table in common.measure.gpu_peaks (shared with Chapter 4's pytorch_basics.py),
 # read with this lab's precision names. half and amp-fp16 are both float16 tensor-core maths.
 
-#: This lab's precisions by their name in common.gpu_peaks.
+#: This lab's precisions by their name in common.measure.gpu_peaks.
 _PEAK_PRECISION = {"fp64": "fp64", "fp32": "fp32", "tf32": "tf32", "half": "fp16", "amp-fp16": "fp16",
                    "amp-bf16": "bf16"}
 
@@ -120,7 +119,7 @@ def peak_tflops(device_type: str, device_name: str, precision: str) -> tuple[flo
         return None, "no peak known for this CPU (it depends on cores, clock and vector units)"
     gpu, _ = gpu_peaks(device_name)
     if gpu is None:
-        return None, f"no datasheet figure for {device_name!r} in common/gpu_peaks.py"
+        return None, f"no datasheet figure for {device_name!r} in common/measure/gpu_peaks.py"
     value, source = gpu_peak_tflops(device_name, _PEAK_PRECISION[precision]), f"{gpu} datasheet"
     return (value, source) if value is not None else (None, f"{source} lists no {precision} figure")
 
@@ -265,7 +264,7 @@ def _cell(value: Any) -> str:
 class Output:
     """What a run writes, on rank 0 only: a record per result, the seed's CSVs, the summary CSV, the table.
 
-    ``ctx`` is the run's ``common.distributed.DistContext``, each ``timer`` a ``common.timing.StepTimer``
+    ``ctx`` is the run's ``common.runtime.distributed.DistContext``, each ``timer`` a ``common.measure.timing.StepTimer``
     that has timed one model, mode and precision. The device's name comes from the records' provenance.
     """
 
@@ -333,7 +332,7 @@ class Output:
     def measured(self, model: str, mode: str, precision: str, timer: Any, memory: dict[str, Any],
                  check: dict[str, Any], flops: int, compilation: dict[str, Any] | None = None, *,
                  energy: dict[str, Any] | None = None) -> None:
-        """One result: ``energy`` is ``common.energy.EnergyMeter.result()`` over its warm-up and timed iterations."""
+        """One result: ``energy`` is ``common.measure.energy.EnergyMeter.result()`` over its warm-up and timed iterations."""
         world = self.ctx.world_size
         step_time = timer.summary()
         ms = {key: step_time[f"{key}_s"] * 1000 for key in ("median", "mean", "std", "min", "max")}

@@ -38,16 +38,13 @@ measured are printed side by side and written as one record (lab ``lab04``, meth
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_int, script_parser
-from common.device import configure_threads, seed_everything
-from common.distributed import gather_objects, init_distributed, print0, teardown_distributed
+from common.runtime.device import configure_threads, seed_everything
+from common.runtime.distributed import gather_objects, init_distributed, print0, teardown_distributed
 from common.errors import run_main
 from common.models import TransformerShape, transformer_parameter_count
 from common.results import make_record, provenance, write_record

@@ -27,7 +27,7 @@ on 4 ranks continue on 2. ``--activation-checkpointing`` keeps only each block's
 forward pass and recomputes the rest in backward; ``--mixed-precision bf16`` computes in bf16
 (FSDP2's ``MixedPrecisionPolicy``) while AdamW updates fp32 shards.
 
-Checkpoints use PyTorch Distributed Checkpoint (``common.sharded_checkpoint``): after every epoch
+Checkpoints use PyTorch Distributed Checkpoint (``common.checkpoint.sharded``): after every epoch
 and on the pre-emption signal (SIGUSR1 from ``#SBATCH --signal=B:USR1@120``, or SIGTERM) every rank
 writes its own shards into ``--checkpoint-dir``; ``--resume`` reads them back with any number of
 ranks (DCP reshards). ``--async-checkpoint`` (``dcp.async_save``) lets training continue while a
@@ -37,22 +37,19 @@ background thread writes; the record keeps how long each save stalled the loop.
 from __future__ import annotations
 
 import argparse
-import sys
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import add_common_args, positive_float, positive_int, script_parser
-from common.data import GlobalBatchSampler, load_stdlib_text, make_global_batch_loader
-from common.distributed import gather_objects
+from common.data.datasets import GlobalBatchSampler, load_stdlib_text, make_global_batch_loader
+from common.runtime.distributed import gather_objects
 from common.errors import UserError, run_main
-from common.evaluation import evaluate
+from common.train.evaluation import evaluate
 from common.models import transformer_parameter_count
-from common.run import TrainingRun, add_training_args
-from common.sharded_checkpoint import DistributedCheckpointer, add_distributed_checkpoint_args
+from common.train.run import TrainingRun, add_training_args
+from common.checkpoint.sharded import DistributedCheckpointer, add_distributed_checkpoint_args
 from common.units import format_bytes
 from labs.lab04_sharded_training.lab04_shared import (
     LAB, PRECISIONS, STRATEGIES, add_model_args, build_model, check_strategy, describe_throughput,

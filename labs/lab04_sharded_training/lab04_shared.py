@@ -27,11 +27,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from common.amp import announce_bf16_emulation, fp32_math
+from common.train.amp import announce_bf16_emulation, fp32_math
 from common.cli import positive_int
-from common.data import TEXT_VOCAB_SIZE
+from common.data.datasets import TEXT_VOCAB_SIZE
 from common.errors import UserError
-from common.gpu_peaks import peak_tflops
+from common.measure.gpu_peaks import peak_tflops
 from common.models import DecoderOnlyTransformer, TransformerShape, transformer_parameter_count
 
 LAB = "lab04"
@@ -133,7 +133,7 @@ def apply_strategy(model: nn.Module, strategy: str, device: torch.device, *, pre
     if not (dist.is_available() and dist.is_initialized()):
         raise UserError(f"--strategy {strategy} needs a process group (torch.distributed) and none is "
                         "initialised; start the script with torchrun or srun, or let it create a one-process "
-                        "group (common.distributed.init_distributed(..., force_process_group=True))")
+                        "group (common.runtime.distributed.init_distributed(..., force_process_group=True))")
     model.activation_checkpointing = activation_checkpointing
     if compile_blocks:
         for block in model.blocks:
@@ -200,13 +200,13 @@ def matmul_precision(precision: str) -> str:
     """The precision the matrix units run in: bf16, or fp32 matmuls as TF32 where PyTorch allows it."""
     if precision == "bf16":
         return "bf16"
-    return "tf32" if fp32_math()["matmul"] == "tf32" else "fp32"  # what common.amp says is in force
+    return "tf32" if fp32_math()["matmul"] == "tf32" else "fp32"  # what common.train.amp says is in force
 
 
 def throughput(shape: TransformerShape, samples_per_s: float | None, device: torch.device, precision: str,
                devices: int) -> dict[str, Any]:
     """Tokens/s of the whole job and its model FLOPs utilisation (MFU): the model's FLOPs per second
-    ÷ (devices × the device's dense peak at the precision in force, from ``common.gpu_peaks``)."""
+    ÷ (devices × the device's dense peak at the precision in force, from ``common.measure.gpu_peaks``)."""
     tokens_per_s = samples_per_s * shape.context if samples_per_s else None
     per_token = flops_per_token(shape)
     achieved = tokens_per_s * per_token / devices / 1e12 if tokens_per_s else None
@@ -215,7 +215,7 @@ def throughput(shape: TransformerShape, samples_per_s: float | None, device: tor
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = peak_tflops(name, in_force)
-        reason = None if peak else f"no {in_force} peak for {name!r} in common/gpu_peaks.py"
+        reason = None if peak else f"no {in_force} peak for {name!r} in common/measure/gpu_peaks.py"
     mfu = achieved / peak if achieved is not None and peak else None
     if peak and achieved is None:
         reason = "no step was timed (the run was no longer than its warm-up)"
@@ -354,7 +354,7 @@ def measure_step(shape: TransformerShape, strategy: str, device: torch.device, *
     over the whole step (on CPU the process's peak resident memory, which includes PyTorch itself);
     ``rss_bytes``: the resident memory after the step.
     """
-    from common.timing import peak_memory, reset_peak_memory
+    from common.measure.timing import peak_memory, reset_peak_memory
 
     gc.collect()
     if device.type == "cuda":

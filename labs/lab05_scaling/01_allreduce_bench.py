@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,14 +37,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import add_common_args, add_timing_args, config_dict, positive_float, positive_int, script_parser
-from common.device import configure_threads, resolve_device, synchronize
-from common.distributed import all_reduce_max, gather_objects, init_distributed, print0, teardown_distributed
-from common.energy import EnergyMeter
+from common.runtime.device import configure_threads, resolve_device, synchronize
+from common.runtime.distributed import all_reduce_max, gather_objects, init_distributed, print0, teardown_distributed
+from common.measure.energy import EnergyMeter
 from common.errors import UserError, run_main
-from common.launch import detect_launch
-from common.placement import record_placement
+from common.runtime.launch import detect_launch
+from common.runtime.placement import record_placement
 from common.results import make_record, provenance, write_record
 from common.units import format_bytes
 from labs.lab05_scaling.lab05_shared import (ELEMENT_BYTES, LAB, Reference, bandwidths, bus_factor, describe_gloo,

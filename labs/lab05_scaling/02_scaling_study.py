@@ -43,9 +43,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import add_common_args, apply_dry_run, non_negative_int, positive_int, script_parser
-from common.energy import not_measured
+from common.measure.energy import not_measured
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
 from labs.lab05_scaling.lab05_shared import (LAB, REPO, Allocation, check_points, current_allocation, evaluations,

@@ -29,24 +29,21 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere without installing
 from common.cli import add_common_args, apply_dry_run, config_dict, positive_float, positive_int, script_parser
-from common.device import configure_threads, seed_everything, synchronize
-from common.distributed import all_reduce_max, init_distributed, print0, teardown_distributed
-from common.energy import EnergyMeter, not_measured
+from common.runtime.device import configure_threads, seed_everything, synchronize
+from common.runtime.distributed import all_reduce_max, init_distributed, print0, teardown_distributed
+from common.measure.energy import EnergyMeter, not_measured
 from common.errors import UserError, run_main
 from common.models import add_image_model_args, build_model, input_shape
-from common.placement import record_placement
+from common.runtime.placement import record_placement
 from common.results import make_record, provenance, write_record
 from common.units import format_bytes
 from labs.lab05_scaling.lab05_shared import LAB, MiB

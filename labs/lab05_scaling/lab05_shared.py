@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from common.cpus import usable_cpus
+from common.runtime.cpus import usable_cpus
 from common.errors import UserError
-from common.sites import Link, find_site
+from common.slurm.sites import Link, find_site
 from common.units import format_bytes
 
 LAB = "lab05"

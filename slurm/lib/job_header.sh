@@ -35,7 +35,7 @@ done < <(compgen -e | grep '^SLURM_' | sort)
 
 # --- rendezvous: rank 0 runs on the first node of the allocation --------------------------------
 # port_from_job JOB_ID [STEP_ID]: 20000 + (job id + 6180 x step id) mod 10000, the same number as
-# port_from_job in common/launch.py (a test checks that they agree). Consecutive job ids get
+# port_from_job in common/runtime/launch.py (a test checks that they agree). Consecutive job ids get
 # consecutive ports, so 10000 jobs in a row never share one; each step id moves the port by 6180
 # (the span over the golden ratio), so the first steps of a job land far from the ports of jobs with
 # nearby ids. Ports 20000-29999 stay below Linux's ephemeral range (32768 and up).

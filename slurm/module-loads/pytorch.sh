@@ -17,6 +17,8 @@
 #   MKL_NUM_THREADS   the same, for Intel MKL's own thread pool
 #   PYTHONUNBUFFERED  1: print() reaches slurm-<jobid>.out as it happens, not when the job ends
 #   HPC_DL_LABS_ROOT  the repository root (this file is slurm/module-loads/pytorch.sh in it)
+#   PYTHONPATH        the repository root first, when the python found cannot import `common` (a
+#                     site's PyTorch module, with no environment the course was installed into)
 #
 # Choose the environment with variables set before sourcing (defaults in brackets):
 #   HPC_DL_LABS_MODULES   modules to load, space-separated [the SITE line below, else none]
@@ -109,6 +111,14 @@ if [[ "${SLURM_CPUS_PER_TASK:-}" =~ ^[0-9]+$ ]]; then
     export MKL_NUM_THREADS="$SLURM_CPUS_PER_TASK"
 fi
 export PYTHONUNBUFFERED=1
+# The scripts `import common`. The course's environments have the repository installed (uv's .venv,
+# the conda files' `-e ..`); a site's PyTorch module does not, and there the repository goes on
+# PYTHONPATH: the one place the course edits Python's search path.
+# (Asked from /: `python -c` would otherwise find `common` in the current folder.)
+if _pt_has_torch && ! (cd / && python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("common") is None)') \
+    >/dev/null 2>&1; then
+    export PYTHONPATH="$HPC_DL_LABS_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 echo "pytorch.sh: python $(command -v python || command -v python3 || echo '(none)')" \
     "| OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset} | root $HPC_DL_LABS_ROOT" >&2

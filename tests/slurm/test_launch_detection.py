@@ -1,9 +1,9 @@
-"""common/launch.py on a real Slurm: a batch script is one process, an srun step is N ranks.
+"""common/runtime/launch.py on a real Slurm: a batch script is one process, an srun step is N ranks.
 
 A batch script has SLURM_PROCID=0 and SLURM_NTASKS=N of its allocation, but it is one process:
 ``detect_launch`` must call it "single". Inside ``srun`` every task has SLURM_STEP_ID and
 SLURM_STEP_NUM_TASKS, and must see its own rank, the step's world size and the first node as
-MASTER_ADDR. ``common.launch`` imports no torch, so this costs no more than the scheduling.
+MASTER_ADDR. ``common.runtime.launch`` imports no torch, so this costs no more than the scheduling.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.slurm
 
-PROBE = ("import json; from common.launch import detect_launch; "
+PROBE = ("import json; from common.runtime.launch import detect_launch; "
          "print('LAUNCH', json.dumps(detect_launch().as_dict()), flush=True)")
 
 

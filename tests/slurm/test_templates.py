@@ -30,9 +30,9 @@ from typing import NamedTuple
 import pytest
 
 from common.results import load_records
-from common.sites import site_names
+from common.slurm.sites import site_names
 from helpers import load_script
-from scripts.sbatch_render.rendering import find_templates
+from common.slurm.rendering import find_templates
 from testbed import SbatchRejected, Submission
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

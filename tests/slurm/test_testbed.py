@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from common import launch
-from common.sites import site_names
+from common.runtime import launch
+from common.slurm.sites import site_names
 from helpers import load_script, wait_for
 from testbed import SlurmTestCluster
 from testbed.daemons import running_clusters
@@ -71,7 +71,7 @@ def test_two_node_job_reaches_both_nodes_and_resolves_master_addr(slurm_cluster,
     tasks = re.findall(r"task (\d) of 2 on node (n\d): MASTER_ADDR=(\S+) resolves to (\S+)", log)
     assert sorted(tasks) == [("0", "n1", "n1", "127.0.0.1"), ("1", "n2", "n1", "127.0.0.1")], log
     port = int(re.search(r"MASTER_PORT=(\d+)", log)[1])
-    assert port == launch.port_from_job(job_id)  # the job header and common/launch.py agree
+    assert port == launch.port_from_job(job_id)  # the job header and common/runtime/launch.py agree
 
 
 def test_reservation_and_account_reach_the_job(slurm_cluster, hello_jobs):
@@ -145,7 +145,7 @@ def test_testbed_status_env_and_refusal_to_start_twice(slurm_cluster):
 #: Both jobs hold their process group until the other one has its own: rendezvous at the same time.
 RENDEZVOUS_PROBE = """
 import os, pathlib, sys, time
-from common.distributed import all_reduce_sum, init_distributed, teardown_distributed
+from common.runtime.distributed import all_reduce_sum, init_distributed, teardown_distributed
 ctx = init_distributed("cpu")
 total = all_reduce_sum(ctx.rank + 1)  # 1 + 2 with two ranks of this job, whatever the other job does
 meeting = pathlib.Path(sys.argv[1])

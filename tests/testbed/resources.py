@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.sites import Site, load_sites, memory_to_mb
+from common.slurm.sites import Site, load_sites, memory_to_mb
 
 
 @dataclass(frozen=True)

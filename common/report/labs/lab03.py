@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 
 import pandas as pd
 
-from common.precision_names import MODES, PRECISIONS
+from common.cli import BENCHMARK_MODES as MODES, BENCHMARK_PRECISIONS as PRECISIONS
 from common.report.runs import get, number
 from common.report.sections import (
     MISSING, Cell, Section, SectionContext, Table, fmt_number, fmt_percent, register_section,

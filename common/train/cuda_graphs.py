@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from common.device import synchronize
+from common.runtime.device import synchronize
 
 __all__ = ["CapturedStep", "capture_blocker"]
 

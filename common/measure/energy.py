@@ -75,7 +75,7 @@ def _import_pynvml() -> Any:
 
 
 def _gpu_bus_id(device: Any) -> str:
-    from common.placement import gpu_pci_bus_id
+    from common.runtime.placement import gpu_pci_bus_id
 
     return gpu_pci_bus_id(device)
 
@@ -281,7 +281,7 @@ class SlurmSource:
 # --- the meter --------------------------------------------------------------------------------------
 
 def _launch() -> tuple[int, int]:
-    from common.launch import detect_launch
+    from common.runtime.launch import detect_launch
 
     launch = detect_launch()
     return launch.rank, launch.local_rank
@@ -358,7 +358,7 @@ class EnergyMeter:
         every rank must call it."""
         local = self.local_readings()
         try:
-            from common.distributed import gather_objects
+            from common.runtime.distributed import gather_objects
         except ImportError:  # pragma: no cover - torch missing: one process
             gathered = [local]
         else:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from common.device import pci_bus_id, synchronize
+from common.runtime.device import pci_bus_id, synchronize
 
 #: Printed instead of a throughput or a speed-up that was not measured (no step after the warm-up).
 NOT_MEASURED = "n/a"

@@ -7,7 +7,7 @@ the pieces that overlap its shard, whatever the number of ranks that wrote them:
 4 ranks resumes on 2 or 1 (DCP *reshards*). DDP's replicated tensors are written once, by one
 rank, so the same folder format serves both strategies (a DDP checkpoint loads into FSDP2 and back).
 
-:class:`DistributedCheckpointer` is a checkpointer for :class:`common.run.TrainingRun`::
+:class:`DistributedCheckpointer` is a checkpointer for :class:`common.train.run.TrainingRun`::
 
     checkpointer = DistributedCheckpointer(args.checkpoint_dir, async_save=args.async_checkpoint)
     with TrainingRun(args, ..., distributed=True, checkpointer=checkpointer) as run:
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from common.checkpoint import unreadable_checkpoint
+from common.checkpoint.single_file import unreadable_checkpoint
 from common.errors import UserError
 
 __all__ = ["DistributedCheckpointer", "add_distributed_checkpoint_args", "complete_checkpoints", "check_same_model"]
@@ -66,7 +66,7 @@ def add_distributed_checkpoint_args(parser: argparse.ArgumentParser, *, default_
     group.add_argument("--async-checkpoint", action="store_true",
                        help="save with dcp.async_save: training continues while a background thread writes "
                             "(default: off, the loop waits for the files)")
-    from common.run import add_determinism_arg
+    from common.train.run import add_determinism_arg
 
     add_determinism_arg(group)
     return parser
@@ -110,7 +110,7 @@ class _Pickled:
 
 
 class DistributedCheckpointer:
-    """A :class:`common.run.Checkpointer` that writes with DCP from every rank (and reshards on load)."""
+    """A :class:`common.train.run.Checkpointer` that writes with DCP from every rank (and reshards on load)."""
 
     reshards = True
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from common.errors import UserError
-from common.sites import (Partition, Site, check_keys, display_path, load_yaml, memory_to_mb, text_or_none,
+from common.slurm.sites import (Partition, Site, check_keys, display_path, load_yaml, memory_to_mb, text_or_none,
                           time_to_seconds, whole_number)
 
 __all__ = ["JOB_KEYS", "PLACEHOLDER", "TEMPLATE_SUFFIX", "Template", "parse_settings", "read_template",
@@ -24,7 +24,7 @@ __all__ = ["JOB_KEYS", "PLACEHOLDER", "TEMPLATE_SUFFIX", "Template", "parse_sett
 
 TEMPLATE_SUFFIX = ".j2"
 PLACEHOLDER = "edit-me"  # a site value starting with this must be replaced before a real submission
-JOB_BLOCK = re.compile(r"\A\{#-?\s*\n?(?P<body>job:.*?)-?#\}", re.DOTALL)
+_JOB_BLOCK = re.compile(r"\A\{#-?\s*\n?(?P<body>job:.*?)-?#\}", re.DOTALL)
 
 #: Keys a template's job block (and --set) may use, with what each means.
 JOB_KEYS = {
@@ -57,7 +57,7 @@ def read_template(path: Path) -> Template:
     where = display_path(path)
     if not path.is_file():
         raise UserError(f"{where}: no such template")
-    match = JOB_BLOCK.match(path.read_text(encoding="utf-8"))
+    match = _JOB_BLOCK.match(path.read_text(encoding="utf-8"))
     if not match:
         raise UserError(f"{where}: a template must start with its job block, e.g. '{{# job:' ... '#}}' "
                         "(see slurm/sites/README.md)")

@@ -17,8 +17,8 @@ import os
 import platform
 from typing import Any, Mapping
 
-from common.cpus import usable_cpus
-from common.gpu_peaks import gpu_peaks
+from common.runtime.cpus import usable_cpus
+from common.measure.gpu_peaks import gpu_peaks
 
 __all__ = ["X86_FLAGS", "ARM_FEATURES", "BF16_EMULATION_PREFIX", "read_cpuinfo", "cpu_description", "gpu_description",
            "machine_label",
@@ -96,7 +96,7 @@ def cpu_description(cpuinfo: str | None = None) -> dict[str, Any]:
 
 def gpu_description(name: str, capability: tuple[int, int] | None = None,
                     total_memory_bytes: int | None = None) -> dict[str, Any]:
-    """A GPU as a record stores it, with its dense datasheet peaks (``common.gpu_peaks``)."""
+    """A GPU as a record stores it, with its dense datasheet peaks (``common.measure.gpu_peaks``)."""
     peaks_name, peaks = gpu_peaks(name)
     entry: dict[str, Any] = {"name": name, "capability": f"{capability[0]}.{capability[1]}" if capability else None,
                              "total_memory_bytes": total_memory_bytes,
@@ -154,7 +154,7 @@ def describe_machine(prov: Mapping[str, Any]) -> str:
             peaks = gpu.get("peak_tflops") or {}
             shown = ", ".join(f"{p} {v:g}" for p, v in peaks.items() if p in ("fp32", "tf32", "bf16", "fp16"))
             text += (f"; GPU {gpu.get('name')} (datasheet dense TFLOP/s: {shown})" if shown
-                     else f"; GPU {gpu.get('name')} (no datasheet peak in common/gpu_peaks.py)")
+                     else f"; GPU {gpu.get('name')} (no datasheet peak in common/measure/gpu_peaks.py)")
     return text
 
 

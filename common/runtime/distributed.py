@@ -7,7 +7,7 @@
         teardown_distributed(ctx)
 
 - Backend from the device: NCCL for CUDA, Gloo for CPU.
-- Ranks and the rendezvous address come from :func:`common.launch.detect_launch`: torchrun's
+- Ranks and the rendezvous address come from :func:`common.runtime.launch.detect_launch`: torchrun's
   variables, Slurm's inside ``srun``, or a single process. No fixed port anywhere.
 - A plain ``python`` run gets world size 1 and no process group, unless the caller asks for one
   (``force_process_group=True``: then a one-process Gloo/NCCL group on a free local port, so a DDP
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common.device import resolve_device, set_device
-from common.launch import LaunchInfo, detect_launch, free_port, gpus_bound_per_task, local_world_size, rank_tag
+from common.runtime.device import resolve_device, set_device
+from common.runtime.launch import LaunchInfo, detect_launch, free_port, gpus_bound_per_task, local_world_size, rank_tag
 
 __all__ = [
     "DistContext", "backend_for", "init_distributed", "teardown_distributed", "ddp_buffer_sync", "print0",

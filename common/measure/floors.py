@@ -3,7 +3,7 @@
 Two lower bounds on the time of a step, each from one cause alone (Lab-02 prints and records them):
 
 - **FLOP floor** = the step's floating-point operations ÷ the GPU's peak for the precision in force
-  (``common.gpu_peaks``). ``torch.utils.flop_counter.FlopCounterMode`` counts the matrix maths of
+  (``common.measure.gpu_peaks``). ``torch.utils.flop_counter.FlopCounterMode`` counts the matrix maths of
   the forward and backward passes (convolutions, matmuls: 2 FLOPs per multiply-add); element-wise
   work (ReLU, dropout, the optimizer) is not counted. A CPU has no entry in the table, so on a CPU
   there is no FLOP floor: ``None``, with the reason.
@@ -29,9 +29,9 @@ from typing import Any, Callable
 
 import torch
 
-from common.amp import fp32_math
-from common.device import synchronize
-from common.gpu_peaks import gpu_peaks
+from common.train.amp import fp32_math
+from common.runtime.device import synchronize
+from common.measure.gpu_peaks import gpu_peaks
 
 __all__ = ["count_flops", "count_kernels", "launch_latency", "peak_for", "step_floors", "floors_lines",
            "measure_floors"]
@@ -126,11 +126,11 @@ def peak_for(device: torch.device, precision: str) -> tuple[float | None, str]:
     peak when cuDNN or cuBLAS may use TF32 tensor cores (the floor is then the lower one).
     """
     if device.type != "cuda":
-        return None, "no peak for a CPU in common.gpu_peaks (it depends on cores, clock and vector units)"
+        return None, "no peak for a CPU in common.measure.gpu_peaks (it depends on cores, clock and vector units)"
     name = torch.cuda.get_device_name(device)
     gpu, peaks = gpu_peaks(name)
     if gpu is None:
-        return None, f"no datasheet peak for {name!r} in common/gpu_peaks.py"
+        return None, f"no datasheet peak for {name!r} in common/measure/gpu_peaks.py"
     if precision == "fp32" and "tf32" in fp32_math().values():
         precision = "tf32"
     if precision not in peaks:

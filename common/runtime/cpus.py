@@ -2,7 +2,7 @@
 
 On a cluster the allocation decides, not the node: ``SLURM_CPUS_PER_TASK`` says how many CPUs the
 task was given, and the affinity mask (which Slurm's cgroups narrow) says which ones this process
-may run on. :func:`common.device.configure_threads` sizes PyTorch's thread pool from
+may run on. :func:`common.runtime.device.configure_threads` sizes PyTorch's thread pool from
 :func:`allocated_cpus`, :func:`common.cli.add_common_args` the default of ``--num-workers`` from
 :func:`default_num_workers`, and the environment check reports :func:`usable_cpus`.
 

@@ -104,7 +104,7 @@ def _affinity() -> set[int]:
 def check_placement(device: Any, num_workers: int | None, *, sysfs: Path = SYSFS, cpus: Iterable[int] | None = None,
                     bus_id: str | None = None, rank: int | None = None) -> dict[str, Any]:
     """This process's placement and what is wrong with it (``warnings``), as a dict for the record."""
-    from common.launch import detect_launch
+    from common.runtime.launch import detect_launch
 
     rank = detect_launch().rank if rank is None else rank
     owned = set(_affinity() if cpus is None else cpus)
@@ -163,7 +163,7 @@ def record_placement(device: Any, num_workers: int | None, **kwargs: Any) -> lis
 
     Collective when a process group exists: every rank must call it. Returns the same list on every rank.
     """
-    from common.distributed import gather_objects, print_rank
+    from common.runtime.distributed import gather_objects, print_rank
 
     info = check_placement(device, num_workers, **kwargs)
     for line in placement_lines(info):

@@ -1,7 +1,7 @@
 """A template rendered for a site: one script, every template for every site, the committed ones.
 
 A template gets ``job.*`` (the resolved request, :mod:`.jobs`), ``site.*`` (the profile,
-:mod:`common.sites`) and ``preamble``: what every job does after its ``#SBATCH`` lines (strict
+:mod:`common.slurm.sites`) and ``preamble``: what every job does after its ``#SBATCH`` lines (strict
 mode, the repository root, the site's setup lines, the shared job header). Jinja errors become one
 line naming the template line. The template contract: ``slurm/sites/README.md``.
 """
@@ -17,7 +17,7 @@ import jinja2
 
 from common.atomic import write_text_atomic
 from common.errors import UserError
-from common.sites import REPO_ROOT, Site, display_path, find_site
+from common.slurm.sites import REPO_ROOT, Site, display_path, find_site
 
 from .jobs import TEMPLATE_SUFFIX, Template, read_template, resolve_job, template_stem
 

@@ -52,19 +52,19 @@ from typing import Any, Iterable, Iterator, Protocol
 import torch
 from torch import nn
 
-from common.checkpoint import (StopSignal, capture_rng_state, check_same_settings, load_checkpoint,
+from common.checkpoint.single_file import (StopSignal, capture_rng_state, check_same_settings, load_checkpoint,
                                restore_rng_state, save_checkpoint)
 from common.cli import apply_dry_run, config_dict, non_negative_int, output_file, positive_int
-from common.data import describe_loader, set_loader_epoch
-from common.device import configure_threads, describe, resolve_device, use_deterministic_algorithms
-from common.distributed import (DistContext, all_reduce_mean, any_rank, gather_objects, init_distributed, print0,
+from common.data.datasets import describe_loader, set_loader_epoch
+from common.runtime.device import configure_threads, describe, resolve_device, use_deterministic_algorithms
+from common.runtime.distributed import (DistContext, all_reduce_mean, any_rank, gather_objects, init_distributed, print0,
                                 print_rank, teardown_distributed)
-from common.energy import EnergyMeter
+from common.measure.energy import EnergyMeter
 from common.errors import UserError
 from common.models import replica_digests
-from common.placement import record_placement
+from common.runtime.placement import record_placement
 from common.results import make_record, provenance, training_metrics, write_record
-from common.timing import StepTimer, format_rate, peak_memory, reset_peak_memory
+from common.measure.timing import StepTimer, format_rate, peak_memory, reset_peak_memory
 from common.units import format_bytes
 
 __all__ = ["TrainingRun", "TorchCheckpointer", "Checkpointer", "Preempted", "add_checkpoint_args",
@@ -92,7 +92,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
 
     Every training script takes them, with the same names, meaning and defaults.
     """
-    group = parser.add_argument_group("progress, timing and the record (common.run.TrainingRun)")
+    group = parser.add_argument_group("progress, timing and the record (common.train.run.TrainingRun)")
     group.add_argument("--log-interval", type=positive_int, default=10,
                        help="steps between loss lines (default: %(default)s)")
     group.add_argument("--warmup-steps", type=non_negative_int, default=2,
@@ -228,7 +228,7 @@ class TrainingRun:
         self.threads = 0
         self._local_losses: list[float] = []
         self._pending_losses: list[torch.Tensor] = []  # this rank's losses still on the device (no sync per step)
-        self._loader: dict[str, Any] | None = None  # what fed the training loop (common.data.describe_loader)
+        self._loader: dict[str, Any] | None = None  # what fed the training loop (common.data.datasets.describe_loader)
         self._waited_s = 0.0  # time the steps this process ran spent waiting for their batch
         self._loop_s = 0.0  # wall time of the epochs' loops this process ran
         self._global_batch: int | None = None  # samples per optimiser step over all ranks

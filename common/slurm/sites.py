@@ -5,7 +5,7 @@ per GPU, node features, time limits), the account and reservation jobs are charg
 lines that give a job its Python, and, optionally, the peak bandwidth of each partition's links.
 The format, field by field: ``slurm/sites/README.md``.
 
-    from common.sites import find_site, load_sites
+    from common.slurm.sites import find_site, load_sites
 
     lanta = find_site("lanta")                        # one site by name (slurm/sites/lanta.yaml)
     gpu = lanta.partitions[lanta.default_partitions["gpu"]]
@@ -47,7 +47,7 @@ __all__ = [
     "time_to_seconds", "whole_number",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SITES_DIR = REPO_ROOT / "slurm" / "sites"
 #: Link kinds a partition may list, and what one peak is for: each GPU, or each node.
 LINK_SCOPES = {"nvlink": "gpu", "pcie": "gpu", "infiniband": "node", "slingshot": "node", "ethernet": "node"}

@@ -24,8 +24,8 @@ import socket
 import sys
 from typing import Any, Mapping
 
-from common.cpus import usable_cpus
-from common.machine import cpu_description, gpu_description
+from common.runtime.cpus import usable_cpus
+from common.runtime.machine import cpu_description, gpu_description
 from common.units import format_bytes
 
 #: Slurm variables that say how many GPUs this node's share of the job has, most specific first.
@@ -119,7 +119,7 @@ def _gpu_details(torch: Any, index: int, smoke_test: bool) -> dict[str, Any]:
         "multiprocessors": int(props.multi_processor_count),
         # bf16 runs natively from compute capability 8.0 (A100); older GPUs only emulate it, slowly.
         "bf16_native": (props.major, props.minor) >= (8, 0),
-        "peak_tflops": gpu_description(props.name)["peak_tflops"],  # datasheet, dense (common.gpu_peaks)
+        "peak_tflops": gpu_description(props.name)["peak_tflops"],  # datasheet, dense (common.measure.gpu_peaks)
     }
     if smoke_test:
         try:  # a GPU can be listed and still fail on first use (driver mismatch, a GPU in a bad state)

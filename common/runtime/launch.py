@@ -1,7 +1,7 @@
 """Who launched this process, and as which rank: torchrun, Slurm's srun, or a plain ``python``.
 
 Everything here reads environment variables and nothing else, so it can be unit-tested with a
-patched environment and imported without torch. ``common.distributed`` turns the answer into a
+patched environment and imported without torch. ``common.runtime.distributed`` turns the answer into a
 process group.
 
 The one place where Slurm's variables are mapped onto torchrun's (docs/conventions.md, convention 4):

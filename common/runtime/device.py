@@ -7,12 +7,12 @@ CUDA traceback deep inside the first ``.to()``; so is starting more processes on
 GPUs (two NCCL ranks on one GPU fail at their first collective with "Duplicate GPU detected").
 
 On a GPU, "fp32" in this course means IEEE float32: ``resolve_device`` turns PyTorch's default TF32
-for cuDNN convolutions off (``common.amp.set_fp32_math``), so fp32 baselines are not a TF32 hybrid.
+for cuDNN convolutions off (``common.train.amp.set_fp32_math``), so fp32 baselines are not a TF32 hybrid.
 Scripts that measure TF32 (Lab-03's ``tf32`` rows, ``pytorch_basics.py --dtypes tf32``) turn it
 on where they measure it, and every record says which was in force (``provenance.fp32_math``).
 
 ``resolve_device`` also starts CUDA on this process's GPU (``set_device`` and ``init``), so the
-memory counters of ``common.timing`` are live from the first step, whatever the script calls first.
+memory counters of ``common.measure.timing`` are live from the first step, whatever the script calls first.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import random
 
 import torch
 
-from common.amp import set_fp32_math
+from common.train.amp import set_fp32_math
 from common.errors import UserError
 
 
@@ -132,7 +132,7 @@ def configure_threads(env: dict[str, str] | None = None) -> int:
     oversubscribe it. An explicit ``OMP_NUM_THREADS`` wins (torchrun sets it to share a task's cores
     among its workers; the job header sets it too); off-cluster the PyTorch default is kept.
     """
-    from common.cpus import allocated_cpus
+    from common.runtime.cpus import allocated_cpus
 
     env = dict(os.environ) if env is None else env
     if env.get("OMP_NUM_THREADS", "").isdigit():

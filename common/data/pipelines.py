@@ -23,7 +23,7 @@ the same numbers for the same sample (the tests check this): only the cost diffe
 
 The data arrive as uint8 images (N, 28, 28), as MNIST stores them: ``mnist`` from ``--data-dir``,
 ``digits`` (bundled, offline) or ``synthetic``, converted to uint8 the same way. The names and the
-flags that choose them are in ``common.pipeline_flags`` (no torch).
+flags that choose them are in ``common.cli`` (no torch).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, TensorDataset
 
-from common.data import MNIST_MEAN, MNIST_STD, get_dataset
+from common.data.datasets import MNIST_MEAN, MNIST_STD, get_dataset
 from common.errors import UserError
-from common.pipeline_flags import DATASETS, PIPELINES
+from common.cli import DATASETS, PIPELINES
 
 
 

@@ -1,7 +1,7 @@
 """The held-out evaluation every training script runs after an epoch: mean loss and accuracy.
 
     test_loss, accuracy = evaluate(model, test_loader, device, loss=F.nll_loss, precision=args.amp)
-    run.evaluated(test_loss, accuracy)                       # common.run.TrainingRun keeps it per epoch
+    run.evaluated(test_loss, accuracy)                       # common.train.run.TrainingRun keeps it per epoch
 
 One loop serves the image classifiers (Chapter 4's ``MnistNet`` returns log-probabilities, hence
 ``F.nll_loss``; Lab-01's models return logits, ``F.cross_entropy``) and Lab-04's character model,
@@ -20,8 +20,8 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from common import amp
-from common.distributed import all_reduce_sum
+from common.train import amp
+from common.runtime.distributed import all_reduce_sum
 
 __all__ = ["evaluate"]
 
@@ -33,7 +33,7 @@ def evaluate(model: torch.nn.Module, loader: Iterable, device: torch.device, *,
     """Mean loss and accuracy of ``model`` over ``(inputs, targets)`` batches, in eval mode.
 
     ``loss`` is called as ``loss(outputs, targets, reduction="sum")`` on float32 outputs (the
-    forward pass runs under :func:`common.amp.autocast` for ``precision``). ``max_batches`` stops
+    forward pass runs under :func:`common.train.amp.autocast` for ``precision``). ``max_batches`` stops
     after that many batches (``None``: all). ``across_ranks``: a collective; every rank must call it.
     """
     model.eval()

@@ -20,7 +20,7 @@ says in one line when they are missing (:func:`announce_bf16_emulation`).
 What "fp32" means on a GPU is a setting too. From Ampere on, PyTorch may run float32 matmuls and
 cuDNN convolutions on TF32 tensor cores (10-bit mantissa); its default is TF32 *on* for
 convolutions and off for matmuls, so a default "fp32" run is a hybrid. :func:`set_fp32_math`
-chooses one meaning for both (``common.device.resolve_device`` picks ``ieee``, real fp32, for every
+chooses one meaning for both (``common.runtime.device.resolve_device`` picks ``ieee``, real fp32, for every
 CUDA run of the course), and :func:`fp32_math` reads the setting in force, which every result
 record carries (``provenance.fp32_math``).
 """
@@ -71,8 +71,8 @@ def announce_bf16_emulation(precision: str, device: torch.device, cpuinfo: str |
     the run carries the same note (``common.results.make_record``), and the report lists it as a
     warning. ``cpuinfo`` is another machine's ``/proc/cpuinfo`` text (tests).
     """
-    from common.distributed import print0
-    from common.machine import bf16_emulation_note, cpu_description
+    from common.runtime.distributed import print0
+    from common.runtime.machine import bf16_emulation_note, cpu_description
 
     if precision not in ("bf16", "amp-bf16") or device.type != "cpu":
         return None
