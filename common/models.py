@@ -115,10 +115,6 @@ def add_image_model_args(parser: argparse.ArgumentParser, *, model: str, image_s
                         help="side of the square input images; mnist_cnn always takes 1x28x28 (default: %(default)s)")
 
 
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def parameter_digest(model: nn.Module, part: str = "all") -> str:
     """SHA-256 of a model's tensors, in order: equal digests mean bitwise-equal models.
 

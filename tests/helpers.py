@@ -106,14 +106,15 @@ def preempt_and_resume(script: str, argv: list[str], folder: Path, monkeypatch, 
 
     import torch
 
-    import common.train.run
+    import common.train.meter
 
     def run(name: str, *extra: str) -> int:
         return run_main(script, [*argv, "--results-dir", str(folder / name), "--checkpoint", str(folder / f"{name}.pt"),
                                  *extra])
 
     assert run("whole") == 0
-    monkeypatch.setattr(common.train.run, "StepTimer", signalling_timer(common.train.run.StepTimer, during_step=during_step))
+    timer = signalling_timer(common.train.meter.StepTimer, during_step=during_step)
+    monkeypatch.setattr(common.train.meter, "StepTimer", timer)
     assert run("cut") == 0
     monkeypatch.undo()
     out = capsys.readouterr().out

@@ -30,14 +30,14 @@ from helpers import load_script, signalling_timer  # noqa: E402
 
 
 def run_one(job: dict, rank: int, out: Path) -> int:
-    import common.train.run
+    import common.train.meter
     from common.errors import run_main
 
     module = load_script(job["script"])
     log = out / (f"{job['name']}.log" if rank == 0 else f"{job['name']}.rank{rank}.log")
-    original = common.train.run.StepTimer
+    original = common.train.meter.StepTimer
     if rank == 0 and job.get("signal_during_step") is not None:
-        common.train.run.StepTimer = signalling_timer(original, during_step=job["signal_during_step"])
+        common.train.meter.StepTimer = signalling_timer(original, during_step=job["signal_during_step"])
     try:
         with open(log, "w") as handle, contextlib.redirect_stdout(handle), contextlib.redirect_stderr(handle):
             try:
@@ -46,7 +46,7 @@ def run_one(job: dict, rank: int, out: Path) -> int:
                 return int(exit_.code or 0)
         return 0
     finally:
-        common.train.run.StepTimer = original
+        common.train.meter.StepTimer = original
 
 
 def main() -> int:

@@ -319,7 +319,7 @@ def test_script_parser_and_dry_run_caps_a_scripts_own_counts(capsys):
 
 
 def test_training_flags_are_the_ones_training_run_reads(capsys):
-    from common.train.run import add_training_args
+    from common.train.flags import add_training_args
 
     parser = cli.script_parser(None)
     add_training_args(parser)
@@ -409,13 +409,13 @@ def test_models_by_name():
     import torch
 
     from common.errors import UserError
-    from common.models import build_model, count_parameters, parameter_digest
+    from common.models import build_model, parameter_digest
 
     net = build_model("mnist_cnn", in_channels=1)
     assert net(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
     resnet = build_model("resnet18", num_classes=7)
     assert resnet.eval()(torch.zeros(1, 3, 32, 32)).shape == (1, 7)
-    assert count_parameters(net) == 1199882  # the pytorch/examples MNIST network
+    assert sum(p.numel() for p in net.parameters()) == 1199882  # the pytorch/examples MNIST network
     with pytest.raises(UserError, match="resnet18, resnet34"):
         build_model("resnet51")
     torch.manual_seed(0)
@@ -548,7 +548,8 @@ def test_checkpoint_is_atomic_and_stop_signal_sets_flag(tmp_path):
 
     import torch
 
-    from common.checkpoint.single_file import StopSignal, load_checkpoint, save_checkpoint
+    from common.checkpoint.single_file import load_checkpoint, save_checkpoint
+    from common.train.preemption import StopSignal
 
     path = save_checkpoint({"w": torch.arange(3)}, tmp_path / "c.pt")
     assert torch.equal(load_checkpoint(path)["w"], torch.arange(3))

@@ -113,9 +113,10 @@ def test_every_all_in_common_names_what_the_module_offers():
 
 
 def test_no_public_function_or_class_in_common_is_dead():
-    # A name defined in common and written nowhere else in the tree (scripts, tests, common) is dead.
-    # Builders registered by a decorator are used through the registry, so decorated ones count as used.
-    sources = {path: path.read_text(encoding="utf-8") for path in python_files(*TOP_LEVEL, "tests")}
+    # A name defined in common and used nowhere else in the course (scripts, bench, common) is dead: a
+    # use by the tests alone does not count. Builders registered by a decorator are used through the
+    # registry, so decorated ones count as used.
+    sources = {path: path.read_text(encoding="utf-8") for path in python_files(*TOP_LEVEL)}
     words = Counter(word for text in sources.values() for word in re.findall(r"\w+", text))
     dead = []
     for path in python_files("common"):
@@ -124,6 +125,49 @@ def test_no_public_function_or_class_in_common_is_dead():
                     and not node.decorator_list and words[node.name] < 2):
                 dead.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}")
     assert dead == []
+
+
+def common_dependencies(path: Path, root: Path = REPO) -> set[str]:
+    """The modules of ``common`` that ``path`` imports when it runs (``if TYPE_CHECKING:`` blocks are
+    types only), each named once: ``from common.x import y`` names ``common.x.y`` when y is a module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and ast.unparse(node.test).endswith("TYPE_CHECKING") for inner in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "common"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "common":
+            for alias in node.names:
+                sub = root.joinpath(*node.module.split("."), alias.name)
+                is_module = sub.with_suffix(".py").is_file() or (sub / "__init__.py").is_file()
+                found.add(f"{node.module}.{alias.name}" if is_module else node.module)
+    own = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+    return found - {own}
+
+
+#: The most modules of ``common`` one module of it may import: more means it does several jobs.
+MAX_COMMON_DEPENDENCIES = 6
+
+
+def test_no_module_of_common_depends_on_more_than_a_few_others():
+    counted = {str(path.relative_to(REPO)): sorted(common_dependencies(path)) for path in python_files("common")}
+    over = {path: names for path, names in counted.items() if len(names) > MAX_COMMON_DEPENDENCIES}
+    assert over == {}
+
+
+def test_dependencies_are_counted_once_each_and_types_only_imports_are_not(tmp_path):
+    (tmp_path / "common" / "train").mkdir(parents=True)
+    for name in ("units.py", "errors.py", "train/meter.py"):
+        (tmp_path / "common" / name).write_text("", encoding="utf-8")
+    module = tmp_path / "common" / "train" / "run.py"
+    module.write_text("from typing import TYPE_CHECKING\nfrom common import units, errors\n"
+                      "from common.train import meter\nfrom common.cli import a, b\nimport common.results\n"
+                      "if TYPE_CHECKING:\n    from common.models import Net\n", encoding="utf-8")
+    assert common_dependencies(module, root=tmp_path) == {"common.units", "common.errors", "common.train.meter",
+                                                          "common.cli", "common.results"}
 
 
 def test_code_cites_only_documents_in_this_repository():

@@ -13,7 +13,7 @@ import argparse
 from common.train import amp
 from common.cli import positive_float, positive_int
 from common.data.datasets import DATASETS, RESIDENT_CHOICES, RESIDENT_SHARE
-from common.train.run import add_training_args
+from common.train.flags import add_training_args
 
 #: Settings a resumed run must share with the run that wrote the checkpoint (more --epochs is fine).
 RESUME_SETTINGS = ("dataset", "model", "batch_size", "seed", "amp", "max_steps")
@@ -36,7 +36,7 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 def add_mnist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Those of :func:`add_data_args`, the optimiser and precision flags, then those of
-    :func:`common.train.run.add_training_args`."""
+    :func:`common.train.flags.add_training_args`."""
     group = add_data_args(parser)
     group.add_argument("--lr", type=positive_float, default=1.0, help="Adadelta learning rate (default: %(default)s)")
     group.add_argument("--gamma", type=positive_float, default=0.7,

@@ -47,7 +47,8 @@ from common.runtime.device import seed_everything
 from common.errors import run_main
 from common.train.evaluation import evaluate
 from common.models import build_model
-from common.train.run import TrainingRun, add_checkpoint_args
+from common.train.flags import add_checkpoint_args
+from common.train.run import TrainingRun
 from chapters.ch04_deep_learning.ch04_shared import RESUME_SETTINGS, add_mnist_args
 
 SCRIPT = "chapters/ch04_deep_learning/mnist_training.py"
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         splits = get_dataset(args.dataset, args.data_dir, image_size=28, channels=1, seed=args.seed)  # MNIST-shaped
         model = build_model(args.model, num_classes=splits.num_classes, in_channels=splits.input_shape[0]).to(device)
         resident = resident_device(args.data_on_device, [splits.train, splits.test], device)  # whole set on the GPU?
-        train_loader, _ = make_loader(splits.train, args.batch_size, shuffle=True, num_workers=args.num_workers,
+        train_loader, sampler = make_loader(splits.train, args.batch_size, shuffle=True, num_workers=args.num_workers,
                                       pin_memory=device.type == "cuda", seed=args.seed, resident_on=resident)
         test_loader, _ = make_loader(splits.test, args.test_batch_size, shuffle=False, num_workers=args.num_workers,
                                      resident_on=resident)
@@ -101,10 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         run.print(f"batches: {loader_line(train_loader)}")
 
         run.track(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-        for _epoch in run.epochs(train_loader):  # the epoch's shuffle is seeded from its number
+        for epoch in run.epochs():
+            sampler.set_epoch(epoch)  # a new order each epoch, from the seed and the epoch alone (on every rank)
             train(model, device, train_loader, optimizer, args, scaler, run)
             run.evaluated(*evaluate(model, test_loader, device, loss=F.nll_loss, precision=args.amp))
             scheduler.step()
+            run.save_checkpoint()  # with --checkpoint: after every epoch (and on SIGUSR1/SIGTERM)
         record = run.finish(config=splits.describe())
         if args.save_model:
             torch.save(model.state_dict(), record.with_suffix(".pt"))

@@ -33,7 +33,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import Subset
+from torch.utils.data import DistributedSampler, Subset
 
 from common.train import amp
 from common.cli import add_common_args, script_parser
@@ -42,7 +42,9 @@ from common.runtime.device import seed_everything
 from common.errors import run_main
 from common.train.evaluation import evaluate
 from common.models import build_model
-from common.train.run import TrainingRun, add_checkpoint_args
+from common.checkpoint.single_file import save_checkpoint
+from common.train.flags import add_checkpoint_args
+from common.train.run import TrainingRun
 from chapters.ch04_deep_learning.ch04_shared import RESUME_SETTINGS, add_mnist_args
 
 SCRIPT = "chapters/ch04_deep_learning/multi_gpu_ddp.py"
@@ -87,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         seed_everything(args.seed + run.rank)  # now each rank draws its own dropout masks
         # Each rank takes its own shard of every epoch; the test set is split between ranks too.
-        train_loader, _ = make_loader(splits.train, args.batch_size, shuffle=True, distributed=True,
+        sampler = DistributedSampler(splits.train, num_replicas=run.world_size, rank=run.rank, shuffle=True,
+                                     seed=args.seed)
+        train_loader, _ = make_loader(splits.train, args.batch_size, shuffle=True, sampler=sampler,
                                       num_workers=args.num_workers, pin_memory=device.type == "cuda", seed=args.seed,
                                       resident_on=resident)
         test_slice = Subset(splits.test, range(run.rank, len(splits.test), run.world_size))
@@ -101,11 +105,15 @@ def main(argv: list[str] | None = None) -> int:
         run.print(f"batches: {loader_line(train_loader)}")
 
         run.track(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-        for _epoch in run.epochs(train_loader):  # sampler.set_epoch(epoch): a new order each epoch, alike on every rank
+        for epoch in run.epochs():
+            sampler.set_epoch(epoch)  # a new order each epoch, from the seed and the epoch alone (on every rank)
             train(model, device, train_loader, optimizer, args, scaler, run)
             run.evaluated(*evaluate(model, test_loader, device, loss=F.nll_loss, precision=args.amp,
                                     across_ranks=True))  # each rank scored its slice: sums added over ranks
             scheduler.step()
+            state = run.checkpoint_state()  # model.module's weights, ...; every rank's random state (collective)
+            if run.is_main:  # the replicas are identical: rank 0 alone writes the one file
+                save_checkpoint(state, args.checkpoint)
         run.finish(config=splits.describe())  # every rank's memory and parameter hash; rank 0 writes
     return 0
 

@@ -66,7 +66,7 @@ def add_distributed_checkpoint_args(parser: argparse.ArgumentParser, *, default_
     group.add_argument("--async-checkpoint", action="store_true",
                        help="save with dcp.async_save: training continues while a background thread writes "
                             "(default: off, the loop waits for the files)")
-    from common.train.run import add_determinism_arg
+    from common.train.flags import add_determinism_arg
 
     add_determinism_arg(group)
     return parser
@@ -110,9 +110,10 @@ class _Pickled:
 
 
 class DistributedCheckpointer:
-    """A :class:`common.train.run.Checkpointer` that writes with DCP from every rank (and reshards on load)."""
+    """A :class:`common.train.preemption.Checkpointer` that writes with DCP from every rank (and reshards on load)."""
 
     reshards = True
+    every_rank_writes = True
 
     def __init__(self, directory: str | Path, *, async_save: bool = False, keep: int = 2) -> None:
         self.path = Path(directory)

@@ -1,20 +1,16 @@
-"""Checkpoints written atomically, and a flag that Slurm's pre-emption signal raises.
+"""Checkpoints written atomically, with the random state that makes a resumed run repeat an unbroken one.
 
 A job killed while writing ``checkpoint.pt`` must not leave a truncated file that the requeued job
 then fails to load: :func:`save_checkpoint` writes through :func:`common.atomic.atomic_path`
 (a temporary file beside it, fsync, rename over the old one).
 
-:class:`StopSignal` catches ``SIGUSR1`` (what ``#SBATCH --signal=B:USR1@120`` sends before the time
-limit) and ``SIGTERM`` (what ``scancel`` and pre-emption send); the training loop polls
-``stop.requested`` between steps, saves, and exits cleanly instead of being killed mid-step.
+The stop signal and the resume policy that use them are :mod:`common.train.preemption`.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
@@ -62,32 +58,6 @@ def check_same_settings(state: dict[str, Any], settings: dict[str, Any], path: s
     if differ:
         raise UserError(f"{path} was written with other settings ({'; '.join(differ)}); "
                         "resume with the same settings or start fresh without --resume")
-
-
-class StopSignal:
-    """Sets ``requested`` when one of ``signals`` arrives (installed by :meth:`install`)."""
-
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGUSR1, signal.SIGTERM)) -> None:
-        self.signals = signals
-        self.requested: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handler(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = signum
-
-    def install(self) -> "StopSignal":
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handler)
-        return self
-
-    def restore(self) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
-
-    @property
-    def name(self) -> str | None:
-        return signal.Signals(self.requested).name if self.requested else None
 
 
 def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:

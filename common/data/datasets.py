@@ -234,23 +234,23 @@ def get_dataset(name: str, data_dir: str | Path = "data", *, image_size: int | N
     raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
 
 
-def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool, distributed: bool = False,
+def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool, sampler: Sampler[int] | None = None,
                 num_workers: int = 0, pin_memory: bool = False, seed: int = 0, drop_last: bool = False,
                 resident_on: torch.device | None = None,
-                **loader_kwargs: Any) -> tuple[DataLoader | ResidentBatches, DistributedSampler | None]:
-    """A DataLoader, with a ``DistributedSampler`` when the run is distributed.
+                **loader_kwargs: Any) -> tuple[DataLoader | ResidentBatches, Sampler[int] | None]:
+    """A DataLoader and its sampler (``sampler``: a ``DistributedSampler`` the caller made, say).
 
-    The sampler is returned so the training loop can call ``sampler.set_epoch(epoch)``: without it
-    every epoch sees the same order on every rank. A shuffled order depends only on ``seed`` and
-    the epoch, never on ``num_workers`` (a DataLoader with persistent workers would otherwise draw
-    another order from the second epoch on, and a resumed run would not repeat an unbroken one).
+    Shuffled without a ``sampler``: a one-replica ``DistributedSampler``, so the order is the same
+    epoch-seeded permutation whatever the workers do. Either way the training loop calls
+    ``sampler.set_epoch(epoch)`` before each epoch: a shuffled order then depends only on ``seed``
+    and the epoch, never on ``num_workers`` (a DataLoader with persistent workers would otherwise
+    draw another order from the second epoch on, and a resumed run would not repeat an unbroken one).
 
     ``resident_on``: keep the whole data set in that device's memory and cut the batches there
     (:class:`ResidentBatches`, the same batches in the same order; no workers, no copies per step).
     """
-    # One replica when not distributed: the same epoch-seeded permutation, whatever the workers do.
-    sampler = DistributedSampler(dataset, num_replicas=None if distributed else 1, rank=None if distributed else 0,
-                                 shuffle=shuffle, seed=seed, drop_last=drop_last) if distributed or shuffle else None
+    if sampler is None and shuffle:
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=drop_last)
     if resident_on is not None:
         return ResidentBatches(dataset, batch_size, resident_on, sampler=sampler, drop_last=drop_last), sampler
     if num_workers > 0:
@@ -260,7 +260,7 @@ def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool, distributed
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                         pin_memory=pin_memory, drop_last=drop_last, generator=torch.Generator().manual_seed(seed),
                         **loader_kwargs)
-    return loader, sampler if distributed else None
+    return loader, sampler
 
 
 def _tensors_of(dataset: Dataset) -> list[torch.Tensor] | None:
@@ -318,7 +318,6 @@ class ResidentBatches:
         self.tensors = [tensor.to(device) for tensor in tensors]
         self.dataset, self.batch_size, self.device = dataset, batch_size, device
         self.sampler, self.drop_last = sampler, drop_last
-        self.batch_sampler = None  # what set_loader_epoch looks at: the sampler's set_epoch does it
 
     def __len__(self) -> int:
         count = len(self.sampler) if self.sampler is not None else len(self.tensors[0])  # type: ignore[arg-type]
@@ -348,22 +347,6 @@ def loader_line(loader: Any) -> str:
     if facts["kind"] == "resident":
         return f"whole data set in {facts['device']} memory"
     return f"DataLoader, {facts['num_workers']} worker(s){', pinned memory' if facts['pin_memory'] else ''}"
-
-
-def set_loader_epoch(loader: DataLoader, epoch: int, seed: int) -> None:
-    """Seed this epoch's shuffle from its number alone, whatever the loader's sampler.
-
-    ``DistributedSampler`` and :class:`GlobalBatchSampler` take ``set_epoch``; a plain shuffled
-    loader's generator is reseeded with ``seed + epoch``. Every rank, and a run resumed from a
-    checkpoint, then sees the same order as an unbroken run (without it, every epoch of a
-    ``DistributedSampler`` repeats the first epoch's order).
-    """
-    for sampler in (loader.sampler, loader.batch_sampler):
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-            return
-    if loader.generator is not None:
-        loader.generator.manual_seed(seed + epoch)
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -456,11 +439,6 @@ def encode_text(text: str) -> torch.Tensor:
     for index, char in enumerate(TEXT_ALPHABET):
         table[ord(char)] = index
     return torch.from_numpy(table[raw].copy())
-
-
-def decode_text(ids: torch.Tensor) -> str:
-    """Ids -> characters (``\ufffd`` for UNKNOWN and the padding ids): for printing samples."""
-    return "".join(TEXT_ALPHABET[i] if i < len(TEXT_ALPHABET) else "\ufffd" for i in ids.tolist())
 
 
 def stdlib_sources(modules: tuple[str, ...] = STDLIB_TEXT_MODULES) -> tuple[dict[str, str], list[str]]:

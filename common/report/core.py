@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from common.report.checks import DDP_MIN_EFFICIENCY, Finding, is_ddp, missing_baselines
+from common.report.checks import DDP_MIN_EFFICIENCY, Finding, is_ddp, missing_baselines, mixed_machines, out_of_range
 from common.report.runs import BASELINE_METHOD, SUMMARY_METRICS, get, number
 from common.report.sections import (
     LABS_WITHOUT_SCALING, MISSING, Cell, Column, Row, Section, Table, fmt_int, fmt_memory, fmt_number,
@@ -18,7 +18,9 @@ from common.report.sections import (
 MAX_EXTRA_METRICS = 14
 
 
-def warnings_section(unreadable: list[tuple[str, str]], findings: list[Finding]) -> Section:
+def warnings_section(unreadable: list[tuple[str, str]], runs: pd.DataFrame, problems: list[Finding]) -> Section:
+    """Files skipped, runs from mixed machines or out of their expected range, sections that failed."""
+    findings = mixed_machines(runs) + out_of_range(runs) + problems
     items = [f"skipped {name}: {reason}" for name, reason in unreadable]
     items += [f"{finding.subject}: {finding.message}" for finding in findings]
     paragraphs = [] if items else [

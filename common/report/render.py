@@ -9,16 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
-import pandas as pd
 
 from common.atomic import write_text_atomic
 from common.errors import UserError
 from common.report import core
-from common.report.checks import Finding, mixed_machines, out_of_range
 from common.report.runs import configurations_frame, csv_frame, runs_frame
-from common.report.sections import (
-    Section, SectionContext, lab_section_builders, load_builtin_lab_sections,
-)
+from common.report.sections import Section, lab_sections
 from common.results import load_records
 
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
@@ -42,27 +38,6 @@ def _environment() -> jinja2.Environment:
     # autoescape=True for every template whatever its file name: record fields are untrusted text.
     return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES_DIR), autoescape=True,
                               undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-
-
-def lab_sections(runs: pd.DataFrame, results_dir: Path, plots: bool) -> tuple[list[Section], list[Finding]]:
-    """Sections registered for the labs present; a section that fails becomes a warning, not a crash."""
-    problems = [Finding(f"section module {module}", f"could not be imported: {error}")
-                for module, error in load_builtin_lab_sections()]
-    sections: list[Section] = []
-    for lab in sorted(runs["lab"].dropna().unique()):
-        lab_runs = runs[runs["lab"] == lab].reset_index(drop=True)
-        for builder in lab_section_builders(lab):
-            context = SectionContext(runs=lab_runs, all_runs=runs, results_dir=results_dir, plots=plots)
-            try:
-                result = builder(context)
-            except Exception as err:  # one lab's section must not cost the whole report
-                problems.append(Finding(f"section {builder.__name__} of {lab}",
-                                        f"could not be built: {type(err).__name__}: {err}"))
-                continue
-            if isinstance(result, Section):
-                result = [result]
-            sections.extend(result or [])
-    return sections, problems
 
 
 def relative_name(path: Path, results_dir: Path) -> str:
@@ -131,13 +106,12 @@ def build_report(
 
     runs = runs_frame(loaded.records, folder)
     configs = configurations_frame(runs)
-    findings = mixed_machines(runs) + out_of_range(runs)
     extra_sections, section_problems = lab_sections(runs, folder, plots)
     for problem in section_problems:
         print(f"warning: {problem.subject}: {problem.message}", file=sys.stderr)
-    findings += section_problems
 
-    sections = [core.warnings_section(skipped, findings), core.summary_section(runs)]
+    warned = core.warnings_section(skipped, runs, section_problems)  # its items: every warning, one line each
+    sections = [warned, core.summary_section(runs)]
     sections.append(core.configurations_section(configs))
     sections.append(core.plots_section(configs) if plots else None)
     sections += extra_sections
@@ -148,7 +122,7 @@ def build_report(
     machines = runs["machine"].nunique()
     labs = runs["lab"].nunique()
     facts = [f"{_plural(len(runs), 'run')} from {_plural(labs, 'lab')} on {_plural(machines, 'machine')}",
-             _plural(len(skipped), "file") + " skipped", _plural(len(skipped) + len(findings), "warning")]
+             _plural(len(skipped), "file") + " skipped", _plural(len(warned.items), "warning")]
     if not plots:
         facts.append("plots not generated (--no-plots)")
     html = _environment().get_template(TEMPLATE).render(
@@ -163,7 +137,5 @@ def build_report(
         write_text_atomic(html, report_path)
     except OSError as err:
         raise UserError(f"cannot write the report: {err}") from None
-    warnings = [f"skipped {name}: {reason}" for name, reason in skipped]
-    warnings += [f"{f.subject}: {f.message}" for f in findings]
     return ReportOutcome(report_path=report_path, csv_path=csv_out, runs=len(runs), skipped=skipped,
-                         warnings=warnings, labs=sorted(runs["lab"].unique()))
+                         warnings=list(warned.items), labs=sorted(runs["lab"].unique()))

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import pandas as pd
 
+from common.report.checks import Finding
 from common.units import byte_unit, format_bytes
 
 MISSING = "—"
@@ -252,3 +253,24 @@ def table_from_frame(
     if row_id_column and row_id_column in frame.columns:
         row_ids = [fmt_text(value) for value in frame[row_id_column]]
     return Table(columns=headers, rows=rows, id=id, caption=caption, row_ids=row_ids)
+
+
+def lab_sections(runs: pd.DataFrame, results_dir: Path, plots: bool) -> tuple[list[Section], list[Finding]]:
+    """Sections registered for the labs present; a section that fails becomes a warning, not a crash."""
+    problems = [Finding(f"section module {module}", f"could not be imported: {error}")
+                for module, error in load_builtin_lab_sections()]
+    sections: list[Section] = []
+    for lab in sorted(runs["lab"].dropna().unique()):
+        lab_runs = runs[runs["lab"] == lab].reset_index(drop=True)
+        for builder in lab_section_builders(lab):
+            context = SectionContext(runs=lab_runs, all_runs=runs, results_dir=results_dir, plots=plots)
+            try:
+                result = builder(context)
+            except Exception as err:  # one lab's section must not cost the whole report
+                problems.append(Finding(f"section {builder.__name__} of {lab}",
+                                        f"could not be built: {type(err).__name__}: {err}"))
+                continue
+            if isinstance(result, Section):
+                result = [result]
+            sections.extend(result or [])
+    return sections, problems

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common.runtime.device import resolve_device, set_device
+from common.runtime.device import configure_threads, describe, resolve_device, set_device, use_deterministic_algorithms
 from common.runtime.launch import LaunchInfo, detect_launch, free_port, gpus_bound_per_task, local_world_size, rank_tag
 
 __all__ = [
-    "DistContext", "backend_for", "init_distributed", "teardown_distributed", "ddp_buffer_sync", "print0",
-    "print_rank", "all_reduce_sum", "all_reduce_mean", "all_reduce_max", "any_rank", "gather_objects",
+    "DistContext", "backend_for", "init_distributed", "open_process", "teardown_distributed", "ddp_buffer_sync",
+    "print0", "print_rank", "all_reduce_sum", "all_reduce_mean", "all_reduce_max", "any_rank", "gather_objects",
     "MODULES_BINDING_THE_WORLD_GROUP",
 ]
 
@@ -47,6 +47,7 @@ class DistContext:
     backend: str | None = None
     owns_group: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    threads: int = 0  # CPU threads this process computes with (set by open_process)
 
     @property
     def rank(self) -> int:
@@ -67,6 +68,13 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.launch.rank == 0
+
+    def line(self, *, distributed: bool) -> str:
+        """One line for the start of a run: processes, backend, device, threads."""
+        if not distributed:
+            return f"device {describe(self.device)} | threads {self.threads}"
+        return (f"{self.world_size} process(es), backend {self.backend}, launcher {self.launch.launcher} | "
+                f"device {describe(self.device)} (rank 0) | threads {self.threads}")
 
     def describe(self) -> dict[str, Any]:
         """Provenance for result records."""
@@ -130,6 +138,23 @@ def init_distributed(device_name: str = "auto", *, force_process_group: bool = F
                         launch.node_rank, addr, port)
     return DistContext(launch=launch, device=device, backend=backend, owns_group=True,
                        extra={"environment_set": added})
+
+
+def open_process(device_name: str, *, distributed: bool, deterministic: bool = False) -> DistContext:
+    """Where this process computes: CPU threads from the allocation, its device, and with
+    ``distributed`` the process group (a plain ``python`` run gets a one-process group, so a DDP
+    script runs unchanged outside a launcher). Without ``distributed`` no group is created, whatever
+    launched the process. ``deterministic``: deterministic GPU algorithms."""
+    threads = configure_threads()
+    if distributed:
+        ctx = init_distributed(device_name, force_process_group=True)
+        print_rank(f"device {describe(ctx.device)}")
+    else:
+        ctx = DistContext(launch=LaunchInfo("single", 0, 0, 1, 0, None, None), device=resolve_device(device_name))
+    if deterministic:
+        use_deterministic_algorithms(ctx.device)
+    ctx.threads = threads
+    return ctx
 
 
 def teardown_distributed(ctx: DistContext | None) -> None:

@@ -1,1 +1,1 @@
-"""The training loop's plumbing: TrainingRun (epochs, resume, stop, records), mixed precision, evaluation, CUDA-graph capture."""
+"""The training loop's plumbing: TrainingRun and its collaborators (flags, pre-emption, progress, meter, record), mixed precision, evaluation, CUDA-graph capture."""

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{tuple(splits.input_shape)} train={len(splits.train)} | global batch {args.batch_size}")
 
         run.track(model=model, optimizer=optimizer)
-        for _epoch in run.epochs(train_loader):
+        for epoch in run.epochs():
+            train_loader.batch_sampler.set_epoch(epoch)  # the epoch's order: the same in 02, 03 and 04, on every rank
             train(model, device, train_loader, optimizer, run)
             run.evaluated(*evaluate(model, test_loader, device, max_batches=args.max_steps))
         record = run.finish(config=splits.describe())

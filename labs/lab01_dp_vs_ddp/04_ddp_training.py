@@ -53,7 +53,9 @@ from common.runtime.distributed import ddp_buffer_sync
 from common.errors import run_main
 from common.train.evaluation import evaluate
 from common.models import build_model
-from common.train.run import TrainingRun, add_checkpoint_args
+from common.checkpoint.single_file import save_checkpoint
+from common.train.flags import add_checkpoint_args
+from common.train.run import TrainingRun
 from labs.lab01_dp_vs_ddp.lab01_shared import LAB, add_lab_args, lab_data
 
 SCRIPT = "labs/lab01_dp_vs_ddp/04_ddp_training.py"
@@ -136,10 +138,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"process(es) x {args.accumulation_steps} micro-batch(es) | precision {args.amp}")
 
         run.track(model=model, optimizer=optimizer, scaler=scaler)
-        for _epoch in run.epochs(train_loader):
+        for epoch in run.epochs():
+            train_loader.batch_sampler.set_epoch(epoch)  # the epoch's order: the same in 02, 03 and 04, on every rank
             train(model, device, train_loader, optimizer, args, scaler, run)
             run.evaluated(*evaluate(model, test_loader, device, precision=args.amp, max_batches=args.max_steps,
                                     across_ranks=True))  # each rank scored its slice: sums added over ranks
+            state = run.checkpoint_state()  # model.module's weights, ...; every rank's random state (collective)
+            if run.is_main:  # the replicas are identical: rank 0 alone writes the one file
+                save_checkpoint(state, args.checkpoint)
         run.finish(config={**splits.describe(), "per_process_batch_size": args.batch_size})
     return 0
 

@@ -23,7 +23,7 @@ from typing import Sequence
 from common.cli import positive_float, positive_int
 from common.data.datasets import DATASETS, DataSplits, get_dataset
 from common.errors import UserError
-from common.train.run import add_training_args
+from common.train.flags import add_training_args
 
 LAB = "lab01"
 
@@ -34,7 +34,7 @@ LAB = "lab01"
 
 def add_lab_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The model, data and optimiser flags of scripts 02, 03 and 04 (same names, same defaults), then
-    those of :func:`common.train.run.add_training_args`."""
+    those of :func:`common.train.flags.add_training_args`."""
     group = parser.add_argument_group("model and data (same in 02, 03 and 04)")
     group.add_argument("--model", default="resnet50",
                        help="torchvision model name, or plain_cnn (no BatchNorm: the three methods then agree "

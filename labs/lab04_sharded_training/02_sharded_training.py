@@ -48,7 +48,8 @@ from common.runtime.distributed import gather_objects
 from common.errors import UserError, run_main
 from common.train.evaluation import evaluate
 from common.models import transformer_parameter_count
-from common.train.run import TrainingRun, add_training_args
+from common.train.flags import add_training_args
+from common.train.run import TrainingRun
 from common.checkpoint.sharded import DistributedCheckpointer, add_distributed_checkpoint_args
 from common.units import format_bytes
 from labs.lab04_sharded_training.lab04_shared import (
@@ -160,11 +161,13 @@ def main(argv: list[str] | None = None) -> int:
 
         run.track(model=model, optimizer=optimizer)
         resumed_at_step = run.progress.steps or None  # optimiser steps the checkpoint had taken (None: fresh)
-        for _epoch in run.epochs(train_loader):
+        for epoch in run.epochs():
+            train_loader.batch_sampler.set_epoch(epoch)  # the same global batches whatever the number of ranks
             train(model, train_loader, optimizer, args, run)
             # Next-character loss and accuracy; every rank runs --eval-steps batches (FSDP2's forward is collective).
             run.evaluated(*evaluate(model, validation_loader, device, max_batches=args.eval_steps,
                                     across_ranks=True))
+            run.save_checkpoint()  # DCP: every rank writes its shards
         checkpointer.wait()  # an asynchronous save may still be writing: its timing belongs in the record
         held = gather_objects({**tensor_bytes(model, optimizer), "rank": run.rank})
         for entry in held:
@@ -172,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{format_bytes(entry['parameters'])}, gradients {format_bytes(entry['gradients'])}, "
                       f"AdamW state {format_bytes(entry['optimizer'])}")
         # How far from the hardware: the model's FLOPs per second against the GPU's dense peak.
-        speed = throughput(shape, run.timer.summary()["samples_per_s"], device, args.mixed_precision, run.world_size)
+        rate = run.meter.timer.summary()["samples_per_s"]
+        speed = throughput(shape, rate, device, args.mixed_precision, run.world_size)
         run.print(describe_throughput(speed))
         run.finish(config={**splits.describe(), **shape.describe(), "accumulation_steps": args.accumulation_steps},
                    metrics={"tensor_bytes": held, "checkpoint_saves": checkpointer.timings,

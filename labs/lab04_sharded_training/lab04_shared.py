@@ -159,11 +159,6 @@ def apply_strategy(model: nn.Module, strategy: str, device: torch.device, *, pre
     return model
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The transformer inside a DDP wrapper (FSDP2 wraps in place: the model is the transformer)."""
-    return getattr(model, "module", model)
-
-
 def language_model_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of predicting each next character; computed in fp32 whatever the model's dtype."""
     logits = model(tokens)

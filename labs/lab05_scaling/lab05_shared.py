@@ -117,11 +117,6 @@ def parse_collectives(text: str) -> list[str]:
 _CHANNEL = re.compile(r"Channel \d+(?:/\d+)?\s*:.*?\bvia (?P<via>\S+)")
 _NETWORK = re.compile(r"Using network (?P<net>\S+)")
 _PATTERN = re.compile(r"Pattern \d+, crossNic \d+, nChannels \d+.*?type (?P<intra>\w+)/(?P<inter>\w+)")
-#: What the graph types in NCCL's "Pattern ... type X/Y" lines mean.
-PATH_TYPES = {"NVL": "NVLink", "NVB": "NVLink through another GPU", "C2C": "NVLink-C2C", "PIX": "PCIe (one switch)",
-              "PXB": "PCIe (several switches)", "PXN": "PCIe through another GPU's NIC",
-              "PHB": "PCIe through the CPU's host bridge", "SYS": "across CPU sockets (QPI/UPI/Infinity Fabric)",
-              "NET": "the network", "LOC": "local"}
 
 
 def nccl_debug_environment(folder: Path, env: Mapping[str, str] | None = None) -> dict[str, str]:

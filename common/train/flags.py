@@ -1,0 +1,78 @@
+"""The flags every training script shares, and what they settle before a run starts.
+
+Each default is written once, here, in the parser: :class:`common.train.run.TrainingRun` and its
+helpers read ``args`` and never repeat a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from common.cli import apply_dry_run, non_negative_int, output_file, positive_int
+from common.errors import UserError
+
+__all__ = ["add_checkpoint_args", "add_determinism_arg", "add_training_args", "settle"]
+
+
+def add_determinism_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--deterministic``: on a GPU, deterministic algorithms, so runs (and resumed runs) repeat bitwise.
+
+    Adding it twice (a lab's flags and the checkpoint flags both offer it) is harmless.
+    """
+    if "--deterministic" in parser._option_string_actions:
+        return
+    parser.add_argument("--deterministic", action="store_true",
+                        help="GPU only: deterministic cuDNN/cuBLAS algorithms, so a run and its resumed twin "
+                             "end bitwise equal (a little slower; CPU runs are deterministic anyway) (default: off)")
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The flags :class:`~common.train.run.TrainingRun` reads: ``--log-interval --warmup-steps
+    --record-steps --deterministic``. Every training script takes them, with the same names, meaning
+    and defaults."""
+    group = parser.add_argument_group("progress, timing and the record (common.train.run.TrainingRun)")
+    group.add_argument("--log-interval", type=positive_int, default=10,
+                       help="steps between loss lines (default: %(default)s)")
+    group.add_argument("--warmup-steps", type=non_negative_int, default=2,
+                       help="steps left out of the timing (default: %(default)s)")
+    group.add_argument("--record-steps", type=non_negative_int, default=200,
+                       help="how many of the first optimiser steps keep their loss in the record "
+                            "(metrics.loss_at_step) (default: %(default)s)")
+    add_determinism_arg(group)
+    return group
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser, *, always: bool = False) -> argparse.ArgumentParser:
+    """``--checkpoint PATH`` and ``--resume``.
+
+    ``always=True`` (the DDP scripts): without ``--checkpoint`` the run still checkpoints, to
+    ``RESULTS_DIR/checkpoints/<script>.pt``, so a requeued job can resume. Otherwise a run without
+    ``--checkpoint`` saves nothing and signals end it as usual.
+    """
+    group = parser.add_argument_group("checkpoint and resume (pre-emption safe)")
+    default_text = "RESULTS_DIR/checkpoints/<script name>.pt" if always else "none: nothing is saved"
+    group.add_argument("--checkpoint", type=output_file, default=None,
+                       help="save here after every epoch and on SIGUSR1/SIGTERM, then exit 0 "
+                            f"(default: {default_text})")
+    group.add_argument("--resume", action="store_true",
+                       help="continue from --checkpoint when it exists (default: start fresh)")
+    add_determinism_arg(group)
+    return parser
+
+
+def settle(args: argparse.Namespace, script: str, *, distributed: bool) -> Path | None:
+    """Apply ``--dry-run`` and choose the checkpoint file; returns it (``None``: nothing is saved).
+
+    A distributed script (``add_checkpoint_args(always=True)``) checkpoints even without
+    ``--checkpoint``, to ``RESULTS_DIR/checkpoints/<script>.pt``, written back into ``args`` so the
+    record shows it.
+    """
+    apply_dry_run(args)  # --dry-run: one epoch of at most two steps
+    if not hasattr(args, "checkpoint"):
+        return None
+    if args.checkpoint is None and distributed:
+        args.checkpoint = output_file(str(Path(args.results_dir) / "checkpoints" / f"{Path(script).stem}.pt"))
+    if args.resume and args.checkpoint is None:
+        raise UserError("--resume needs --checkpoint PATH (the file to continue from)")
+    return args.checkpoint

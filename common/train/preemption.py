@@ -1,0 +1,180 @@
+"""Surviving the end of an allocation: stop on a signal, save, and resume where the run stopped.
+
+:class:`StopSignal` catches ``SIGUSR1`` (what ``#SBATCH --signal=B:USR1@120`` sends before the time
+limit) and ``SIGTERM`` (what ``scancel`` and pre-emption send). :class:`Preemption` is the policy a
+:class:`~common.train.run.TrainingRun` follows: with a checkpoint, a signal only sets a flag; before
+each step every rank is asked (a rank that stopped alone would leave the others waiting in an
+all-reduce), all stop at the same step (:class:`Preempted`), the checkpoint is saved and the job
+exits 0 so it can be requeued. Without a checkpoint, signals act as usual.
+
+A checkpoint is kept by a :class:`Checkpointer`: :class:`TorchCheckpointer` (one file, rank 0
+writes it) or a checkpointer that writes from every rank (PyTorch Distributed Checkpoint, Lab-04's
+:class:`common.checkpoint.sharded.DistributedCheckpointer`), through the same three methods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+from types import FrameType
+from typing import Any, Iterable, Protocol
+
+import torch
+from torch import nn
+
+from common.checkpoint.single_file import (capture_rng_state, check_same_settings, load_checkpoint,
+                                           restore_rng_state, save_checkpoint)
+from common.cli import config_dict
+from common.errors import UserError
+from common.runtime.distributed import any_rank, gather_objects, print0
+from common.train.progress import Progress
+
+__all__ = ["StopSignal", "Preempted", "Checkpointer", "TorchCheckpointer", "Preemption", "unwrap"]
+
+
+class StopSignal:
+    """Sets ``requested`` when one of ``signals`` arrives (installed by :meth:`install`)."""
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGUSR1, signal.SIGTERM)) -> None:
+        self.signals = signals
+        self.requested: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = signum
+
+    def install(self) -> "StopSignal":
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.requested).name if self.requested else None
+
+
+class Preempted(Exception):
+    """Raised before ``step`` when every rank has agreed to stop."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"stopped before step {step}")
+        self.step = step
+
+
+class Checkpointer(Protocol):
+    """Where and how a run's checkpoint is kept (see :class:`TorchCheckpointer`).
+
+    ``save`` and ``read`` are called on every rank; ``every_rank_writes`` says whether ``save``
+    writes from every rank (sharded state) or only rank 0 needs it (replicas). ``reshards``: a
+    checkpoint may be resumed with another number of processes (the per-rank random state is then
+    not restored). A checkpointer may also have ``close()``, called on every rank when the run
+    ends, before the process group goes (an asynchronous save still writing needs it).
+    """
+
+    path: Path
+    reshards: bool
+    every_rank_writes: bool
+
+    def save(self, state: dict[str, Any], tracked: dict[str, Any]) -> None: ...
+
+    def read(self) -> dict[str, Any] | None: ...
+
+    def restore(self, tracked: dict[str, Any]) -> None: ...
+
+
+class TorchCheckpointer:
+    """One ``torch.save`` file, written atomically by rank 0 (the tracked objects are replicas)."""
+
+    reshards = False
+    every_rank_writes = False
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._loaded: dict[str, Any] | None = None
+
+    def save(self, state: dict[str, Any], tracked: dict[str, Any]) -> None:
+        """Rank 0 calls it: the replicas are identical, one file holds them."""
+        save_checkpoint({**{name: obj.state_dict() for name, obj in tracked.items()}, **state}, self.path)
+
+    def read(self) -> dict[str, Any] | None:
+        self._loaded = load_checkpoint(self.path)
+        return self._loaded
+
+    def restore(self, tracked: dict[str, Any]) -> None:
+        assert self._loaded is not None, "read() first"
+        for name, obj in tracked.items():
+            obj.load_state_dict(self._loaded[name])
+
+
+def unwrap(model: Any) -> Any:
+    """The model inside DistributedDataParallel/DataParallel (their state dicts prefix ``module.``)."""
+    return model.module if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else model
+
+
+class Preemption:
+    """The stop flag, the checkpoint and the resume of one run (every method is called on every rank)."""
+
+    def __init__(self, checkpointer: Checkpointer | None, args: argparse.Namespace,
+                 resume_settings: Iterable[str] = ()) -> None:
+        self.checkpointer, self.args = checkpointer, args
+        self.resume_settings = tuple(resume_settings)
+        self.signal = StopSignal()
+        self.tracked: dict[str, Any] = {}
+
+    def __enter__(self) -> "Preemption":
+        if self.checkpointer is not None:  # without a checkpoint there is nothing to save: signals act as usual
+            self.signal.install()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.signal.restore()
+        try:
+            close = getattr(self.checkpointer, "close", None)
+            if close is not None:  # e.g. an asynchronous save still writing: it needs the process group
+                close()
+        finally:
+            self.tracked.clear()  # the last references to the wrapped model and optimiser go before the group
+
+    def check(self, step: int, device: torch.device, *, across_ranks: bool) -> None:
+        """Raise :class:`Preempted` on every rank at once if any rank received the stop signal."""
+        stop = self.signal.requested is not None
+        if any_rank(stop, device) if across_ranks else stop:
+            raise Preempted(step)
+
+    def resume(self, objects: dict[str, Any], *, rank: int, world_size: int,
+               device: torch.device) -> tuple[int, int, Progress] | None:
+        """Track ``objects``; with ``--resume`` and a checkpoint, load them back and return where the
+        run stopped (epoch, step, progress). ``None``: starting fresh."""
+        self.tracked = {name: unwrap(obj) for name, obj in objects.items()}
+        if not getattr(self.args, "resume", False) or self.checkpointer is None:
+            return None
+        state = self.checkpointer.read()
+        path = self.checkpointer.path
+        if state is None:
+            print0(f"--resume: no checkpoint at {path} yet; starting fresh")
+            return None
+        missing = [key for key in (*self.tracked, "rng", "step", "progress") if key not in state]
+        if missing:
+            raise UserError(f"{path} lacks {', '.join(missing)} (written by another version of this script?); "
+                            "start fresh without --resume")
+        settings = {key: getattr(self.args, key) for key in self.resume_settings}
+        if not self.checkpointer.reshards:
+            settings["world_size"] = world_size
+        check_same_settings(state, settings, path)
+        self.checkpointer.restore(self.tracked)
+        if not self.checkpointer.reshards:  # every rank its own generators (dropout masks differ by rank)
+            restore_rng_state(state["rng"][rank], device)
+        return state["epoch"], state["step"], Progress.from_dict(state["progress"])
+
+    def state(self, epoch: int, step: int, progress: Progress, *, world_size: int,
+              device: torch.device) -> dict[str, Any]:
+        """The run's own part of a checkpoint: every rank's random generators (gathered: a collective,
+        so every rank calls it), where to continue, the progress and the settings."""
+        return {"rng": gather_objects(capture_rng_state(device)), "epoch": epoch, "step": step,
+                "progress": progress.as_dict(), "config": config_dict(self.args, world_size=world_size)}
