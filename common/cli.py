@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from common.runtime.cpus import default_num_workers
 
@@ -206,6 +206,31 @@ def apply_dry_run(args: argparse.Namespace, **at_most: int) -> argparse.Namespac
             value = getattr(args, name)
             setattr(args, name, most if value is None else min(value, most))
     return args
+
+
+def command_flags(parser: argparse.ArgumentParser, values: Mapping[str, Any]) -> list[str]:
+    """``values`` (destination -> value) as the command line that ``parser`` parses back into them.
+
+    For a script that runs another as a process (as a student would): its flags are written from the
+    target's own parser, so a renamed or removed flag is an error here, not a failed run later. An
+    on/off flag appears when its value is true (``--no-X`` for a false ``BooleanOptionalAction``); a
+    value of ``None`` leaves the flag out (its default applies).
+    """
+    actions = {action.dest: action for action in parser._actions if action.option_strings}
+    argv: list[str] = []
+    for dest, value in values.items():
+        action = actions.get(dest)
+        if action is None:
+            raise ValueError(f"{parser.prog} has no flag for {dest!r}")
+        flag = max(action.option_strings, key=len)  # the long form, as a student would type it
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if bool(value) != bool(action.default):
+                argv.append(flag)
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
 
 
 def config_dict(args: argparse.Namespace, **derived: Any) -> dict[str, Any]:

@@ -253,17 +253,27 @@ def test_a_larger_batch_adds_flops_not_kernels_and_moves_a_gpu_step_from_launch_
     assert regime(flops_at_64) == "launch-bound" and regime(flops_at_64 * 1024) == "compute-bound"
 
 
-def test_the_sweep_puts_the_graph_step_after_device_and_its_flags_make_a_graph_run():
+def test_every_command_the_sweep_generates_parses_into_the_settings_of_its_steps():
+    """Each step's command (its settings and every earlier step's) is what mnist_classify.py's parser
+    reads back; the graph step comes right after the device step."""
     sweep, train = load_script(f"{LAB}/sweep.py"), load_script(TRAIN)
-    args = sweep.build_parser().parse_args([])
+    args = sweep.build_parser().parse_args(["--include-compile", "--max-steps", "3", "--num-workers", "2"])
     path = sweep.optimisation_path(args)
     names = [step.name for step in path]
-    assert names[names.index("device") + 1] == "graph"
+    assert names[names.index("device") + 1] == "graph" and names[-1] == "compile"
     settings: dict = {}
-    for step in path[:names.index("graph") + 1]:
-        settings.update(step.flags)
-    parsed = train.build_parser().parse_args([*sweep.forwarded_flags(args), *sweep.command_line(settings)])
-    assert parsed.cuda_graph and parsed.pipeline == "device" and parsed.batch_size == 64 and not parsed.compile
+    for step in path:
+        settings.update(step.settings)
+        parsed = vars(train.build_parser().parse_args([*sweep.forwarded_flags(args), *sweep.command_line(settings)]))
+        assert {name: parsed[name] for name in settings} == settings, step.name
+        assert parsed["max_steps"] == 3 and parsed["device"] == args.device and parsed["seed"] == args.seed
+    assert settings["cuda_graph"] and settings["compile"] and settings["pipeline"] == "device"
+
+
+def test_a_setting_the_training_script_has_no_flag_for_is_refused_before_anything_runs():
+    sweep = load_script(f"{LAB}/sweep.py")
+    with pytest.raises(ValueError, match="no flag for 'pin_memry'"):
+        sweep.command_line({"pin_memry": True})
 
 
 @pytest.mark.gpu

@@ -134,6 +134,23 @@ def test_a_point_larger_than_the_allocation_is_refused():
     assert shared.per_process_batch("strong", 4, 64, 64) == 16 and shared.per_process_batch("weak", 4, 64, 64) == 64
 
 
+def test_every_training_command_of_the_study_parses_into_what_the_point_asked_for(tmp_path):
+    """The study writes each point's command from Lab-01's parser: parsed back, it is the point's settings."""
+    study, training = load_script(SCALING), load_script("labs/lab01_dp_vs_ddp/04_ddp_training.py")
+    for argv in (["--dry-run"], ["--max-steps", "5", "--device", "cpu", "--", "--amp", "bf16"]):
+        args = study.build_parser().parse_args(argv)
+        args = study.apply_dry_run(args)
+        args.training_args = [a for a in args.training_args if a != "--"]
+        for batch in (16, 64):
+            flags = study.training_flags(args, batch, tmp_path / "records", tmp_path / "c.pt")
+            parsed = training.build_parser().parse_args(flags)
+            assert (parsed.batch_size, parsed.results_dir, parsed.checkpoint) == (batch, tmp_path / "records",
+                                                                                  tmp_path / "c.pt")
+            assert (parsed.max_steps, parsed.dry_run, parsed.device) == (args.max_steps, args.dry_run, args.device)
+            assert (parsed.model, parsed.dataset, parsed.image_size) == (args.model, args.dataset, args.image_size)
+    assert parsed.amp == "bf16"  # what follows "--" goes to the training as it is
+
+
 def test_time_to_target_from_the_evaluation_history_or_the_final_evaluation():
     history = {"eval_history": [{"epoch": 1, "elapsed_s": 10.0, "test_loss": 1.0, "test_accuracy": 0.7},
                                 {"epoch": 2, "elapsed_s": 21.0, "test_loss": 0.5, "test_accuracy": 0.92},

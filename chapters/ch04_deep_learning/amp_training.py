@@ -16,19 +16,17 @@ are clipped only after ``scaler.unscale_()``. Whether it pays depends on the har
 tensor cores AMP is faster at nearly the same accuracy; on a CPU without native bf16 instructions
 (this course's CI machine, most x86 before Sapphire Rapids / Zen 4) bf16 is emulated and much slower.
 
-This script does not have a training loop of its own: it calls ``mnist_training.main()`` once per
-precision with the same seed and settings (the loop you read there is the loop measured here), reads
-back the result record each run wrote, prints a comparison table and writes a comparison record
-(method ``amp-comparison``) that names the runs it compared.
+This script does not have a training loop of its own: it calls ``mnist_training.train_and_record()``
+once per precision with the same seed and settings (the loop you read there is the loop measured
+here), reads the result record each run wrote, prints a comparison table and writes a comparison
+record (method ``amp-comparison``) that names the runs it compared.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -41,19 +39,12 @@ from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
 from common.measure.timing import format_rate, format_speedup
 from common.units import format_bytes
+from common.train.flags import add_training_args
+from chapters.ch04_deep_learning import mnist_training
 from chapters.ch04_deep_learning.ch04_shared import add_data_args
 
 SCRIPT = "chapters/ch04_deep_learning/amp_training.py"
 BASELINE = "fp32"
-
-
-def load_mnist_training() -> ModuleType:
-    """``mnist_training.py`` from this folder, imported by path (it is a script, not a package)."""
-    path = Path(__file__).resolve().with_name("mnist_training.py")
-    spec = importlib.util.spec_from_file_location("mnist_training", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def parse_precisions(text: str) -> list[str]:
@@ -89,31 +80,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated precisions to compare with fp32; auto = fp16,bf16 on a GPU "
                              "(fp16 only before compute capability 8.0), bf16 on CPU (default: auto)")
     add_data_args(parser)  # passed on to mnist_training.py
-    parser.add_argument("--log-interval", type=int, default=10,
-                        help="steps between loss lines of each run (default: %(default)s)")
+    add_training_args(parser)  # passed on too
     # Small defaults on purpose: bf16 on a CPU without native bf16 is about ten times slower than fp32.
     add_common_args(parser, epochs=2, batch_size=64)  # --num-workers from the allocation, passed on
     return parser
 
 
-def run_one(mnist_training: ModuleType, precision: str, args: argparse.Namespace,
-            device: torch.device) -> dict[str, Any]:
-    """Train once in ``precision`` through ``mnist_training.main`` and return the record it wrote."""
-    argv = ["--amp", precision, "--device", device.type, "--seed", str(args.seed), "--dataset", args.dataset,
-            "--model", args.model, "--data-on-device", args.data_on_device, "--epochs", str(args.epochs),
-            "--batch-size", str(args.batch_size),
-            "--data-dir", str(args.data_dir), "--results-dir", str(args.results_dir),
-            "--num-workers", str(args.num_workers), "--log-interval", str(args.log_interval)]
-    if args.max_steps is not None:
-        argv += ["--max-steps", str(args.max_steps)]
-    pattern = f"ch04_{precision}_*.json"  # mnist_training's records are named <lab>_<method>_<run_id>.json
-    before = set(args.results_dir.glob(pattern)) if args.results_dir.is_dir() else set()
-    status = mnist_training.main(argv)
-    written = sorted(set(args.results_dir.glob(pattern)) - before)
-    if status != 0 or len(written) != 1:
-        raise RuntimeError(f"mnist_training.py {' '.join(argv)} returned {status} and wrote {len(written)} record(s)")
-    record = json.loads(written[0].read_text(encoding="utf-8"))
-    record["_path"] = str(written[0])
+def run_one(precision: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Train once in ``precision``: mnist_training's run with its defaults, and this script's settings where
+    both scripts have the flag; returns the record it wrote."""
+    run_args = mnist_training.build_parser().parse_args([])
+    vars(run_args).update({name: value for name, value in vars(args).items() if name in vars(run_args)})
+    run_args.amp = precision
+    path = mnist_training.train_and_record(run_args)
+    record = json.loads(path.read_text(encoding="utf-8"))
+    record["_path"] = str(path)
     return record
 
 
@@ -121,14 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     args = apply_dry_run(build_parser().parse_args(argv))
     device = resolve_device(args.device)
     precisions = precisions_for(device, args.precisions)  # all checked before the first run starts
-    mnist_training = load_mnist_training()
     print(f"comparing {', '.join(precisions)} on {describe(device)}: {args.dataset}, {args.epochs} epoch(s), "
           f"batch {args.batch_size}, seed {args.seed}", flush=True)
 
     records = {}
     for number, precision in enumerate(precisions, 1):
         print(f"\n=== run {number}/{len(precisions)}: {precision} ===", flush=True)
-        records[precision] = run_one(mnist_training, precision, args, device)
+        records[precision] = run_one(precision, args)
 
     base = records[BASELINE]["metrics"]
     rows = []

@@ -36,6 +36,7 @@ what you read below is the training itself. The flags, shared with ``multi_gpu_d
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    train_and_record(build_parser().parse_args(argv))
+    return 0
+
+
+def train_and_record(args: argparse.Namespace) -> Path | None:
+    """The whole run for parsed ``args``: returns the record's path (on rank 0)."""
     with TrainingRun(args, lab="ch04", script=SCRIPT, method=args.amp, resume_settings=RESUME_SETTINGS) as run:
         device = run.device
         args.amp = amp.check_precision(args.amp, device)
@@ -111,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         record = run.finish(config=splits.describe())
         if args.save_model:
             torch.save(model.state_dict(), record.with_suffix(".pt"))
-    return 0
+        return record
+    return None  # stopped by a signal: the checkpoint holds the run, --resume finishes it
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ as a run that was never interrupted. Without ``--checkpoint`` it is kept in
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    train_and_record(build_parser().parse_args(argv))
+    return 0
+
+
+def train_and_record(args: argparse.Namespace) -> Path | None:
+    """The whole run for parsed ``args``: returns the record's path (on rank 0)."""
     with TrainingRun(args, lab="ch04", script=SCRIPT, method="ddp", resume_settings=RESUME_SETTINGS,
                      distributed=True) as run:  # one process per device: torchrun, srun or plain python
         device = run.device
@@ -114,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             state = run.checkpoint_state()  # model.module's weights, ...; every rank's random state (collective)
             if run.is_main:  # the replicas are identical: rank 0 alone writes the one file
                 save_checkpoint(state, args.checkpoint)
-        run.finish(config=splits.describe())  # every rank's memory and parameter hash; rank 0 writes
-    return 0
+        return run.finish(config=splits.describe())  # every rank's memory and parameter hash; rank 0 writes
+    return None  # stopped by a signal: the checkpoint holds the run, --resume finishes it
 
 
 if __name__ == "__main__":

@@ -34,9 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from common.cli import add_common_args, add_dataset_args, apply_dry_run, output_dir, positive_int, script_parser
+from common.cli import (add_common_args, add_dataset_args, apply_dry_run, command_flags, output_dir, positive_int,
+                        script_parser)
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
+from labs.lab02_profiling import mnist_classify
 
 LAB_DIR = Path(__file__).resolve().parent
 TRAIN_SCRIPT = LAB_DIR / "mnist_classify.py"
@@ -48,40 +50,42 @@ DATA_LOADING_LINE = "for batch_idx, (data, target) in enumerate(train_loader):"
 
 @dataclass(frozen=True)
 class Step:
-    """One change on the path: ``flags`` are ``(flag, value)`` pairs, value ``None`` for on/off flags."""
+    """One change on the path: ``settings`` are ``(option, value)`` pairs of ``mnist_classify.py``'s
+    parser (its destinations: ``pin_memory``, ``True``), written as flags by :func:`command_line`."""
 
     name: str
     change: str
-    flags: tuple[tuple[str, str | None], ...]
+    settings: tuple[tuple[str, Any], ...]
 
 
-def command_line(settings: dict[str, str | None]) -> list[str]:
-    """``{"--pipeline": "tensor", "--pin-memory": None}`` -> ``["--pipeline", "tensor", "--pin-memory"]``."""
-    return [part for flag, value in settings.items() for part in ((flag,) if value is None else (flag, value))]
+def command_line(settings: dict[str, Any]) -> list[str]:
+    """``{"pipeline": "tensor", "pin_memory": True}`` -> ``["--pipeline", "tensor", "--pin-memory"]``,
+    from ``mnist_classify.py``'s own parser (a flag it does not have is an error here)."""
+    return command_flags(mnist_classify.build_parser(), settings)
 
 
 def optimisation_path(args: argparse.Namespace) -> list[Step]:
     """The steps in order; each one's flags are added to all earlier ones'."""
     steps = [
         Step("baseline", "the seed: per-sample PIL transforms, 1 DataLoader worker, batch 64",
-             (("--pipeline", "pil"), ("--num-workers", "1"), ("--batch-size", str(args.batch_size)))),
+             (("pipeline", "pil"), ("num_workers", 1), ("batch_size", args.batch_size))),
         Step("workers", f"{args.num_workers} DataLoader workers (from the allocation)",
-             (("--num-workers", str(args.num_workers)),)),
+             (("num_workers", args.num_workers),)),
         Step("pin-memory", "page-locked batches for the host-to-GPU copy (no effect on CPU)",
-             (("--pin-memory", None),)),
+             (("pin_memory", True),)),
         Step("persistent-workers", f"workers kept between epochs, {args.prefetch_factor} batches prefetched each",
-             (("--persistent-workers", None), ("--prefetch-factor", str(args.prefetch_factor)))),
-        Step("tensor", "images converted to tensors once; one indexing op per batch", (("--pipeline", "tensor"),)),
+             (("persistent_workers", True), ("prefetch_factor", args.prefetch_factor))),
+        Step("tensor", "images converted to tensors once; one indexing op per batch", (("pipeline", "tensor"),)),
         Step("device", "whole data set resident on the device; batches sliced there, no DataLoader",
-             (("--pipeline", "device"),)),
+             (("pipeline", "device"),)),
         Step("graph", "the whole training step captured once as a CUDA graph, replayed in one launch (GPU only)",
-             (("--cuda-graph", None),)),
-        Step("large-batch", f"batch {args.large_batch_size}", (("--batch-size", str(args.large_batch_size)),)),
-        Step("channels-last", "NHWC memory layout for model and images", (("--channels-last", None),)),
-        Step("amp", f"mixed precision ({args.amp})", (("--amp", args.amp),)),
+             (("cuda_graph", True),)),
+        Step("large-batch", f"batch {args.large_batch_size}", (("batch_size", args.large_batch_size),)),
+        Step("channels-last", "NHWC memory layout for model and images", (("channels_last", True),)),
+        Step("amp", f"mixed precision ({args.amp})", (("amp", args.amp),)),
     ]
     if args.include_compile:
-        steps.append(Step("compile", "torch.compile (compile time recorded separately)", (("--compile", None),)))
+        steps.append(Step("compile", "torch.compile (compile time recorded separately)", (("compile", True),)))
     return steps
 
 
@@ -116,18 +120,14 @@ def data_loading_share(lprof_path: str | Path, function: str = "train") -> float
 
 def forwarded_flags(args: argparse.Namespace) -> list[str]:
     """The flags every step shares: data, device, length of the run."""
-    flags = ["--device", args.device, "--seed", str(args.seed), "--epochs", str(args.epochs),
-             "--dataset", args.dataset, "--data-dir", str(args.data_dir),
-             "--synthetic-size", str(args.synthetic_size), "--log-interval", str(args.log_interval)]
-    if args.max_steps is not None:
-        flags += ["--max-steps", str(args.max_steps)]
-    return flags
+    return command_line({name: getattr(args, name) for name in (
+        "device", "seed", "epochs", "dataset", "data_dir", "synthetic_size", "log_interval", "max_steps")})
 
 
 def run_step(step: Step, flags: list[str], lprof: Path, records_dir: Path) -> tuple[int, list[str]]:
     """Run one step under kernprof, echoing its output; return its exit status and last lines."""
     command = [sys.executable, "-m", "kernprof", "-l", "-o", str(lprof), str(TRAIN_SCRIPT), *flags,
-               "--method", step.name, "--results-dir", str(records_dir)]
+               *command_line({"method": step.name, "results_dir": records_dir})]
     print(f"\n== {step.name}: {step.change}\n$ {' '.join(command)}", flush=True)
     tail: deque[str] = deque(maxlen=15)
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
@@ -199,9 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     baseline_rate = None
     failures = 0
     with tempfile.TemporaryDirectory(prefix="lab02_sweep_") as scratch:
-        settings: dict[str, str | None] = {}  # a later step's value of a flag replaces an earlier one's
+        settings: dict[str, Any] = {}  # a later step's value of a flag replaces an earlier one's
         for index, step in enumerate(path):
-            settings.update(step.flags)
+            settings.update(step.settings)
             if step.name not in wanted:
                 continue
             lprof = profile_dir / f"{sweep_id}_{index:02d}_{step.name}.lprof"
@@ -209,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             flags = [*shared, *command_line(settings)]
             status, tail = run_step(step, flags, lprof, records_dir)
             sweep_info = {"sweep_id": sweep_id, "index": index, "step": step.name, "change": step.change,
-                          "step_flags": command_line(dict(step.flags)), "flags": command_line(settings),
+                          "step_flags": command_line(dict(step.settings)), "flags": command_line(settings),
                           "lprof": str(lprof), "script": SCRIPT}
             if status != 0:
                 failures += 1

@@ -32,6 +32,7 @@ or its cores on the CPU) stops the study before anything runs.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shlex
@@ -43,7 +44,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Sequence
 
-from common.cli import add_common_args, apply_dry_run, non_negative_int, positive_int, script_parser
+from common.cli import add_common_args, apply_dry_run, command_flags, non_negative_int, positive_int, script_parser
 from common.measure.energy import not_measured
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
@@ -52,8 +53,11 @@ from labs.lab05_scaling.lab05_shared import (LAB, REPO, Allocation, check_points
                                              time_to_target)
 
 SCRIPT = "labs/lab05_scaling/02_scaling_study.py"
-#: The training every point runs: Lab-01's DDP script, which students already know.
+#: The training every point runs: Lab-01's DDP script, which students already know. The study runs it
+#: as a process (as a student would) and reads only its parser, by module name (a name starting with a
+#: digit cannot be written in an import statement).
 TRAINING = "labs/lab01_dp_vs_ddp/04_ddp_training.py"
+TRAINING_MODULE = "labs.lab01_dp_vs_ddp.04_ddp_training"
 
 
 def fraction(text: str) -> float:
@@ -92,15 +96,12 @@ def launcher(args: argparse.Namespace, processes: int, nodes: int, allocation: A
 
 
 def training_flags(args: argparse.Namespace, batch_size: int, records: Path, checkpoint: Path) -> list[str]:
-    flags = ["--device", args.device, "--seed", str(args.seed), "--epochs", str(args.epochs),
-             "--batch-size", str(batch_size), "--model", args.model, "--dataset", args.dataset,
-             "--image-size", str(args.image_size),
-             "--data-dir", str(args.data_dir), "--num-workers", str(args.num_workers),
-             "--results-dir", str(records), "--checkpoint", str(checkpoint)]
-    if args.max_steps is not None:
-        flags += ["--max-steps", str(args.max_steps)]
-    if args.dry_run:
-        flags.append("--dry-run")
+    """The command line of one point's training, written from the training script's own parser (a flag it
+    no longer has is an error before anything runs), then the study's pass-through ``training_args``."""
+    shared = {name: getattr(args, name) for name in ("device", "seed", "epochs", "model", "dataset", "image_size",
+                                                     "data_dir", "num_workers", "max_steps", "dry_run")}
+    flags = command_flags(importlib.import_module(TRAINING_MODULE).build_parser(),
+                          {**shared, "batch_size": batch_size, "results_dir": records, "checkpoint": checkpoint})
     return [*flags, *args.training_args]
 
 
