@@ -7,7 +7,7 @@ Usage:
     sbatch --gres=gpu:1 --cpus-per-task=8 --wrap "python efficient_loading.py"
     (one process, one device: there is no torchrun form)
 
-What it teaches: the seed sets ``torch.set_num_threads(8)``, ``cudnn.benchmark = True`` and five
+What it teaches: the Chapter 16 notes set ``torch.set_num_threads(8)``, ``cudnn.benchmark = True`` and five
 DataLoader options in one block. Here each is measured on its own:
 
 1. ``torch.set_num_threads(n)``: CPU training-step time for n = 1 .. the CPUs of this task. On a
