@@ -11,8 +11,8 @@ Usage:
 Three ways to train the same MnistNet for one epoch, on the same machine, with the same batch size,
 precision and memory layout, so only the data side differs:
 
-  (a) the seed's pipeline: per-sample PIL -> ToTensor -> Normalize through a DataLoader with 1 worker
-      (started afresh every epoch, as the seed's loader is);
+  (a) the USC lab's pipeline: per-sample PIL -> ToTensor -> Normalize through a DataLoader with 1 worker
+      (started afresh every epoch, as the USC lab's loader is);
   (b) this lab's best pipeline: the data set resident on the device, each batch sliced there
       (``--pipeline device`` of mnist_classify.py);
   (c) pure compute: the epoch's batches already built and in place on the device; only the
@@ -30,7 +30,7 @@ them. One record per variant is written to ``--results-dir``.
 On a machine shared with other jobs, PyTorch's default of one thread per core is fragile: every
 operator waits for its slowest thread, and a thread that loses its core to someone else stalls the
 step, so epoch times jump by several times from one round to the next. ``--threads 1`` keeps the
-comparison stable (and leaves a core for the seed's worker process).
+comparison stable (and leaves a core for the USC lab's worker process).
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     train_data, _ = pipelines.load_uint8(args.dataset, args.data_dir, seed=args.seed,
                                          synthetic_size=args.synthetic_size)
 
-    # (a) the seed's loader: 1 worker, restarted every epoch, pinned only where there is a GPU
-    seed_loader = pipelines.make_loader("pil", train_data, args.batch_size, shuffle=True, device=device,
+    # (a) the USC lab's loader: 1 worker, restarted every epoch, pinned only where there is a GPU
+    usc_loader = pipelines.make_loader("pil", train_data, args.batch_size, shuffle=True, device=device,
                                         num_workers=1, pin_memory=device.type == "cuda", seed=args.seed)
     # (b) the lab's best
     device_batches = pipelines.make_loader("device", train_data, args.batch_size, shuffle=True, device=device,
@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    sources = {"a": seed_loader, "b": device_batches, "c": ready_batches}
+    sources = {"a": usc_loader, "b": device_batches, "c": ready_batches}
     load_start = os.getloadavg()[0]
     print(f"device {describe(device)} | data {args.dataset} train={len(train_data)} | batch {args.batch_size} | "
           f"precision {args.amp} | threads {threads} | {args.rounds} rounds (first dropped) | "
@@ -166,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key, (name, what) in VARIANTS.items():
         print(f"({key}) {name:<27} {statistics.median(times[key]):10.3f} s {rate[key]:11.0f}   "
               f"{min(times[key]):.3f} - {max(times[key]):.3f}   {what}")
-    for pair, meaning in (("b/a", "the best pipeline over the seed's"),
+    for pair, meaning in (("b/a", "the best pipeline over the USC lab's"),
                           ("b/c", "the best pipeline over pure compute; 1.0 = loading is free")):
         values = ", ".join(f"{value:.3f}" for value in ratios[pair]["per_round"])
         print(f"\n{pair} = {ratios[pair]['median_within_round']:.3f}  ({meaning})\n"

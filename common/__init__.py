@@ -1,7 +1,7 @@
 """Shared helpers for every lab and chapter script.
 
 Importing ``common`` first checks the installed PyTorch and torchvision against what this code
-needs (the same minimums as ``pyproject.toml``). A cluster module with an older PyTorch (a seed
+needs (the same minimums as ``pyproject.toml``). A cluster module with an older PyTorch (the SJTU page
 names ``pytorch/1.6.0``) would otherwise fail somewhere in the middle of a run with a traceback
 about a missing function; here it is one line, ``error: torch 1.6.0 found, 2.4 or newer needed``,
 and exit status 2. Every script imports ``common`` before anything that an old PyTorch lacks.

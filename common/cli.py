@@ -116,7 +116,7 @@ def script_parser(doc: str | None, *,
 def accept_launcher_local_rank(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Accept ``--local-rank N`` / ``--local_rank N``, which ``python -m torch.distributed.launch`` passes.
 
-    The deprecated launcher (seed 004's command) adds the flag to every process's command line; it
+    The deprecated launcher (the Chapter 16 notes' command) adds the flag to every process's command line; it
     also sets ``LOCAL_RANK`` in the environment, and the environment stays the source of truth
     (``common.runtime.launch.detect_launch``), so the value is accepted and not used. Hidden from ``--help``:
     torchrun is the way to start these scripts.
@@ -187,8 +187,8 @@ def add_timing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *
     """How a measurement repeats (convention 8): ``--warmup`` untimed runs of ``what`` first, then
     timed ones whose median is reported (``common.measure.timing.time_function``'s ``warmup`` and ``repeats``).
 
-    ``repeats_flag`` names the timed count: ``--repeats``, or the name a script's seed and records
-    use (Lab-05's ``--iters`` after nccl-tests, Chapter 16's ``--iterations``).
+    ``repeats_flag`` names the timed count: ``--repeats``, or the name a script's course material and
+    records use (Lab-05's ``--iters`` after nccl-tests, Chapter 16's ``--iterations``).
     """
     parser.add_argument("--warmup", type=non_negative_int, default=warmup,
                         help=f"untimed {what} first, left out of the timing (default: %(default)s)")

@@ -77,7 +77,7 @@ def test_basics_explicit_dtypes_and_bad_input(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name, label, fp32, fp16", [
-    ("NVIDIA A100-SXM4-40GB", "A100", 19.5, 312),     # seed 000's table
+    ("NVIDIA A100-SXM4-40GB", "A100", 19.5, 312),     # the LANTA chapter's table
     ("NVIDIA A100 80GB PCIe", "A100", 19.5, 312),
     ("NVIDIA H100 80GB HBM3", "H100 SXM", 67, 989.5),
     ("NVIDIA H100 PCIe", "H100 PCIe", 51, 756),
@@ -94,7 +94,7 @@ def test_peak_table_unknown_devices_and_readme_agree():
     basics = load_script(BASICS)
     assert basics.peak_for("NVIDIA GeForce RTX 4090") == (None, {})
     assert basics.peak_for("cpu (2 threads)") == (None, {})
-    # The README quotes the seed's A100 table; the code's A100 peaks must say the same.
+    # The README quotes the LANTA chapter's A100 table; the code's A100 peaks must say the same.
     readme = README.read_text()
     _, a100 = basics.peak_for("NVIDIA A100-SXM4-40GB")
     assert f"| FP32 Performance | {a100['fp32']} TFLOPS |" in readme
@@ -341,7 +341,7 @@ def test_readme_python_examples_run_and_use_current_amp_api():
     assert any("torch.amp.GradScaler" in b and "torch.autocast" in b and "unscale_" in b for b in blocks)
 
 
-def test_readme_has_the_seed_concepts():
+def test_readme_explains_the_lanta_chapters_concepts():
     text = README.read_text()
     for heading in ("The GPU memory hierarchy", "Moving work to the GPU", "Mixed precision training",
                     "NVIDIA A100 specifications (LANTA)"):

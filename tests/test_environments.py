@@ -206,8 +206,8 @@ def test_an_active_python_with_pytorch_is_kept(tmp_path):
     assert log.read_text().splitlines() == ["conda activate hpc-dl-labs-gpu"]
 
 
-def test_the_seed_environment_name_is_activated_too(tmp_path):
-    """Seed 000 says `mamba activate hpc-ignite-ml`: an environment created under that name works."""
+def test_the_lanta_chapters_environment_name_is_activated_too(tmp_path):
+    """The LANTA chapter says `mamba activate hpc-ignite-ml`: an environment created under that name works."""
     log = tmp_path / "calls.log"
     prelude = (f"conda() {{ case $1 in env) echo 'base  /opt/conda'; echo 'hpc-ignite-ml  /opt/conda/envs/hpc-ignite-ml' ;;"
                f" activate) echo \"conda activate $2\" >> {log} ;; esac; }}")
@@ -216,8 +216,8 @@ def test_the_seed_environment_name_is_activated_too(tmp_path):
     assert log.read_text().splitlines() == ["conda activate hpc-ignite-ml"]
 
 
-def test_the_seed_environment_name_is_explained_where_the_seed_command_is_typed():
-    """Wherever a student would type the seed's `mamba activate hpc-ignite-ml`, the repository says
+def test_the_lanta_chapters_environment_name_is_explained_where_its_command_is_typed():
+    """Wherever a student would type the LANTA chapter's `mamba activate hpc-ignite-ml`, the repository says
     where that environment went."""
     for path in ("environments/ml-gpu.yaml", "environments/ml-cpu.yaml", "slurm/module-loads/pytorch.sh",
                  "README.md", "chapters/ch04_deep_learning/README.md"):
@@ -259,7 +259,7 @@ def def_section(name: str) -> str:
     ("args", "expected"),
     [
         (["bench.py", "--folder", "v100", "-w", "10"], "python bench.py --folder v100 -w 10"),
-        (["python", "bench.py", "--folder", "v100"], "python bench.py --folder v100"),  # seed 002's form
+        (["python", "bench.py", "--folder", "v100"], "python bench.py --folder v100"),  # the SJTU page's form
         (["python3", "bench.py"], "python3 bench.py"),
         (["torchrun", "--nproc_per_node=2", "bench.py"], "torchrun --nproc_per_node=2 bench.py"),
         (["-c", "print(1)"], "python -c print(1)"),

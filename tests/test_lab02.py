@@ -175,7 +175,7 @@ def test_job_script_names_its_profile_after_the_job_or_local_outside_slurm(tmp_p
     assert f"line profile: {profile}  (python -m line_profiler -rmt {profile})" in done.stdout
 
 
-def test_job_script_is_the_seeds_job_and_shellcheck_clean():
+def test_job_script_comments_every_directive_and_is_shellcheck_clean():
     job = REPO / LAB / "job.slurm"
     text = job.read_text()
     assert "set -euo pipefail" in text

@@ -2,7 +2,7 @@
 
 What is checked, from real runs:
 
-- the seed's CSV layout (one file per mode and precision, a column per model, a row per timed iteration,
+- the SJTU page's CSV layout (one file per mode and precision, a column per model, a row per timed iteration,
   ms per batch) and the summary CSV, which also lists what was skipped and why;
 - one record per model, mode and precision with the documented metrics;
 - fp64, fp32, half and amp-bf16 run on a CPU; tf32 and amp-fp16 are skipped with the reason;
@@ -91,7 +91,7 @@ def cpu_run(tmp_path_factory):
     return {"status": status, "stdout": out.getvalue(), "csv": folder / "csv", "records": folder / "records"}
 
 
-def test_cpu_run_writes_the_seeds_csv_layout(cpu_run):
+def test_cpu_run_writes_the_sjtu_pages_csv_layout(cpu_run):
     assert cpu_run["status"] == 0, cpu_run["stdout"]
     names = sorted(p.name for p in cpu_run["csv"].iterdir())
     expected = sorted([f"cpu_1_procs_{p}_model_{m}_benchmark.csv" for p in CPU_RUNS for m in ("train", "inference")]
@@ -410,7 +410,7 @@ def test_shared_rules_without_torch():
         "NVIDIA-A100-SXM4-40GB_1_gpus_fp32_model_train_benchmark.csv"
 
 
-def test_flags_are_the_seeds_plus_the_labs_and_say_their_defaults():
+def test_flags_are_the_sjtu_pages_plus_the_labs_and_say_their_defaults():
     script = load_script(SCRIPT)
     parser = script.build_parser()
     options = {option: action for action in parser._actions for option in action.option_strings}
@@ -425,7 +425,7 @@ def test_flags_are_the_seeds_plus_the_labs_and_say_their_defaults():
             assert help_text.count("(default: ") == 1 and "(default: None)" not in help_text, (action.dest, help_text)
     assert "(default: resnet18, resnet34, resnet50," in " ".join(parser.format_help().split())
     args = script.parse_args([])
-    assert args.models == list(shared().SEED_MODELS) and args.precisions == list(shared().PRECISIONS)
+    assert args.models == list(shared().SJTU_MODELS) and args.precisions == list(shared().PRECISIONS)
 
 
 def test_container_definition_installs_the_course_dependencies():

@@ -53,7 +53,7 @@ def write_template(tmp_path: Path, body: str, job_block: str = "job:\n  nodes: 1
 
 # -- site profiles -------------------------------------------------------------------------------
 
-def test_the_seed_sites_and_generic_exist():
+def test_the_course_materials_sites_and_generic_exist():
     assert {"lanta", "sjtu-pi", "sjtu-siyuan", "carc-discovery", "generic"} <= set(SITES)
 
 
@@ -69,7 +69,7 @@ def test_site_profile_is_consistent(name):
         assert site.account
 
 
-def test_seed_facts_are_in_the_profiles():
+def test_the_course_materials_facts_are_in_the_profiles():
     lanta = sites.find_site("lanta")
     assert lanta.partitions["gpu"].gpu_types == ("a100",) and lanta.partitions["gpu"].gpu_memory == "40G"
     assert lanta.account_required
@@ -200,7 +200,7 @@ def test_write_committed_writes_them(tmp_path, monkeypatch):
 
 
 def test_lab03_a100_and_dgx2_templates_differ_only_in_the_gpu():
-    """The seed's two run scripts are two templates; apart from the GPU model, the queue and the
+    """The SJTU page's two run scripts are two templates; apart from the GPU model, the queue and the
     words saying so, they must stay the same script."""
     folder = REPO_ROOT / "labs" / "lab03_precision_benchmark" / "sbatch"
 
@@ -541,7 +541,7 @@ def test_fake_gpus_switch_runs_a_gpu_job_on_the_cpu_and_says_so(tmp_path):
     assert "RESULT cpu" in forced.stdout and "== warning" not in forced.stdout
 
 
-# -- the committed Chapter 4 jobs, as the seed's commands submit them ----------------------------
+# -- the committed Chapter 4 jobs, as the LANTA chapter's commands submit them -------------------
 
 def job_root(tmp_path: Path) -> Path:
     """A repository root with what a job's preamble runs (the job header, pytorch.sh) and no .venv."""
@@ -579,7 +579,7 @@ def run_committed_job(name: str, tmp_path: Path, env: dict[str, str], *args: str
 @pytest.mark.parametrize("name", ["single_gpu", "multi_gpu"])
 @pytest.mark.parametrize("environment", ["conda", "venv", "module"])
 def test_committed_chapter4_jobs_run_in_the_environment_the_user_has_active(tmp_path, name, environment):
-    """Seed 000: `source slurm/module-loads/pytorch.sh`, then `sbatch sbatch/single_gpu.sbatch`.
+    """The LANTA chapter: `source slurm/module-loads/pytorch.sh`, then `sbatch sbatch/single_gpu.sbatch`.
     Slurm passes the submitting shell's environment to the job: a conda environment, a venv or a
     module's python must be what the job runs, with or without the repository's .venv."""
     active = stand_ins(tmp_path / "env" / "bin", python=True)
@@ -645,7 +645,7 @@ def test_the_readme_downloads_mnist_where_the_committed_jobs_read_it(tmp_path, m
 
 @pytest.mark.parametrize("has_seff", [True, False])
 def test_lab02_jobs_end_with_seff(tmp_path, has_seff):
-    """Seed 003 runs `seff <jobid>` after the job: both Lab-02 jobs print it at their end (or, where
+    """The USC lab runs `seff <jobid>` after the job: both Lab-02 jobs print it at their end (or, where
     the cluster has no seff, how to get the same numbers), without failing the job either way."""
     tools = stand_ins(tmp_path / "bin", python=True)
     stand_in = {"kernprof": "KERNPROF", **({"seff": "SEFF"} if has_seff else {})}
@@ -656,14 +656,14 @@ def test_lab02_jobs_end_with_seff(tmp_path, has_seff):
              if not key.startswith(("SLURM_", "HPC_DL_LABS_", "MASTER_", "CUDA_", "CONDA", "VIRTUAL_ENV"))}
     env = {**clean, "PATH": f"{tools}:/usr/bin:/bin", "SLURM_JOB_ID": "88", "SLURM_JOBID": "88",
            "RESULTS_DIR": str(tmp_path / "results")}
-    seed_job = subprocess.run(["bash", str(REPO_ROOT / "labs" / "lab02_profiling" / "job.slurm")], capture_output=True,
-                              text=True, cwd=tmp_path, timeout=60,
-                              env={**env, "SLURM_SUBMIT_DIR": str(REPO_ROOT / "labs" / "lab02_profiling")})
+    usc_job = subprocess.run(["bash", str(REPO_ROOT / "labs" / "lab02_profiling" / "job.slurm")], capture_output=True,
+                             text=True, cwd=tmp_path, timeout=60,
+                             env={**env, "SLURM_SUBMIT_DIR": str(REPO_ROOT / "labs" / "lab02_profiling")})
     rendered = tmp_path / "profile.sbatch"
     rendered.write_text(render_text(REPO_ROOT / "labs" / "lab02_profiling" / "sbatch" / "profile.sbatch.j2", "generic"))
     template_job = subprocess.run(["bash", str(rendered)], capture_output=True, text=True, cwd=tmp_path, timeout=60,
                                   env={**env, "HPC_DL_LABS_ROOT": str(job_root(tmp_path))})
-    for done in (seed_job, template_job):
+    for done in (usc_job, template_job):
         assert done.returncode == 0, done.stdout + done.stderr
         lines = done.stdout.splitlines()
         assert any(line.startswith(("KERNPROF ", "SRUN ")) for line in lines)

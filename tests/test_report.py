@@ -140,7 +140,7 @@ def report(folder: Path, *extra: str) -> ReportPage:
 
 
 def lab01_folder(folder: Path) -> list[dict[str, Any]]:
-    """Baseline, DP on 4 GPUs and DDP on 4 GPUs, the seed's three rows (its own throughput numbers)."""
+    """Baseline, DP on 4 GPUs and DDP on 4 GPUs, the Lab-01 handout's three rows (its own throughput numbers)."""
     return [
         write_run(folder, method="baseline", samples_per_s=425.0, peak_gib=3.2),
         write_run(folder, method="dp", samples_per_s=1205.0, world_size=1, devices=4, peak_gib=4.1, first_gib=7.8,
@@ -172,7 +172,7 @@ def test_report_and_csv_list_every_run_with_plots(tmp_path: Path, capsys: pytest
     dp, ddp = by_id[records[1]["run_id"]], by_id[records[2]["run_id"]]
     assert dp["peak memory per device"] == "7.8 / 4.1 / 4.1 / 4.1 GiB"  # DP: the first GPU is fuller
     assert (dp["devices"], dp["world size"], ddp["devices"], ddp["world size"]) == ("4", "1", "4", "4")
-    assert dp["scaling efficiency"] == "71%" and ddp["scaling efficiency"] == "94%"  # the seed's table
+    assert dp["scaling efficiency"] == "71%" and ddp["scaling efficiency"] == "94%"  # the Lab-01 handout's table
     assert by_id[records[4]["run_id"]]["samples/s"] == "—"  # lab02 recorded no throughput: shown, not crashed
     assert f"Note from run {records[1]['run_id']} (lab01 dp): outputs gathered on cuda:0" in page.sections["summary"]
     assert "bubble_fraction" in page.sections["other-metrics"] and "0.27" in page.sections["other-metrics"]

@@ -11,7 +11,7 @@ What it teaches: a fair speed comparison. It is the chapter's ``benchmark_traini
 pitfalls removed: both devices run the same model from the same initial weights on the same
 batches; warm-up steps are run and dropped (the first steps pay for cuDNN autotuning and the
 allocator); the GPU is synchronised before every clock read, or the clock would stop while kernels
-are still queued (the seed calls ``torch.cuda.synchronize()`` unconditionally, which fails on a
+are still queued (the Chapter 16 notes call ``torch.cuda.synchronize()`` unconditionally, which fails on a
 machine without a GPU); every step is timed, and the median and spread are printed, not one mean;
 gradients are zeroed in the warm-up too.
 

@@ -7,7 +7,7 @@ Usage:
     sbatch --gres=gpu:1 --cpus-per-task=8 --wrap "python efficient_loading.py"
     (one process, one device: there is no torchrun form)
 
-What it teaches: the seed sets ``torch.set_num_threads(8)``, ``cudnn.benchmark = True`` and five
+What it teaches: the Chapter 16 notes set ``torch.set_num_threads(8)``, ``cudnn.benchmark = True`` and five
 DataLoader options in one block. Here each is measured on its own:
 
 1. ``torch.set_num_threads(n)``: CPU training-step time for n = 1 .. the CPUs of this task. On a
@@ -18,7 +18,7 @@ DataLoader options in one block. Here each is measured on its own:
    where there is no cuDNN. One untimed step runs first: the first convolution of a process also
    creates cuDNN's and cuBLAS's handles and workspaces, and without the warm-up that cost would land
    on whichever setting is timed first ("off"), making "on" look better than it is.
-3. DataLoader options on the seed's per-sample PIL pipeline (Lab-02's, in ``common/data/pipelines.py``):
+3. DataLoader options on the USC lab's per-sample PIL pipeline (Lab-02's, in ``common/data/pipelines.py``):
    how fast one epoch of batches arrives with 0, 1 and more workers, and with ``persistent_workers``
    in the second epoch. ``pin_memory`` only matters with a GPU. Lab-02's ``sweep.py`` measures the same
    options inside real training, together with the pipelines that make most of them unnecessary.
@@ -159,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print("  skipped: cuDNN is NVIDIA's GPU library; a CPU run has nothing to tune")
 
-    print(f"\n3. DataLoader options, the seed's per-sample PIL pipeline on digits (batch {args.batch_size})")
+    print(f"\n3. DataLoader options, the USC lab's per-sample PIL pipeline on digits (batch {args.batch_size})")
     loading = loader_options(device, args.batch_size, args.num_workers, args.data_dir)
     for row in loading:
         options = ", ".join(f"{key}={value}" for key, value in row.items() if not key.startswith(("epoch", "samples")))

@@ -285,14 +285,15 @@ def compare(reference: list[torch.Tensor], other: list[torch.Tensor]) -> dict[st
 
 
 def accumulation_check(model: nn.Module, data: torch.Tensor, target: torch.Tensor, steps: int) -> dict[str, Any]:
-    """One batch vs ``steps`` micro-batches, weighting each by its share; and the seed's ``loss / steps``."""
+    """One batch vs ``steps`` micro-batches, weighting each by its share; and the Chapter 16 notes'
+    ``loss / steps``."""
     batch = len(data)
     full = gradients(model, [(data, target, 1.0)])
     micro = list(zip(torch.tensor_split(data, steps), torch.tensor_split(target, steps)))
     weighted = gradients(model, [(x, y, len(x) / batch) for x, y in micro])
-    seed_style = gradients(model, [(x, y, 1.0 / steps) for x, y in micro])
+    notes_style = gradients(model, [(x, y, 1.0 / steps) for x, y in micro])
     return {"batch": batch, "micro_batches": [len(x) for x, _ in micro],
-            "weighted": compare(full, weighted), "seed_loss_over_k": compare(full, seed_style)}
+            "weighted": compare(full, weighted), "seed_loss_over_k": compare(full, notes_style)}
 
 
 # --- the script -----------------------------------------------------------------------------------
@@ -370,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for rule in ("weighted", "seed_loss_over_k"):
             check = result[rule]
             rows.append([label, "/".join(map(str, result["micro_batches"])),
-                         "loss x len(micro)/len(batch)" if rule == "weighted" else "loss / k (the seed)",
+                         "loss x len(micro)/len(batch)" if rule == "weighted" else "loss / k (the Chapter 16 notes)",
                          f"{check['max_abs_diff']:.2e}", f"{check['max_rel_diff']:.2e}",
                          "yes" if check["match"] else "NO"])
     print_table(f"3. Gradient accumulation: {args.accumulation_steps} micro-batches vs one batch "

@@ -9,11 +9,11 @@ Usage:
 
 What it teaches: ``torch.profiler.profile`` records every operator the model runs; the table says
 which ones took the time, and the exported Chrome trace (open it at https://ui.perfetto.dev or
-chrome://tracing) shows them on a timeline. Changes from the seed's example, and why:
+chrome://tracing) shows them on a timeline. Changes from the Chapter 16 notes' example, and why:
 
-- CUDA activity is recorded only when a GPU is there (the seed's list fails on a CPU-only node), and
+- CUDA activity is recorded only when a GPU is there (the notes' list fails on a CPU-only node), and
   the table is sorted by device time on a GPU and by CPU time otherwise;
-- the input is created on the device once, before profiling (the seed's ``.cuda()`` inside the loop
+- the input is created on the device once, before profiling (the notes' ``.cuda()`` inside the loop
   puts a host-to-device copy into every iteration of what it measures);
 - one warm-up iteration runs before the profiler starts, so lazy initialisation (cuDNN, the
   allocator) is not in the trace;

@@ -1,4 +1,4 @@
-"""Three ways of feeding MNIST-shaped images to a model, from the seed's to the fastest.
+"""Three ways of feeding MNIST-shaped images to a model, from the USC lab's to the fastest.
 
 Lab-02's scripts train with them, Chapter 16's ``efficient_loading.py`` times DataLoader options on
 the first, and ``bench/data_pipeline.py`` races them against each other.
@@ -6,7 +6,7 @@ the first, and ``bench/data_pipeline.py`` races them against each other.
 ==========  ==========================================================  ===========================
 pipeline    what happens for every batch                                where the work is done
 ==========  ==========================================================  ===========================
-``pil``     the seed's: for each of the 64 samples, uint8 array -> PIL   DataLoader workers (or the
+``pil``     the USC lab's: for each of the 64 samples, uint8 array -> PIL   DataLoader workers (or the
             image -> ``ToTensor`` (float in [0, 1]) -> ``Normalize``;    main process with
             then ``collate`` stacks 64 small tensors into a batch        ``--num-workers 0``)
 ``tensor``  the images were converted to one normalised float tensor     DataLoader: a BatchSampler
@@ -18,7 +18,7 @@ pipeline    what happens for every batch                                where th
 ==========  ==========================================================  ===========================
 
 ``pil`` is exactly what ``torchvision.datasets.MNIST`` does in ``__getitem__`` (see
-:class:`PilImages`), so it is the seed's pipeline on any data set, not only MNIST. All three give
+:class:`PilImages`), so it is the USC lab's pipeline on any data set, not only MNIST. All three give
 the same numbers for the same sample (the tests check this): only the cost differs.
 
 The data arrive as uint8 images (N, 28, 28), as MNIST stores them: ``mnist`` from ``--data-dir``,
@@ -54,7 +54,7 @@ class Uint8Images:
 
 
 def _to_uint8(normalised: torch.Tensor) -> torch.Tensor:
-    """Undo MNIST normalisation and quantise to 0..255, the form the seed's images are stored in."""
+    """Undo MNIST normalisation and quantise to 0..255, the form the USC lab's images are stored in."""
     pixels = (normalised * MNIST_STD + MNIST_MEAN).clamp(0, 1)
     return (pixels * 255).round().to(torch.uint8).reshape(-1, 28, 28)
 
@@ -82,17 +82,17 @@ def load_uint8(name: str, data_dir: str | Path, *, seed: int = 0,
 
 
 def pil_transform() -> Any:
-    """The seed's per-sample transform: PIL image -> float tensor in [0, 1] -> normalised."""
+    """The USC lab's per-sample transform: PIL image -> float tensor in [0, 1] -> normalised."""
     from torchvision import transforms
 
     return transforms.Compose([transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))])
 
 
 class PilImages(Dataset):
-    """``torchvision.datasets.MNIST.__getitem__`` on any uint8 images: the seed's pipeline.
+    """``torchvision.datasets.MNIST.__getitem__`` on any uint8 images: the USC lab's pipeline.
 
     Every sample, every epoch: a NumPy view, a PIL image, a float tensor, a normalised tensor.
-    Cheap once, but 60,000 times an epoch on one worker it is most of the seed's 84.5 %.
+    Cheap once, but 60,000 times an epoch on one worker it is most of the USC lab's 84.5 %.
     """
 
     def __init__(self, data: Uint8Images) -> None:

@@ -11,14 +11,14 @@ CUDA cores (TF32 off); ``tf32``, ``bf16`` and ``fp16`` are tensor cores; ``fp64`
 tensor-core figure where the GPU has one (cuBLAS uses it for fp64 matmuls; cuDNN's double
 convolutions rarely approach it). A precision a GPU lacks (bf16 and TF32 before Ampere) has no entry.
 
-- A100: seed 000's table (FP32 19.5, FP16 tensor core 312) and the NVIDIA A100 Tensor Core GPU
+- A100: the LANTA chapter's table (FP32 19.5, FP16 tensor core 312) and the NVIDIA A100 Tensor Core GPU
   datasheet (FP64 tensor core 19.5, TF32 156, BF16 312 dense); PCIe and SXM4 peak alike.
 - H100: NVIDIA H100 Tensor Core GPU datasheet. SXM: FP64 TC 67, FP32 67, TF32 989*, BF16/FP16
   1,979*; NVL: FP64 TC 60, FP32 60, TF32 835*, BF16/FP16 1,671*; PCIe: FP64 TC 51, FP32 51,
   TF32 756*, BF16/FP16 1,513* (* with sparsity, halved here).
 - H200: NVIDIA H200 Tensor Core GPU datasheet. SXM: as H100 SXM; NVL: as H100 NVL.
 - V100: NVIDIA Tesla V100 datasheet. SXM2: FP64 7.8, FP32 15.7, tensor (fp16) 125; PCIe: 7, 14,
-  112; V100S PCIe: 8.2, 16.4, 130. DGX-2's SXM3 parts (the seed's dgx2 partition) clock slightly
+  112; V100S PCIe: 8.2, 16.4, 130. DGX-2's SXM3 parts (the SJTU page's dgx2 partition) clock slightly
   higher and are given the SXM2 figures.
 
 This module must not import torch.

@@ -1,7 +1,7 @@
 """Results outside their expected range, turned into warnings a student can act on.
 
 The ranges come from what the course teaches: DDP should scale almost linearly on one node (the
-seed measured 94% on 4 GPUs), and DataParallel on several GPUs should at least beat one GPU. A
+Lab-01 handout measured 94% on 4 GPUs), and DataParallel on several GPUs should at least beat one GPU. A
 warning is not an error: on a 2-core laptop two Gloo processes share the cores, and the report
 says so rather than hiding the number.
 """
@@ -15,7 +15,7 @@ import pandas as pd
 
 from common.runtime.machine import BF16_EMULATION_PREFIX
 
-#: DDP below this scaling efficiency is flagged (the seed's 4-GPU run reached 94%).
+#: DDP below this scaling efficiency is flagged (the Lab-01 handout's 4-GPU run reached 94%).
 DDP_MIN_EFFICIENCY = 0.80
 DDP_METHODS_PREFIX = "ddp"
 DP_METHODS = ("dp", "dataparallel")

@@ -1,6 +1,6 @@
 """The report's command line: ``python scripts/compare_results.py`` and every lab entry that runs it.
 
-The flags are those of the seed's ``performance_comparison.py`` (``--results-dir``,
+The flags are those of the Lab-01 handout's ``performance_comparison.py`` (``--results-dir``,
 ``--output-report``, ``--generate-plots``) plus ``--lab``, ``--csv``, ``--no-plots`` and ``--title``.
 """
 

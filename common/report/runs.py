@@ -4,9 +4,10 @@ Every value is read defensively. A record from an older script, another lab or a
 lack a key or hold a value of the wrong type; the run must still be listed (its cell shows "—"), so
 nothing here indexes a record directly.
 
-Scaling efficiency follows the seed's table: ``throughput(N devices) / (N x baseline throughput)``,
-where the baseline is the median throughput of the single-device ``baseline`` runs of the same lab,
-model and device type on the same machine. Runs from different machines are never compared.
+Scaling efficiency follows the Lab-01 handout's table:
+``throughput(N devices) / (N x baseline throughput)``, where the baseline is the median throughput
+of the single-device ``baseline`` runs of the same lab, model and device type on the same
+machine. Runs from different machines are never compared.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from common.runtime.machine import describe_machine, machine_label
 BASELINE_METHOD = "baseline"
 #: A run is compared only with runs that share these: same lab, model, kind of device and machine.
 COMPARISON_KEYS = ("lab", "model", "device_type", "machine")
-#: One configuration is one line of the seed's table; its repeats are combined with the median.
+#: One configuration is one line of the Lab-01 handout's table; its repeats are combined with the median.
 CONFIGURATION_KEYS = (*COMPARISON_KEYS, "method", "world_size", "devices")
 #: Metric keys the summary table shows as columns (other scalar metrics get a table of their own).
 SUMMARY_METRICS = ("samples_per_s", "time_per_epoch_s", "global_batch_size", "world_size", "devices", "memory",
@@ -201,7 +202,7 @@ def runs_frame(records: Iterable[Mapping[str, Any]], results_dir: Path | None = 
     runs["speedup"] = (runs["samples_per_s"] / runs["baseline_samples_per_s"]).where(compared)
     runs["scaling_efficiency"] = (runs["speedup"] / runs["devices"]).where(compared & (runs["devices"] > 1))
 
-    # Baseline first, then the other methods by name: the order of the seed's table.
+    # Baseline first, then the other methods by name: the order of the Lab-01 handout's table.
     runs["_method_order"] = (runs["method"] != BASELINE_METHOD).astype(int)
     order = ["lab", "model", "device_type", "machine", "devices", "_method_order", "method", "created", "run_id"]
     runs = runs.sort_values(order, na_position="last", kind="stable").drop(columns="_method_order")

@@ -14,14 +14,14 @@ communication with computation, so every replica takes the same optimiser step a
 "primary". Only rank 0 prints and writes the record; every rank reports its peak memory and a hash
 of its parameters, so the record shows that the replicas ended identical.
 
-``--batch-size`` is per process, as in the seed: ``--batch-size 64`` under 4 processes is a global
-batch of 256, the same as ``03_dataparallel_training.py --batch-size 256 --gpus 0,1,2,3``. With
+``--batch-size`` is per process, as in the Lab-01 handout: ``--batch-size 64`` under 4 processes is a
+global batch of 256, the same as ``03_dataparallel_training.py --batch-size 256 --gpus 0,1,2,3``. With
 ``--accumulation-steps K`` each process runs K micro-batches of ``--batch-size`` per optimiser step
 (global batch = batch size x processes x K); the first K-1 backward passes run under
 ``model.no_sync()``, so gradients are all-reduced once per step instead of K times. The record's
 ``global_batch_size`` always holds the product.
 
-The seed's DDP options are flags: ``--gradient-as-bucket-view`` (gradients live inside the
+The Lab-01 handout's DDP options are flags: ``--gradient-as-bucket-view`` (gradients live inside the
 communication buckets: one copy less), ``--bucket-cap-mb`` (bucket size: fewer, larger all-reduces
 against earlier overlap), ``--broadcast-buffers`` (copy rank 0's BatchNorm statistics to every rank
 before each forward) and ``--find-unused-parameters`` (needed only when some parameters get no
@@ -87,7 +87,8 @@ def train(model, device, loader, optimizer, args, scaler, run) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     add_lab_args(parser)
-    group = parser.add_argument_group("DDP options (the seed's 'optimised DDP' settings are the defaults)")
+    group = parser.add_argument_group(
+        "DDP options (the Lab-01 handout's 'optimised DDP' settings are the defaults)")
     group.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction, default=True,
                        help="gradients are views into the all-reduce buckets, saving a copy; PyTorch's own "
                             "default is off (default: %(default)s)")

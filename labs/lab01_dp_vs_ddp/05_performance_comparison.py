@@ -10,9 +10,9 @@ Usage:
 (It reads files and starts no processes, so there is no torchrun form.)
 
 This is the course's report tool (``common/report/``, also ``scripts/compare_results.py``) under the
-lab's name and with the seed's flags: every lab uses the same tool, so there is one place to fix it.
+lab's name and with the Lab-01 handout's flags: every lab uses the same tool, so there is one place to fix it.
 It reads every result record in ``--results-dir`` (steps 1 to 4 each wrote one), and writes a
-self-contained HTML page with the seed's table (method, global batch, time per epoch, memory per
+self-contained HTML page with the handout's table (method, global batch, time per epoch, memory per
 device, throughput, scaling efficiency against the baseline), the plots, the DataParallel memory
 imbalance, whether the three methods reached the same loss, and the provenance of every run; and a
 CSV of the table beside it.

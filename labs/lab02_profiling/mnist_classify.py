@@ -2,7 +2,7 @@
 """Train the classic MNIST CNN and profile its training loop line by line (Lab-02).
 
 Usage:
-    kernprof -o run.lprof -l mnist_classify.py --epochs=3       # profile train(), as the seed does
+    kernprof -o run.lprof -l mnist_classify.py --epochs=3       # profile train(), as the USC lab does
     python -m line_profiler -rmt run.lprof                      # read the table
     kernprof -o sync.lprof -l mnist_classify.py --epochs=1 --launch-blocking   # GPU: each line's own GPU time
     python mnist_classify.py --epochs=3                         # the same run without the profiler
@@ -11,7 +11,7 @@ Usage:
     sbatch job.slurm                                            # on a cluster (kernprof, 3 epochs)
     (one process, one device: there is no torchrun form; Lab-01 is the multi-GPU lab)
 
-What it teaches: where the time of a training epoch goes. The seed's line profile shows 84.5 % of
+What it teaches: where the time of a training epoch goes. The USC lab's line profile shows 84.5 % of
 ``train()`` on its first line, the loop that waits for the DataLoader, and only a few percent in the
 forward and backward passes. Each flag below removes part of that wait; ``sweep.py`` runs them one
 after another and records every step.
@@ -27,7 +27,7 @@ time one launch takes) against the measured step, and the regime that follows; `
 captures the whole step once and replays it as one launch (on a CPU it runs eagerly and says why).
 
 Data: ``--dataset digits`` (bundled, offline, the default), ``mnist`` (from ``--data-dir``) or
-``synthetic`` (MNIST-sized, ``--synthetic-size``). ``--pipeline pil`` is the seed's per-sample PIL
+``synthetic`` (MNIST-sized, ``--synthetic-size``). ``--pipeline pil`` is the USC lab's per-sample PIL
 transform pipeline on any of them (see ``common/data/pipelines.py``).
 """
 
@@ -59,8 +59,8 @@ SCRIPT = "labs/lab02_profiling/mnist_classify.py"
 #: The floors' numbers that are metrics of their own in the record (the rest stay under ``floors``).
 FLOOR_METRICS = ("flop_floor_s", "launch_floor_s", "step_time_s", "regime", "kernels_per_step", "achieved_tflops",
                  "fraction_of_peak")
-#: The seed's starting point: what ``--method`` defaults to naming "baseline".
-SEED_CONFIGURATION = {"pipeline": "pil", "num_workers": 1, "batch_size": 64, "pin_memory": False,
+#: The USC lab's starting point: what ``--method`` defaults to naming "baseline".
+USC_CONFIGURATION = {"pipeline": "pil", "num_workers": 1, "batch_size": 64, "pin_memory": False,
                       "persistent_workers": False, "prefetch_factor": None, "channels_last": False,
                       "amp": "fp32", "compile": False, "cuda_graph": False}
 
@@ -185,9 +185,9 @@ def measure_floors(args, model, device, optimizer, scaler, graph, step_time_s):
 
 
 def default_method(args) -> str:
-    """``baseline`` for the seed's configuration, ``custom`` for anything else (``--method`` names it)."""
-    current = {key: getattr(args, key) for key in SEED_CONFIGURATION}
-    return "baseline" if current == SEED_CONFIGURATION else "custom"
+    """``baseline`` for the USC lab's configuration, ``custom`` for anything else (``--method`` names it)."""
+    current = {key: getattr(args, key) for key in USC_CONFIGURATION}
+    return "baseline" if current == USC_CONFIGURATION else "custom"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="batches between loss lines (default: %(default)s)")
     tuning = parser.add_argument_group("the optimisation path (sweep.py turns these on one after another)")
     tuning.add_argument("--pipeline", choices=PIPELINES, default="pil",
-                        help="pil: the seed's per-sample PIL transforms; tensor: converted once, one indexing op "
+                        help="pil: the USC lab's per-sample PIL transforms; tensor: converted once, one indexing op "
                              "per batch; device: whole set on the device, no DataLoader (default: %(default)s)")
     tuning.add_argument("--pin-memory", action="store_true",
                         help="page-locked host batches for faster, asynchronous copies to the GPU (default: off)")
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CUDA_LAUNCH_BLOCKING=1: every CUDA call waits for its kernels, so a line profile on a "
                              "GPU shows each line's own GPU time; slower overall (default: off)")
     parser.add_argument("--method", default=None,
-                        help="name of this run in its result record (default: 'baseline' for the seed's "
+                        help="name of this run in its result record (default: 'baseline' for the USC lab's "
                              "configuration, else 'custom')")
     add_common_args(parser, epochs=3, batch_size=64)
     return parser

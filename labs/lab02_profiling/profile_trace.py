@@ -2,7 +2,7 @@
 """Profile a few MNIST training steps with torch.profiler: a timeline trace and the top operators.
 
 Usage:
-    python profile_trace.py                                    # the seed's pipeline, 5 profiled steps
+    python profile_trace.py                                    # the USC lab's pipeline, 5 profiled steps
     python profile_trace.py --pipeline device --batch-size 256 # after the optimisations
     sbatch job.slurm   # with the kernprof line replaced by: python profile_trace.py --num-workers "$workers"
     (one process, one device: there is no torchrun form)
@@ -11,7 +11,7 @@ What it teaches: line_profiler (``mnist_classify.py`` under kernprof) says which
 ``train()`` takes the time; torch.profiler says what happens *inside* it: every PyTorch operator,
 on the CPU and, when there is a GPU, on the GPU, on one timeline. Open the trace at
 https://ui.perfetto.dev (or chrome://tracing): the labelled regions ``data loading``, ``forward``,
-``backward`` and ``optimizer step`` show where each step goes; with the seed's pipeline the GPU row
+``backward`` and ``optimizer step`` show where each step goes; with the USC lab's pipeline the GPU row
 is mostly empty while the CPU waits for the next batch.
 
 The profiler follows a schedule: ``--wait`` steps ignored, ``--warmup`` steps traced but thrown

@@ -12,8 +12,8 @@ What it teaches: each optimisation on its own, in order, and how much it bought.
 ``mnist_classify.py`` with the flags of steps 1..N, so every step adds one change to the previous
 one. Every step runs under ``kernprof -l`` exactly as ``job.slurm`` does; its ``.lprof`` is kept
 (read it with ``python -m line_profiler -rmt FILE``) and the share of ``train()``'s time spent on
-the data-loading line (the seed's 84.5 %) is stored in the step's result record next to its time
-per epoch, samples/s and speed-up over the seed's starting point. ``compare_results.py`` draws the
+the data-loading line (the USC lab's 84.5 %) is stored in the step's result record next to its time
+per epoch, samples/s and speed-up over the USC lab's starting point. ``compare_results.py`` draws the
 progression from those records.
 
 The sweep itself does not import torch: every step is a fresh process, as a student would run it.
@@ -44,7 +44,7 @@ LAB_DIR = Path(__file__).resolve().parent
 TRAIN_SCRIPT = LAB_DIR / "mnist_classify.py"
 SCRIPT = "labs/lab02_profiling/sweep.py"
 REPORT_SCRIPT = LAB_DIR.parents[1] / "scripts" / "compare_results.py"
-#: The line of ``train()`` that waits for the next batch: the seed's 84.5 %.
+#: The line of ``train()`` that waits for the next batch: the USC lab's 84.5 %.
 DATA_LOADING_LINE = "for batch_idx, (data, target) in enumerate(train_loader):"
 
 

@@ -2,7 +2,7 @@
 """Lab-03: how fast the ResNet family trains and infers at each precision, and whether it still learns.
 
 Usage:
-    python labs/lab03_precision_benchmark/benchmark_models.py --folder a100 -w 10 -n 5 -b 12 -g 1  # the seed's
+    python labs/lab03_precision_benchmark/benchmark_models.py --folder a100 -w 10 -n 5 -b 12 -g 1  # the SJTU page's
     python labs/lab03_precision_benchmark/benchmark_models.py --device cpu --models resnet18 --image-size 64 -b 4
     torchrun --standalone --nproc_per_node=4 labs/lab03_precision_benchmark/benchmark_models.py --models resnet50
     python labs/lab03_precision_benchmark/benchmark_models.py -g 4 --models resnet50   # the same: runs that torchrun
@@ -14,13 +14,13 @@ per-iteration times), set against the device's peak TFLOP/s, and checked for cor
 training steps from the same weights on the same batch must end near fp32's loss, or the precision
 is flagged. Speed without that check can hide a model that no longer learns.
 
-Differences from the seed's ``benchmark_models.py``: a training iteration includes the optimiser step
+Differences from the SJTU page's ``benchmark_models.py``: a training iteration includes the optimiser step
 (SGD with momentum); the batch stays on the device (this times the model, not host-to-device copies);
 several GPUs run DDP with one process per GPU and ``-b`` per process, not DataParallel: under
-``torchrun`` or ``srun``, or with the seed's ``-g N``, which prints the ``torchrun`` command and runs
+``torchrun`` or ``srun``, or with the SJTU page's ``-g N``, which prints the ``torchrun`` command and runs
 it; precisions the device cannot run are skipped with the reason, in the summary CSV and the records.
 
-Output (``lab03_shared.Output``): in ``--folder``, the seed's CSV layout (one file per mode and
+Output (``lab03_shared.Output``): in ``--folder``, the SJTU page's CSV layout (one file per mode and
 precision, a column per model, a row per timed iteration, milliseconds per batch) plus
 ``<tag>_summary.csv``; in ``--results-dir``, one result record per model, mode and precision (lab
 ``lab03``, method ``<mode>-<precision>``).
@@ -53,7 +53,7 @@ from common.runtime.launch import detect_launch
 from common.models import build_model, zoo_models
 from common.measure.timing import StepTimer, peak_memory, reset_peak_memory
 from labs.lab03_precision_benchmark.lab03_shared import (
-    DEFAULT_LOSS_TOLERANCE, MAX_SKIPPED_CHECK_STEPS, MOMENTUM, NUM_CLASSES, SEED_MODELS, Output, compare_losses,
+    DEFAULT_LOSS_TOLERANCE, MAX_SKIPPED_CHECK_STEPS, MOMENTUM, NUM_CLASSES, SJTU_MODELS, Output, compare_losses,
     compile_outcome, parse_list,
 )
 
@@ -65,20 +65,20 @@ AUTOCAST = {"amp-fp16": "fp16", "amp-bf16": "bf16"}
 
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # --help shows defaults
-    seed_flags = parser.add_argument_group("the seed's flags")
-    seed_flags.add_argument("--folder", type=output_dir, default="results/lab03_csv", help="folder for the CSV files")
-    seed_flags.add_argument("-w", "--warmup", type=non_negative_int, default=10,
+    sjtu_flags = parser.add_argument_group("the SJTU page's flags")
+    sjtu_flags.add_argument("--folder", type=output_dir, default="results/lab03_csv", help="folder for the CSV files")
+    sjtu_flags.add_argument("-w", "--warmup", type=non_negative_int, default=10,
                             help="iterations run but not timed: cuDNN autotuning, allocator growth, torch.compile")
-    seed_flags.add_argument("-n", "--num-iters", type=positive_int, default=20,
+    sjtu_flags.add_argument("-n", "--num-iters", type=positive_int, default=20,
                             help="timed iterations per model, mode and precision")
-    seed_flags.add_argument("-b", "--batch-size", type=positive_int, default=12,
+    sjtu_flags.add_argument("-b", "--batch-size", type=positive_int, default=12,
                             help="images per iteration on each process")
-    seed_flags.add_argument("-g", "--num-gpus", type=positive_int, default=1,
+    sjtu_flags.add_argument("-g", "--num-gpus", type=positive_int, default=1,
                             help="processes, one per GPU, training with DDP: above 1 this command runs under torchrun "
                                  "--nproc_per_node=N (on a CPU: Gloo processes); under torchrun or srun leave it out")
     what = parser.add_argument_group("what to measure")
-    what.add_argument("--models", default=", ".join(SEED_MODELS),
-                      help="comma-separated torchvision classification models; the default is the seed's nine")
+    what.add_argument("--models", default=", ".join(SJTU_MODELS),
+                      help="comma-separated torchvision classification models; the default is the SJTU page's nine")
     what.add_argument("--modes", default=", ".join(MODES), help="train, inference or both")
     what.add_argument("--precisions", default=", ".join(PRECISIONS), help="comma-separated, any of the default's")
     what.add_argument("--image-size", type=positive_int, default=224,
@@ -301,7 +301,7 @@ def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: D
 
 
 def run_under_torchrun(args: argparse.Namespace, argv: list[str]) -> int:
-    """The seed's ``-g N`` from a plain ``python``: torchrun starts the N processes, as for every distributed
+    """The SJTU page's ``-g N`` from a plain ``python``: torchrun starts the N processes, as for every distributed
     script of the course, and the command is printed, so it can be typed directly next time."""
     resolve_device(args.device, local_world_size=args.num_gpus)  # more processes than GPUs: one error line, now
     script = sys.argv[0] if Path(sys.argv[0]).resolve() == Path(__file__).resolve() else __file__  # as typed

@@ -10,11 +10,11 @@ can use these without importing torch:
   when the runs are far below it.
 - :func:`compare_losses`: the correctness check of a precision against fp32, its threshold, and how
   many skipped GradScaler steps it waits through.
-- :func:`csv_name`, :func:`iterations_csv`, :func:`summary_csv`: the CSV layout of the seed's
+- :func:`csv_name`, :func:`iterations_csv`, :func:`summary_csv`: the CSV layout of the SJTU page's
   ``benchmark_models.py`` (one file per mode and precision, a column per model, a row per
   iteration, milliseconds per batch), plus one summary file that also lists what was skipped.
 - :class:`Output`: what a run writes and prints from what it measured (a record per result, those
-  CSVs, a line per result and the seed's table at the end), on rank 0 only.
+  CSVs, a line per result and the SJTU page's table at the end), on rank 0 only.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ from common.results import fp32_math_info, make_record, provenance, write_record
 LAB = "lab03"
 SCRIPT = "labs/lab03_precision_benchmark/benchmark_models.py"
 
-#: The models of the seed's table, in its order.
-SEED_MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d",
+#: The models of the SJTU page's table, in its order.
+SJTU_MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d",
                "resnext101_32x8d", "wide_resnet50_2", "wide_resnet101_2")
-#: ImageNet's classes, as the seed's models had.
+#: ImageNet's classes, as the SJTU page's models had.
 NUM_CLASSES = 1000
-#: The optimiser's momentum, for the check and the timed training (SGD, as the seed's training).
+#: The optimiser's momentum, for the check and the timed training (SGD, as the SJTU page's training).
 MOMENTUM = 0.9
 
 
@@ -207,7 +207,7 @@ def compile_outcome(counters: Mapping[str, Mapping[str, int]]) -> dict[str, Any]
 
 
 def device_tag(device_type: str, device_name: str, world_size: int) -> str:
-    """The seed's file-name prefix, ``<device name>_<N>_gpus`` (``cpu_<N>_procs`` on a CPU)."""
+    """The SJTU page's file-name prefix, ``<device name>_<N>_gpus`` (``cpu_<N>_procs`` on a CPU)."""
     if device_type != "cuda":
         return f"cpu_{world_size}_procs"
     slug = re.sub(r"[^A-Za-z0-9.-]+", "-", device_name).strip("-") or "cuda"
@@ -215,12 +215,12 @@ def device_tag(device_type: str, device_name: str, world_size: int) -> str:
 
 
 def csv_name(tag: str, precision: str, mode: str) -> str:
-    """``<tag>_<precision>_model_<mode>_benchmark.csv``, as the seed names its files."""
+    """``<tag>_<precision>_model_<mode>_benchmark.csv``, as the SJTU page names its files."""
     return f"{tag}_{precision}_model_{mode}_benchmark.csv"
 
 
 def iterations_csv(ms_by_model: Mapping[str, Sequence[float]]) -> str:
-    """The seed's layout: one column per model, one row per timed iteration, ms per batch."""
+    """The SJTU page's layout: one column per model, one row per timed iteration, ms per batch."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     models = list(ms_by_model)
@@ -262,7 +262,7 @@ def _cell(value: Any) -> str:
 
 
 class Output:
-    """What a run writes, on rank 0 only: a record per result, the seed's CSVs, the summary CSV, the table.
+    """What a run writes, on rank 0 only: a record per result, the SJTU page's CSVs, the summary CSV, the table.
 
     ``ctx`` is the run's ``common.runtime.distributed.DistContext``, each ``timer`` a ``common.measure.timing.StepTimer``
     that has timed one model, mode and precision. The device's name comes from the records' provenance.
@@ -405,10 +405,10 @@ class Output:
         write_text_atomic(summary_csv(self.rows), folder / f"{self.tag}_summary.csv")
 
     def finish(self) -> int:
-        """Write the CSVs, print the seed-style table; exit status 1 when something failed."""
+        """Write the CSVs, print the SJTU page's table; exit status 1 when something failed."""
         self.write_csvs()
         if self.ctx.is_main:
-            print(seed_table(self.rows, self.args.modes, self.args.precisions), flush=True)
+            print(sjtu_table(self.rows, self.args.modes, self.args.precisions), flush=True)
             launch_bound = launch_bound_line(self.rows, self.args.batch_size)
             if launch_bound:
                 print(launch_bound, flush=True)
@@ -418,8 +418,8 @@ class Output:
         return 1 if self.failures else 0
 
 
-def seed_table(rows: Sequence[Mapping[str, Any]], modes: Sequence[str], precisions: Sequence[str]) -> str:
-    """Median ms/batch, model by precision, and the mean over the models as the seed's table gives it."""
+def sjtu_table(rows: Sequence[Mapping[str, Any]], modes: Sequence[str], precisions: Sequence[str]) -> str:
+    """Median ms/batch, model by precision, and the mean over the models as the SJTU page's table gives it."""
     lines = []
     for mode in modes:
         ok = {(r["model"], r["precision"]): r["ms_per_batch_median"] for r in rows

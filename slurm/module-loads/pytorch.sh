@@ -4,7 +4,7 @@
 #     source slurm/module-loads/pytorch.sh                 # from the repository root
 #     source ../../slurm/module-loads/pytorch.sh           # from a chapter folder
 #
-# (It replaces the course seed's `mamba activate hpc-ignite-ml`: it activates the conda environment
+# (It replaces the LANTA chapter's `mamba activate hpc-ignite-ml`: it activates the conda environment
 # of environments/ml-gpu.yaml, named hpc-dl-labs-gpu here, or hpc-ignite-ml if you created it so.)
 #
 # It (1) loads your cluster's modules, (2) activates the course's Python environment, and
@@ -24,7 +24,7 @@
 #   HPC_DL_LABS_MODULES   modules to load, space-separated [the SITE line below, else none]
 #   HPC_DL_LABS_ENV       conda environment to activate [none: a python that already has PyTorch is
 #                         kept (an environment you activated, a module's); else hpc-dl-labs-gpu from
-#                         environments/ml-gpu.yaml, or hpc-ignite-ml, the name the course seed gave it;
+#                         environments/ml-gpu.yaml, or hpc-ignite-ml, the name the LANTA chapter gave it;
 #                         else the repository's .venv (bash scripts/bootstrap.sh)]
 #
 # Without any Python that has PyTorch it says so; inside a Slurm job it then returns 1, so the job
@@ -66,7 +66,7 @@ fi
 # The first of: the conda environment HPC_DL_LABS_ENV names; a python on PATH that already has
 # PyTorch (an environment you activated yourself, or the modules above); the course's conda
 # environment (hpc-dl-labs-gpu from environments/ml-gpu.yaml, or hpc-ignite-ml, its name in the
-# course seed); the repository's .venv (bash scripts/bootstrap.sh). "Has PyTorch" is asked without
+# LANTA chapter); the repository's .venv (bash scripts/bootstrap.sh). "Has PyTorch" is asked without
 # importing it (importlib.util.find_spec: milliseconds, not seconds).
 _pt_has_torch() {
     python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' >/dev/null 2>&1

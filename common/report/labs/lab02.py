@@ -4,7 +4,7 @@
 which step, in what order) and, in ``metrics``, ``data_loading_share`` (the line_profiler share of
 ``train()`` spent waiting for the next batch) and ``speedup_vs_seed``. This section lays each
 sweep out in path order as a table and a plot. ``bench/data_pipeline.py`` records (``config.bench``)
-get a table of their own: the seed's pipeline, the lab's best and pure compute, with the ratios.
+get a table of their own: the USC lab's pipeline, the lab's best and pure compute, with the ratios.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _sweep_figure(sweep: pd.DataFrame, title: str) -> Any:
     y = list(range(len(ok)))
     panels = [
         (axes[0], ok["time_per_epoch_s"], "time per epoch (s)", "tab:gray"),
-        (axes[1], ok["samples_per_s"], "samples/s (label: speed-up over the seed)", "tab:blue"),
+        (axes[1], ok["samples_per_s"], "samples/s (label: speed-up over the USC lab's script)", "tab:blue"),
         (axes[2], ok["share"] * 100, "data-loading line, % of train() (line_profiler)", "tab:orange"),
     ]
     for ax, values, xlabel, color in panels:
@@ -80,7 +80,7 @@ def _share_sentence(sweep: pd.DataFrame) -> str | None:
         return None
     first, last = ok.iloc[0], ok.iloc[-1]
     return (f"The data-loading line took {fmt_percent(first['share'], 1)} of train() at '{first['step']}' and "
-            f"{fmt_percent(last['share'], 1)} at '{last['step']}' (the seed's own table: 84.5 % on a GPU with "
+            f"{fmt_percent(last['share'], 1)} at '{last['step']}' (the USC lab's own table: 84.5 % on a GPU with "
             "one CPU core).")
 
 
@@ -90,7 +90,7 @@ SWEEP_COLUMNS = [
     ("batch", lambda r: num(fmt_text(None if pd.isna(r["batch"]) else int(r["batch"])))),
     number_column("time / epoch", "time_per_epoch_s", fmt_seconds),
     number_column("samples/s", "samples_per_s", fmt_rate),
-    number_column("speed-up over the seed", "speedup", fmt_ratio),
+    number_column("speed-up over the USC lab's script", "speedup", fmt_ratio),
     number_column("data-loading line", "share", fmt_percent, 1),
     number_column("compile time", "compile_s", fmt_seconds),
     number_column("test accuracy", "test_accuracy", fmt_percent, 1),
@@ -122,13 +122,13 @@ def _bench_table(runs: pd.DataFrame) -> Any | None:
         text_column("bench", "bench_id"),
         text_column("machine"),
         number_column("threads", "threads", fmt_text),
-        number_column("(a) seed's pipeline, samples/s", "rate_a", fmt_rate),
+        number_column("(a) USC lab's pipeline, samples/s", "rate_a", fmt_rate),
         number_column("(b) best pipeline, samples/s", "rate_b", fmt_rate),
         number_column("(c) compute only, samples/s", "rate_c", fmt_rate),
         number_column("b ÷ a", "b_over_a", fmt_number, 3),
         number_column("b ÷ c", "b_over_c", fmt_number, 3),
         number_column("load average (1 min) at start", "load", fmt_number, 3),
-    ], caption="bench/data_pipeline.py: the same model and batch trained one epoch at a time with (a) the seed's "
+    ], caption="bench/data_pipeline.py: the same model and batch trained one epoch at a time with (a) the USC lab's "
                "pipeline, (b) the lab's best and (c) batches already in place; ratios are medians of within-round "
                "ratios", row_id_column="run_id")
 
@@ -141,7 +141,7 @@ def optimisation_path(ctx: SectionContext) -> Section | None:
         return None
     paragraphs = [
         "Each step of a sweep runs mnist_classify.py under kernprof with one more optimisation than the step "
-        "before. Speed-up is samples/s over the sweep's own baseline step (the seed's configuration) on the same "
+        "before. Speed-up is samples/s over the sweep's own baseline step (the USC lab's configuration) on the same "
         "machine; the data-loading line is the share of train()'s time spent on "
         "'for batch_idx, (data, target) in enumerate(train_loader)'.",
     ]

@@ -4,7 +4,7 @@
 (method ``<mode>-<precision>``; ``config.model``, ``config.mode``, ``config.precision``) with
 ``metrics.ms_per_batch.median``, ``achieved_tflops``, ``peak_tflops`` and ``loss_check``; a precision
 the device cannot run is one ``skipped`` record per mode with ``config.model`` empty and the reason in
-``notes``. This section lays them out as the seed's table does, a model per row and a precision per
+``notes``. This section lays them out as the SJTU page's table does, a model per row and a precision per
 column, one table per machine, process count and mode; repeats of a cell are combined with the median.
 """
 

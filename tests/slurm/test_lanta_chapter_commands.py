@@ -1,6 +1,5 @@
-"""The seeds' commands, typed literally, submitted to the Slurm test cluster.
-
-Seed 000 (Chapter 4), from the chapter folder::
+"""The LANTA chapter's commands (docs/course-material.md), typed literally, submitted to the Slurm
+test cluster. From the chapter folder::
 
     source ../../slurm/module-loads/pytorch.sh
     sbatch sbatch/single_gpu.sbatch
@@ -35,7 +34,7 @@ def repository_copy(root: Path) -> Path:
     return root
 
 
-def test_chapter4_seed_commands_as_typed_run_in_the_submitting_shells_environment(slurm_cluster, tmp_path):
+def test_the_lanta_chapters_commands_as_typed_run_in_the_submitting_shells_environment(slurm_cluster, tmp_path):
     root = repository_copy(tmp_path / "repo")
     assert not (root / ".venv").exists()
     home = tmp_path / "home"
