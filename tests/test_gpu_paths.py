@@ -292,7 +292,7 @@ def test_lab03_compile_resets_dynamo_per_configuration_and_records_whether_it_co
 
     from common.runtime.distributed import DistContext
     from common.runtime.launch import LaunchInfo
-    from labs.lab03_precision_benchmark.lab03_shared import RECOMPILE_LIMIT_HIT, compile_outcome
+    from labs.lab03_precision_benchmark.lab03_shared import compile_outcome
 
     bench = load_script("labs/lab03_precision_benchmark/benchmark_models.py")
     # The eager backend: dynamo captures graphs (what is checked) without a C++ compiler (what CI lacks).
@@ -320,7 +320,9 @@ def test_lab03_compile_resets_dynamo_per_configuration_and_records_whether_it_co
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
     assert record["metrics"]["compile"] == missed
     assert any(note.startswith("NOT COMPILED") and "eager" in note for note in record["notes"])
-    assert RECOMPILE_LIMIT_HIT.search("cache_size_limit reached")  # the older releases' words
+    # Older releases call the limit cache_size_limit: such a hit is counted too, other give-ups are not.
+    older = {"stats": {"unique_graphs": 2}, "unimplemented": {"cache_size_limit reached": 1, "call_function": 3}}
+    assert compile_outcome(older) == {"compiled": False, "graphs": 2, "recompile_limit_hits": 1}
 
 
 # --------------------------------------------------------------------------------------------
