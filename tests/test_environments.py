@@ -185,10 +185,23 @@ def test_failing_module_load_is_a_note_not_a_failed_job(tmp_path):
     assert "pytorch.sh: could not load module nosuchmodule" in proc.stderr and "survived" in proc.stdout
 
 
-def test_module_loads_marks_site_lines():
-    text = MODULE_LOADS.read_text()
-    for site in ("LANTA", "π", "CARC"):
-        assert re.search(rf"^# SITE .*{site}", text, re.M), f"no SITE line for {site}"
+SITE_LINE = re.compile(r"^# SITE ([^:]+):\s+(_pt_site_modules=.*)$", re.M)
+
+
+@pytest.mark.parametrize("cluster", ["LANTA", "π", "CARC"])
+def test_uncommenting_a_clusters_site_line_loads_its_modules(tmp_path, cluster):
+    """pytorch.sh says: uncomment the SITE line for your cluster. Done in a copy, sourcing it loads
+    the modules that line names, one `module load` each."""
+    (line,) = [match for match in SITE_LINE.finditer(MODULE_LOADS.read_text()) if cluster in match[1]]
+    copy = repository_without_venv(tmp_path)
+    copy.write_text(copy.read_text().replace(line[0], line[2]))
+    log = tmp_path / "calls.log"
+    python = fake_python(tmp_path / "bin", has_torch=True)
+    proc = _source(f'module() {{ echo "module $*" >> {log}; }}', "echo done", tmp_path, module_loads=copy,
+                   PATH=f"{python}:{SYSTEM_PATH}")
+    assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stderr
+    modules = re.fullmatch(r'_pt_site_modules="([^"]+)"', line[2])[1].split()
+    assert log.read_text().splitlines() == [f"module load {name}" for name in modules]
 
 
 def test_an_active_python_with_pytorch_is_kept(tmp_path):
