@@ -219,8 +219,8 @@ def test_an_active_python_with_pytorch_is_kept(tmp_path):
     assert log.read_text().splitlines() == ["conda activate hpc-dl-labs-gpu"]
 
 
-def test_the_seed_environment_name_is_activated_too(tmp_path):
-    """Seed 000 says `mamba activate hpc-ignite-ml`: an environment created under that name works."""
+def test_an_environment_named_as_in_the_chapter_4_material_is_activated_too(tmp_path):
+    """The LANTA chapter says `mamba activate hpc-ignite-ml`: an environment created under that name works."""
     log = tmp_path / "calls.log"
     prelude = (f"conda() {{ case $1 in env) echo 'base  /opt/conda'; echo 'hpc-ignite-ml  /opt/conda/envs/hpc-ignite-ml' ;;"
                f" activate) echo \"conda activate $2\" >> {log} ;; esac; }}")
@@ -229,14 +229,43 @@ def test_the_seed_environment_name_is_activated_too(tmp_path):
     assert log.read_text().splitlines() == ["conda activate hpc-ignite-ml"]
 
 
-def test_the_seed_environment_name_is_explained_where_the_seed_command_is_typed():
-    """Wherever a student would type the seed's `mamba activate hpc-ignite-ml`, the repository says
-    where that environment went."""
-    for path in ("environments/ml-gpu.yaml", "environments/ml-cpu.yaml", "slurm/module-loads/pytorch.sh",
-                 "README.md", "chapters/ch04_deep_learning/README.md"):
-        text = (REPO / path).read_text()
-        assert "hpc-ignite-ml" in text and "hpc-dl-labs-gpu" in text, path
-    assert "-n hpc-ignite-ml" in (REPO / "environments/ml-gpu.yaml").read_text()
+#: Where a student reads how to create the GPU environment, and the folder its commands are typed in.
+CREATE_COMMAND_DOCS = {"README.md": REPO, "environments/ml-gpu.yaml": REPO,
+                       "chapters/ch04_deep_learning/README.md": REPO / "chapters" / "ch04_deep_learning"}
+CREATE_COMMAND = re.compile(r"mamba env create -f \S*ml-gpu\.yaml(?: -n [\w-]+)?")
+
+
+@pytest.mark.parametrize("doc", CREATE_COMMAND_DOCS)
+def test_each_documented_gpu_environment_command_makes_one_that_pytorch_sh_activates(tmp_path, doc):
+    """Each `mamba env create -f ...ml-gpu.yaml` a document gives, typed in its folder (a stand-in mamba
+    reads -f and -n as mamba does), creates an environment that sourcing pytorch.sh then activates,
+    under its own name or the name the Chapter 4 material used, hpc-ignite-ml, which each of them gives."""
+    commands = CREATE_COMMAND.findall((REPO / doc).read_text())
+    envs, created = tmp_path / "envs.txt", []
+    for command in commands:
+        typed = f"""set -euo pipefail
+mamba() {{
+    local file="" name=""
+    while (($#)); do case $1 in -f) file=$2; shift ;; -n) name=$2; shift ;; esac; shift; done
+    [[ -f $file ]] || {{ echo "mamba: no such file $file" >&2; return 1; }}
+    [[ -n $name ]] || name=$(sed -n 's/^name: *//p' "$file")
+    echo "$name  /opt/conda/envs/$name" > {envs}
+}}
+{command}
+"""
+        made = subprocess.run(["bash", "-c", typed], cwd=CREATE_COMMAND_DOCS[doc], capture_output=True, text=True,
+                              timeout=30)
+        assert made.returncode == 0, (command, made.stderr)
+        name = envs.read_text().split()[0]
+        log = tmp_path / "calls.log"
+        log.unlink(missing_ok=True)
+        prelude = (f"conda() {{ case $1 in env) echo 'base  /opt/conda'; cat {envs} ;;"
+                   f" activate) echo \"conda activate $2\" >> {log} ;; esac; }}")
+        proc = _source(prelude, "echo done", tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert log.read_text().splitlines() == [f"conda activate {name}"], command
+        created.append(name)
+    assert "hpc-ignite-ml" in created and any(name != "hpc-ignite-ml" for name in created), (doc, commands)
 
 
 @pytest.mark.parametrize("in_job", [True, False])
