@@ -305,12 +305,9 @@ def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, argv, 
         assert "resnet18" in err and "wide_resnet101_2" in err  # the valid names are listed
 
 
-def test_two_processes_run_ddp_on_the_cpu(tmp_path):
+def test_two_processes_run_ddp_on_the_cpu(lab03_ddp_run):
     """-g 2 on a CPU: torchrun starts two Gloo processes, DDP in training; rank 0 writes."""
-    result = run_script(SCRIPT, "--device", "cpu", "-g", "2", "--models", "resnet18", "--image-size", "32",
-                        "-b", "2", "-w", "1", "-n", "2", "--check-steps", "1", "--precisions", "fp32",
-                        "--modes", "train", "--folder", str(tmp_path / "csv"),
-                        "--results-dir", str(tmp_path / "records"), timeout=240)
+    result, tmp_path = lab03_ddp_run  # shared with tests/test_distributed_teardown.py
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"-g 2: running torchrun --standalone --nproc_per_node=2 {REPO / SCRIPT} --device cpu -g 2" in result.stdout
     assert "2 process(es) with DDP" in result.stdout
