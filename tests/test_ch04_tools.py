@@ -364,4 +364,5 @@ def test_readme_key_ideas_with_code_run_without_deprecation_warnings(heading):
 def test_readme_a100_table_is_the_peak_table_pytorch_basics_measures_against():
     _, a100 = load_script(BASICS).peak_for("NVIDIA A100-SXM4-40GB")
     rows = dict(re.findall(r"^\| (.+?) \| (.+?) \|$", _section("NVIDIA A100 specifications (LANTA)"), re.M))
-    assert rows["FP32 Performance"] == f"{a100['fp32']:g} TFLOPS" and rows["FP16 Performance"] == f"{a100['fp16']:g} TFLOPS"
+    assert rows["FP32 Performance"] == f"{a100['fp32']:g} TFLOPS"
+    assert rows["FP16 Performance"] == f"{a100['fp16']:g} TFLOPS"

@@ -458,7 +458,9 @@ def test_container_build_installs_pyprojects_dependencies_and_keeps_the_images_t
 printf '%s\\n' "$*" >> {log}
 case "$1 $2 $3" in
     "-m pip freeze") printf '{NGC_BUILDS.replace(chr(10), chr(92) + "n")}' ;;
-    "-m pip install") while [ $# -gt 1 ] && [ "$1" != --constraint ]; do shift; done; sed 's/^/CONSTRAINT /' "$2" >> {log} ;;
+    "-m pip install")
+        while [ $# -gt 1 ] && [ "$1" != --constraint ]; do shift; done
+        sed 's/^/CONSTRAINT /' "$2" >> {log} ;;
 esac
 """)
     (tools / "python").chmod(0o755)
