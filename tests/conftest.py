@@ -25,3 +25,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA GPU; torch.cuda.is_available() is False on this machine")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def lab03_ddp_run(tmp_path_factory: pytest.TempPathFactory):
+    """``benchmark_models.py -g 2`` run once for the two files that read it (each run starts three
+    processes that import torch): tests/test_lab03.py checks what it records, and
+    tests/test_distributed_teardown.py that no process-group thread is left when its processes exit.
+    Returns the finished process and its folder (csv/, records/, threads/)."""
+    from helpers import LAB03_DDP_ARGS, run_reporting_threads
+
+    folder = tmp_path_factory.mktemp("lab03-ddp")
+    result = run_reporting_threads("labs/lab03_precision_benchmark/benchmark_models.py", *LAB03_DDP_ARGS,
+                                   folder=folder)
+    return result, folder

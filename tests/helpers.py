@@ -179,3 +179,18 @@ def fake_cpuinfo(model: str, flags: str, cpus: int = 2, threads_per_core: int = 
     return "\n\n".join(f"processor\t: {i}\nvendor_id\t: AuthenticAMD\nmodel name\t: {model}\nphysical id\t: 0\n"
                        f"core id\t\t: {i // threads_per_core}\nflags\t\t: fpu sse2 {flags}"
                        for i in range(cpus)) + "\n"
+
+
+def run_reporting_threads(relpath: str, *args: str, folder: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """:func:`run_script` in ``folder`` with every Python process of the run writing down its threads at
+    exit into ``folder/threads`` (``tests/exit_threads/sitecustomize.py``; tests/test_distributed_teardown.py)."""
+    (folder / "threads").mkdir(parents=True)
+    env = script_env(HPC_DL_LABS_THREAD_REPORT=str(folder / "threads"))
+    env["PYTHONPATH"] = f"{Path(__file__).resolve().parent / 'exit_threads'}{os.pathsep}{env['PYTHONPATH']}"
+    return run_script(relpath, *args, cwd=folder, env=env, timeout=timeout)
+
+
+#: Lab-03's benchmark on two CPU processes (torchrun and two Gloo ranks, DDP in training).
+LAB03_DDP_ARGS = ("--device", "cpu", "-g", "2", "--models", "resnet18", "--image-size", "32", "-b", "2", "-w", "1",
+                  "-n", "2", "--check-steps", "1", "--precisions", "fp32", "--modes", "train", "--folder", "csv",
+                  "--results-dir", "records")

@@ -239,7 +239,7 @@ def output_flags() -> list[tuple[str, str, str]]:
 
 
 def test_every_flag_that_names_a_place_to_write_is_checked_before_the_run(tmp_path, capsys):
-    """Item 23 of the GPU-ready issue, for every script: a file where a folder is needed is one
+    """For every script: a file where a folder is needed is one
     ``error: argument FLAG`` line and exit status 2 when the command line is read, before anything runs."""
     flags = output_flags()
     assert len({script for script, _, _ in flags}) >= 25 and {"--trace", "--checkpoint-dir", "--folder",

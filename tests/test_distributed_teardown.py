@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, run_script, script_env
+from helpers import LAB03_DDP_ARGS, REPO, run_reporting_threads, run_script, script_env
 
 #: Thread names (``/proc/<pid>/task/<tid>/comm``, at most 15 characters) of a process group's threads.
 GROUP_THREAD = re.compile(r"^(pt_gloo|gloo_tcp|pt_tcpstore|pt_nccl)")
@@ -56,10 +56,8 @@ ENTRY_POINTS = {
                                          "--image-size", "16", "--synthetic-size", "32", "--batch-size", "8",
                                          "--checkpoint", "ckpt.pt"),
                                         1, "backend gloo"),
-    "lab03-benchmark_models-g2": EntryPoint("labs/lab03_precision_benchmark/benchmark_models.py",
-                                            ("--device", "cpu", "-g", "2", "--models", "resnet18", "--image-size",
-                                             "32", "-b", "2", "--modes", "train", "--precisions", "fp32",
-                                             "--dry-run"),
+    # The run tests/test_lab03.py checks too (the session fixture lab03_ddp_run, tests/conftest.py).
+    "lab03-benchmark_models-g2": EntryPoint("labs/lab03_precision_benchmark/benchmark_models.py", LAB03_DDP_ARGS,
                                             3, "2 process(es) with DDP"),
     "lab04-01_memory_budget": EntryPoint("labs/lab04_sharded_training/01_memory_budget.py",
                                          ("--device", "cpu", *TINY_TRANSFORMER, "--batch-size", "2"),
@@ -84,14 +82,14 @@ ENTRY_POINTS = {
 
 
 @pytest.mark.parametrize("name", ENTRY_POINTS)
-def test_no_process_group_thread_is_left_at_exit(name, tmp_path):
+def test_no_process_group_thread_is_left_at_exit(name, tmp_path, request):
     entry = ENTRY_POINTS[name]
+    if entry.args == LAB03_DDP_ARGS:
+        result, tmp_path = request.getfixturevalue("lab03_ddp_run")
+    else:
+        result = run_reporting_threads(entry.script, *entry.args, "--results-dir", str(tmp_path / "results"),
+                                       folder=tmp_path)
     reports = tmp_path / "threads"
-    reports.mkdir()
-    env = script_env(HPC_DL_LABS_THREAD_REPORT=str(reports))
-    env["PYTHONPATH"] = f"{REPO / 'tests' / 'exit_threads'}:{env['PYTHONPATH']}"
-    result = run_script(entry.script, *entry.args, "--results-dir", str(tmp_path / "results"), cwd=tmp_path,
-                        env=env, timeout=240)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert entry.proof in output, output[-3000:]  # it really ran under a process group

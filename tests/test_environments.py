@@ -185,10 +185,23 @@ def test_failing_module_load_is_a_note_not_a_failed_job(tmp_path):
     assert "pytorch.sh: could not load module nosuchmodule" in proc.stderr and "survived" in proc.stdout
 
 
-def test_module_loads_marks_site_lines():
-    text = MODULE_LOADS.read_text()
-    for site in ("LANTA", "π", "CARC"):
-        assert re.search(rf"^# SITE .*{site}", text, re.M), f"no SITE line for {site}"
+SITE_LINE = re.compile(r"^# SITE ([^:]+):\s+(_pt_site_modules=.*)$", re.M)
+
+
+@pytest.mark.parametrize("cluster", ["LANTA", "π", "CARC"])
+def test_uncommenting_a_clusters_site_line_loads_its_modules(tmp_path, cluster):
+    """pytorch.sh says: uncomment the SITE line for your cluster. Done in a copy, sourcing it loads
+    the modules that line names, one `module load` each."""
+    (line,) = [match for match in SITE_LINE.finditer(MODULE_LOADS.read_text()) if cluster in match[1]]
+    copy = repository_without_venv(tmp_path)
+    copy.write_text(copy.read_text().replace(line[0], line[2]))
+    log = tmp_path / "calls.log"
+    python = fake_python(tmp_path / "bin", has_torch=True)
+    proc = _source(f'module() {{ echo "module $*" >> {log}; }}', "echo done", tmp_path, module_loads=copy,
+                   PATH=f"{python}:{SYSTEM_PATH}")
+    assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stderr
+    modules = re.fullmatch(r'_pt_site_modules="([^"]+)"', line[2])[1].split()
+    assert log.read_text().splitlines() == [f"module load {name}" for name in modules]
 
 
 def test_an_active_python_with_pytorch_is_kept(tmp_path):
@@ -216,14 +229,43 @@ def test_the_lanta_chapters_environment_name_is_activated_too(tmp_path):
     assert log.read_text().splitlines() == ["conda activate hpc-ignite-ml"]
 
 
-def test_the_lanta_chapters_environment_name_is_explained_where_its_command_is_typed():
-    """Wherever a student would type the LANTA chapter's `mamba activate hpc-ignite-ml`, the repository says
-    where that environment went."""
-    for path in ("environments/ml-gpu.yaml", "environments/ml-cpu.yaml", "slurm/module-loads/pytorch.sh",
-                 "README.md", "chapters/ch04_deep_learning/README.md"):
-        text = (REPO / path).read_text()
-        assert "hpc-ignite-ml" in text and "hpc-dl-labs-gpu" in text, path
-    assert "-n hpc-ignite-ml" in (REPO / "environments/ml-gpu.yaml").read_text()
+#: Where a student reads how to create the GPU environment, and the folder its commands are typed in.
+CREATE_COMMAND_DOCS = {"README.md": REPO, "environments/ml-gpu.yaml": REPO,
+                       "chapters/ch04_deep_learning/README.md": REPO / "chapters" / "ch04_deep_learning"}
+CREATE_COMMAND = re.compile(r"mamba env create -f \S*ml-gpu\.yaml(?: -n [\w-]+)?")
+
+
+@pytest.mark.parametrize("doc", CREATE_COMMAND_DOCS)
+def test_each_documented_gpu_environment_command_makes_one_that_pytorch_sh_activates(tmp_path, doc):
+    """Each `mamba env create -f ...ml-gpu.yaml` a document gives, typed in its folder (a stand-in mamba
+    reads -f and -n as mamba does), creates an environment that sourcing pytorch.sh then activates,
+    under its own name or the name the LANTA chapter used, hpc-ignite-ml, which each of them gives."""
+    commands = CREATE_COMMAND.findall((REPO / doc).read_text())
+    envs, created = tmp_path / "envs.txt", []
+    for command in commands:
+        typed = f"""set -euo pipefail
+mamba() {{
+    local file="" name=""
+    while (($#)); do case $1 in -f) file=$2; shift ;; -n) name=$2; shift ;; esac; shift; done
+    [[ -f $file ]] || {{ echo "mamba: no such file $file" >&2; return 1; }}
+    [[ -n $name ]] || name=$(sed -n 's/^name: *//p' "$file")
+    echo "$name  /opt/conda/envs/$name" > {envs}
+}}
+{command}
+"""
+        made = subprocess.run(["bash", "-c", typed], cwd=CREATE_COMMAND_DOCS[doc], capture_output=True, text=True,
+                              timeout=30)
+        assert made.returncode == 0, (command, made.stderr)
+        name = envs.read_text().split()[0]
+        log = tmp_path / "calls.log"
+        log.unlink(missing_ok=True)
+        prelude = (f"conda() {{ case $1 in env) echo 'base  /opt/conda'; cat {envs} ;;"
+                   f" activate) echo \"conda activate $2\" >> {log} ;; esac; }}")
+        proc = _source(prelude, "echo done", tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert log.read_text().splitlines() == [f"conda activate {name}"], command
+        created.append(name)
+    assert "hpc-ignite-ml" in created and any(name != "hpc-ignite-ml" for name in created), (doc, commands)
 
 
 @pytest.mark.parametrize("in_job", [True, False])

@@ -2,8 +2,6 @@
 ``torch.cuda.*``), ``nvidia-smi`` is a fake on the PATH, an old PyTorch is a stub package. Nothing
 runs on those fake GPUs; what is tested is every decision the code makes from what they report.
 The ``gpu``-marked tests at the end check on a real GPU what a CPU cannot show.
-
-Each test names the item of the "first GPU run" issue it covers (item N).
 """
 
 from __future__ import annotations
@@ -104,7 +102,7 @@ def one_error_line(capsys) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Item 1: bf16 below compute capability 8.0
+# bf16 below compute capability 8.0
 
 
 def test_bf16_is_refused_below_compute_capability_8_although_is_bf16_supported_says_yes(fake_gpus):
@@ -132,7 +130,7 @@ def test_mnist_training_with_bf16_on_a_v100_is_one_error_line(fake_gpus, tmp_pat
 
 
 # --------------------------------------------------------------------------------------------
-# Item 2: more processes than GPUs; NCCL bound to its GPU at init
+# more processes than GPUs; NCCL bound to its GPU at init
 
 
 def test_more_processes_on_a_node_than_gpus_is_refused_naming_both_counts(fake_gpus):
@@ -200,7 +198,7 @@ def test_srun_with_gpus_per_task_gives_each_task_its_own_gpu(fake_gpus, launch_e
 
 
 # --------------------------------------------------------------------------------------------
-# Item 4: fp32 means fp32, and every record says which maths was in force
+# fp32 means fp32, and every record says which maths was in force
 
 
 def test_a_cuda_run_uses_real_fp32_and_records_say_which_maths_was_in_force(fake_gpus):
@@ -254,7 +252,7 @@ def test_memory_helpers_before_cuda_starts_say_not_measured_and_resolving_the_de
 
 
 # --------------------------------------------------------------------------------------------
-# Item 7: cudnn.benchmark off and on, both timed after a warm-up
+# cudnn.benchmark off and on, both timed after a warm-up
 
 
 def test_cudnn_benchmark_comparison_warms_up_before_the_first_timed_step(monkeypatch):
@@ -279,7 +277,7 @@ def test_cudnn_benchmark_comparison_warms_up_before_the_first_timed_step(monkeyp
 
 
 # --------------------------------------------------------------------------------------------
-# Item 8: Lab-03 --compile resets dynamo per configuration and records whether it compiled
+# Lab-03 --compile resets dynamo per configuration and records whether it compiled
 
 
 def test_lab03_compile_resets_dynamo_per_configuration_and_records_whether_it_compiled(tmp_path, monkeypatch):
@@ -292,7 +290,7 @@ def test_lab03_compile_resets_dynamo_per_configuration_and_records_whether_it_co
 
     from common.runtime.distributed import DistContext
     from common.runtime.launch import LaunchInfo
-    from labs.lab03_precision_benchmark.lab03_shared import RECOMPILE_LIMIT_HIT, compile_outcome
+    from labs.lab03_precision_benchmark.lab03_shared import compile_outcome
 
     bench = load_script("labs/lab03_precision_benchmark/benchmark_models.py")
     # The eager backend: dynamo captures graphs (what is checked) without a C++ compiler (what CI lacks).
@@ -320,11 +318,13 @@ def test_lab03_compile_resets_dynamo_per_configuration_and_records_whether_it_co
     (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
     assert record["metrics"]["compile"] == missed
     assert any(note.startswith("NOT COMPILED") and "eager" in note for note in record["notes"])
-    assert RECOMPILE_LIMIT_HIT.search("cache_size_limit reached")  # the older releases' words
+    # Older releases call the limit cache_size_limit: such a hit is counted too, other give-ups are not.
+    older = {"stats": {"unique_graphs": 2}, "unimplemented": {"cache_size_limit reached": 1, "call_function": 3}}
+    assert compile_outcome(older) == {"compiled": False, "graphs": 2, "recompile_limit_hits": 1}
 
 
 # --------------------------------------------------------------------------------------------
-# Item 12: device-level memory beside the allocator's peak, each with its source
+# device-level memory beside the allocator's peak, each with its source
 
 
 def test_peak_memory_on_a_gpu_adds_what_the_device_has_in_use(fake_gpus, monkeypatch):
@@ -373,7 +373,7 @@ def test_report_shows_device_memory_next_to_the_allocator_peak_with_each_source(
 
 
 # --------------------------------------------------------------------------------------------
-# Item 13: nvidia-smi's GPU numbers matched to PyTorch's by PCI bus id
+# nvidia-smi's GPU numbers matched to PyTorch's by PCI bus id
 
 
 TOPOLOGY = ("\tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\n"
@@ -403,7 +403,7 @@ def test_environment_check_matches_topology_to_cuda_devices_by_pci_bus_id(fake_g
 
 
 # --------------------------------------------------------------------------------------------
-# Item 14: Lab-02's synchronised line profile
+# Lab-02's synchronised line profile
 
 
 def test_launch_blocking_is_set_before_cuda_starts_and_refused_after(monkeypatch, tmp_path):
@@ -433,7 +433,7 @@ def test_launch_blocking_is_set_before_cuda_starts_and_refused_after(monkeypatch
 
 
 # --------------------------------------------------------------------------------------------
-# Item 15: run_lab.sh gives DataParallel and DDP the same GPUs
+# run_lab.sh gives DataParallel and DDP the same GPUs
 
 
 def test_run_lab_gives_dataparallel_the_gpus_ddp_uses(tmp_path):
@@ -453,7 +453,7 @@ def test_run_lab_gives_dataparallel_the_gpus_ddp_uses(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Item 16: one datasheet table, which knows the H100 NVL
+# one datasheet table, which knows the H100 NVL
 
 
 @pytest.mark.parametrize("name", ["NVIDIA H100 NVL", "NVIDIA H100 PCIe", H100, "NVIDIA H200 NVL", "NVIDIA H200",
@@ -473,7 +473,7 @@ def test_an_h100_nvl_gets_the_nvl_peaks_not_the_sxm_ones():
 
 
 # --------------------------------------------------------------------------------------------
-# Item 9: each rank saves and restores its own GPU's generator
+# each rank saves and restores its own GPU's generator
 
 
 def test_rng_state_keeps_only_this_ranks_gpu_and_restores_where_fewer_gpus_are_visible(monkeypatch):
@@ -499,7 +499,7 @@ def test_rng_state_keeps_only_this_ranks_gpu_and_restores_where_fewer_gpus_are_v
 
 
 # --------------------------------------------------------------------------------------------
-# Item 20: python -m torch.distributed.launch passes --local-rank
+# python -m torch.distributed.launch passes --local-rank
 
 
 #: Every script that joins a process group (tests/test_distributed_teardown.py runs each of them).
@@ -523,7 +523,7 @@ def test_distributed_scripts_accept_the_old_launchers_local_rank(script, capsys)
 
 
 # --------------------------------------------------------------------------------------------
-# Item 21: an old PyTorch is one line from every entry point
+# an old PyTorch is one line from every entry point
 
 #: Modules PyTorch 1.6 did not have: the stub below refuses them, as the real 1.6 would.
 NEWER_THAN_1_6 = ("torch.amp", "torch.profiler", "torch.utils.flop_counter", "torch.distributed.checkpoint",
@@ -585,7 +585,7 @@ def test_minimum_versions_are_those_of_pyproject():
 
 
 # --------------------------------------------------------------------------------------------
-# Item 24: a run no longer than its warm-up says n/a
+# a run no longer than its warm-up says n/a
 
 
 def test_a_run_shorter_than_its_warm_up_prints_na_not_zero_samples_per_s(tmp_path, capsys):

@@ -63,12 +63,30 @@ esac
     assert (tmp_path / "smoke" / "ch04_ddp" / "log.txt").is_file()
 
 
-def test_the_script_and_the_checker_list_the_same_checks():
+def test_every_check_the_script_lists_is_judged_by_the_checker_and_runs_its_commands(tmp_path):
+    """--list names the checker's checks; run with a stand-in interpreter (a GPU probe that says 1,
+    every other command a no-op that exits 0), each of them starts at least one command of its own
+    in its own folder and lands in the table."""
     listed = subprocess.run(["bash", str(REPO / "scripts/gpu_smoke.sh"), "--list"], capture_output=True, text=True,
                             timeout=30).stdout.split()
     assert listed == list(smoke.CHECKS)
-    script = (REPO / "scripts/gpu_smoke.sh").read_text()
-    assert all(f"run_{name}()" in script for name in listed)
+    fake = tmp_path / "python"
+    fake.write_text("""#!/bin/bash
+case "$1 $2" in
+    "-c import torch"*) echo "1 2.15.0 NVIDIA H100 80GB HBM3" ;;
+    "scripts/gpu_smoke_check.py --table") cat "$3" ;;
+    "scripts/gpu_smoke_check.py "*) printf '%s\\tok\\t0\\t\\n' "$2" >> "${@: -1}" ;;
+    *) exit 0 ;;
+esac
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "smoke"
+    proc = subprocess.run(["bash", str(REPO / "scripts/gpu_smoke.sh"), "--out", str(out)],
+                          env=script_env(PYTHON=str(fake)), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "command not found" not in proc.stderr, proc.stdout + proc.stderr
+    assert [line.split("\t")[0] for line in (out / "summary.tsv").read_text().splitlines()] == listed
+    for name in listed:
+        assert (out / name / "status.txt").read_text().split(), f"{name} started no command"
 
 
 # --------------------------------------------------------------------------------------------

@@ -306,7 +306,7 @@ def _loads_into_a_plain_model(weights: Path, record: dict) -> None:
 
 
 def test_dataparallel_save_model_writes_weights_a_plain_model_loads(tmp_path):
-    """Item 22 of the GPU-ready issue: ``--save-model`` saves what a student can load again."""
+    """``--save-model`` saves what a student can load again."""
     assert _quiet_main(DP, [*TINY, "--batch-size", str(GLOBAL_BATCH), "--dry-run", "--save-model",
                             "--results-dir", str(tmp_path)]) == 0
     record = _record(tmp_path)

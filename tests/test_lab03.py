@@ -26,7 +26,9 @@ import contextlib
 import csv
 import io
 import math
+import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -303,12 +305,9 @@ def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, argv, 
         assert "resnet18" in err and "wide_resnet101_2" in err  # the valid names are listed
 
 
-def test_two_processes_run_ddp_on_the_cpu(tmp_path):
+def test_two_processes_run_ddp_on_the_cpu(lab03_ddp_run):
     """-g 2 on a CPU: torchrun starts two Gloo processes, DDP in training; rank 0 writes."""
-    result = run_script(SCRIPT, "--device", "cpu", "-g", "2", "--models", "resnet18", "--image-size", "32",
-                        "-b", "2", "-w", "1", "-n", "2", "--check-steps", "1", "--precisions", "fp32",
-                        "--modes", "train", "--folder", str(tmp_path / "csv"),
-                        "--results-dir", str(tmp_path / "records"), timeout=240)
+    result, tmp_path = lab03_ddp_run  # shared with tests/test_distributed_teardown.py
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"-g 2: running torchrun --standalone --nproc_per_node=2 {REPO / SCRIPT} --device cpu -g 2" in result.stdout
     assert "2 process(es) with DDP" in result.stdout
@@ -428,28 +427,69 @@ def test_flags_are_the_sjtu_pages_plus_the_labs_and_say_their_defaults():
     assert args.models == list(shared().SJTU_MODELS) and args.precisions == list(shared().PRECISIONS)
 
 
-def test_container_definition_installs_the_course_dependencies():
-    """environments/apptainer/pytorch.def: an NGC base, every non-torch runtime dependency, a runscript."""
-    import re
+APPTAINER_DEF = REPO / "environments/apptainer/pytorch.def"
+#: What `pip freeze` says in the NGC image: its own builds of these three, which must stay.
+NGC_BUILDS = "torch==2.6.0a0+df5bbc09d1.nv24.12\ntorchvision==0.20.0a0\nnumpy==1.26.4\npandas==2.2.2\n"
 
+
+def definition() -> tuple[dict[str, str], dict[str, str]]:
+    """environments/apptainer/pytorch.def as Apptainer reads it: ``Key: value`` header lines up to the
+    first ``%section``, then each section's body up to the next line that starts with ``%``."""
+    text = APPTAINER_DEF.read_text()
+    header = text[:re.search(r"^%", text, re.M).start()]
+    keys = dict(re.findall(r"^(\w+):\s*(.+?)\s*$", header, re.M))
+    return keys, dict(re.findall(r"^%(\w+)\n(.*?)(?=^%|\Z)", text, re.M | re.S))
+
+
+def test_container_build_installs_pyprojects_dependencies_and_keeps_the_images_torch(tmp_path):
+    """Apptainer runs %post with /bin/sh inside the NGC image: here with a stand-in python that answers
+    `pip freeze` as that image would and logs every call. pip installs exactly pyproject.toml's runtime
+    dependencies other than torch, torchvision and numpy, constrained to the image's own builds of those."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         tomllib = pytest.importorskip("tomli")
 
-    text = (REPO / "environments/apptainer/pytorch.def").read_text()
-    assert re.search(r"^Bootstrap: docker$", text, re.M)
-    assert re.search(r"^From: nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3$", text, re.M)
-    sections = dict(re.findall(r"^%(\w+)\n(.*?)(?=^%|\Z)", text, re.M | re.S))
-    assert {"post", "environment", "runscript", "test"} <= set(sections)
-    assert 'exec python "$@"' in sections["runscript"]
+    keys, sections = definition()
+    assert keys["Bootstrap"] == "docker" and re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3", keys["From"])
+    tools, log = tmp_path / "bin", tmp_path / "calls.log"
+    tools.mkdir()
+    (tools / "python").write_text(f"""#!/bin/sh
+printf '%s\\n' "$*" >> {log}
+case "$1 $2 $3" in
+    "-m pip freeze") printf '{NGC_BUILDS.replace(chr(10), chr(92) + "n")}' ;;
+    "-m pip install")
+        while [ $# -gt 1 ] && [ "$1" != --constraint ]; do shift; done
+        sed 's/^/CONSTRAINT /' "$2" >> {log} ;;
+esac
+""")
+    (tools / "python").chmod(0o755)
+    done = subprocess.run(["/bin/sh", "-c", sections["post"]], cwd=tmp_path, capture_output=True, text=True,
+                          env={"PATH": f"{tools}:/usr/bin:/bin"}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    calls = log.read_text().splitlines()
+    (install,) = [call for call in calls if call.startswith("-m pip install ")]
+    pinned = [call.removeprefix("CONSTRAINT ") for call in calls if call.startswith("CONSTRAINT ")]
+    assert pinned == NGC_BUILDS.splitlines()[:3]  # torch, torchvision and numpy as the image has them
+    installed = shlex.split(install)[install.split().index("--constraint") + 1 + 1:]
     dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    for spec in dependencies:
-        name = re.split(r"[<>=]", spec, maxsplit=1)[0]
-        if name in ("torch", "torchvision", "numpy"):  # the NGC image's own builds, never replaced
-            assert not re.search(rf'"{name}[<>=]', sections["post"])
-        else:
-            assert f'"{spec}"' in sections["post"], f"{spec} from pyproject.toml is not installed in the image"
+    assert installed == [spec for spec in dependencies
+                         if re.split(r"[<>=]", spec, maxsplit=1)[0] not in ("torch", "torchvision", "numpy")]
+    assert calls[-1].startswith("-c import torch, torchvision")  # the build's own check comes last
+
+
+@pytest.mark.parametrize("in_checkout", [True, False])
+def test_container_environment_puts_the_checkout_on_pythonpath_and_drops_the_hosts(tmp_path, in_checkout):
+    """%environment, sourced by /bin/sh as Apptainer does in the folder a job runs from."""
+    _, sections = definition()
+    if in_checkout:
+        (tmp_path / "common").mkdir()
+    (tmp_path / "environment.sh").write_text(sections["environment"])
+    done = subprocess.run(["/bin/sh", "-c", '. ./environment.sh; echo "${PYTHONPATH-unset} $PYTHONUNBUFFERED"'],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=30,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": "/host/site-packages"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(tmp_path) if in_checkout else "unset", "1"]
 
 
 @pytest.mark.gpu

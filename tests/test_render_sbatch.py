@@ -53,8 +53,21 @@ def write_template(tmp_path: Path, body: str, job_block: str = "job:\n  nodes: 1
 
 # -- site profiles -------------------------------------------------------------------------------
 
-def test_the_course_materials_sites_and_generic_exist():
-    assert {"lanta", "sjtu-pi", "sjtu-siyuan", "carc-discovery", "generic"} <= set(SITES)
+def test_the_profiles_table_of_the_sites_readme_is_what_list_sites_prints(capsys):
+    """slurm/sites/README.md tells a student which profile is which cluster: every row is a profile
+    that --list-sites prints, with the GPU and CPU partitions it prints, and no profile is missing."""
+    readme = (REPO_ROOT / "slurm" / "sites" / "README.md").read_text()
+    section = readme.split("\n## The profiles\n", 1)[1].split("\n## ", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in section.splitlines() if re.match(r"^\| `[\w-]+` \|", line)]
+    documented = {row[0].strip("`"): (re.match(r"`([^`]+)`", row[-2])[1], re.match(r"`([^`]+)`", row[-1])[1])
+                  for row in rows}
+    assert rs.main(["--list-sites"]) == 0
+    listed = re.findall(r"^(\S+) .*\n +partitions: (.*)$", capsys.readouterr().out, re.M)
+    assert sorted(documented) == sorted(name for name, _ in listed)
+    for name, partitions in listed:
+        gpu, cpu = documented[name]
+        assert f"{gpu} (" in partitions and re.search(rf"(^|, ){re.escape(cpu)}(,|$)", partitions), (name, partitions)
 
 
 @pytest.mark.parametrize("name", SITES)

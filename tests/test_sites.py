@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from common.errors import UserError
-from common.slurm.sites import LINK_SCOPES, Link, find_site, load_site, load_sites, site_names
+from common.slurm.sites import Link, find_site, load_site, load_sites, site_names
 
 PROFILE = """\
 name: lab
@@ -51,9 +51,19 @@ def test_one_site_and_all_sites_with_their_link_peaks(tmp_path):
     assert every["lab"].as_dict()["partitions"]["gpu"]["links"]["nvlink"]["gb_per_s"] == 300.0  # templates see them
 
 
-def test_every_link_kind_has_a_scope():
-    assert set(LINK_SCOPES.values()) == {"gpu", "node"}
-    assert LINK_SCOPES["nvlink"] == "gpu" and LINK_SCOPES["infiniband"] == "node"
+@pytest.mark.parametrize(("kind", "per"), [("nvlink", "gpu"), ("pcie", "gpu"), ("infiniband", "node"),
+                                         ("slingshot", "node"), ("ethernet", "node")])
+def test_each_link_kind_is_read_per_gpu_or_per_node_and_gpu_links_need_gpus(tmp_path, kind, per):
+    """A GPU link's peak is per GPU and needs a partition with GPUs; a network's is per node, on any partition."""
+    path = write_profile(tmp_path, links=f"      {kind}: {{gb_per_s: 10, source: x}}")
+    assert load_site(path).partitions["gpu"].links == {kind: Link(kind, 10.0, per, "x")}
+    on_cpus = f"cpu: {{cpus_per_node: 8, links: {{{kind}: {{gb_per_s: 10, source: x}}}}}}"
+    path.write_text(path.read_text().replace("cpu: {cpus_per_node: 8}", on_cpus))
+    if per == "gpu":
+        with pytest.raises(UserError, match=rf"partitions\.cpu\.links: GPU links \({kind}\) on a partition without"):
+            load_site(path)
+    else:
+        assert load_site(path).partitions["cpu"].links == {kind: Link(kind, 10.0, "node", "x")}
 
 
 @pytest.mark.parametrize(
@@ -74,14 +84,6 @@ def test_a_bad_link_peak_is_one_line_naming_file_and_field(tmp_path, links, expe
         load_sites(tmp_path)
     message = str(raised.value)
     assert message.startswith(f"{tmp_path / 'lab.yaml'}: ") and expected in message and "\n" not in message
-
-
-def test_gpu_links_on_a_partition_without_gpus_are_refused(tmp_path):
-    path = write_profile(tmp_path, links="      {}")
-    path.write_text(path.read_text().replace("cpu: {cpus_per_node: 8}",
-                                             "cpu: {cpus_per_node: 8, links: {pcie: {gb_per_s: 32, source: x}}}"))
-    with pytest.raises(UserError, match=r"partitions\.cpu\.links: GPU links \(pcie\) on a partition without GPUs"):
-        load_site(path)
 
 
 def test_unknown_site_lists_the_known_ones(tmp_path):
