@@ -135,7 +135,18 @@ def init_distributed(device_name: str = "auto", *, force_process_group: bool = F
     for module in MODULES_BINDING_THE_WORLD_GROUP:
         importlib.import_module(module)
     # device_id binds NCCL to this rank's GPU at once, so a bad GPU set-up fails here, not at the first step.
-    dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=launch.rank,
+    init_method = f"tcp://{addr}:{port}"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt not in ("", "0"):
+        # torchrun --max-restarts: the restarted ranks meet in the same store as the attempt before, which
+        # still holds that attempt's addresses; a rank that reads one connects to a dead port. Each
+        # attempt gets keys of its own.
+        store, _, _ = next(dist.rendezvous(f"{init_method}?rank={launch.rank}&world_size={launch.world_size}",
+                                           timeout=timeout))
+        init_method, store = None, dist.PrefixStore(f"/attempt_{attempt}", store)
+    else:
+        store = None
+    dist.init_process_group(backend=backend, init_method=init_method, store=store, rank=launch.rank,
                             world_size=launch.world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
     if later:

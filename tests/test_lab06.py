@@ -1,0 +1,283 @@
+"""Lab-06 on CPU (Gloo): every fault ends in bounded time, in one line naming the rank and the step or
+in recovery to the uninterrupted run's final loss, and leaves no process behind.
+
+The real runs share one module-scoped fixture and start together (the machine has two cores and each
+process spends most of its time importing torch; a hang spends its time waiting). The ledger
+verdict, the bad-input checks and the doctor's parsing are checked in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from helpers import PYTHON, REPO, load_script, run_main, script_env, torchrun, wait_for
+
+LAB = "labs/lab06_failures"
+INJECT = f"{LAB}/01_inject.py"
+DOCTOR = f"{LAB}/02_diagnose.py"
+PREFLIGHT = f"{LAB}/04_preflight.py"
+shared = load_script(f"{LAB}/lab06_shared.py")
+#: Six steps, a checkpoint every two: a fault at step 3 or 4 resumes from step 2.
+TINY = ["--device", "cpu", "--steps", "6", "--checkpoint-every", "2", "--log-interval", "6", "--batch-size", "8"]
+DEADLINE_S = 90
+
+
+# --- the verdict, from ledgers written by hand ---------------------------------------------------------
+
+def entry(rank: int, step: int, op: str = shared.GRADIENTS, numel: int = 100) -> dict:
+    return {"rank": rank, "pid": 1, "op": op, "step": step, "numel": numel}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_verdict_names_the_rank_that_left_the_loop_early(ranks):
+    culprit = ranks - 1
+    ledger = {r: entry(r, 3) for r in range(ranks)} | {culprit: entry(culprit, 3, shared.END_OF_RUN, 1)}
+    verdict = shared.diagnose(ledger, ranks, steps=6, gradient_numel=100)
+    assert verdict.ranks == [culprit] and verdict.step == 3, verdict.line
+    assert "skipped" in verdict.line
+
+
+def test_the_verdict_names_the_rank_behind_and_the_step_the_others_wait_at():
+    verdict = shared.diagnose({0: entry(0, 5), 1: entry(1, 4), 2: entry(2, 5), 3: entry(3, 5)}, 4, 6, 100)
+    assert (verdict.ranks, verdict.step) == ([1], 5), verdict.line
+
+
+def test_the_verdict_names_a_rank_with_another_shape_even_among_two():
+    verdict = shared.diagnose({0: entry(0, 3, numel=101), 1: entry(1, 3)}, 2, 6, 100)
+    assert (verdict.ranks, verdict.step) == ([0], 3) and "desync" in verdict.line
+
+
+def test_the_verdict_names_a_rank_that_never_reached_a_collective_and_blames_nobody_when_all_wait():
+    assert shared.diagnose({0: entry(0, 1)}, 2, 6, 100).ranks == [1]
+    everyone = shared.diagnose({0: entry(0, 2), 1: entry(1, 2)}, 2, 6, 100)
+    assert everyone.ranks == [] and "no rank is behind" in everyone.line
+
+
+def test_a_fault_fires_once_and_never_in_a_restarted_run(tmp_path, monkeypatch):
+    plan = shared.FaultPlan("crash-rank", 1, 3, tmp_path)
+    assert not plan.fires(0, 3, "crash-rank") and not plan.fires(1, 2, "crash-rank")
+    assert not plan.fires(1, 3, "nan-loss")
+    assert plan.fires(1, 3, "crash-rank") and not plan.fires(1, 3, "crash-rank")
+    (tmp_path / shared.FIRED_MARKER).unlink()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert not plan.fires(1, 3, "crash-rank")
+
+
+# --- bad input: one line, status 2, nothing written ---------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fault", "explode"], "invalid choice: 'explode'"),
+    (["--rank", "1"], "--rank 1 does not exist: the run has 1 rank(s)"),
+    (["--rank", "0", "--step", "7"], "--step 7 is past the run: it takes 6 step(s)"),
+    (["--fault", "oom", "--rank", "0"], "--fault oom needs a GPU"),
+])
+def test_bad_input_is_one_error_line_and_writes_nothing(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    status = run_main(INJECT, [*TINY, "--run-dir", str(tmp_path / "run"), "--results-dir", str(tmp_path / "res"),
+                               *argv])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1 and err.startswith("error:") and message in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rank_beyond_the_world_of_a_torchrun_launch_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    status = run_main(INJECT, [*TINY, "--fault", "crash-rank", "--rank", "4", "--run-dir", str(tmp_path / "run")])
+    assert status == 2 and "the run has 4 rank(s), 0 to 3" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+# --- the real runs, all at once -------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    name: str
+    ranks: int
+    argv: list[str]
+    restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen | None = None
+    started: float = 0.0
+    wall_s: float = 0.0
+    output: str = ""
+    returncode: int | None = None
+    doctor: str = ""
+
+
+#: What every CI run checks: a hang on 2 and on 4 ranks (the doctor looks at the first while it hangs;
+#: its timeout ends it afterwards), a crash recovered by torchrun, a NaN that stops 4 ranks together.
+CORE = [
+    Job("uninterrupted-2", 2, []),
+    Job("crash-rank-2", 2, ["--fault", "crash-rank", "--rank", "1", "--step", "4"], restarts=1),
+    Job("skip-collective-2", 2, ["--fault", "skip-collective", "--rank", "1", "--step", "3",
+                                 "--collective-timeout", "25"]),
+    Job("skip-collective-4", 4, ["--fault", "skip-collective", "--rank", "2", "--step", "3",
+                                 "--collective-timeout", "8"]),
+    Job("nan-loss-4", 4, ["--fault", "nan-loss", "--rank", "3", "--step", "5"]),
+]
+#: The other faults on 2 ranks (marked slow: four more jobs on a 2-core machine).
+MORE = [
+    Job("uninterrupted-2", 2, []),
+    Job("nan-loss-2", 2, ["--fault", "nan-loss", "--rank", "1", "--step", "3"], restarts=1),
+    Job("slow-rank-2", 2, ["--fault", "slow-rank", "--rank", "1", "--step", "3", "--collective-timeout", "5"]),
+    Job("stuck-loader-2", 2, ["--fault", "stuck-loader", "--rank", "0", "--step", "4", "--collective-timeout", "5"]),
+    Job("shape-mismatch-2", 2, ["--fault", "shape-mismatch", "--rank", "1", "--step", "3", "--collective-timeout", "5"],
+        env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
+]
+
+
+def job_processes(marker: str) -> list[int]:
+    """Processes whose command line names ``marker`` (the jobs' scratch folder): ranks, their
+    DataLoader workers and the torchrun agents."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker in (proc / "cmdline").read_bytes().decode(errors="replace") and int(proc.name) != os.getpid():
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
+def run_together(root: Path, jobs: list[Job], while_running=None) -> dict:
+    """Start every job at once, call ``while_running(jobs)``, wait for all; count processes before,
+    during and after. A job still running at the deadline is killed (and the test fails on its time)."""
+    before = job_processes(str(root))
+    jobs = {job.name: Job(job.name, job.ranks, job.argv, job.restarts, job.env) for job in jobs}
+    try:
+        for job in jobs.values():
+            launcher = [*torchrun(job.ranks), f"--max-restarts={job.restarts}"]
+            argv = [*TINY, *job.argv, "--run-dir", str(root / job.name), "--results-dir", str(root / job.name / "res")]
+            job.started = time.monotonic()
+            with open(root / f"{job.name}.log", "w") as log:  # a file, not a pipe: nobody reads while they run
+                job.process = subprocess.Popen([*launcher, str(REPO / INJECT), *argv], cwd=root,
+                                               env=script_env(**job.env), stdout=log, stderr=subprocess.STDOUT)
+        during = while_running(root, jobs) if while_running else job_processes(str(root))
+        for job in jobs.values():
+            try:
+                job.process.wait(timeout=max(1, DEADLINE_S + 30 - (time.monotonic() - job.started)))
+            except subprocess.TimeoutExpired:
+                job.process.kill()
+                job.process.wait()
+            job.wall_s = time.monotonic() - job.started
+            job.returncode = job.process.returncode
+            job.output = (root / f"{job.name}.log").read_text()
+    finally:
+        for job in jobs.values():
+            if job.process and job.process.poll() is None:
+                job.process.kill()
+    time.sleep(1)  # a worker orphaned by its rank notices within 0.2 s
+    return {"jobs": jobs, "root": root, "before": before, "during": during, "after": job_processes(str(root))}
+
+
+def look_at_the_hang(root: Path, jobs: dict) -> list[int]:
+    """Wait until the 2-rank hang hangs, count the processes, and run the doctor on it."""
+    hang = jobs["skip-collective-2"]
+    ledger = root / hang.name / "ledger" / "rank1.json"
+    wait_for(lambda: ledger.exists() and shared.END_OF_RUN in ledger.read_text(), DEADLINE_S, "the hang")
+    during = job_processes(str(root))
+    doctor = subprocess.run([PYTHON, str(REPO / DOCTOR), "--run-dir", str(root / hang.name), "--results-dir",
+                             str(root / "doctor")], cwd=root, env=script_env(), capture_output=True, text=True,
+                            timeout=60)
+    hang.doctor = doctor.stdout + doctor.stderr
+    return during
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lab06")
+    return run_together(root, CORE, look_at_the_hang)
+
+
+@pytest.fixture(scope="module")
+def more_runs(tmp_path_factory):
+    return run_together(tmp_path_factory.mktemp("lab06more"), MORE)
+
+
+def final_loss(output: str) -> str:
+    losses = re.findall(r"^final loss (\S+) at step 6", output, re.M)
+    assert len(losses) == 1, output[-3000:]
+    return losses[0]
+
+
+def diagnosis(output: str) -> str:
+    lines = [line for line in output.splitlines() if "diagnosis:" in line]
+    assert len(lines) == 1, output[-3000:]  # one line, from one rank
+    return lines[0]
+
+
+def ends_in_time_and_leaves_nothing(runs) -> None:
+    assert runs["before"] == [] and len(runs["during"]) >= 3  # at least one job's torchrun and two ranks
+    assert runs["after"] == [], f"left behind: {runs['after']}"
+    slow = {name: round(job.wall_s) for name, job in runs["jobs"].items() if job.wall_s > DEADLINE_S}
+    assert not slow, slow
+
+
+def test_every_fault_ends_within_the_deadline_and_leaves_no_process(runs):
+    ends_in_time_and_leaves_nothing(runs)
+
+
+@pytest.mark.slow
+def test_the_other_faults_end_within_the_deadline_and_leave_no_process(more_runs):
+    ends_in_time_and_leaves_nothing(more_runs)
+
+
+@pytest.mark.parametrize("name, culprit, step, words", [
+    ("skip-collective-2", 1, 3, "skipped the all_reduce(gradients) of step 3"),
+    ("skip-collective-4", 2, 3, "skipped the all_reduce(gradients) of step 3"),
+    pytest.param("slow-rank-2", 1, 3, "behind: not yet in the all_reduce(gradients) of step 3", marks=pytest.mark.slow),
+    pytest.param("stuck-loader-2", 0, 4, "behind: not yet in the all_reduce(gradients) of step 4",
+                 marks=pytest.mark.slow),
+    pytest.param("shape-mismatch-2", 1, 3, "at step 3 with another shape", marks=pytest.mark.slow),
+])
+def test_a_hang_or_desync_ends_in_one_line_naming_the_rank_and_the_step(request, name, culprit, step, words):
+    runs = request.getfixturevalue("runs" if name.startswith("skip") else "more_runs")
+    job = runs["jobs"][name]
+    assert job.returncode != 0
+    line = diagnosis(job.output)
+    assert f"rank(s) {culprit} " in line and words in line, line
+    records = [json.loads(p.read_text()) for p in (runs["root"] / name / "res").glob("*.json")]
+    assert [(r["status"], r["metrics"]["culprits"], r["metrics"]["culprit_step"]) for r in records] == \
+        [("failed", [culprit], step)]
+
+
+def test_the_doctor_names_the_rank_that_skipped_the_collective_from_the_live_hang(runs):
+    output = runs["jobs"]["skip-collective-2"].doctor
+    assert "looked at 2 rank(s)" in output and "py-spy" in output, output
+    assert re.search(r"^0 .*all_reduce\(gradients\).*in all_reduce <- reduce_step", output, re.M), output
+    assert re.search(r"^1 .*barrier\(end of run\).*in barrier <- train", output, re.M), output
+    verdicts = [line for line in output.splitlines() if line.startswith("verdict:")]
+    assert verdicts == ["verdict: rank(s) 1 skipped the all_reduce(gradients) of step 3 and left the loop; "
+                        "the others wait in it"], output
+    record = json.loads(next((runs["root"] / "doctor").glob("*.json")).read_text())
+    assert record["metrics"]["culprits"] == [1] and record["metrics"]["stack_source"] == {"0": "py-spy", "1": "py-spy"}
+
+
+@pytest.mark.parametrize("name", ["crash-rank-2", pytest.param("nan-loss-2", marks=pytest.mark.slow)])
+def test_a_restarted_run_resumes_from_the_checkpoint_and_ends_with_the_uninterrupted_loss(request, name):
+    runs = request.getfixturevalue("runs" if name.startswith("crash") else "more_runs")
+    job, clean = runs["jobs"][name], runs["jobs"]["uninterrupted-2"]
+    assert clean.returncode == 0 and job.returncode == 0, job.output[-3000:]
+    assert "resumed from" in job.output and "at step 2 (restart 1)" in job.output, job.output[-3000:]
+    assert final_loss(job.output) == final_loss(clean.output)
+
+
+def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step_with_the_last_good_checkpoint(runs):
+    import torch
+
+    job = runs["jobs"]["nan-loss-4"]
+    assert job.returncode != 0 and "final loss" not in job.output
+    assert "step 5: loss not finite on rank(s) [3]; every rank stops at this step; last good checkpoint: step 4" \
+        in job.output, job.output[-3000:]
+    ledger = shared.read_ledger(runs["root"] / job.name)
+    assert {r: (e["op"], e["step"]) for r, e in ledger.items()} == {r: (shared.END_OF_RUN, 5) for r in range(4)}
+    assert torch.load(runs["root"] / job.name / "checkpoint.pt", weights_only=False)["step"] == 4
