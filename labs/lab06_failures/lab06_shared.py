@@ -3,7 +3,7 @@ collectives, and the verdict that names the rank that is behind or called someth
 
 The lessons stay in the scripts (``01_inject.py`` trains and misbehaves, ``02_diagnose.py`` looks at a
 stuck job, ``04_preflight.py`` checks an allocation); this module holds the bookkeeping, so that each
-piece is unit-tested on its own (``tests/test_lab06.py``). Nothing here imports torch.
+piece is unit-tested on its own (``tests/test_lab06.py``). Nothing here imports torch at import time.
 
 The ledger is a poor man's flight recorder: before every collective, each rank writes one small
 file, ``RUN_DIR/ledger/rank<R>.json``, saying which collective it is about to enter, at which step,
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from collections import Counter
@@ -234,3 +235,64 @@ def table(rows: list[dict[str, Any]]) -> str:
     cells = [header] + [["-" if row[k] is None else str(row[k]) for k in header] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in cells)
+
+
+# --------------------------------------------------------------------------------------------
+# Preflight (04_preflight.py)
+
+def check_ids(reports: list[dict[str, Any]], launcher: str) -> list[str]:
+    """What is wrong with the tasks' identities: Slurm's ids against the launch's, and the nodes'
+    local ranks (one task per local rank on every host; one node id per host)."""
+    problems = []
+    seen = [r for r in reports if not r.get("unreached")]
+    for r in seen:
+        slurm = r.get("slurm") or {}
+        if launcher == "slurm":
+            expected = {"PROCID": r["rank"], "LOCALID": r["local_rank"], "NODEID": r["node"]}
+            wrong = [f"SLURM_{k}={slurm.get(k)} (launch: {v})" for k, v in expected.items() if slurm.get(k) != str(v)]
+            if wrong:
+                problems.append(f"rank {r['rank']} on {r['host']}: {', '.join(wrong)}")
+    by_host: dict[str, list[dict[str, Any]]] = {}
+    for r in seen:
+        by_host.setdefault(r["host"], []).append(r)
+    for host, tasks in sorted(by_host.items()):
+        locals_ = sorted(t["local_rank"] for t in tasks)
+        if locals_ != list(range(len(tasks))):
+            problems.append(f"{host}: local ranks {locals_}, expected 0 to {len(tasks) - 1}")
+        if len({t["node"] for t in tasks}) > 1:
+            problems.append(f"{host}: tasks disagree on the node id ({sorted({t['node'] for t in tasks})})")
+    return problems
+
+
+NCCL_VIA = re.compile(r"via (P2P/\S+|SHM\S*|NET/\S+|CollNet\S*)")
+
+
+def transports_in(nccl_log: str) -> list[str]:
+    """The transports NCCL names in ``NCCL_DEBUG=INFO`` lines (``... via P2P/CUMEM``, ``via NET/IB/0``)."""
+    return sorted(set(NCCL_VIA.findall(nccl_log)))
+
+
+def nccl_transport(device: str, world_size: int) -> str:
+    """Which transport NCCL picks between this job's tasks: one all-reduce with ``NCCL_DEBUG=INFO``
+    written to a file per process, read back. Every task must call it (it is a collective)."""
+    import tempfile
+
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        return "not applicable: Gloo on CPU"
+    if world_size == 1:
+        return "not applicable: one task, nothing to connect"
+    from common.runtime.distributed import init_distributed, teardown_distributed
+
+    folder = Path(tempfile.mkdtemp(prefix="nccl-"))
+    os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,GRAPH,NET", NCCL_DEBUG_FILE=str(folder / "nccl.%p"))
+    ctx = init_distributed("cuda")
+    try:
+        value = torch.ones(1, device=ctx.device)
+        torch.distributed.all_reduce(value)
+        torch.cuda.synchronize()
+    finally:
+        teardown_distributed(ctx)
+    found = transports_in("".join(p.read_text(errors="replace") for p in folder.glob("nccl.*")))
+    return ", ".join(found) or "not reported (NCCL printed no 'via' line)"
