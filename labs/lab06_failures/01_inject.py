@@ -99,6 +99,7 @@ def reduce_step(model, loss: torch.Tensor, ctx, plan: FaultPlan, ledger: Ledger,
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.steps = min(args.steps, 4) if args.dry_run else args.steps
     launch = detect_launch()
     plan = FaultPlan(args.fault, args.rank, args.step, args.run_dir)
     wants_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -243,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="checkpoint, fault marker and ledger; a restarted run resumes from it (default: %(default)s)")
     group.add_argument("--resume", action="store_true",
                        help="resume from --run-dir even when not restarted by torchrun or Slurm (default: off)")
-    add_run_args(parser)
+    add_run_args(parser, dry_run="at most four steps: checks that everything runs")
     return parser
 
 
