@@ -281,3 +281,143 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step_with_the_last_good_
     ledger = shared.read_ledger(runs["root"] / job.name)
     assert {r: (e["op"], e["step"]) for r, e in ledger.items()} == {r: (shared.END_OF_RUN, 5) for r in range(4)}
     assert torch.load(runs["root"] / job.name / "checkpoint.pt", weights_only=False)["step"] == 4
+
+
+# --- the doctor's eyes: py-spy, and faulthandler where py-spy cannot attach ---------------------------
+
+LESSON = """import faulthandler, signal, sys, time
+faulthandler.register(signal.SIGUSR2, file=open(sys.argv[1], "w"), all_threads=True)
+def waiting_for_peers():
+    print("ready", flush=True)
+    time.sleep(60)
+waiting_for_peers()
+"""
+
+
+@pytest.fixture
+def blocked_process(tmp_path):
+    (tmp_path / "ledger").mkdir()
+    (tmp_path / "lesson.py").write_text(LESSON)
+    process = subprocess.Popen([PYTHON, str(tmp_path / "lesson.py"), str(tmp_path / "ledger" / "stack-rank0.txt")],
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "ready\n"
+    yield process
+    process.kill()
+    process.wait()
+
+
+def test_the_doctor_reads_where_a_process_waits_with_py_spy(blocked_process, tmp_path):
+    doctor = load_script(DOCTOR)
+    frames, how = doctor.stack_of(blocked_process.pid, 0, tmp_path)
+    assert how == "py-spy", frames
+    assert doctor.where(frames) == "at waiting_for_peers (lesson.py:5)"
+
+
+def test_the_doctor_falls_back_to_faulthandler_when_py_spy_cannot_attach(blocked_process, tmp_path, monkeypatch):
+    doctor = load_script(DOCTOR)
+    monkeypatch.setattr(doctor.shutil, "which", lambda name: "/bin/false")  # py-spy "fails to attach"
+    frames, how = doctor.stack_of(blocked_process.pid, 0, tmp_path)
+    assert how.startswith("faulthandler"), how
+    assert 'File "' in frames and "waiting_for_peers" in frames and blocked_process.poll() is None
+
+
+# --- preflight -------------------------------------------------------------------------------------------
+
+def test_preflight_on_one_machine_is_one_table_and_one_verdict(tmp_path, capsys):
+    assert run_main(PREFLIGHT, ["--device", "cpu", "--results-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    verdicts = [line for line in out.splitlines() if line.startswith("preflight ")]
+    assert len(verdicts) == 1 and verdicts[0].startswith("preflight ok: 1 task(s) on 1 node(s) reached 127.0.0.1:")
+    assert "NCCL transport: not applicable: Gloo on CPU" in out
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("lab06_preflight_*.json")]
+    assert record["status"] == "ok" and record["metrics"]["problems"] == []
+
+
+def test_preflight_says_which_task_cannot_reach_rank_0(tmp_path, capsys, monkeypatch):
+    from common.runtime.launch import free_port
+
+    port = free_port()  # nobody listens there
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    for key, value in {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+                       "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    status = run_main(PREFLIGHT, ["--device", "cpu", "--timeout", "1", "--results-dir", str(tmp_path / "res")])
+    err = capsys.readouterr().err
+    assert status == 2 and f"cannot reach rank 0 at 127.0.0.1:{port}" in err, err
+    assert not (tmp_path / "res").exists()
+
+
+def test_preflight_finds_slurm_ids_that_disagree_with_the_launch():
+    good = {"rank": 1, "local_rank": 1, "node": 0, "host": "n1", "slurm": {"PROCID": "1", "LOCALID": "1", "NODEID": "0"}}
+    first = {"rank": 0, "local_rank": 0, "node": 0, "host": "n1", "slurm": {"PROCID": "0", "LOCALID": "0", "NODEID": "0"}}
+    assert shared.check_ids([first, good], "slurm") == []
+    wrong = {**good, "slurm": {"PROCID": "1", "LOCALID": "0", "NODEID": "0"}}
+    assert shared.check_ids([first, wrong], "slurm") == ["rank 1 on n1: SLURM_LOCALID=0 (launch: 1)"]
+    twice = {**good, "local_rank": 0}
+    assert shared.check_ids([first, twice], "torchrun") == ["n1: local ranks [0, 0], expected 0 to 1"]
+
+
+def test_nccl_transports_are_read_from_its_info_lines():
+    log = ("gpu1:12:34 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM\n"
+           "gpu1:12:34 [0] NCCL INFO Channel 01/0 : 1[1] -> 2[0] [send] via NET/IB/0\n")
+    assert shared.transports_in(log) == ["NET/IB/0", "P2P/CUMEM"]
+
+
+# --- the report --------------------------------------------------------------------------------------
+
+def test_the_report_lists_each_fault_with_what_it_ended_in(runs, tmp_path):
+    import shutil
+
+    for record in runs["root"].glob("*/res/*.json"):
+        shutil.copy(record, tmp_path)
+    assert run_main("scripts/compare_results.py", ["--results-dir", str(tmp_path), "--lab", "lab06",
+                                                   "--output-report", str(tmp_path / "report.html")]) == 0
+    page = (tmp_path / "report.html").read_text()
+    table = page[page.index('id="lab06-faults"'):]
+    table = table[:table.index("</table>")]
+    assert "finished after 1 restart(s)" in table and "rank(s) 2 skipped the all_reduce(gradients) of step 3" in table
+    assert "every rank stopped at step 5 (NaN on rank(s) [3]); last good checkpoint: step 4" in table
+
+
+# --- GPUs (skipped on CPU-only machines) -------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_on_gpus_an_oom_on_one_rank_is_named_with_its_step(tmp_path):
+    result = subprocess.run([*torchrun(2), str(REPO / INJECT), "--device", "cuda", "--steps", "6", "--fault", "oom",
+                             "--rank", "1", "--step", "3", "--collective-timeout", "20", "--run-dir", str(tmp_path / "run"),
+                             "--results-dir", str(tmp_path / "res")], cwd=tmp_path, env=script_env(),
+                            capture_output=True, text=True, timeout=180)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "OutOfMemoryError" in output, output[-3000:]
+    assert "diagnosis: rank(s) 1 ran out of GPU memory at step 3" in output, output[-3000:]
+
+
+@pytest.mark.gpu
+def test_on_gpus_a_hang_is_named_and_nccl_s_flight_recorder_kept_the_last_collectives(tmp_path):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    result = subprocess.run([*torchrun(2), str(REPO / INJECT), "--device", "cuda", "--steps", "6", "--fault",
+                             "skip-collective", "--rank", "1", "--step", "3", "--collective-timeout", "20", "--run-dir",
+                             str(tmp_path / "run"), "--results-dir", str(tmp_path / "res")], cwd=tmp_path,
+                            env=script_env(), capture_output=True, text=True, timeout=180)
+    output = result.stdout + result.stderr
+    assert "diagnosis: rank(s) 1 skipped the all_reduce(gradients) of step 3" in output, output[-3000:]
+    doctor = subprocess.run([PYTHON, str(REPO / DOCTOR), "--run-dir", str(tmp_path / "run"), "--results-dir",
+                             str(tmp_path / "doctor")], env=script_env(), capture_output=True, text=True, timeout=60)
+    assert "nccl:all_reduce" in doctor.stdout, doctor.stdout + doctor.stderr
+
+
+@pytest.mark.gpu
+def test_on_gpus_preflight_names_nccl_s_transport(tmp_path):
+    import torch
+
+    ranks = min(torch.cuda.device_count(), 4)
+    result = subprocess.run([*torchrun(ranks), str(REPO / PREFLIGHT), "--device", "cuda", "--results-dir",
+                             str(tmp_path)], env=script_env(), capture_output=True, text=True, timeout=180)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and f"preflight ok: {ranks} task(s) on 1 node(s)" in output, output[-3000:]
+    if ranks > 1:
+        assert re.search(r"NCCL transport: .*(P2P|SHM|NET)/", output), output[-3000:]

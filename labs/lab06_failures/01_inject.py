@@ -195,6 +195,11 @@ def last_checkpoint(args, step: int) -> int:
 def report_failure(args, ctx, error: RuntimeError, step: int, stacks) -> int:
     """One line from one rank: the lowest rank that waited for the others, after reading the ledger."""
     message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if isinstance(error, torch.OutOfMemoryError):  # this rank's own failure, not a peer's: it says so itself
+        print_rank(f"diagnosis: rank(s) {ctx.rank} ran out of GPU memory at step {step}: {message[:120]}")
+        write(args, ctx, "failed", step, float("nan"), None, {"diagnosis": f"rank {ctx.rank} out of memory",
+                                                               "culprits": [ctx.rank], "culprit_step": step})
+        return 1
     meta = json.loads((args.run_dir / RUN_META).read_text())
     verdict = diagnose(read_ledger(args.run_dir), ctx.world_size, meta["steps"], meta["gradient_numel"])
     waiting = [r for r in range(ctx.world_size) if r not in verdict.ranks]

@@ -120,14 +120,18 @@ def main_thread(dump: str) -> str:
 
 
 def where(frames: str) -> str:
-    """A few words for the table: the collective the rank waits in, or its innermost frames."""
+    """A few words for the table: the collective the rank waits in, its DataLoader, or the line of the
+    script it is on (py-spy names a script's own frames by file name alone, libraries by their path)."""
     lines = frames.splitlines()
+    own = [line for line in lines if "/" not in line.split(" (")[-1]]
+    caller = own[0].split(" (")[0] if own else "?"
     for line in lines:
         match = COLLECTIVE_FRAMES.match(line)
         if match:
-            caller = next((l for l in lines[lines.index(line) + 1:] if "torch/" not in l), "")
-            return f"in {match.group(1)} <- {caller.split(' (')[0]}"
-    return " <- ".join(line.split(" (")[0] for line in lines[:3]) or "?"
+            return f"in {match.group(1)} <- {caller}"
+    if any("torch/utils/data/" in line for line in lines):
+        return f"waiting for its DataLoader <- {caller}"
+    return f"at {own[0]}" if own else (lines[0] if lines else "?")
 
 
 def flight_recorder(run_dir: Path | None) -> dict[int, str]:
