@@ -75,8 +75,8 @@ def test_a_fault_fires_once_and_never_in_a_restarted_run(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["--fault", "explode"], "invalid choice: 'explode'"),
-    (["--rank", "1"], "--rank 1 does not exist: the run has 1 rank(s)"),
-    (["--rank", "0", "--step", "7"], "--step 7 is past the run: it takes 6 step(s)"),
+    (["--fault", "crash-rank", "--rank", "1"], "--rank 1 does not exist: the run has 1 rank(s)"),
+    (["--fault", "slow-rank", "--rank", "0", "--step", "7"], "--step 7 is past the run: it takes 6 step(s)"),
     (["--fault", "oom", "--rank", "0"], "--fault oom needs a GPU"),
 ])
 def test_bad_input_is_one_error_line_and_writes_nothing(argv, message, tmp_path, capsys, monkeypatch):

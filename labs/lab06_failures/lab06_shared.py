@@ -68,6 +68,8 @@ class FaultPlan:
         """One error line for a plan that cannot happen (before anything is written)."""
         if self.fault not in FAULTS:
             raise UserError(f"unknown fault {self.fault!r}; faults: {', '.join(FAULTS)}")
+        if self.fault == "none":  # --rank and --step mean nothing without a fault
+            return
         if self.rank >= world_size:
             raise UserError(f"--rank {self.rank} does not exist: the run has {world_size} rank(s), 0 to "
                             f"{world_size - 1}")
