@@ -55,6 +55,15 @@ def test_the_verdict_names_a_rank_with_another_shape_even_among_two():
     assert (verdict.ranks, verdict.step) == ([0], 3) and "desync" in verdict.line
 
 
+def test_the_verdict_finds_a_desync_in_the_history_after_the_odd_rank_moved_on():
+    """Without TORCH_DISTRIBUTED_DEBUG, Gloo completes a mismatched all-reduce on the rank that sent
+    more and aborts the other: the odd rank's last entry is a step ahead, and only its history shows why."""
+    last = {0: entry(0, 3), 1: entry(1, 4)}
+    history = {0: [entry(0, 2), entry(0, 3)], 1: [entry(1, 2), entry(1, 3, numel=101), entry(1, 4)]}
+    verdict = shared.diagnose(last, 2, 6, 100, history=history)
+    assert (verdict.ranks, verdict.step) == ([1], 3) and "another shape" in verdict.line
+
+
 def test_the_verdict_names_a_rank_that_never_reached_a_collective_and_blames_nobody_when_all_wait():
     assert shared.diagnose({0: entry(0, 1)}, 2, 6, 100).ranks == [1]
     everyone = shared.diagnose({0: entry(0, 2), 1: entry(1, 2)}, 2, 6, 100)

@@ -49,7 +49,8 @@ from common.results import make_record, provenance, write_record
 from common.runtime.distributed import open_process, print0, print_rank, teardown_distributed
 from common.runtime.launch import detect_launch
 from labs.lab06_failures.lab06_shared import (
-    END_OF_RUN, FAULTS, FIRED_MARKER, GRADIENTS, LAB, RUN_META, FaultPlan, Ledger, block_until_parent_dies, diagnose, dump_flight_recorder, read_ledger,
+    END_OF_RUN, FAULTS, FIRED_MARKER, GRADIENTS, LAB, RUN_META, FaultPlan, Ledger, block_until_parent_dies, diagnose,
+    dump_flight_recorder, read_history, read_ledger,
     restart_count,
 )
 
@@ -201,7 +202,8 @@ def report_failure(args, ctx, error: RuntimeError, step: int, stacks) -> int:
                                                                "culprits": [ctx.rank], "culprit_step": step})
         return 1
     meta = json.loads((args.run_dir / RUN_META).read_text())
-    verdict = diagnose(read_ledger(args.run_dir), ctx.world_size, meta["steps"], meta["gradient_numel"])
+    verdict = diagnose(read_ledger(args.run_dir), ctx.world_size, meta["steps"], meta["gradient_numel"],
+                       history=read_history(args.run_dir))
     waiting = [r for r in range(ctx.world_size) if r not in verdict.ranks]
     print_rank(f"error at step {step}: {message[:160]}", file=sys.stderr)
     dump_flight_recorder(args.run_dir, ctx.rank)  # what 02_diagnose.py shows after the fact

@@ -35,7 +35,7 @@ from pathlib import Path
 from common.cli import add_run_args, config_dict, positive_int, script_parser
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
-from labs.lab06_failures.lab06_shared import LAB, diagnose, read_ledger, read_meta, table
+from labs.lab06_failures.lab06_shared import LAB, diagnose, read_history, read_ledger, read_meta, table
 
 SCRIPT = "labs/lab06_failures/02_diagnose.py"
 #: Frames that mean "inside a collective" (torch.distributed's Python functions).
@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = read_meta(args.run_dir) if args.run_dir else None
     if meta is None:
         raise UserError("no run.json in the run folder: the verdict needs the run's world size and steps")
-    verdict = diagnose(read_ledger(args.run_dir), meta["world_size"], meta["steps"], meta["gradient_numel"], stacks)
+    verdict = diagnose(read_ledger(args.run_dir), meta["world_size"], meta["steps"], meta["gradient_numel"], stacks,
+                       read_history(args.run_dir))
     recorder = flight_recorder(args.run_dir)
     for row in verdict.rows:
         row["flight recorder"] = recorder.get(row["rank"], "")

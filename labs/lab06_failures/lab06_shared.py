@@ -123,6 +123,8 @@ class Ledger:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(entry))
         os.replace(tmp, self.path)  # a reader never sees half a file
+        with open(self.path.with_suffix(".jsonl"), "a") as history:  # every entry: a desync may be steps back
+            history.write(json.dumps(entry) + "\n")
 
 
 def dump_flight_recorder(run_dir: Path, rank: int) -> Path | None:
@@ -152,6 +154,19 @@ def read_ledger(run_dir: Path) -> dict[int, dict[str, Any]]:
     return entries
 
 
+def read_history(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    """Every ledger entry of every rank, oldest first."""
+    history: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted((Path(run_dir) / "ledger").glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:  # a line cut short by a crash
+                continue
+            history.setdefault(int(entry["rank"]), []).append(entry)
+    return history
+
+
 def read_meta(run_dir: Path) -> dict[str, Any] | None:
     path = Path(run_dir) / RUN_META
     try:
@@ -179,7 +194,8 @@ def _position(entry: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def diagnose(entries: Mapping[int, Mapping[str, Any]], world_size: int, steps: int, gradient_numel: int,
-             stacks: Mapping[int, str] | None = None) -> Verdict:
+             stacks: Mapping[int, str] | None = None,
+             history: Mapping[int, list[Mapping[str, Any]]] | None = None) -> Verdict:
     """Name the rank(s) that are behind or called something different, from the ledger alone.
 
     Deterministic, so the same hang gives the same verdict every time:
@@ -192,6 +208,8 @@ def diagnose(entries: Mapping[int, Mapping[str, Any]], world_size: int, steps: i
     4. ranks in the same collective with another element count than the gradients' are a desync.
 
     ``stacks``: what each rank's main thread was doing (from ``py-spy``), shown in the table.
+    ``history``: every rank's earlier entries; a gradient all-reduce of another size found there comes
+    first (a mismatched all-reduce can complete on one rank, which then moves on and looks ahead).
     """
     stacks = stacks or {}
     rows = []
@@ -199,6 +217,14 @@ def diagnose(entries: Mapping[int, Mapping[str, Any]], world_size: int, steps: i
         entry = entries.get(rank)
         rows.append({"rank": rank, "step": entry["step"] if entry else None, "collective": entry["op"] if entry else None,
                      "elements": entry["numel"] if entry else None, "where": stacks.get(rank, "")})
+    earlier = [e for past in (history or {}).values() for e in past
+               if e["op"] == GRADIENTS and int(e["numel"]) != gradient_numel]
+    if earlier:
+        step = min(int(e["step"]) for e in earlier)
+        odd = sorted({int(e["rank"]) for e in earlier if int(e["step"]) == step})
+        sizes = ", ".join(f"rank {e['rank']}: {e['numel']}" for e in earlier if int(e["step"]) == step)
+        return Verdict(f"rank(s) {_names(odd)} called {GRADIENTS} at step {step} with another shape ({sizes} "
+                       f"elements, the gradients have {gradient_numel}): a desync", odd, step, rows)
     missing = [rank for rank in range(world_size) if rank not in entries]
     if missing:
         return Verdict(f"rank(s) {_names(missing)} never entered a collective: they died or hang before the first "
