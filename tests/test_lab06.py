@@ -194,7 +194,8 @@ def look_at_the_hang(root: Path, jobs: dict) -> list[int]:
     ledger = root / hang.name / "ledger" / "rank1.json"
     wait_for(lambda: ledger.exists() and shared.END_OF_RUN in ledger.read_text(), DEADLINE_S, "the hang")
     during = job_processes(str(root))
-    doctor = subprocess.run([PYTHON, str(REPO / DOCTOR), "--run-dir", str(root / hang.name), "--results-dir",
+    doctor = subprocess.run([PYTHON, str(REPO / DOCTOR), "--pid", str(hang.process.pid),  # the torchrun
+                             "--run-dir", str(root / hang.name), "--results-dir",
                              str(root / "doctor")], cwd=root, env=script_env(), capture_output=True, text=True,
                             timeout=60)
     hang.doctor = doctor.stdout + doctor.stderr
@@ -358,8 +359,10 @@ def test_preflight_says_which_task_cannot_reach_rank_0(tmp_path, capsys, monkeyp
 
 
 def test_preflight_finds_slurm_ids_that_disagree_with_the_launch():
-    good = {"rank": 1, "local_rank": 1, "node": 0, "host": "n1", "slurm": {"PROCID": "1", "LOCALID": "1", "NODEID": "0"}}
-    first = {"rank": 0, "local_rank": 0, "node": 0, "host": "n1", "slurm": {"PROCID": "0", "LOCALID": "0", "NODEID": "0"}}
+    good = {"rank": 1, "local_rank": 1, "node": 0, "host": "n1",
+            "slurm": {"PROCID": "1", "LOCALID": "1", "NODEID": "0"}}
+    first = {"rank": 0, "local_rank": 0, "node": 0, "host": "n1",
+             "slurm": {"PROCID": "0", "LOCALID": "0", "NODEID": "0"}}
     assert shared.check_ids([first, good], "slurm") == []
     wrong = {**good, "slurm": {"PROCID": "1", "LOCALID": "0", "NODEID": "0"}}
     assert shared.check_ids([first, wrong], "slurm") == ["rank 1 on n1: SLURM_LOCALID=0 (launch: 1)"]
@@ -394,7 +397,8 @@ def test_the_report_lists_each_fault_with_what_it_ended_in(runs, tmp_path):
 @pytest.mark.gpu
 def test_on_gpus_an_oom_on_one_rank_is_named_with_its_step(tmp_path):
     result = subprocess.run([*torchrun(2), str(REPO / INJECT), "--device", "cuda", "--steps", "6", "--fault", "oom",
-                             "--rank", "1", "--step", "3", "--collective-timeout", "20", "--run-dir", str(tmp_path / "run"),
+                             "--rank", "1", "--step", "3", "--collective-timeout", "20",
+                             "--run-dir", str(tmp_path / "run"),
                              "--results-dir", str(tmp_path / "res")], cwd=tmp_path, env=script_env(),
                             capture_output=True, text=True, timeout=180)
     output = result.stdout + result.stderr

@@ -42,7 +42,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from common.checkpoint.single_file import load_checkpoint, save_checkpoint
-from common.cli import add_collective_timeout_arg, add_run_args, config_dict, non_negative_int, positive_int, script_parser
+from common.cli import (
+    add_collective_timeout_arg, add_run_args, config_dict, non_negative_int, positive_int, script_parser,
+)
 from common.errors import UserError, run_main
 from common.models import PlainCNN
 from common.results import make_record, provenance, write_record
@@ -234,21 +236,26 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("the fault")
     group.add_argument("--fault", choices=FAULTS, default="none",
                        help="; ".join(f"{name}: {what}" for name, what in FAULTS.items()) + " (default: %(default)s)")
-    group.add_argument("--rank", type=non_negative_int, default=1, help="the rank that misbehaves (default: %(default)s)")
+    group.add_argument("--rank", type=non_negative_int, default=1,
+                       help="the rank that misbehaves (default: %(default)s)")
     group.add_argument("--step", type=positive_int, default=3, help="the step at which it does (default: %(default)s)")
     add_collective_timeout_arg(group)
     group = parser.add_argument_group("the run")
     group.add_argument("--steps", type=positive_int, default=10, help="optimiser steps (default: %(default)s)")
-    group.add_argument("--batch-size", type=positive_int, default=16, help="images per rank and step (default: %(default)s)")
-    group.add_argument("--width", type=positive_int, default=4, help="channels of the CNN's first layer (default: %(default)s)")
+    group.add_argument("--batch-size", type=positive_int, default=16,
+                       help="images per rank and step (default: %(default)s)")
+    group.add_argument("--width", type=positive_int, default=4,
+                       help="channels of the CNN's first layer (default: %(default)s)")
     group.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default: %(default)s)")
     group.add_argument("--num-workers", type=non_negative_int, default=1,
                        help="DataLoader worker processes; stuck-loader needs one (default: %(default)s)")
-    group.add_argument("--log-interval", type=positive_int, default=5, help="steps between loss lines (default: %(default)s)")
+    group.add_argument("--log-interval", type=positive_int, default=5,
+                       help="steps between loss lines (default: %(default)s)")
     group.add_argument("--checkpoint-every", type=positive_int, default=5,
                        help="rank 0 saves model and optimiser every this many steps (default: %(default)s)")
     group.add_argument("--run-dir", type=Path, default=Path("results/lab06_run"),
-                       help="checkpoint, fault marker and ledger; a restarted run resumes from it (default: %(default)s)")
+                       help="checkpoint, fault marker and ledger; a restarted run resumes from it "
+                            "(default: %(default)s)")
     group.add_argument("--resume", action="store_true",
                        help="resume from --run-dir even when not restarted by torchrun or Slurm (default: off)")
     add_run_args(parser, dry_run="at most four steps: checks that everything runs")

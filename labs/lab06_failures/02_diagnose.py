@@ -121,9 +121,12 @@ def main_thread(dump: str) -> str:
 
 def where(frames: str) -> str:
     """A few words for the table: the collective the rank waits in, its DataLoader, or the line of the
-    script it is on (py-spy names a script's own frames by file name alone, libraries by their path)."""
+    script it is on (py-spy names a script's own frames, and the top-level modules of the standard
+    library, by file name alone; packages by their path)."""
     lines = frames.splitlines()
-    own = [line for line in lines if "/" not in line.split(" (")[-1]]
+    files = [line.rsplit(" (", 1)[-1].split(":")[0] for line in lines]
+    own = [line for line, file in zip(lines, files)
+           if "/" not in file and file.removesuffix(".py") not in sys.stdlib_module_names]
     caller = own[0].split(" (")[0] if own else "?"
     for line in lines:
         match = COLLECTIVE_FRAMES.match(line)

@@ -118,7 +118,8 @@ class Ledger:
 
     def enter(self, op: str, step: int, numel: int) -> None:
         self.sequence += 1
-        entry = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "op": op, "step": step, "numel": numel,
+        entry = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "op": op, "step": step,
+                 "numel": numel,
                  "sequence": self.sequence, "time": time.time()}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(entry))
@@ -215,7 +216,8 @@ def diagnose(entries: Mapping[int, Mapping[str, Any]], world_size: int, steps: i
     rows = []
     for rank in range(world_size):
         entry = entries.get(rank)
-        rows.append({"rank": rank, "step": entry["step"] if entry else None, "collective": entry["op"] if entry else None,
+        rows.append({"rank": rank, "step": entry["step"] if entry else None,
+                     "collective": entry["op"] if entry else None,
                      "elements": entry["numel"] if entry else None, "where": stacks.get(rank, "")})
     earlier = [e for past in (history or {}).values() for e in past
                if e["op"] == GRADIENTS and int(e["numel"]) != gradient_numel]
