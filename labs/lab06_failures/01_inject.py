@@ -47,12 +47,11 @@ from common.cli import (
 )
 from common.errors import UserError, run_main
 from common.models import PlainCNN
-from common.results import make_record, provenance, write_record
 from common.runtime.distributed import open_process, print0, print_rank, teardown_distributed
 from common.runtime.launch import detect_launch
 from labs.lab06_failures.lab06_shared import (
     END_OF_RUN, FAULTS, FIRED_MARKER, GRADIENTS, LAB, RUN_META, FaultPlan, Ledger, block_until_parent_dies, diagnose,
-    dump_flight_recorder, read_history, read_ledger,
+    dump_flight_recorder, read_history, read_ledger, write_run_record,
     restart_count,
 )
 
@@ -144,8 +143,8 @@ def train(args, ctx, plan: FaultPlan) -> int:
         meta = {"world_size": ctx.world_size, "steps": args.steps, "gradient_numel": numel, "fault": args.fault,
                 "rank": args.rank, "step": args.step, "collective_timeout": args.collective_timeout}
         (args.run_dir / RUN_META).write_text(json.dumps(meta))
-    print0(f"{ctx.line(distributed=True)} | fault {args.fault} on rank {args.rank} at step {args.step} | "
-           f"{numel} elements all-reduced per step | run folder {args.run_dir}")
+    fault = "no fault" if args.fault == "none" else f"fault {args.fault} on rank {args.rank} at step {args.step}"
+    print0(f"{ctx.line(distributed=True)} | {fault} | {numel} elements all-reduced per step | run folder {args.run_dir}")
 
     dataset = SyntheticSteps(args.steps, args.batch_size, args.seed, ctx.rank, plan)
     loader = DataLoader(dataset, batch_size=None, num_workers=args.num_workers,
@@ -219,16 +218,10 @@ def report_failure(args, ctx, error: RuntimeError, step: int, stacks) -> int:
 
 
 def write(args, ctx, status: str, step: int, loss: float, wall: float | None, extra: dict, ledger=None) -> None:
-    if ctx.rank != 0 and "diagnosis" not in extra:
-        return
-    metrics = {"final_loss": loss, "steps_done": step, "restarts": restart_count(), "wall_s": wall, **extra}
-    if ledger is not None:
-        metrics["ledger"] = ledger
-    method = "uninterrupted" if args.fault == "none" else args.fault
-    record = make_record(lab=LAB, script=SCRIPT, method=method, config=config_dict(args), metrics=metrics,
-                         status=status, provenance=provenance(ctx.device, ctx.world_size,
-                                                              {"distributed": ctx.describe()}))
-    write_record(record, args.results_dir)
+    if ctx.rank == 0 or "diagnosis" in extra:  # rank 0's result, or the record of the rank that diagnosed
+        write_run_record(args, SCRIPT, ctx.device, ctx.world_size, ctx.describe(), status,
+                         {"final_loss": loss, "steps_done": step, "restarts": restart_count(), "wall_s": wall,
+                          **extra, **({"ledger": ledger} if ledger is not None else {})})
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -267,6 +267,18 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in cells)
 
 
+def write_run_record(args: Any, script: str, device: Any, world_size: int, distributed: dict[str, Any], status: str,
+                     metrics: dict[str, Any]) -> None:
+    """One record of a run of ``01_inject.py``: method ``uninterrupted`` or the fault's name."""
+    from common.cli import config_dict
+    from common.results import make_record, provenance, write_record
+
+    method = "uninterrupted" if args.fault == "none" else args.fault
+    record = make_record(lab=LAB, script=script, method=method, config=config_dict(args), metrics=metrics,
+                         status=status, provenance=provenance(device, world_size, {"distributed": distributed}))
+    write_record(record, args.results_dir)
+
+
 # --------------------------------------------------------------------------------------------
 # Preflight (04_preflight.py)
 
