@@ -144,7 +144,8 @@ def train(args, ctx, plan: FaultPlan) -> int:
                 "rank": args.rank, "step": args.step, "collective_timeout": args.collective_timeout}
         (args.run_dir / RUN_META).write_text(json.dumps(meta))
     fault = "no fault" if args.fault == "none" else f"fault {args.fault} on rank {args.rank} at step {args.step}"
-    print0(f"{ctx.line(distributed=True)} | {fault} | {numel} elements all-reduced per step | run folder {args.run_dir}")
+    print0(f"{ctx.line(distributed=True)} | {fault} | {numel} elements all-reduced per step | "
+           f"run folder {args.run_dir}")
 
     dataset = SyntheticSteps(args.steps, args.batch_size, args.seed, ctx.rank, plan)
     loader = DataLoader(dataset, batch_size=None, num_workers=args.num_workers,
