@@ -434,3 +434,34 @@ def test_on_gpus_preflight_names_nccl_s_transport(tmp_path):
     assert result.returncode == 0 and f"preflight ok: {ranks} task(s) on 1 node(s)" in output, output[-3000:]
     if ranks > 1:
         assert re.search(r"NCCL transport: .*(P2P|SHM|NET)/", output), output[-3000:]
+
+
+# --- common: the collective timeout starts once every rank is in -------------------------------------------
+
+LATE_RANK = """import os, sys, time
+import torch, torch.distributed as dist
+from common.runtime.distributed import open_process, teardown_distributed
+if os.environ["RANK"] == "1":
+    time.sleep(3)  # a rank that reaches the rendezvous late: slow imports, a loaded node
+ctx = open_process("cpu", distributed=True, collective_timeout_s=1)
+try:
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    print("sum", value.item(), flush=True)
+finally:
+    teardown_distributed(ctx)
+"""
+
+
+def test_a_short_collective_timeout_does_not_count_a_rank_that_arrives_late(tmp_path):
+    from common.runtime.launch import free_port
+
+    (tmp_path / "late.py").write_text(LATE_RANK)
+    port = str(free_port())
+    ranks = [subprocess.Popen([PYTHON, str(tmp_path / "late.py")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=script_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    assert all("sum 2.0" in output for output in outputs), outputs
