@@ -203,8 +203,8 @@ def look_at_the_hang(root: Path, jobs: dict) -> list[int]:
     ledger = root / hang.name / "ledger" / "rank1.json"
     wait_for(lambda: ledger.exists() and shared.END_OF_RUN in ledger.read_text(), DEADLINE_S, "the hang")
     during = job_processes(str(root))
-    doctor = subprocess.run([PYTHON, str(REPO / DOCTOR), "--pid", str(hang.process.pid),  # the torchrun
-                             "--run-dir", str(root / hang.name), "--results-dir",
+    doctor = subprocess.run([PYTHON, str(REPO / DOCTOR), "--pid", str(hang.process.pid),  # the torchrun alone
+                             "--results-dir",
                              str(root / "doctor")], cwd=root, env=script_env(), capture_output=True, text=True,
                             timeout=60)
     hang.doctor = doctor.stdout + doctor.stderr

@@ -199,7 +199,7 @@ LINE_BUDGETS = {
     "labs/lab01_dp_vs_ddp/04_ddp_training.py": 160,
     "labs/lab03_precision_benchmark/benchmark_models.py": 260,
     "labs/lab06_failures/01_inject.py": 210,
-    "labs/lab06_failures/02_diagnose.py": 170,
+    "labs/lab06_failures/02_diagnose.py": 150,
     "labs/lab06_failures/04_preflight.py": 120,
 }
 

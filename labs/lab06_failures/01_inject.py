@@ -45,14 +45,13 @@ from common.checkpoint.single_file import load_checkpoint, save_checkpoint
 from common.cli import (
     add_collective_timeout_arg, add_run_args, config_dict, non_negative_int, positive_int, script_parser,
 )
-from common.errors import UserError, run_main
+from common.errors import run_main
 from common.models import PlainCNN
 from common.runtime.distributed import open_process, print0, print_rank, teardown_distributed
 from common.runtime.launch import detect_launch
 from labs.lab06_failures.lab06_shared import (
-    END_OF_RUN, FAULTS, FIRED_MARKER, GRADIENTS, LAB, RUN_META, FaultPlan, Ledger, block_until_parent_dies, diagnose,
-    dump_flight_recorder, read_history, read_ledger, write_run_record,
-    restart_count,
+    END_OF_RUN, FAULTS, FIRED_MARKER, GRADIENTS, RUN_META, FaultPlan, Ledger, block_until_parent_dies, diagnose,
+    dump_flight_recorder, read_history, read_ledger, restart_count, write_run_record,
 )
 
 SCRIPT = "labs/lab06_failures/01_inject.py"

@@ -35,57 +35,14 @@ from pathlib import Path
 from common.cli import add_run_args, config_dict, positive_int, script_parser
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
-from labs.lab06_failures.lab06_shared import LAB, diagnose, read_history, read_ledger, read_meta, table
+from labs.lab06_failures.lab06_shared import (
+    LAB, diagnose, ranks_from_ledger, ranks_of_job, read_history, read_ledger, read_meta, run_dir_of, table,
+)
 
 SCRIPT = "labs/lab06_failures/02_diagnose.py"
 #: Frames that mean "inside a collective" (torch.distributed's Python functions).
 COLLECTIVE_FRAMES = re.compile(r"^\s*(all_reduce|all_gather\w*|reduce_scatter\w*|broadcast|barrier|monitored_barrier|"
                                r"send|recv|wait) \(.*torch/distributed/")
-
-
-def ranks_of_job(pid: int) -> dict[int, int]:
-    """Rank -> pid for the processes under ``pid`` (a torchrun agent, or a rank itself) that carry ``RANK``."""
-    found, todo = {}, [pid]
-    while todo:
-        current = todo.pop()
-        env = _environ(current)
-        if "RANK" in env and "WORLD_SIZE" in env and "python" in _cmdline(current):
-            found.setdefault(int(env["RANK"]), current)
-            continue  # its children are DataLoader workers, not ranks
-        todo += _children(current)
-    return found
-
-
-def ranks_from_ledger(run_dir: Path) -> dict[int, int]:
-    """Rank -> pid from the ledger, for the ranks that run on this host and are still alive."""
-    host = socket.gethostname()
-    return {rank: int(entry["pid"]) for rank, entry in read_ledger(run_dir).items()
-            if entry.get("host", host) == host and Path(f"/proc/{entry['pid']}").exists()}
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _children(pid: int) -> list[int]:
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return children
 
 
 def stack_of(pid: int, rank: int, run_dir: Path | None) -> tuple[str, str]:
@@ -174,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.run_dir is None and args.pid is None:
         raise UserError("say which job: --run-dir (the run's folder), --pid (its torchrun) or --job with --run-dir")
+    if args.run_dir is None and args.pid is not None:  # the run folder of the ranks under that process
+        ranks = ranks_of_job(args.pid)
+        if not ranks:
+            raise UserError(f"no rank of a torchrun or srun job under process {args.pid}")
+        args.run_dir = run_dir_of(min(ranks.values()))
     if args.run_dir is not None and not (args.run_dir / "ledger").is_dir():
         raise UserError(f"{args.run_dir} has no ledger: is it the --run-dir of 01_inject.py?")
     if args.json:  # one node's view, for the node that asked (--job)

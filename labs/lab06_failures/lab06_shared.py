@@ -177,6 +177,61 @@ def read_meta(run_dir: Path) -> dict[str, Any] | None:
 
 
 # --------------------------------------------------------------------------------------------
+# Finding a job's ranks on this node (02_diagnose.py), from /proc
+
+def ranks_of_job(pid: int) -> dict[int, int]:
+    """Rank -> pid for the processes under ``pid`` (a torchrun agent, or a rank itself) that carry ``RANK``."""
+    found, todo = {}, [pid]
+    while todo:
+        current = todo.pop()
+        env = _environ(current)
+        if "RANK" in env and "WORLD_SIZE" in env and "python" in _cmdline(current):
+            found.setdefault(int(env["RANK"]), current)
+            continue  # its children are DataLoader workers, not ranks
+        todo += _children(current)
+    return found
+
+
+def run_dir_of(pid: int) -> Path:
+    """The ``--run-dir`` a rank was started with (relative to its working folder), or the default."""
+    argv = _cmdline(pid).split()
+    given = argv[argv.index("--run-dir") + 1] if "--run-dir" in argv[:-1] else "results/lab06_run"
+    return Path(f"/proc/{pid}/cwd").resolve() / given
+
+
+def ranks_from_ledger(run_dir: Path) -> dict[int, int]:
+    """Rank -> pid from the ledger, for the ranks that run on this host and are still alive."""
+    host = socket.gethostname()
+    return {rank: int(entry["pid"]) for rank, entry in read_ledger(run_dir).items()
+            if entry.get("host", host) == host and Path(f"/proc/{entry['pid']}").exists()}
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return children
+
+
+# --------------------------------------------------------------------------------------------
 # The verdict
 
 @dataclass
