@@ -193,7 +193,10 @@ def run_together(root: Path, jobs: list[Job], while_running=None) -> dict:
         for job in jobs.values():
             if job.process and job.process.poll() is None:
                 job.process.kill()
-    time.sleep(1)  # a worker orphaned by its rank notices within 0.2 s
+    # A DataLoader worker whose rank was killed notices within seconds (PyTorch checks its parent every 5 s).
+    deadline = time.monotonic() + 10
+    while job_processes(str(root)) and time.monotonic() < deadline:
+        time.sleep(0.2)
     return {"jobs": jobs, "root": root, "before": before, "during": during, "after": job_processes(str(root))}
 
 
