@@ -182,6 +182,16 @@ def add_common_args(
     return parser
 
 
+def add_collective_timeout_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--collective-timeout SECONDS``: how long a collective may wait for its peers before the process
+    group raises an error (Gloo's "Timed out waiting ... ms", NCCL's watchdog). Unset, the group keeps
+    its usual timeout (``common.runtime.distributed.init_distributed``), so a hang is an error only after
+    10 minutes; a few seconds turn a hang in a tiny run into an error in bounded time."""
+    parser.add_argument("--collective-timeout", type=positive_float, default=None, metavar="SECONDS",
+                        help="seconds a collective waits for the other ranks before it fails "
+                             "(default: the process group's own, 600 s)")
+
+
 def add_timing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, warmup: int, repeats: int,
                     what: str, repeats_flag: str = "--repeats") -> None:
     """How a measurement repeats (convention 8): ``--warmup`` untimed runs of ``what`` first, then

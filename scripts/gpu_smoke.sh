@@ -39,6 +39,7 @@ CHECKS=(gpu_check pytorch_basics ch04_fp32 ch04_fp16 ch04_bf16 amp_training ch04
         lab02_line_profile lab02_trace lab02_sweep lab03_precisions lab03_compile lab03_channels_last
         ch16_memory ch16_profiling ch16_benchmark ch16_loading
         lab04_memory lab04_ddp lab04_fsdp_resume lab04_largest lab05_allreduce lab05_scaling lab05_overlap
+        lab06_recover lab06_preflight
         main_job pytest_gpu)
 # Python modules a check needs beyond torch and torchvision (a missing one skips the check, by name).
 declare -A NEEDS=(
@@ -229,6 +230,12 @@ run_lab05_overlap() {  # on one GPU there is nothing to overlap: the script must
     t "${TORCHRUN[@]}" --nproc_per_node="$GPUS" "$LAB05"/03_overlap.py --device cuda --model resnet18 --image-size 64 \
         --batch-size 8 --steps 3 --warmup-steps 1 --bucket-cap-mb 1,25 --results-dir "$DIR"
 }
+LAB06=labs/lab06_failures
+run_lab06_recover() {  # rank 1 crashes at step 4 (rank 0 where there is one GPU); torchrun restarts, the run resumes
+    t "${TORCHRUN[@]}" --nproc_per_node="$GPUS" --max-restarts=1 "$LAB06"/01_inject.py --device cuda --steps 6 \
+        --fault crash-rank --rank $((GPUS > 1 ? 1 : 0)) --step 4 --checkpoint-every 2 --run-dir "$DIR/run" --results-dir "$DIR"
+}
+run_lab06_preflight() { t "${TORCHRUN[@]}" --nproc_per_node="$GPUS" "$LAB06"/04_preflight.py --device cuda --results-dir "$DIR"; }
 run_main_job() {  # the main job as README.md runs it, on the GPU(s); PYTHON: this interpreter, not a fresh .venv
     t env PYTHON="$PYTHON" LAB01_DEVICE=cuda LAB01_NPROC="$GPUS" LAB01_GLOBAL_BATCH=$((16 * GPUS)) \
         bash scripts/main_job.sh "$DIR"

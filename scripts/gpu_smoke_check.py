@@ -515,6 +515,27 @@ def check_lab05_allreduce(run: Run) -> list[str]:
     return problems
 
 
+def check_lab06_recover(run: Run) -> list[str]:
+    """The crashed rank's run was restarted by torchrun and finished on the GPU(s) after one restart."""
+    records, problems = records_of(run, "crash-rank", count=None)
+    finished = [r for r in records if r.get("status") == "ok"]
+    problems += exited(run) + on_cuda(finished)
+    if len(finished) != 1 or get(finished[0], "metrics", "restarts") != 1:
+        problems.append(f"{len(finished)} finished crash-rank record(s), expected 1 after 1 restart")
+    return problems
+
+
+def check_lab06_preflight(run: Run) -> list[str]:
+    """One verdict, ok; NCCL's transport named when there are two GPUs or more."""
+    records, problems = records_of(run, "preflight")
+    problems += exited(run) + status_ok(records)
+    for record in records:
+        transport = str(get(record, "metrics", "transport"))
+        if run.gpus > 1 and "/" not in transport:
+            problems.append(f"NCCL transport not named: {transport!r}")
+    return problems
+
+
 def check_lab05_scaling(run: Run) -> list[str]:
     problems = exited(run)
     points = [r for r in run.records if str(r.get("method", "")).endswith("-scaling")]
@@ -621,6 +642,8 @@ CHECKS: dict[str, Callable[[Run], list[str]]] = {
     "lab05_allreduce": check_lab05_allreduce,
     "lab05_scaling": check_lab05_scaling,
     "lab05_overlap": check_lab05_overlap,
+    "lab06_recover": check_lab06_recover,
+    "lab06_preflight": check_lab06_preflight,
     "main_job": check_main_job,
     "pytest_gpu": check_pytest_gpu,
 }

@@ -8,7 +8,7 @@
 #   bash scripts/reference_runs.sh cpu-2core lab01 lab05   # only these parts
 #   REFERENCE_DEVICE=cuda bash scripts/reference_runs.sh h100-1gpu ch04 lab03   # a GPU machine
 #
-# Parts: ch04 ch16 lab01 lab02 lab03 lab04 lab05. Each part runs into a scratch folder; only when
+# Parts: ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06. Each part runs into a scratch folder; only when
 # every command of the part succeeded do its records replace reference-results/MACHINE/PART/
 # (a failed part leaves the committed records as they were, and the script exits non-zero).
 #
@@ -29,7 +29,7 @@ MACHINE=${1:-cpu-2core}
 shift || true
 PARTS=("$@")
 if (( ${#PARTS[@]} == 0 )); then
-    PARTS=(ch04 ch16 lab01 lab02 lab03 lab04 lab05)
+    PARTS=(ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06)
 fi
 if [[ -x .venv/bin/python ]]; then PYTHON=${PYTHON:-$repo_root/.venv/bin/python}; else PYTHON=${PYTHON:-python}; fi
 DEVICE=${REFERENCE_DEVICE:-cpu}
@@ -94,6 +94,15 @@ run_lab05() {
         --image-size 32 --batch-size 8 --steps 6 --results-dir "$1"
 }
 
+run_lab06() {  # a fault that ends the run (a hang, a NaN without restarts) exits non-zero by design: its record is the result
+    local inject=(labs/lab06_failures/01_inject.py --device "$DEVICE" --results-dir "$1" --run-dir "$1/../lab06_run")
+    torchrun --nproc_per_node "$NPROC" "${inject[@]}"
+    torchrun --nproc_per_node "$NPROC" --max-restarts 1 "${inject[@]}" --fault crash-rank --rank 1 --step 7
+    torchrun --nproc_per_node "$NPROC" --max-restarts 1 "${inject[@]}" --fault nan-loss --rank 1 --step 4
+    torchrun --nproc_per_node "$NPROC" "${inject[@]}" --fault skip-collective --rank 1 --step 3 --collective-timeout 10 || true
+    torchrun --nproc_per_node "$NPROC" labs/lab06_failures/04_preflight.py --device "$DEVICE" --results-dir "$1"
+}
+
 run_part() {  # PART RECORDS_DIR
     case $1 in
         ch04) run_ch04 "$2" ;;
@@ -103,13 +112,14 @@ run_part() {  # PART RECORDS_DIR
         lab03) run_lab03 "$2" ;;
         lab04) run_lab04 "$2" ;;
         lab05) run_lab05 "$2" ;;
+        lab06) run_lab06 "$2" ;;
     esac
 }
 
 for part in "${PARTS[@]}"; do
     case $part in
-        ch04 | ch16 | lab01 | lab02 | lab03 | lab04 | lab05) ;;
-        *) echo "error: unknown part '$part' (parts: ch04 ch16 lab01 lab02 lab03 lab04 lab05)" >&2; exit 2 ;;
+        ch04 | ch16 | lab01 | lab02 | lab03 | lab04 | lab05 | lab06) ;;
+        *) echo "error: unknown part '$part' (parts: ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06)" >&2; exit 2 ;;
     esac
 done
 

@@ -127,27 +127,47 @@ def init_distributed(device_name: str = "auto", *, force_process_group: bool = F
         if key not in os.environ:
             os.environ[key] = str(value)
             added.append(key)
-    timeout = _dt.timedelta(seconds=timeout_s or float(os.environ.get("HPC_DL_LABS_DIST_TIMEOUT", 600)))
+    usual = _dt.timedelta(seconds=float(os.environ.get("HPC_DL_LABS_DIST_TIMEOUT", 600)))
+    # A short collective timeout (``--collective-timeout``) starts once every rank is in: the ranks
+    # reach the rendezvous seconds apart (imports, a loaded node), which is no hang.
+    later = timeout_s is not None and hasattr(dist, "set_timeout")
+    timeout = usual if later or timeout_s is None else _dt.timedelta(seconds=timeout_s)
     for module in MODULES_BINDING_THE_WORLD_GROUP:
         importlib.import_module(module)
     # device_id binds NCCL to this rank's GPU at once, so a bad GPU set-up fails here, not at the first step.
-    dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=launch.rank,
+    init_method = f"tcp://{addr}:{port}"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt not in ("", "0"):
+        # torchrun --max-restarts: the restarted ranks meet in the same store as the attempt before, which
+        # still holds that attempt's addresses; a rank that reads one connects to a dead port. Each
+        # attempt gets keys of its own.
+        store, _, _ = next(dist.rendezvous(f"{init_method}?rank={launch.rank}&world_size={launch.world_size}",
+                                           timeout=timeout))
+        init_method, store = None, dist.PrefixStore(f"/attempt_{attempt}", store)
+    else:
+        store = None
+    dist.init_process_group(backend=backend, init_method=init_method, store=store, rank=launch.rank,
                             world_size=launch.world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
+    if later:
+        dist.set_timeout(_dt.timedelta(seconds=timeout_s))
     launch = LaunchInfo(launch.launcher, launch.rank, launch.local_rank, launch.world_size,
                         launch.node_rank, addr, port)
     return DistContext(launch=launch, device=device, backend=backend, owns_group=True,
                        extra={"environment_set": added})
 
 
-def open_process(device_name: str, *, distributed: bool, deterministic: bool = False) -> DistContext:
+def open_process(device_name: str, *, distributed: bool, deterministic: bool = False,
+                 collective_timeout_s: float | None = None) -> DistContext:
     """Where this process computes: CPU threads from the allocation, its device, and with
     ``distributed`` the process group (a plain ``python`` run gets a one-process group, so a DDP
     script runs unchanged outside a launcher). Without ``distributed`` no group is created, whatever
-    launched the process. ``deterministic``: deterministic GPU algorithms."""
+    launched the process. ``deterministic``: deterministic GPU algorithms. ``collective_timeout_s``:
+    how long a collective waits for its peers before it fails (``--collective-timeout``; ``None``:
+    the group's usual timeout)."""
     threads = configure_threads()
     if distributed:
-        ctx = init_distributed(device_name, force_process_group=True)
+        ctx = init_distributed(device_name, force_process_group=True, timeout_s=collective_timeout_s)
         print_rank(f"device {describe(ctx.device)}")
     else:
         ctx = DistContext(launch=LaunchInfo("single", 0, 0, 1, 0, None, None), device=resolve_device(device_name))

@@ -1,0 +1,470 @@
+"""Lab-06 on CPU (Gloo): every fault ends in bounded time, in one line naming the rank and the step or
+in recovery to the uninterrupted run's final loss, and leaves no process behind.
+
+The real runs share one module-scoped fixture and start together (the machine has two cores and each
+process spends most of its time importing torch; a hang spends its time waiting). The ledger
+verdict, the bad-input checks and the doctor's parsing are checked in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from helpers import PYTHON, REPO, load_script, run_main, script_env, torchrun, wait_for
+
+LAB = "labs/lab06_failures"
+INJECT = f"{LAB}/01_inject.py"
+DOCTOR = f"{LAB}/02_diagnose.py"
+PREFLIGHT = f"{LAB}/04_preflight.py"
+shared = load_script(f"{LAB}/lab06_shared.py")
+#: Six steps, a checkpoint every two: a fault at step 3 or 4 resumes from step 2.
+TINY = ["--device", "cpu", "--steps", "6", "--checkpoint-every", "2", "--log-interval", "6", "--batch-size", "8"]
+DEADLINE_S = 90
+
+
+# --- the verdict, from ledgers written by hand ---------------------------------------------------------
+
+def entry(rank: int, step: int, op: str = shared.GRADIENTS, numel: int = 100) -> dict:
+    return {"rank": rank, "pid": 1, "op": op, "step": step, "numel": numel}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_verdict_names_the_rank_that_left_the_loop_early(ranks):
+    culprit = ranks - 1
+    ledger = {r: entry(r, 3) for r in range(ranks)} | {culprit: entry(culprit, 3, shared.END_OF_RUN, 1)}
+    verdict = shared.diagnose(ledger, ranks, steps=6, gradient_numel=100)
+    assert verdict.ranks == [culprit] and verdict.step == 3, verdict.line
+    assert "skipped" in verdict.line
+
+
+def test_the_verdict_names_the_rank_behind_and_the_step_the_others_wait_at():
+    verdict = shared.diagnose({0: entry(0, 5), 1: entry(1, 4), 2: entry(2, 5), 3: entry(3, 5)}, 4, 6, 100)
+    assert (verdict.ranks, verdict.step) == ([1], 5), verdict.line
+
+
+def test_the_verdict_names_a_rank_with_another_shape_even_among_two():
+    verdict = shared.diagnose({0: entry(0, 3, numel=101), 1: entry(1, 3)}, 2, 6, 100)
+    assert (verdict.ranks, verdict.step) == ([0], 3) and "desync" in verdict.line
+
+
+def test_the_verdict_finds_a_desync_in_the_history_after_the_odd_rank_moved_on():
+    """Without TORCH_DISTRIBUTED_DEBUG, Gloo completes a mismatched all-reduce on the rank that sent
+    more and aborts the other: the odd rank's last entry is a step ahead, and only its history shows why."""
+    last = {0: entry(0, 3), 1: entry(1, 4)}
+    history = {0: [entry(0, 2), entry(0, 3)], 1: [entry(1, 2), entry(1, 3, numel=101), entry(1, 4)]}
+    verdict = shared.diagnose(last, 2, 6, 100, history=history)
+    assert (verdict.ranks, verdict.step) == ([1], 3) and "another shape" in verdict.line
+
+
+def test_the_verdict_names_a_rank_that_never_reached_a_collective_and_blames_nobody_when_all_wait():
+    assert shared.diagnose({0: entry(0, 1)}, 2, 6, 100).ranks == [1]
+    everyone = shared.diagnose({0: entry(0, 2), 1: entry(1, 2)}, 2, 6, 100)
+    assert everyone.ranks == [] and "no rank is behind" in everyone.line
+
+
+def test_a_fault_fires_once_and_never_in_a_restarted_run(tmp_path, monkeypatch):
+    plan = shared.FaultPlan("crash-rank", 1, 3, tmp_path)
+    assert not plan.fires(0, 3, "crash-rank") and not plan.fires(1, 2, "crash-rank")
+    assert not plan.fires(1, 3, "nan-loss")
+    assert plan.fires(1, 3, "crash-rank") and not plan.fires(1, 3, "crash-rank")
+    (tmp_path / shared.FIRED_MARKER).unlink()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert not plan.fires(1, 3, "crash-rank")
+
+
+# --- bad input: one line, status 2, nothing written ---------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fault", "explode"], "invalid choice: 'explode'"),
+    (["--fault", "crash-rank", "--rank", "1"], "--rank 1 does not exist: the run has 1 rank(s)"),
+    (["--fault", "slow-rank", "--rank", "0", "--step", "7"], "--step 7 is past the run: it takes 6 step(s)"),
+    (["--fault", "oom", "--rank", "0"], "--fault oom needs a GPU"),
+])
+def test_bad_input_is_one_error_line_and_writes_nothing(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    status = run_main(INJECT, [*TINY, "--run-dir", str(tmp_path / "run"), "--results-dir", str(tmp_path / "res"),
+                               *argv])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1 and err.startswith("error:") and message in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rank_beyond_the_world_of_a_torchrun_launch_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    status = run_main(INJECT, [*TINY, "--fault", "crash-rank", "--rank", "4", "--run-dir", str(tmp_path / "run")])
+    assert status == 2 and "the run has 4 rank(s), 0 to 3" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+# --- the real runs, all at once -------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    name: str
+    ranks: int
+    argv: list[str]
+    restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen | None = None
+    started: float = 0.0
+    wall_s: float = 0.0
+    after_fault_s: float | None = None  # from the moment the fault fired to the job's end
+    output: str = ""
+    returncode: int | None = None
+    doctor: str = ""
+
+
+#: Every fault on 2 ranks, a hang and a NaN stop on 4. The doctor looks at the 2-rank hang while it hangs
+#: (its timeout ends it afterwards); crash and NaN on 2 ranks are restarted by torchrun and must end
+#: with the uninterrupted run's loss. All start at once: most of their time is torch's import and waiting.
+JOBS = [
+    Job("uninterrupted-2", 2, []),
+    Job("crash-rank-2", 2, ["--fault", "crash-rank", "--rank", "1", "--step", "4"], restarts=1),
+    Job("nan-loss-2", 2, ["--fault", "nan-loss", "--rank", "1", "--step", "3"], restarts=1),
+    Job("skip-collective-2", 2, ["--fault", "skip-collective", "--rank", "1", "--step", "3",
+                                 "--collective-timeout", "10"]),
+    Job("slow-rank-2", 2, ["--fault", "slow-rank", "--rank", "1", "--step", "3", "--collective-timeout", "5"]),
+    Job("stuck-loader-2", 2, ["--fault", "stuck-loader", "--rank", "0", "--step", "4", "--collective-timeout", "5"]),
+    Job("shape-mismatch-2", 2, ["--fault", "shape-mismatch", "--rank", "1", "--step", "3", "--collective-timeout", "5"],
+        env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}),
+    Job("skip-collective-4", 4, ["--fault", "skip-collective", "--rank", "2", "--step", "3",
+                                 "--collective-timeout", "8"]),
+    Job("nan-loss-4", 4, ["--fault", "nan-loss", "--rank", "3", "--step", "5"]),
+]
+
+
+def job_processes(marker: str) -> list[int]:
+    """Processes whose command line names ``marker`` (the jobs' scratch folder): ranks, their
+    DataLoader workers and the torchrun agents."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker in (proc / "cmdline").read_bytes().decode(errors="replace") and int(proc.name) != os.getpid():
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
+def run_together(root: Path, jobs: list[Job], while_running=None) -> dict:
+    """Start every job at once, call ``while_running(jobs)``, wait for all; count processes before,
+    during and after. A job still running at the deadline is killed (and the test fails on its time)."""
+    before = job_processes(str(root))
+    jobs = {job.name: Job(job.name, job.ranks, job.argv, job.restarts, job.env) for job in jobs}
+    watchers: list[threading.Thread] = []
+
+    def watch(job: Job) -> None:  # the job's time, taken when it ends; killed at the deadline (and the test fails)
+        try:
+            job.process.wait(timeout=DEADLINE_S + 30)
+        except subprocess.TimeoutExpired:
+            job.process.kill()
+            job.process.wait()
+        job.wall_s = time.monotonic() - job.started
+        marker = root / job.name / shared.FIRED_MARKER
+        job.after_fault_s = time.time() - marker.stat().st_mtime if marker.exists() else None
+
+    try:
+        for job in jobs.values():
+            launcher = [*torchrun(job.ranks), f"--max-restarts={job.restarts}"]
+            argv = [*TINY, *job.argv, "--run-dir", str(root / job.name), "--results-dir", str(root / job.name / "res")]
+            job.started = time.monotonic()
+            with open(root / f"{job.name}.log", "w") as log:  # a file, not a pipe: nobody reads while they run
+                job.process = subprocess.Popen([*launcher, str(REPO / INJECT), *argv], cwd=root,
+                                               env=script_env(**job.env), stdout=log, stderr=subprocess.STDOUT)
+            watchers.append(threading.Thread(target=watch, args=(job,)))
+            watchers[-1].start()
+        during = while_running(root, jobs) if while_running else job_processes(str(root))
+        for watcher in watchers:
+            watcher.join()
+        for job in jobs.values():
+            job.returncode = job.process.returncode
+            job.output = (root / f"{job.name}.log").read_text()
+    finally:
+        for job in jobs.values():
+            if job.process and job.process.poll() is None:
+                job.process.kill()
+    # A DataLoader worker whose rank was killed notices within seconds (PyTorch checks its parent every 5 s).
+    deadline = time.monotonic() + 10
+    while job_processes(str(root)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return {"jobs": jobs, "root": root, "before": before, "during": during, "after": job_processes(str(root))}
+
+
+def look_at_the_hang(root: Path, jobs: dict) -> list[int]:
+    """Wait until the 2-rank hang hangs, count the processes, and run the doctor on it."""
+    hang = jobs["skip-collective-2"]
+    ledger = root / hang.name / "ledger" / "rank1.json"
+    wait_for(lambda: ledger.exists() and shared.END_OF_RUN in ledger.read_text(), DEADLINE_S, "the hang")
+    during = job_processes(str(root))
+    doctor = subprocess.run([PYTHON, str(REPO / DOCTOR), "--pid", str(hang.process.pid),  # the torchrun alone
+                             "--results-dir",
+                             str(root / "doctor")], cwd=root, env=script_env(), capture_output=True, text=True,
+                            timeout=60)
+    hang.doctor = doctor.stdout + doctor.stderr
+    return during
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_together(tmp_path_factory.mktemp("lab06"), JOBS, look_at_the_hang)
+
+
+def final_loss(output: str) -> str:
+    losses = re.findall(r"^final loss (\S+) at step 6", output, re.M)
+    assert len(losses) == 1, output[-3000:]
+    return losses[0]
+
+
+def diagnosis(output: str) -> str:
+    lines = [line for line in output.splitlines() if "diagnosis:" in line]
+    assert len(lines) == 1, output[-3000:]  # one line, from one rank
+    return lines[0]
+
+
+def ends_in_time_and_leaves_nothing(runs: dict) -> None:
+    assert runs["before"] == [] and len(runs["during"]) >= 3  # at least one job's torchrun and two ranks
+    assert runs["after"] == [], f"left behind: {runs['after']}"
+    # From the moment the fault fired (its marker's time) to the end of the job: the imports of nine
+    # jobs starting together on two cores are not the fault's doing.
+    fired = {name: job.after_fault_s for name, job in runs["jobs"].items() if name != "uninterrupted-2"}
+    assert all(seconds is not None for seconds in fired.values()), fired
+    slow = {name: round(seconds) for name, seconds in fired.items() if seconds > DEADLINE_S}
+    assert not slow, slow
+    print({name: round(seconds, 1) for name, seconds in fired.items()})
+
+
+def test_every_fault_ends_within_the_deadline_and_leaves_no_process(runs):
+    ends_in_time_and_leaves_nothing(runs)
+
+
+@pytest.mark.parametrize("name, culprit, step, words", [
+    ("skip-collective-2", 1, 3, "skipped the all_reduce(gradients) of step 3"),
+    ("skip-collective-4", 2, 3, "skipped the all_reduce(gradients) of step 3"),
+    ("slow-rank-2", 1, 3, "behind: not yet in the all_reduce(gradients) of step 3"),
+    ("stuck-loader-2", 0, 4, "behind: not yet in the all_reduce(gradients) of step 4"),
+    ("shape-mismatch-2", 1, 3, "at step 3 with another shape"),
+])
+def test_a_hang_or_desync_ends_in_one_line_naming_the_rank_and_the_step(runs, name, culprit, step, words):
+    job = runs["jobs"][name]
+    assert job.returncode != 0
+    line = diagnosis(job.output)
+    assert f"rank(s) {culprit} " in line and words in line, line
+    records = [json.loads(p.read_text()) for p in (runs["root"] / name / "res").glob("*.json")]
+    assert [(r["status"], r["metrics"]["culprits"], r["metrics"]["culprit_step"]) for r in records] == \
+        [("failed", [culprit], step)]
+
+
+def test_the_doctor_names_the_rank_that_skipped_the_collective_from_the_live_hang(runs):
+    output = runs["jobs"]["skip-collective-2"].doctor
+    assert "looked at 2 rank(s)" in output and "py-spy" in output, output
+    assert re.search(r"^0 .*all_reduce\(gradients\).*in all_reduce <- reduce_step", output, re.M), output
+    assert re.search(r"^1 .*barrier\(end of run\).*in barrier <- train", output, re.M), output
+    verdicts = [line for line in output.splitlines() if line.startswith("verdict:")]
+    assert verdicts == ["verdict: rank(s) 1 skipped the all_reduce(gradients) of step 3 and left the loop; "
+                        "the others wait in it"], output
+    record = json.loads(next((runs["root"] / "doctor").glob("*.json")).read_text())
+    assert record["metrics"]["culprits"] == [1] and record["metrics"]["stack_source"] == {"0": "py-spy", "1": "py-spy"}
+
+
+@pytest.mark.parametrize("name", ["crash-rank-2", "nan-loss-2"])
+def test_a_restarted_run_resumes_from_the_checkpoint_and_ends_with_the_uninterrupted_loss(runs, name):
+    job, clean = runs["jobs"][name], runs["jobs"]["uninterrupted-2"]
+    assert clean.returncode == 0 and job.returncode == 0, job.output[-3000:]
+    assert "resumed from" in job.output and "at step 2 (restart 1)" in job.output, job.output[-3000:]
+    assert final_loss(job.output) == final_loss(clean.output)
+
+
+def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step_with_the_last_good_checkpoint(runs):
+    import torch
+
+    job = runs["jobs"]["nan-loss-4"]
+    assert job.returncode != 0 and "final loss" not in job.output
+    assert "step 5: loss not finite on rank(s) [3]; every rank stops at this step; last good checkpoint: step 4" \
+        in job.output, job.output[-3000:]
+    ledger = shared.read_ledger(runs["root"] / job.name)
+    assert {r: (e["op"], e["step"]) for r, e in ledger.items()} == {r: (shared.END_OF_RUN, 5) for r in range(4)}
+    assert torch.load(runs["root"] / job.name / "checkpoint.pt", weights_only=False)["step"] == 4
+
+
+# --- the doctor's eyes: py-spy, and faulthandler where py-spy cannot attach ---------------------------
+
+LESSON = """import faulthandler, signal, sys, time
+faulthandler.register(signal.SIGUSR2, file=open(sys.argv[1], "w"), all_threads=True)
+def waiting_for_peers():
+    print("ready", flush=True)
+    time.sleep(60)
+waiting_for_peers()
+"""
+
+
+@pytest.fixture
+def blocked_process(tmp_path):
+    (tmp_path / "ledger").mkdir()
+    (tmp_path / "lesson.py").write_text(LESSON)
+    process = subprocess.Popen([PYTHON, str(tmp_path / "lesson.py"), str(tmp_path / "ledger" / "stack-rank0.txt")],
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "ready\n"
+    yield process
+    process.kill()
+    process.wait()
+
+
+def test_the_doctor_reads_where_a_process_waits_with_py_spy(blocked_process, tmp_path):
+    doctor = load_script(DOCTOR)
+    frames, how = doctor.stack_of(blocked_process.pid, 0, tmp_path)
+    assert how == "py-spy", frames
+    assert doctor.where(frames) == "at waiting_for_peers (lesson.py:5)"
+
+
+def test_the_doctor_falls_back_to_faulthandler_when_py_spy_cannot_attach(blocked_process, tmp_path, monkeypatch):
+    doctor = load_script(DOCTOR)
+    monkeypatch.setattr(doctor.shutil, "which", lambda name: "/bin/false")  # py-spy "fails to attach"
+    frames, how = doctor.stack_of(blocked_process.pid, 0, tmp_path)
+    assert how.startswith("faulthandler"), how
+    assert 'File "' in frames and "waiting_for_peers" in frames and blocked_process.poll() is None
+
+
+# --- preflight -------------------------------------------------------------------------------------------
+
+def test_preflight_on_one_machine_is_one_table_and_one_verdict(tmp_path, capsys):
+    assert run_main(PREFLIGHT, ["--device", "cpu", "--results-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    verdicts = [line for line in out.splitlines() if line.startswith("preflight ")]
+    assert len(verdicts) == 1 and verdicts[0].startswith("preflight ok: 1 task(s) on 1 node(s) reached 127.0.0.1:")
+    assert "NCCL transport: not applicable: Gloo on CPU" in out
+    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("lab06_preflight_*.json")]
+    assert record["status"] == "ok" and record["metrics"]["problems"] == []
+
+
+def test_preflight_says_which_task_cannot_reach_rank_0(tmp_path, capsys, monkeypatch):
+    from common.runtime.launch import free_port
+
+    port = free_port()  # nobody listens there
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    for key, value in {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+                       "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    status = run_main(PREFLIGHT, ["--device", "cpu", "--timeout", "1", "--results-dir", str(tmp_path / "res")])
+    err = capsys.readouterr().err
+    assert status == 2 and f"cannot reach rank 0 at 127.0.0.1:{port}" in err, err
+    assert not (tmp_path / "res").exists()
+
+
+def test_preflight_finds_slurm_ids_that_disagree_with_the_launch():
+    good = {"rank": 1, "local_rank": 1, "node": 0, "host": "n1",
+            "slurm": {"PROCID": "1", "LOCALID": "1", "NODEID": "0"}}
+    first = {"rank": 0, "local_rank": 0, "node": 0, "host": "n1",
+             "slurm": {"PROCID": "0", "LOCALID": "0", "NODEID": "0"}}
+    assert shared.check_ids([first, good], "slurm") == []
+    wrong = {**good, "slurm": {"PROCID": "1", "LOCALID": "0", "NODEID": "0"}}
+    assert shared.check_ids([first, wrong], "slurm") == ["rank 1 on n1: SLURM_LOCALID=0 (launch: 1)"]
+    twice = {**good, "local_rank": 0}
+    assert shared.check_ids([first, twice], "torchrun") == ["n1: local ranks [0, 0], expected 0 to 1"]
+
+
+def test_nccl_transports_are_read_from_its_info_lines():
+    log = ("gpu1:12:34 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM\n"
+           "gpu1:12:34 [0] NCCL INFO Channel 01/0 : 1[1] -> 2[0] [send] via NET/IB/0\n")
+    assert shared.transports_in(log) == ["NET/IB/0", "P2P/CUMEM"]
+
+
+# --- the report --------------------------------------------------------------------------------------
+
+def test_the_report_lists_each_fault_with_what_it_ended_in(runs, tmp_path):
+    import shutil
+
+    for record in runs["root"].glob("*/res/*.json"):
+        shutil.copy(record, tmp_path)
+    assert run_main("scripts/compare_results.py", ["--results-dir", str(tmp_path), "--lab", "lab06",
+                                                   "--output-report", str(tmp_path / "report.html")]) == 0
+    page = (tmp_path / "report.html").read_text()
+    table = page[page.index('id="lab06-faults"'):]
+    table = table[:table.index("</table>")]
+    assert "finished after 1 restart(s)" in table and "rank(s) 2 skipped the all_reduce(gradients) of step 3" in table
+    assert "every rank stopped at step 5 (NaN on rank(s) [3]); last good checkpoint: step 4" in table
+
+
+# --- GPUs (skipped on CPU-only machines) -------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_on_gpus_an_oom_on_one_rank_is_named_with_its_step(tmp_path):
+    result = subprocess.run([*torchrun(2), str(REPO / INJECT), "--device", "cuda", "--steps", "6", "--fault", "oom",
+                             "--rank", "1", "--step", "3", "--collective-timeout", "20",
+                             "--run-dir", str(tmp_path / "run"),
+                             "--results-dir", str(tmp_path / "res")], cwd=tmp_path, env=script_env(),
+                            capture_output=True, text=True, timeout=180)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "OutOfMemoryError" in output, output[-3000:]
+    assert "diagnosis: rank(s) 1 ran out of GPU memory at step 3" in output, output[-3000:]
+
+
+@pytest.mark.gpu
+def test_on_gpus_a_hang_is_named_and_nccl_s_flight_recorder_kept_the_last_collectives(tmp_path):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    result = subprocess.run([*torchrun(2), str(REPO / INJECT), "--device", "cuda", "--steps", "6", "--fault",
+                             "skip-collective", "--rank", "1", "--step", "3", "--collective-timeout", "20", "--run-dir",
+                             str(tmp_path / "run"), "--results-dir", str(tmp_path / "res")], cwd=tmp_path,
+                            env=script_env(), capture_output=True, text=True, timeout=180)
+    output = result.stdout + result.stderr
+    assert "diagnosis: rank(s) 1 skipped the all_reduce(gradients) of step 3" in output, output[-3000:]
+    doctor = subprocess.run([PYTHON, str(REPO / DOCTOR), "--run-dir", str(tmp_path / "run"), "--results-dir",
+                             str(tmp_path / "doctor")], env=script_env(), capture_output=True, text=True, timeout=60)
+    assert "nccl:all_reduce" in doctor.stdout, doctor.stdout + doctor.stderr
+
+
+@pytest.mark.gpu
+def test_on_gpus_preflight_names_nccl_s_transport(tmp_path):
+    import torch
+
+    ranks = min(torch.cuda.device_count(), 4)
+    result = subprocess.run([*torchrun(ranks), str(REPO / PREFLIGHT), "--device", "cuda", "--results-dir",
+                             str(tmp_path)], env=script_env(), capture_output=True, text=True, timeout=180)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and f"preflight ok: {ranks} task(s) on 1 node(s)" in output, output[-3000:]
+    if ranks > 1:
+        assert re.search(r"NCCL transport: .*(P2P|SHM|NET)/", output), output[-3000:]
+
+
+# --- common: the collective timeout starts once every rank is in -------------------------------------------
+
+LATE_RANK = """import os, sys, time
+import torch, torch.distributed as dist
+from common.runtime.distributed import open_process, teardown_distributed
+if os.environ["RANK"] == "1":
+    time.sleep(3)  # a rank that reaches the rendezvous late: slow imports, a loaded node
+ctx = open_process("cpu", distributed=True, collective_timeout_s=1)
+try:
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    print("sum", value.item(), flush=True)
+finally:
+    teardown_distributed(ctx)
+"""
+
+
+def test_a_short_collective_timeout_does_not_count_a_rank_that_arrives_late(tmp_path):
+    from common.runtime.launch import free_port
+
+    (tmp_path / "late.py").write_text(LATE_RANK)
+    port = str(free_port())
+    ranks = [subprocess.Popen([PYTHON, str(tmp_path / "late.py")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=script_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    assert all("sum 2.0" in output for output in outputs), outputs
