@@ -28,7 +28,6 @@ import argparse
 import torch
 
 from common.cli import add_run_args, positive_int, script_parser
-from common.data.datasets import load_stdlib_text
 from common.errors import run_main
 from common.measure.timing import StepTimer
 from common.runtime.device import configure_threads
@@ -38,7 +37,7 @@ from common.units import format_bytes
 from labs.lab07_model_parallel.lab07_shared import (
     CollectiveTally, SavedActivations, add_model_args, add_training_flags, apply_tensor_parallel, batch_for_step,
     build_model, check_tensor_parallel, language_model_loss, local_bytes, predicted_tensor_parallel_traffic,
-    shape_from_args, write_lab_record,
+    shape_from_args, training_text, write_lab_record,
 )
 
 SCRIPT = "labs/lab07_model_parallel/01_tensor_parallel.py"
@@ -64,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = init_distributed(args.device)
     try:
         device, threads = ctx.device, configure_threads()
-        data = load_stdlib_text(shape.context).train
+        data = training_text(shape.context)
         model = build_model(shape, args.seed, device)
         if ctx.world_size > 1:
             from torch.distributed.device_mesh import init_device_mesh

@@ -31,14 +31,14 @@ import torch
 import torch.distributed as dist
 
 from common.cli import add_run_args, positive_int, script_parser
-from common.data.datasets import load_stdlib_text
 from common.errors import UserError, run_main
 from common.runtime.device import configure_threads, synchronize
 from common.runtime.distributed import all_reduce_sum, gather_objects, init_distributed, print0, teardown_distributed
 from common.runtime.launch import detect_launch
 from labs.lab07_model_parallel.lab07_shared import (
     SCHEDULES, add_model_args, add_training_flags, batch_for_step, bubble_formula, build_model, language_model_loss,
-    local_bytes, pipeline_stage_module, shape_from_args, stage_layers, timed_stage_class, write_lab_record,
+    local_bytes, pipeline_stage_module, shape_from_args, stage_layers, timed_stage_class, training_text,
+    write_lab_record,
 )
 
 SCRIPT = "labs/lab07_model_parallel/02_pipeline_parallel.py"
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = init_distributed(args.device)
     try:
         device, threads = ctx.device, configure_threads()
-        data = load_stdlib_text(shape.context).train
+        data = training_text(shape.context)
         model = build_model(shape, args.seed, device)
         pipelined = ctx.world_size > 1
         if pipelined:

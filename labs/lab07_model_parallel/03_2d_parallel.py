@@ -28,7 +28,6 @@ import torch
 
 from common.checkpoint.sharded import DistributedCheckpointer
 from common.cli import add_run_args, output_dir, positive_int, script_parser
-from common.data.datasets import load_stdlib_text
 from common.errors import UserError, run_main
 from common.measure.timing import StepTimer
 from common.runtime.device import configure_threads
@@ -37,7 +36,8 @@ from common.runtime.launch import detect_launch
 from common.units import format_bytes
 from labs.lab07_model_parallel.lab07_shared import (
     add_model_args, add_training_flags, apply_tensor_parallel, batch_for_step, build_model, check_mesh,
-    check_tensor_parallel, language_model_loss, local_bytes, parse_mesh, shape_from_args, write_lab_record,
+    check_tensor_parallel, language_model_loss, local_bytes, parse_mesh, shape_from_args, training_text,
+    write_lab_record,
 )
 
 SCRIPT = "labs/lab07_model_parallel/03_2d_parallel.py"
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = init_distributed(args.device)
     try:
         device, threads = ctx.device, configure_threads()
-        data = load_stdlib_text(shape.context).train
+        data = training_text(shape.context)
         model = build_model(shape, args.seed, device)
         row = parallelize(model, shape, (dp, tp), device) if world > 1 else 0
         # foreach=False: the blocks' tensors live on the 2-D mesh, the embeddings' on the DP axis alone,

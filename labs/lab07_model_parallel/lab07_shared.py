@@ -19,6 +19,7 @@ against the one-process run of the same script step by step.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from typing import Any
 
@@ -28,7 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.cli import config_dict, positive_int
-from common.data.datasets import TEXT_VOCAB_SIZE
+from common.data.datasets import TEXT_VOCAB_SIZE, load_stdlib_text
 from common.errors import UserError
 from common.models import DecoderOnlyTransformer, TransformerShape
 from common.results import make_record, provenance, write_record
@@ -110,6 +111,12 @@ def build_model(shape: TransformerShape, seed: int, device: torch.device | str =
     return model.to(device)
 
 
+@functools.lru_cache(maxsize=2)
+def training_text(context: int) -> Any:
+    """Lab-04's text (the standard library's source) in windows of ``context`` characters, read once per process."""
+    return load_stdlib_text(context).train
+
+
 def batch_for_step(dataset: Any, step: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of optimiser step ``step``: ``batch_size`` windows drawn by ``(seed, step)`` alone."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
@@ -128,14 +135,12 @@ def language_model_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
 
 
 def check_tensor_parallel(shape: TransformerShape, degree: int, *, sequence_parallel: bool = False) -> None:
-    """Tensor parallel gives each rank whole heads and an equal slice of every width (and with
-    sequence parallel an equal slice of the sequence)."""
+    """Tensor parallel gives each rank whole heads, so an equal slice of every width (the width is
+    a multiple of the heads), and with sequence parallel an equal slice of the sequence."""
     if shape.heads % degree:
         raise UserError(f"--heads {shape.heads} is not divisible by the tensor-parallel degree {degree}: "
-                        "each rank computes whole attention heads; use a head count that is a multiple of it")
-    if shape.width % degree:
-        raise UserError(f"--width {shape.width} is not divisible by the tensor-parallel degree {degree}: "
-                        "each rank holds width / degree columns; use a width that is a multiple of it")
+                        "each rank computes whole attention heads (and width / degree columns of every layer); "
+                        "use a head count that is a multiple of it")
     if sequence_parallel and shape.context % degree:
         raise UserError(f"--context {shape.context} is not divisible by the tensor-parallel degree {degree}: "
                         "--sequence-parallel gives each rank context / degree positions")
