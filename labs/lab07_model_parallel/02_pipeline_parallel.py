@@ -122,14 +122,19 @@ def main(argv: list[str] | None = None) -> int:
                 # The mean of equal micro-batches' means is the batch's mean; the last stage has them.
                 loss = all_reduce_sum(torch.stack(pieces).mean().item() if holds_last else 0.0)
             else:
+                began = time.perf_counter()
                 step_loss = language_model_loss(model(tokens), targets)
                 step_loss.backward()
-                loss = step_loss.item()
+                loss = step_loss.item()  # waits for the device: the clock below reads a finished step
+                if step >= args.warmup_steps:
+                    walls.append(time.perf_counter() - began)
             optimizer.step()
             losses.append(loss)
             print0(f"step {step:3d} | loss {loss:.6f}")
 
-        metrics = {"loss_at_step": losses, "final_loss": losses[-1]}
+        step_s = sorted(walls)[len(walls) // 2] if walls else None
+        metrics = {"loss_at_step": losses, "final_loss": losses[-1], "steps_timed": len(walls), "step_s": step_s,
+                   "tokens_per_s": args.batch_size * shape.context / step_s if step_s else None}
         if pipelined:
             compute = sum(stage.compute_s for stage in stages)
             mine = {"rank": ctx.rank, "stages": [stage.stage_index for stage in stages],
@@ -143,16 +148,14 @@ def main(argv: list[str] | None = None) -> int:
                        f"{entry['compute_s']:.3f} s of {entry['wall_s']:.3f} s: bubble "
                        + (f"{entry['bubble']:.1%}" if entry["bubble"] is not None else "n/a")
                        + f" (formula {expected:.1%})")
-            step_s = sorted(walls)[len(walls) // 2] if walls else None
             metrics |= {"per_rank": per_rank, "bubble_formula": expected,
                         "bubble_measured": sum(measured) / len(measured) if walls else None,
-                        "stages_per_rank": len(stages), "steps_timed": len(walls), "step_s": step_s,
-                        "tokens_per_s": args.batch_size * shape.context / step_s if step_s else None,
+                        "stages_per_rank": len(stages),
                         "bubble_method": "1 - (time in the stage's forward_one_chunk and backward_one_chunk, device "
                                          "synchronised) / (wall time of schedule.step from a barrier), summed "
                                          f"over the steps after the first {args.warmup_steps}"}
         else:
-            metrics["parameter_bytes"] = local_bytes(parameters)
+            metrics["per_rank"] = [{"rank": 0, "parameter_bytes": local_bytes(parameters)}]
         if ctx.is_main:
             path = write_lab_record(args, script=SCRIPT, method=method, device=device, world_size=ctx.world_size,
                                     ctx=ctx, metrics=metrics,

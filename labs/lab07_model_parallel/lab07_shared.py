@@ -393,9 +393,13 @@ def timed_stage_class() -> type:
 def write_lab_record(args: argparse.Namespace, *, script: str, method: str, device: torch.device, world_size: int,
                      ctx: Any, metrics: dict[str, Any], config: dict[str, Any] | None = None,
                      notes: list[str] | None = None) -> Any:
-    """Rank 0 writes one record (``common.results``) with the run's flags, its shape and ``metrics``."""
+    """Rank 0 writes one record (``common.results``) with the run's flags, its shape and ``metrics``
+    (plus the sequences per step and per second, the names every course record uses)."""
+    tokens_per_s = metrics.get("tokens_per_s")
+    common = {"world_size": world_size, "devices": world_size, "global_batch_size": args.batch_size,
+              "samples_per_s": tokens_per_s / args.context if tokens_per_s else None}
     record = make_record(lab=LAB, script=script, method=method,
                          config=config_dict(args, resolved_device=str(device), **(config or {})),
-                         metrics={"world_size": world_size, **metrics}, notes=notes or [],
+                         metrics={**common, **metrics}, notes=notes or [],
                          provenance=provenance(device, world_size, {"distributed": ctx.describe()}))
     return write_record(record, args.results_dir)
