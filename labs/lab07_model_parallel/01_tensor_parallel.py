@@ -8,7 +8,7 @@ Usage:
         --layers 2 --width 32 --heads 4 --context 16 --batch-size 8
     torchrun --standalone --nproc_per_node=4 labs/lab07_model_parallel/01_tensor_parallel.py --sequence-parallel
     srun --kill-on-bad-exit=1 python labs/lab07_model_parallel/01_tensor_parallel.py
-    sbatch tensor_parallel_4gpu.sbatch  # rendered from sbatch/tensor_parallel_4gpu.sbatch.j2, see the README
+    sbatch model_parallel_4gpu.sbatch  # rendered from sbatch/model_parallel_4gpu.sbatch.j2, see the README
 
 What it teaches: Lab-04's transformer cut across the ranks of a 1-D ``DeviceMesh`` with
 ``parallelize_module`` (``lab07_shared.apply_tensor_parallel``): in attention each rank computes
@@ -35,9 +35,9 @@ from common.runtime.distributed import gather_objects, init_distributed, print0,
 from common.runtime.launch import detect_launch
 from common.units import format_bytes
 from labs.lab07_model_parallel.lab07_shared import (
-    CollectiveTally, SavedActivations, add_model_args, add_training_flags, apply_tensor_parallel, batch_for_step,
-    build_model, check_tensor_parallel, language_model_loss, local_bytes, predicted_tensor_parallel_traffic,
-    shape_from_args, training_text, write_lab_record,
+    CollectiveTally, SavedActivations, add_model_args, add_training_flags, apply_dry_run, apply_tensor_parallel,
+    batch_for_step, build_model, check_tensor_parallel, language_model_loss, local_bytes,
+    predicted_tensor_parallel_traffic, shape_from_args, training_text, write_lab_record,
 )
 
 SCRIPT = "labs/lab07_model_parallel/01_tensor_parallel.py"
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = apply_dry_run(build_parser().parse_args(argv))
     shape = shape_from_args(args)
     degree = detect_launch().world_size  # a 1-D mesh: every process holds one slice
     check_tensor_parallel(shape, degree, sequence_parallel=args.sequence_parallel)

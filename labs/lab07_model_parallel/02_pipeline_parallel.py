@@ -8,7 +8,7 @@ Usage:
         --layers 4 --width 32 --heads 4 --context 16 --batch-size 8 --schedule 1f1b --microbatches 4
     torchrun --standalone --nproc_per_node=4 labs/lab07_model_parallel/02_pipeline_parallel.py --schedule interleaved
     srun --kill-on-bad-exit=1 python labs/lab07_model_parallel/02_pipeline_parallel.py --schedule 1f1b
-    sbatch pipeline_parallel_4gpu.sbatch  # rendered from sbatch/pipeline_parallel_4gpu.sbatch.j2, see the README
+    LAB07_STEP=pp sbatch model_parallel_4gpu.sbatch  # from sbatch/model_parallel_4gpu.sbatch.j2, see the README
 
 What it teaches: the transformer cut into stages of consecutive blocks (``torch.distributed.pipelining``),
 one stage per rank (``--schedule interleaved``: two, looped, so rank r holds stages r and r + p).
@@ -36,8 +36,8 @@ from common.runtime.device import configure_threads, synchronize
 from common.runtime.distributed import all_reduce_sum, gather_objects, init_distributed, print0, teardown_distributed
 from common.runtime.launch import detect_launch
 from labs.lab07_model_parallel.lab07_shared import (
-    SCHEDULES, add_model_args, add_training_flags, batch_for_step, bubble_formula, build_model, language_model_loss,
-    local_bytes, pipeline_stage_module, shape_from_args, stage_layers, timed_stage_class, training_text,
+    SCHEDULES, add_model_args, add_training_flags, apply_dry_run, batch_for_step, bubble_formula, build_model,
+    language_model_loss, local_bytes, pipeline_stage_module, shape_from_args, stage_layers, timed_stage_class, training_text,
     write_lab_record,
 )
 
@@ -73,7 +73,7 @@ def make_schedule(model, args, rank: int, ranks: int, device: torch.device):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = apply_dry_run(build_parser().parse_args(argv))
     shape = shape_from_args(args)
     ranks = detect_launch().world_size
     if ranks > 1:

@@ -35,7 +35,7 @@ from common.runtime.distributed import all_reduce_mean, gather_objects, init_dis
 from common.runtime.launch import detect_launch
 from common.units import format_bytes
 from labs.lab07_model_parallel.lab07_shared import (
-    add_model_args, add_training_flags, apply_tensor_parallel, batch_for_step, build_model, check_mesh,
+    add_model_args, add_training_flags, apply_dry_run, apply_tensor_parallel, batch_for_step, build_model, check_mesh,
     check_tensor_parallel, language_model_loss, local_bytes, parse_mesh, shape_from_args, training_text,
     write_lab_record,
 )
@@ -79,7 +79,7 @@ def parallelize(model, shape, mesh_shape: tuple[int, int], device: torch.device)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = apply_dry_run(build_parser().parse_args(argv))
     shape = shape_from_args(args)
     world = detect_launch().world_size
     dp, tp = args.mesh or ((world // 2, 2) if world % 2 == 0 else (world, 1))

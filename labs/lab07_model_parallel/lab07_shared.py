@@ -67,6 +67,13 @@ def add_training_flags(parser: argparse.ArgumentParser, *, steps: int = 20) -> a
     return parser
 
 
+def apply_dry_run(args: argparse.Namespace) -> argparse.Namespace:
+    """``--dry-run``: two steps, the first one untimed (what the course's tiny runs and CI use)."""
+    if args.dry_run:
+        args.steps, args.warmup_steps = min(args.steps, 2), min(args.warmup_steps, 1)
+    return args
+
+
 def shape_from_args(args: argparse.Namespace) -> TransformerShape:
     return TransformerShape(layers=args.layers, width=args.width, heads=args.heads, context=args.context,
                             vocab_size=TEXT_VOCAB_SIZE).check()
