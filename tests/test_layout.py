@@ -154,6 +154,9 @@ LINE_BUDGETS = {
     "chapters/ch04_deep_learning/multi_gpu_ddp.py": 135,
     "labs/lab01_dp_vs_ddp/04_ddp_training.py": 160,
     "labs/lab03_precision_benchmark/benchmark_models.py": 260,
+    "labs/lab07_model_parallel/01_tensor_parallel.py": 100,
+    "labs/lab07_model_parallel/02_pipeline_parallel.py": 140,
+    "labs/lab07_model_parallel/03_2d_parallel.py": 120,
 }
 
 

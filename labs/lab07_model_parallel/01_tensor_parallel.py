@@ -16,7 +16,7 @@ its own heads, in the MLP its own slice of the hidden layer, and one all-reduce 
 the partial results. Every rank sees the whole batch; parameters and most activations shrink by the
 degree, and the price is traffic on every layer, forward and backward. ``--sequence-parallel`` also
 cuts the norms along the sequence. The script prints, per rank, the parameter and activation bytes
-it holds and the bytes its collectives moved in one step, beside what the plan predicts. Run as one
+it holds and the bytes it sent in one step's collectives, beside what the plan predicts. Run as one
 process, the same model trains without any parallelism: that run is the reference the losses of a
 parallel run match step by step.
 """
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                f"{shape.heads} heads, context {shape.context}, batch {args.batch_size}")
 
         timer, losses = StepTimer(device, warmup_steps=args.warmup_steps), []
-        tally, saved = CollectiveTally(), SavedActivations()
+        tally, saved = CollectiveTally(ctx.world_size), SavedActivations()
         for step in range(args.steps):
             tokens, targets = (t.to(device) for t in batch_for_step(data, step, args.batch_size, args.seed))
             measured = step == 0  # the traffic is the same every step: count it once, time the others
@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         per_rank = gather_objects(mine)
         for entry in per_rank:
             print0(f"rank {entry['rank']}: parameters {format_bytes(entry['parameter_bytes'])}, activations "
-                   f"{format_bytes(entry['activation_bytes'])}, communication per step {format_bytes(entry['comm_bytes'])} "
-                   f"measured / {format_bytes(predicted['total_bytes'])} predicted")
+                   f"{format_bytes(entry['activation_bytes'])}, sent per step {format_bytes(entry['comm_bytes'])} "
+                   f"counted / {format_bytes(predicted['total_bytes'])} predicted")
         timing = timer.summary()
         tokens_per_s = timing["samples_per_s"] * shape.context if timing["samples_per_s"] else None
         if ctx.is_main:

@@ -213,18 +213,24 @@ def apply_tensor_parallel(model: DecoderOnlyTransformer, mesh: Any, *, sequence_
         })
 
 
+#: Bytes each rank sends, per byte of a collective's full tensor, in the ring algorithms NCCL and Gloo use
+#: (nccl-tests' bus-bandwidth factors, Lab-05): an all-reduce is a reduce-scatter then an all-gather.
+def ring_factor(kind: str, ranks: int) -> float:
+    return (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks
+
+
 def predicted_tensor_parallel_traffic(shape: TransformerShape, batch: int, degree: int, *,
                                       sequence_parallel: bool = False, element_bytes: int = 4) -> dict[str, Any]:
-    """Bytes per training step that :func:`apply_tensor_parallel`'s plan must move, per collective.
+    """Bytes per training step that :func:`apply_tensor_parallel`'s plan makes each rank send, per collective.
 
     One activation of the residual stream is ``batch x context x width`` elements. Without sequence
     parallel: per block 2 all-reduces forward, 2 backward. With it: per block 2 all-gathers and 2
     reduce-scatters forward and the same backward (an all-gather's gradient is a reduce-scatter and
     the other way round), plus two all-gathers: the last block's output, which the head reads whole,
     and in backward the gradient of the first block's input, which the embeddings need whole
-    (cutting a replicated tensor costs nothing forward; its gradient is gathered). The size counted is the
-    collective's full tensor (all-reduce: the tensor, all-gather: its output, reduce-scatter: its
-    input), what :class:`CollectiveTally` counts.
+    (cutting a replicated tensor costs nothing forward; its gradient is gathered). A ring all-reduce
+    sends ``2 (n - 1) / n`` of the tensor from each rank, an all-gather or a reduce-scatter ``(n - 1) / n``:
+    sequence parallel sends the same bytes as plain tensor parallel, and two activations more.
     """
     if degree == 1:
         return {"total_bytes": 0, "by_collective": {}}
@@ -233,7 +239,9 @@ def predicted_tensor_parallel_traffic(shape: TransformerShape, batch: int, degre
         counts = {"all_gather": 4 * shape.layers + 2, "reduce_scatter": 4 * shape.layers}
     else:
         counts = {"all_reduce": 4 * shape.layers}
-    by_collective = {kind: {"count": count, "bytes": count * activation} for kind, count in counts.items()}
+    by_collective = {kind: {"count": count, "tensor_bytes": count * activation,
+                            "bytes": round(count * activation * ring_factor(kind, degree))}
+                     for kind, count in counts.items()}
     return {"total_bytes": sum(entry["bytes"] for entry in by_collective.values()), "by_collective": by_collective}
 
 
@@ -245,15 +253,18 @@ _COLLECTIVES = {"all_reduce": "all_reduce", "allreduce_": "all_reduce",
 
 
 class CollectiveTally(TorchDispatchMode):
-    """Every collective issued while active, counted with the bytes of its full tensor.
+    """Every collective issued while active: its count, the bytes of its full tensor (all-reduce: the
+    tensor, all-gather: its output, reduce-scatter: its input), and what this rank sent (:func:`ring_factor`).
 
     DTensor issues its collectives as operators (``torch.ops._c10d_functional.*``), forward and
     backward, so a dispatch mode sees each one as it runs, with its real tensors (the way
     ``torch.distributed.tensor.debug.CommDebugMode`` counts them; this one also adds up sizes).
+    ``ranks``: the size of the group they run over (the tensor-parallel degree).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: int) -> None:
         super().__init__()
+        self.ranks = ranks
         self.by_collective: dict[str, dict[str, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
@@ -264,13 +275,16 @@ class CollectiveTally(TorchDispatchMode):
             tensor = out if kind == "all_gather" and isinstance(out, torch.Tensor) else args[0]
             if isinstance(tensor, (list, tuple)):
                 tensor = tensor[0]
-            entry = self.by_collective.setdefault(kind, {"count": 0, "bytes": 0})
+            entry = self.by_collective.setdefault(kind, {"count": 0, "tensor_bytes": 0, "bytes": 0})
+            size = tensor.numel() * tensor.element_size()
             entry["count"] += 1
-            entry["bytes"] += tensor.numel() * tensor.element_size()
+            entry["tensor_bytes"] += size
+            entry["bytes"] += round(size * ring_factor(kind, self.ranks))
         return out
 
     @property
     def total_bytes(self) -> int:
+        """Bytes this rank sent."""
         return sum(entry["bytes"] for entry in self.by_collective.values())
 
 

@@ -4,7 +4,7 @@
 parallelism), ``tp`` / ``tp+sp`` (``01_tensor_parallel.py``), ``pp-gpipe`` / ``pp-1f1b`` /
 ``pp-interleaved`` (``02_pipeline_parallel.py``) or ``2d-DPxTP`` (``03_2d_parallel.py``). Every
 record has ``metrics.loss_at_step`` and ``metrics.per_rank`` (``parameter_bytes``, and for tensor
-parallel ``activation_bytes`` and ``comm_bytes`` per step); tensor parallel adds
+parallel ``activation_bytes`` and ``comm_bytes``, the bytes it sent per step); tensor parallel adds
 ``metrics.comm_predicted``, the pipeline ``metrics.bubble_measured`` and ``metrics.bubble_formula``.
 
 Tables: per strategy (memory per rank, tokens/s, traffic, bubble, and the largest loss difference
@@ -173,7 +173,7 @@ def model_parallel(ctx: SectionContext) -> Section | None:
         ("batch", lambda r: num(fmt_int(r["batch"]))),
         ("parameters per rank", lambda r: num(fmt_bytes(r["parameters"]))),
         ("activations per rank", lambda r: num(fmt_bytes(r["activations"]))),
-        ("traffic per step (predicted)", lambda r: num(
+        ("sent per step (predicted)", lambda r: num(
             "—" if r["comm"] is None or pd.isna(r["comm"]) else
             f"{fmt_bytes(r['comm'])} ({fmt_bytes(r['comm_predicted'])})")),
         ("bubble (formula)", lambda r: num(
@@ -182,8 +182,8 @@ def model_parallel(ctx: SectionContext) -> Section | None:
         ("tokens/s", lambda r: num(fmt_number(r["tokens_per_s"], 3))),
         ("largest step difference from one process", lambda r: num(fmt_number(r["difference"], 2))),
     ], id="lab07-strategies", caption="Every run against the one-process run of the same script, model, batch and seed: "
-               "memory held per rank (the largest rank), traffic its collectives moved in one step (tensor parallel, "
-               "counted at the dispatcher; the plan's prediction in brackets), idle fraction (pipeline), and the loss "
+               "memory held per rank (the largest rank), bytes a rank sent in one step's collectives (tensor parallel, "
+               "counted at the dispatcher, ring algorithms; the plan's prediction in brackets), idle fraction (pipeline), and the loss "
                "step by step"))
     pipeline = rows[rows["bubble"].notna() & rows["microbatches"].notna()]
     if not pipeline.empty:
@@ -206,7 +206,7 @@ def model_parallel(ctx: SectionContext) -> Section | None:
         ("runs measured", lambda r: num(fmt_int(r["runs"]))),
         ("parameters per rank (least)", lambda r: num(fmt_bytes(r["parameters"]))),
         ("÷ one process (least)", lambda r: num(fmt_number(r["share"], 2))),
-        ("traffic per step (least)", lambda r: num(fmt_bytes(r["comm"]))),
+        ("sent per rank per step (least)", lambda r: num(fmt_bytes(r["comm"]))),
         ("bubble (least)", lambda r: num(fmt_percent(r["bubble"], 1))),
         ("tokens/s (best)", lambda r: num(fmt_number(r["tokens_per_s"], 3))),
         ("use it when", lambda r: fmt_text(r["when"])),
