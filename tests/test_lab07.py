@@ -57,7 +57,8 @@ def _launch(processes: int, plan: list[dict], root: Path, name: str) -> dict[str
     statuses = {step["name"]: (out / f"{step['name']}.status").read_text().split()[0]
                 for step in plan if (out / f"{step['name']}.status").exists()}
     assert all(rank.returncode == 0 for rank in ranks) and len(statuses) == len(plan), \
-        f"{name}: exits {[r.returncode for r in ranks]}, finished {list(statuses)}\n" + "\n".join(o[-3000:] for o in outputs)
+        f"{name}: exits {[r.returncode for r in ranks]}, finished {list(statuses)}\n" \
+        + "\n".join(o[-3000:] for o in outputs)
     return {job: int(status) for job, status in statuses.items()}
 
 
@@ -83,7 +84,8 @@ def runs(tmp_path_factory):
     statuses |= _launch(4, [
         {"name": "2d", "script": TWO_D, "argv": _args(root, "2d", "--mesh", "2x2", "--checkpoint-every", "10",
                                                       "--checkpoint-dir", str(root / "2d" / "ckpt"))},
-        {"name": "resume4x1", "script": TWO_D, "copy_before": [str(saved), str(root / "resume4x1" / "ckpt" / saved.name)],
+        {"name": "resume4x1", "script": TWO_D,
+         "copy_before": [str(saved), str(root / "resume4x1" / "ckpt" / saved.name)],
          "argv": _args(root, "resume4x1", "--mesh", "4x1", "--resume",
                        "--checkpoint-dir", str(root / "resume4x1" / "ckpt"))},
     ], root, "four")

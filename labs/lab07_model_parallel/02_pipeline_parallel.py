@@ -37,8 +37,8 @@ from common.runtime.distributed import all_reduce_sum, gather_objects, init_dist
 from common.runtime.launch import detect_launch
 from labs.lab07_model_parallel.lab07_shared import (
     SCHEDULES, add_model_args, add_training_flags, apply_dry_run, batch_for_step, bubble_formula, build_model,
-    language_model_loss, local_bytes, pipeline_stage_module, shape_from_args, stage_layers, timed_stage_class, training_text,
-    write_lab_record,
+    language_model_loss, local_bytes, pipeline_stage_module, shape_from_args, stage_layers, timed_stage_class,
+    training_text, write_lab_record,
 )
 
 SCRIPT = "labs/lab07_model_parallel/02_pipeline_parallel.py"
@@ -152,15 +152,15 @@ def main(argv: list[str] | None = None) -> int:
                         "bubble_measured": sum(measured) / len(measured) if walls else None,
                         "stages_per_rank": len(stages),
                         "bubble_method": "1 - (time in the stage's forward_one_chunk and backward_one_chunk, device "
-                                         "synchronised) / (wall time of schedule.step from a barrier), summed "
+                                         "synchronised) / (wall time of schedule.step between two barriers), summed "
                                          f"over the steps after the first {args.warmup_steps}"}
         else:
             metrics["per_rank"] = [{"rank": 0, "parameter_bytes": local_bytes(parameters)}]
         if ctx.is_main:
             path = write_lab_record(args, script=SCRIPT, method=method, device=device, world_size=ctx.world_size,
                                     ctx=ctx, metrics=metrics,
-                                    config={**shape.describe(), "threads": threads, "pipeline_stages":
-                                            ctx.world_size * (2 if args.schedule == "interleaved" and pipelined else 1)})
+                                    config={**shape.describe(), "threads": threads,
+                                            "pipeline_stages": len(stages) * ctx.world_size if pipelined else 1})
             print0(f"record: {path}")
         return 0
     finally:

@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="DPxTP, e.g. 2x2: FSDP2 over DP rows, tensor parallel over TP columns; the sizes "
                             "multiply to the number of processes (default: TP 2 when the number is even, else 1)")
     group.add_argument("--checkpoint-dir", type=output_dir, default=None,
-                       help="DCP checkpoints, written by every process (default: RESULTS_DIR/checkpoints/03_2d_parallel)")
+                       help="DCP checkpoints, written by every process "
+                            "(default: RESULTS_DIR/checkpoints/03_2d_parallel)")
     group.add_argument("--checkpoint-every", type=positive_int, default=None,
                        help="save after every this many steps, and after the last (default: after the last only)")
     group.add_argument("--resume", action="store_true",

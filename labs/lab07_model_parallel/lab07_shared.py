@@ -60,7 +60,8 @@ def add_training_flags(parser: argparse.ArgumentParser, *, steps: int = 20) -> a
     """``--steps --lr --warmup-steps``: every Lab-07 script takes the same optimiser steps."""
     group = parser.add_argument_group("training")
     group.add_argument("--steps", type=positive_int, default=steps,
-                       help="optimiser steps, each on one global batch of --batch-size sequences (default: %(default)s)")
+                       help="optimiser steps, each on one global batch of --batch-size sequences "
+                            "(default: %(default)s)")
     group.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: %(default)s)")
     group.add_argument("--warmup-steps", type=int, default=2,
                        help="first steps left out of the timing (default: %(default)s)")

@@ -55,7 +55,8 @@ def _kind(method: str) -> str | None:
 
 def _per_rank(record: dict, key: str) -> float | None:
     entries = get(record, "metrics", "per_rank")
-    values = [number(entry.get(key)) for entry in entries if isinstance(entry, dict)] if isinstance(entries, list) else []
+    entries = entries if isinstance(entries, list) else []
+    values = [number(entry.get(key)) for entry in entries if isinstance(entry, dict)]
     values = [v for v in values if v is not None]
     return max(values) if values else None
 
@@ -98,7 +99,8 @@ def _against_reference(rows: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
     for row in rows.to_dict("records"):
         best = share = None
         if row["method"] != "reference":
-            for ref in rows[(rows["method"] == "reference") & rows["key"].map(lambda k: k == row["key"])].to_dict("records"):
+            same = (rows["method"] == "reference") & rows["key"].map(lambda k: k == row["key"])
+            for ref in rows[same].to_dict("records"):
                 pairs = [(a, b) for a, b in zip(row["losses"], ref["losses"][row["first_step"]:])
                          if a is not None and b]
                 if pairs:
@@ -120,7 +122,8 @@ def _bubble_figure(pipeline: pd.DataFrame) -> Any:
     axis = fig.subplots()
     for (method, ranks), group in pipeline.groupby(["method", "world_size"]):
         group = group.sort_values("microbatches")
-        axis.plot(group["microbatches"], group["bubble"], marker="o", label=plain(f"{method}, {int(ranks)} ranks measured"))
+        axis.plot(group["microbatches"], group["bubble"], marker="o",
+                  label=plain(f"{method}, {int(ranks)} ranks measured"))
         axis.plot(group["microbatches"], group["bubble_formula"], linestyle="--", color="grey")
     axis.set_xscale("log", base=2)
     axis.set_xlabel("micro-batches per step (m)")
@@ -128,8 +131,8 @@ def _bubble_figure(pipeline: pd.DataFrame) -> Any:
     axis.grid(alpha=0.3)
     axis.legend(fontsize="small")
     return png_figure(fig, alt="Pipeline bubble measured against (p-1)/(m+p-1)",
-                      caption="Measured idle fraction per rank (1 − compute time ÷ wall time of the step) against the "
-                              "formula (p − 1)/(v m + p − 1) (dashed).")
+                      caption="Measured idle fraction per rank (1 − compute time ÷ wall time of the step) "
+                              "against the formula (p − 1)/(v m + p − 1) (dashed).")
 
 
 def _decision_rows(rows: pd.DataFrame, all_runs: pd.DataFrame) -> pd.DataFrame:
@@ -181,10 +184,10 @@ def model_parallel(ctx: SectionContext) -> Section | None:
             f"{fmt_percent(r['bubble'], 1)} ({fmt_percent(r['bubble_formula'], 1)})")),
         ("tokens/s", lambda r: num(fmt_number(r["tokens_per_s"], 3))),
         ("largest step difference from one process", lambda r: num(fmt_number(r["difference"], 2))),
-    ], id="lab07-strategies", caption="Every run against the one-process run of the same script, model, batch and seed: "
-               "memory held per rank (the largest rank), bytes a rank sent in one step's collectives (tensor parallel, "
-               "counted at the dispatcher, ring algorithms; the plan's prediction in brackets), idle fraction (pipeline), and the loss "
-               "step by step"))
+    ], id="lab07-strategies", caption="Every run against the one-process run of the same script, model, batch "
+               "and seed: memory held per rank (the largest rank), bytes a rank sent in one step's collectives (tensor "
+               "parallel, counted at the dispatcher, ring algorithms; the plan's prediction in brackets), idle "
+               "fraction (pipeline), and the loss step by step"))
     pipeline = rows[rows["bubble"].notna() & rows["microbatches"].notna()]
     if not pipeline.empty:
         tables.append(table_from_frame(pipeline.sort_values(["method", "microbatches"]), [
