@@ -29,15 +29,16 @@ import torch
 
 from common.cli import add_run_args, positive_int, script_parser
 from common.errors import run_main
+from common.measure.memory import SavedActivations, local_bytes
 from common.measure.timing import StepTimer
 from common.runtime.device import configure_threads
 from common.runtime.distributed import gather_objects, init_distributed, print0, teardown_distributed
 from common.runtime.launch import detect_launch
 from common.units import format_bytes
 from labs.lab07_model_parallel.lab07_shared import (
-    CollectiveTally, SavedActivations, add_model_args, add_training_flags, apply_dry_run, apply_tensor_parallel,
-    batch_for_step, build_model, check_tensor_parallel, language_model_loss, local_bytes,
-    predicted_tensor_parallel_traffic, shape_from_args, training_text, write_lab_record,
+    CollectiveTally, add_model_args, add_training_flags, apply_dry_run, apply_tensor_parallel,
+    batch_for_step, build_model, check_tensor_parallel, language_model_loss, predicted_tensor_parallel_traffic,
+    shape_from_args, training_text, write_lab_record,
 )
 
 SCRIPT = "labs/lab07_model_parallel/01_tensor_parallel.py"

@@ -32,12 +32,13 @@ import torch.distributed as dist
 
 from common.cli import add_run_args, positive_int, script_parser
 from common.errors import UserError, run_main
+from common.measure.memory import local_bytes
 from common.runtime.device import configure_threads, synchronize
 from common.runtime.distributed import all_reduce_sum, gather_objects, init_distributed, print0, teardown_distributed
 from common.runtime.launch import detect_launch
 from labs.lab07_model_parallel.lab07_shared import (
     SCHEDULES, add_model_args, add_training_flags, apply_dry_run, batch_for_step, bubble_formula, build_model,
-    language_model_loss, local_bytes, pipeline_stage_module, shape_from_args, stage_layers, timed_stage_class,
+    language_model_loss, pipeline_stage_module, shape_from_args, stage_layers, timed_stage_class,
     training_text, write_lab_record,
 )
 

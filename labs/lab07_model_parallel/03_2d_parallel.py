@@ -29,6 +29,7 @@ import torch
 from common.checkpoint.sharded import DistributedCheckpointer
 from common.cli import add_run_args, output_dir, positive_int, script_parser
 from common.errors import UserError, run_main
+from common.measure.memory import local_bytes
 from common.measure.timing import StepTimer
 from common.runtime.device import configure_threads
 from common.runtime.distributed import all_reduce_mean, gather_objects, init_distributed, print0, teardown_distributed
@@ -36,7 +37,7 @@ from common.runtime.launch import detect_launch
 from common.units import format_bytes
 from labs.lab07_model_parallel.lab07_shared import (
     add_model_args, add_training_flags, apply_dry_run, apply_tensor_parallel, batch_for_step, build_model, check_mesh,
-    check_tensor_parallel, language_model_loss, local_bytes, parse_mesh, shape_from_args, training_text,
+    check_tensor_parallel, language_model_loss, parse_mesh, shape_from_args, training_text,
     write_lab_record,
 )
 

@@ -290,48 +290,6 @@ class CollectiveTally(TorchDispatchMode):
 
 
 # --------------------------------------------------------------------------------------------
-# Memory, measured from tensors
-
-
-def local_bytes(tensors: Any) -> int:
-    """Bytes this rank holds of ``tensors`` (the local shard of a DTensor)."""
-    total = 0
-    for tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        total += local.numel() * local.element_size()
-    return total
-
-
-class SavedActivations:
-    """Bytes the forward pass keeps for backward, counted once per storage as autograd saves them
-    (parameters left out); ``with SavedActivations() as saved: loss = ...`` then ``saved.bytes``."""
-
-    def __init__(self) -> None:
-        self.storages: dict[int, int] = {}
-        self._hooks: Any = None
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        base = local._base if local._base is not None else local
-        if not (base.is_leaf and base.requires_grad) and not isinstance(tensor, nn.Parameter):
-            storage = local.untyped_storage()
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-    def __enter__(self) -> "SavedActivations":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
-
-
-# --------------------------------------------------------------------------------------------
 # Pipeline parallel
 
 
