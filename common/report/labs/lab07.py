@@ -136,17 +136,30 @@ def _bubble_figure(pipeline: pd.DataFrame) -> Any:
 
 
 def _decision_rows(rows: pd.DataFrame, all_runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per strategy: the best measured run of it beside the one-process reference of the same model."""
-    table = []
+    """One row per strategy: its measured runs, each against the one-process reference of the same model.
+
+    DP and FSDP come from Lab-04's records of the same machine and model (layers x width) as a Lab-07
+    reference, when the folder has them; a record of another model or machine would not compare.
+    """
+    references = {(r["machine"], r["shape"]): r["parameters"] for r in rows.to_dict("records")
+                  if r["method"] == "reference" and r["parameters"]}
     lab04 = all_runs[all_runs["lab"] == "lab04"] if "lab" in all_runs else all_runs.iloc[0:0]
+    table = []
     for name, method in (("DP (DDP, Lab-04)", "ddp"), ("FSDP (FSDP2, Lab-04)", "fsdp")):
-        found = lab04[lab04["method"] == method].to_dict("records")
-        held = [number(get(entry, "parameters")) for run in found
-                for entry in (get(run["record"], "metrics", "tensor_bytes") or []) if isinstance(entry, dict)]
-        speeds = [number(get(run["record"], "metrics", "tokens_per_s")) for run in found]
-        table.append({"strategy": name, "runs": len(found), "parameters": max([h for h in held if h], default=None),
-                      "share": None, "comm": None, "bubble": None,
-                      "tokens_per_s": max([s for s in speeds if s], default=None), "when": WHEN[name]})
+        held, shares, speeds = [], [], []
+        for run in lab04[lab04["method"] == method].to_dict("records"):
+            config = get(run["record"], "config") or {}
+            whole = references.get((run["machine"], f"{config.get('layers')} × {config.get('width')}"))
+            entries = get(run["record"], "metrics", "tensor_bytes")
+            most = max([number(get(e, "parameters")) or 0 for e in entries if isinstance(e, dict)], default=0) \
+                if isinstance(entries, list) else 0
+            if whole and most:
+                held.append(most)
+                shares.append(most / whole)
+                speeds.append(number(get(run["record"], "metrics", "tokens_per_s")))
+        table.append({"strategy": name, "runs": len(held), "parameters": min(held, default=None),
+                      "share": min(shares, default=None), "comm": None, "bubble": None,
+                      "tokens_per_s": max([v for v in speeds if v], default=None), "when": WHEN[name]})
     for name in ("TP (tensor parallel)", "PP (pipeline)", "2-D (FSDP x TP)"):
         group = rows[rows["method"].map(_kind) == name]
         shares = [x for x in group["share"] if x is not None and not pd.isna(x)]
@@ -214,8 +227,9 @@ def model_parallel(ctx: SectionContext) -> Section | None:
         ("tokens/s (best)", lambda r: num(fmt_number(r["tokens_per_s"], 3))),
         ("use it when", lambda r: fmt_text(r["when"])),
     ], id="lab07-decision", row_id_column=None,
-        caption="When DP, FSDP, TP, PP or 2-D: the numbers are the measured runs in this folder (— where none was "
-                "recorded; DP and FSDP come from Lab-04's records); the last column is the rule they illustrate"))
+        caption="When DP, FSDP, TP, PP or 2-D: the numbers are the measured runs in this folder, each against the "
+                "one-process run of its model (— where none was recorded; DP and FSDP from Lab-04's records of the "
+                "same machine and model); the last column is the rule they illustrate"))
     paragraphs = ["Every parallel run trains the same model on the same batches as the one-process run of its script; "
                   "in fp32 the losses agree to rounding, so the strategies differ only in memory, traffic, idle time "
                   "and speed. Runs on a CPU (Gloo) show the mechanics; speeds only mean something on GPUs."]
