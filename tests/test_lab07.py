@@ -242,6 +242,28 @@ def test_report_section_has_memory_speed_traffic_bubble_and_a_decision_table(run
     assert "pp-gpipe" in html and "2d-2x2" in html and "tp+sp" in html
 
 
+def test_report_section_survives_records_with_missing_or_odd_values():
+    from common.report.runs import runs_frame
+    from common.report.sections import SectionContext, lab_section_builders, load_builtin_lab_sections
+
+    load_builtin_lab_sections()
+    base = {"schema": "hpc-dl-labs/result", "schema_version": 1, "created": "2026-01-01T00:00:00+00:00",
+            "lab": "lab07", "script": "x", "status": "ok", "provenance": {}}
+    records = [
+        {**base, "run_id": "a", "method": "reference", "config": {"layers": 2, "width": 32}, "metrics": {}},
+        {**base, "run_id": "b", "method": "tp", "config": {"layers": "two"},
+         "metrics": {"per_rank": [{"rank": 0, "comm_bytes": "?"}, 3], "loss_at_step": ["x", None, 2.0],
+                     "comm_predicted": "none"}},
+        {**base, "run_id": "c", "method": "pp-gpipe", "config": {"microbatches": 2},
+         "metrics": {"bubble_measured": 0.4, "bubble_formula": None, "per_rank": "?"}},
+        {**base, "run_id": "d", "method": "2d-2x2", "config": {}, "metrics": {"first_step": "ten"}},
+    ]
+    frame = runs_frame(records)
+    context = SectionContext(runs=frame, all_runs=frame, results_dir=Path("."), plots=True)
+    (section,) = [section for builder in lab_section_builders("lab07") if (section := builder(context))]
+    assert {table.id for table in section.tables} == {"lab07-strategies", "lab07-bubble", "lab07-decision"}
+
+
 # --------------------------------------------------------------------------------------------
 # On GPUs (NCCL): the same scripts, each in a fresh process
 

@@ -113,6 +113,10 @@ def _against_reference(rows: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
     return pd.Series(differences, index=rows.index, dtype="object"), pd.Series(shares, index=rows.index, dtype="object")
 
 
+def _minus(a: Any, b: Any) -> float | None:
+    return a - b if a is not None and b is not None and not pd.isna(a) and not pd.isna(b) else None
+
+
 def _bubble_figure(pipeline: pd.DataFrame) -> Any:
     from matplotlib.figure import Figure as MplFigure
 
@@ -120,6 +124,8 @@ def _bubble_figure(pipeline: pd.DataFrame) -> Any:
 
     fig = MplFigure(figsize=(6.5, 4))
     axis = fig.subplots()
+    pipeline = pipeline.assign(**{column: pd.to_numeric(pipeline[column], errors="coerce")
+                                  for column in ("microbatches", "bubble", "bubble_formula", "world_size")})
     for (method, ranks), group in pipeline.groupby(["method", "world_size"]):
         group = group.sort_values("microbatches")
         axis.plot(group["microbatches"], group["bubble"], marker="o",
@@ -129,7 +135,8 @@ def _bubble_figure(pipeline: pd.DataFrame) -> Any:
     axis.set_xlabel("micro-batches per step (m)")
     axis.set_ylabel("idle fraction of a step")
     axis.grid(alpha=0.3)
-    axis.legend(fontsize="small")
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(fontsize="small")
     return png_figure(fig, alt="Pipeline bubble measured against (p-1)/(m+p-1)",
                       caption="Measured idle fraction per rank (1 − compute time ÷ wall time of the step) "
                               "against the formula (p − 1)/(v m + p − 1) (dashed).")
@@ -211,7 +218,7 @@ def model_parallel(ctx: SectionContext) -> Section | None:
             ("machine", lambda r: fmt_text(r["machine"])),
             ("bubble measured", lambda r: num(fmt_percent(r["bubble"], 1))),
             ("formula", lambda r: num(fmt_percent(r["bubble_formula"], 1))),
-            ("difference", lambda r: num(fmt_percent(r["bubble"] - r["bubble_formula"], 1))),
+            ("difference", lambda r: num(fmt_percent(_minus(r["bubble"], r["bubble_formula"]), 1))),
         ], id="lab07-bubble", caption="Pipeline bubble: each rank's idle fraction of a step (wall time between two "
                    "barriers minus the time its stage computed), mean over ranks, against (p − 1)/(v m + p − 1)"))
         if ctx.plots:
