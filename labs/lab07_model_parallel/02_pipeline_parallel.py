@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 if timed:
                     walls.append(time.perf_counter() - began)
                 # The mean of equal micro-batches' means is the batch's mean; the last stage has them.
-                loss = all_reduce_sum(torch.stack(pieces).mean().item() if holds_last else 0.0)
+                loss = all_reduce_sum(torch.stack(pieces).mean().item() if holds_last else 0.0, device)
             else:
                 began = time.perf_counter()
                 step_loss = language_model_loss(model(tokens), targets)
