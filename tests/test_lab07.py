@@ -10,7 +10,8 @@ another order, a pipeline averages micro-batch losses, FSDP2 averages row gradie
 in another order, about 1e-7 each; each comparison also checks that the loss moved by far more than
 the tolerance. The bubble: within 0.10 (absolute) of ``(p - 1) / (m + p - 1)``, measured on a
 workload (width 512, micro-batches of 4 x 32 tokens, one block per stage) whose compute per
-micro-batch dwarfs the cost of passing activations between the two processes.
+micro-batch dwarfs the cost of passing activations between the two processes; each rank's idle
+fraction is its median over 3 timed steps, so one step the loaded machine disturbed does not decide.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ STEPS = 20
 TINY = ["--device", "cpu", "--layers", "2", "--width", "32", "--heads", "4", "--context", "16", "--batch-size", "8",
         "--steps", str(STEPS), "--seed", "3", "--warmup-steps", "1"]
 TINY_PIPELINE = [*TINY, "--layers", "4"]  # interleaved on 2 processes: 4 stages of one block
-BUBBLE = ["--device", "cpu", "--layers", "2", "--width", "512", "--heads", "4", "--context", "32", "--steps", "3",
+BUBBLE = ["--device", "cpu", "--layers", "2", "--width", "512", "--heads", "4", "--context", "32", "--steps", "4",
           "--warmup-steps", "1", "--schedule", "gpipe"]
 MICROBATCHES = (1, 2, 4, 8)
 
@@ -161,7 +162,7 @@ def test_the_measured_bubble_is_near_the_formula_for_every_number_of_microbatche
     for m in MICROBATCHES:
         metrics = _record(runs, f"bubble_{m}")["metrics"]
         assert metrics["bubble_formula"] == pytest.approx(1 / (m + 1))
-        assert metrics["steps_timed"] == 2 and len(metrics["per_rank"]) == 2
+        assert metrics["steps_timed"] == 3 and len(metrics["per_rank"]) == 2
         measured[m] = metrics["bubble_measured"]
     print("bubble measured vs formula:", {m: (round(b, 3), round(1 / (m + 1), 3)) for m, b in measured.items()})
     assert all(abs(measured[m] - 1 / (m + 1)) <= 0.10 for m in MICROBATCHES), measured

@@ -25,6 +25,7 @@ pipeline: the reference.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -102,15 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         print0(f"{method}: {ctx.world_size} rank(s), {device}, {threads} thread(s) | {shape.name}, batch "
                f"{args.batch_size} in {args.microbatches} micro-batch(es)")
 
-        losses, walls = [], []
+        losses, walls, computes = [], [], []  # per timed step: its wall time, and this rank's compute in it
         for step in range(args.steps):
             tokens, targets = (t.to(device) for t in batch_for_step(data, step, args.batch_size, args.seed))
             optimizer.zero_grad(set_to_none=True)
             if pipelined:
-                timed = step >= args.warmup_steps
-                if timed and step == args.warmup_steps:
-                    for stage in stages:
-                        stage.compute_s = 0.0
+                computed_before = sum(stage.compute_s for stage in stages)
                 dist.barrier()  # every stage starts the step together: the wait for the first activation counts
                 began = time.perf_counter()
                 pieces: list[torch.Tensor] = []
@@ -118,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                               **({"target": targets, "losses": pieces} if holds_last else {}))
                 synchronize(device)
                 dist.barrier()  # and ends it together: the last stage idles while the first runs its last backward
-                if timed:
+                if step >= args.warmup_steps:
                     walls.append(time.perf_counter() - began)
+                    computes.append(sum(stage.compute_s for stage in stages) - computed_before)
                 # The mean of equal micro-batches' means is the batch's mean; the last stage has them.
                 loss = all_reduce_sum(torch.stack(pieces).mean().item() if holds_last else 0.0, device)
             else:
@@ -137,10 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         metrics = {"loss_at_step": losses, "final_loss": losses[-1], "steps_timed": len(walls), "step_s": step_s,
                    "tokens_per_s": args.batch_size * shape.context / step_s if step_s else None}
         if pipelined:
-            compute = sum(stage.compute_s for stage in stages)
+            # Each step's idle fraction; the median step's, so that one step the machine disturbed does not count.
+            idle = sorted(1 - compute / wall for compute, wall in zip(computes, walls))
             mine = {"rank": ctx.rank, "stages": [stage.stage_index for stage in stages],
-                    "parameter_bytes": local_bytes(parameters), "compute_s": compute, "wall_s": sum(walls),
-                    "bubble": 1 - compute / sum(walls) if walls else None}
+                    "parameter_bytes": local_bytes(parameters), "compute_s": sum(computes), "wall_s": sum(walls),
+                    "bubble_per_step": idle, "bubble": statistics.median(idle) if idle else None}
             per_rank = gather_objects(mine)
             expected = bubble_formula(ctx.world_size, args.microbatches, len(stages))
             measured = [entry["bubble"] for entry in per_rank]
@@ -153,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                         "bubble_measured": sum(measured) / len(measured) if walls else None,
                         "stages_per_rank": len(stages),
                         "bubble_method": "1 - (time in the stage's forward_one_chunk and backward_one_chunk, device "
-                                         "synchronised) / (wall time of schedule.step between two barriers), summed "
-                                         f"over the steps after the first {args.warmup_steps}"}
+                                         "synchronised) / (wall time of schedule.step between two barriers) per step, "
+                                         f"the median over the steps after the first {args.warmup_steps}, then the "
+                                         "mean over ranks"}
         else:
             metrics["per_rank"] = [{"rank": 0, "parameter_bytes": local_bytes(parameters)}]
         if ctx.is_main:
