@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"--resume: no complete checkpoint in {checkpoint_dir}")
             checkpointer.restore({"model": model, "optimizer": optimizer})
             first = int(saved["step"])
-            print0(f"resumed from {saved['checkpoint_folder']} after step {first} (saved on mesh {saved['mesh']})")
+            print0(f"resumed from {saved['checkpoint_folder']} after step {first} (saved on mesh {saved.get('mesh', '?')})")
         method = "reference" if world == 1 else f"2d-{dp}x{tp}"
         print0(f"{method}: mesh {dp} (FSDP2) x {tp} (tensor parallel) = {world} process(es), {device} | "
                f"{shape.name}, batch {args.batch_size} = {dp} row(s) x {args.batch_size // dp}")
