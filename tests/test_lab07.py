@@ -198,6 +198,9 @@ def test_2d_mesh_matches_the_one_process_run_and_resumes_on_other_meshes(runs):
     (PP, 2, ["--layers", "1"], "2 pipeline stages need at least 2 transformer blocks"),
     (PP, 2, ["--schedule", "interleaved", "--layers", "3"], "4 pipeline stages need at least 4 transformer blocks"),
     (PP, 2, ["--microbatches", "3"], "--microbatches 3 does not divide --batch-size 8"),
+    (PP, 2, ["--schedule", "1f1b", "--microbatches", "1"], "--schedule 1f1b on 2 stages needs at least 2 micro"),
+    (PP, 2, ["--schedule", "interleaved", "--layers", "4", "--microbatches", "3", "--batch-size", "9"],
+     "--microbatches 3 must be a multiple of the 2 processes"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2_before_anything_is_written(monkeypatch, tmp_path, capsys,
                                                                           script, world, extra, message):

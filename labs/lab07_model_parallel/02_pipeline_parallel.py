@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     if ranks > 1 and args.schedule != "gpipe" and args.microbatches < ranks:
         raise UserError(f"--schedule {args.schedule} on {ranks} stages needs at least {ranks} micro-batches (it keeps "
                         f"one in flight per stage), got --microbatches {args.microbatches}; use --schedule gpipe")
+    if ranks > 1 and args.schedule == "interleaved" and args.microbatches % ranks:
+        raise UserError(f"--schedule interleaved runs the micro-batches in rounds of one per process: "
+                        f"--microbatches {args.microbatches} must be a multiple of the {ranks} processes")
     ctx = init_distributed(args.device)
     try:
         device, threads = ctx.device, configure_threads()
