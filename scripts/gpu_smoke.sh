@@ -40,7 +40,7 @@ CHECKS=(gpu_check pytorch_basics ch04_fp32 ch04_fp16 ch04_bf16 amp_training ch04
         ch16_memory ch16_profiling ch16_benchmark ch16_loading
         lab04_memory lab04_ddp lab04_fsdp_resume lab04_largest lab05_allreduce lab05_scaling lab05_overlap
         lab06_recover lab06_preflight
-        main_job pytest_gpu)
+        lab07_model_parallel main_job pytest_gpu)
 # Python modules a check needs beyond torch and torchvision (a missing one skips the check, by name).
 declare -A NEEDS=(
     [ch04_fp32]=sklearn [ch04_fp16]=sklearn [ch04_bf16]=sklearn [amp_training]=sklearn [ch04_ddp]=sklearn
@@ -236,6 +236,16 @@ run_lab06_recover() {  # rank 1 crashes at step 4 (rank 0 where there is one GPU
         --fault crash-rank --rank $((GPUS > 1 ? 1 : 0)) --step 4 --checkpoint-every 2 --run-dir "$DIR/run" --results-dir "$DIR"
 }
 run_lab06_preflight() { t "${TORCHRUN[@]}" --nproc_per_node="$GPUS" "$LAB06"/04_preflight.py --device cuda --results-dir "$DIR"; }
+LAB07=labs/lab07_model_parallel
+# 8 blocks, 8 heads: tensor parallel and the pipeline fit any number of GPUs up to 8.
+TINY_LAB07=(--device cuda --layers 8 --width 128 --heads 8 --context 64 --batch-size 16 --steps 6 --warmup-steps 2)
+run_lab07_model_parallel() {  # each step on every GPU (on one GPU: the one-process reference of each script)
+    t "${TORCHRUN[@]}" --nproc_per_node="$GPUS" "$LAB07"/01_tensor_parallel.py "${TINY_LAB07[@]}" --results-dir "$DIR" &&
+        t "${TORCHRUN[@]}" --nproc_per_node="$GPUS" "$LAB07"/02_pipeline_parallel.py "${TINY_LAB07[@]}" \
+            --schedule 1f1b --microbatches 8 --results-dir "$DIR" &&
+        t "${TORCHRUN[@]}" --nproc_per_node="$GPUS" "$LAB07"/03_2d_parallel.py "${TINY_LAB07[@]}" \
+            --checkpoint-dir "$DIR/ckpt" --results-dir "$DIR"
+}
 run_main_job() {  # the main job as README.md runs it, on the GPU(s); PYTHON: this interpreter, not a fresh .venv
     t env PYTHON="$PYTHON" LAB01_DEVICE=cuda LAB01_NPROC="$GPUS" LAB01_GLOBAL_BATCH=$((16 * GPUS)) \
         bash scripts/main_job.sh "$DIR"

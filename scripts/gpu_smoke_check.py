@@ -570,6 +570,34 @@ def check_lab05_overlap(run: Run) -> list[str]:
     return problems
 
 
+def check_lab07_model_parallel(run: Run) -> list[str]:
+    """Tensor parallel, a 1F1B pipeline and the 2-D mesh, each on every GPU (on one GPU: the one-process
+    reference); over NCCL, tensor parallel's traffic within 10% of its plan's, a bubble and finite losses."""
+    problems = exited(run)
+    scripts = {Path(str(r.get("script", ""))).name: r for r in run.records}
+    for script in ("01_tensor_parallel.py", "02_pipeline_parallel.py", "03_2d_parallel.py"):
+        if script not in scripts:
+            problems.append(f"no record of {script}")
+    problems += on_cuda(run.records) + status_ok(run.records)
+    if run.gpus > 1:
+        problems += nccl(run.records, run.gpus)
+    for record in run.records:
+        losses = get(record, "metrics", "loss_at_step") or []
+        if not losses or not all(isinstance(x, (int, float)) and x == x and x < 1e4 for x in losses):
+            problems.append(f"{name_of(record)}: losses {losses[:3]!r}...")
+    tensor = scripts.get("01_tensor_parallel.py")
+    predicted = get(tensor, "metrics", "comm_predicted", "total_bytes")
+    for rank in (get(tensor, "metrics", "per_rank") or []) if run.gpus > 1 else []:
+        measured = rank.get("comm_bytes")
+        if not predicted or not isinstance(measured, (int, float)) or abs(measured - predicted) > 0.1 * predicted:
+            problems.append(f"tensor parallel rank {rank.get('rank')}: traffic {measured!r}, predicted {predicted!r}")
+    pipeline = scripts.get("02_pipeline_parallel.py")
+    bubble = get(pipeline, "metrics", "bubble_measured")
+    if run.gpus > 1 and pipeline is not None and not (isinstance(bubble, (int, float)) and 0 <= bubble < 1):
+        problems.append(f"pipeline bubble {bubble!r}, expected a fraction of the step")
+    return problems
+
+
 def check_main_job(run: Run) -> list[str]:
     """scripts/main_job.sh on the GPU(s): the three methods on cuda, and the report's path printed last."""
     problems = exited(run)
@@ -644,6 +672,7 @@ CHECKS: dict[str, Callable[[Run], list[str]]] = {
     "lab05_overlap": check_lab05_overlap,
     "lab06_recover": check_lab06_recover,
     "lab06_preflight": check_lab06_preflight,
+    "lab07_model_parallel": check_lab07_model_parallel,
     "main_job": check_main_job,
     "pytest_gpu": check_pytest_gpu,
 }

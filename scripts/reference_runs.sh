@@ -8,7 +8,7 @@
 #   bash scripts/reference_runs.sh cpu-2core lab01 lab05   # only these parts
 #   REFERENCE_DEVICE=cuda bash scripts/reference_runs.sh h100-1gpu ch04 lab03   # a GPU machine
 #
-# Parts: ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06. Each part runs into a scratch folder; only when
+# Parts: ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06 lab07. Each part runs into a scratch folder; only when
 # every command of the part succeeded do its records replace reference-results/MACHINE/PART/
 # (a failed part leaves the committed records as they were, and the script exits non-zero).
 #
@@ -29,7 +29,7 @@ MACHINE=${1:-cpu-2core}
 shift || true
 PARTS=("$@")
 if (( ${#PARTS[@]} == 0 )); then
-    PARTS=(ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06)
+    PARTS=(ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06 lab07)
 fi
 if [[ -x .venv/bin/python ]]; then PYTHON=${PYTHON:-$repo_root/.venv/bin/python}; else PYTHON=${PYTHON:-python}; fi
 DEVICE=${REFERENCE_DEVICE:-cpu}
@@ -103,6 +103,32 @@ run_lab06() {  # a fault that ends the run (a hang, a NaN without restarts) exit
     torchrun --nproc_per_node "$NPROC" labs/lab06_failures/04_preflight.py --device "$DEVICE" --results-dir "$1"
 }
 
+run_lab07() {
+    local out=$1 lab=labs/lab07_model_parallel script
+    local model=(--device "$DEVICE" --layers 4 --width 128 --heads 4 --context 64 --batch-size 16 --steps 20
+                 --results-dir "$out")
+    for script in 01_tensor_parallel 02_pipeline_parallel 03_2d_parallel; do  # the one-process references
+        "$PYTHON" "$lab/$script.py" "${model[@]}"
+    done
+    if (( NPROC > 1 )); then
+        torchrun --nproc_per_node 2 "$lab/01_tensor_parallel.py" "${model[@]}"
+        torchrun --nproc_per_node 2 "$lab/01_tensor_parallel.py" "${model[@]}" --sequence-parallel
+        for script in gpipe 1f1b interleaved; do
+            torchrun --nproc_per_node 2 "$lab/02_pipeline_parallel.py" "${model[@]}" --schedule "$script"
+        done
+        # The bubble against (p-1)/(m+p-1): micro-batches of 4 sequences, one wide block per stage.
+        for script in 1 2 4 8; do
+            torchrun --nproc_per_node 2 "$lab/02_pipeline_parallel.py" --device "$DEVICE" --layers 2 --width 512 \
+                --heads 4 --context 32 --batch-size $((4 * script)) --microbatches "$script" --schedule gpipe \
+                --steps 6 --warmup-steps 2 --results-dir "$out"
+        done
+    fi
+    if [[ $DEVICE == cpu ]] || (( NPROC >= 4 )); then  # a 2 x 2 mesh: 4 processes (on a CPU Gloo shares the cores)
+        torchrun --nproc_per_node 4 "$lab/03_2d_parallel.py" "${model[@]}" --mesh 2x2 \
+            --checkpoint-dir "$out/../checkpoints/lab07"
+    fi
+}
+
 run_part() {  # PART RECORDS_DIR
     case $1 in
         ch04) run_ch04 "$2" ;;
@@ -113,13 +139,14 @@ run_part() {  # PART RECORDS_DIR
         lab04) run_lab04 "$2" ;;
         lab05) run_lab05 "$2" ;;
         lab06) run_lab06 "$2" ;;
+        lab07) run_lab07 "$2" ;;
     esac
 }
 
 for part in "${PARTS[@]}"; do
     case $part in
-        ch04 | ch16 | lab01 | lab02 | lab03 | lab04 | lab05 | lab06) ;;
-        *) echo "error: unknown part '$part' (parts: ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06)" >&2; exit 2 ;;
+        ch04 | ch16 | lab01 | lab02 | lab03 | lab04 | lab05 | lab06 | lab07) ;;
+        *) echo "error: unknown part '$part' (parts: ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06 lab07)" >&2; exit 2 ;;
     esac
 done
 

@@ -181,13 +181,14 @@ def fake_cpuinfo(model: str, flags: str, cpus: int = 2, threads_per_core: int = 
                        for i in range(cpus)) + "\n"
 
 
-def run_reporting_threads(relpath: str, *args: str, folder: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_reporting_threads(relpath: str, *args: str, folder: Path, timeout: float = 240,
+                          launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     """:func:`run_script` in ``folder`` with every Python process of the run writing down its threads at
     exit into ``folder/threads`` (``tests/exit_threads/sitecustomize.py``; tests/test_distributed_teardown.py)."""
     (folder / "threads").mkdir(parents=True)
     env = script_env(HPC_DL_LABS_THREAD_REPORT=str(folder / "threads"))
     env["PYTHONPATH"] = f"{Path(__file__).resolve().parent / 'exit_threads'}{os.pathsep}{env['PYTHONPATH']}"
-    return run_script(relpath, *args, cwd=folder, env=env, timeout=timeout)
+    return run_script(relpath, *args, cwd=folder, env=env, timeout=timeout, launcher=launcher)
 
 
 #: Lab-03's benchmark on two CPU processes (torchrun and two Gloo ranks, DDP in training).

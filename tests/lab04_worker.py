@@ -1,15 +1,17 @@
-"""Run several Lab-04 script invocations one after the other in one distributed job, sharing its process group.
+"""Run several script invocations one after the other in one distributed job, sharing its process group.
 
 Every rank of a launch imports torch and joins a rendezvous, seconds each on the CI machine; the
-Lab-04 tests need a dozen distributed runs, so they share one launch per world size
-(``tests/test_lab04.py`` starts the ranks the way torchrun does, with ``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR`` and ``MASTER_PORT`` set, without torchrun's own agent process)::
+Lab-04 and Lab-07 tests need a dozen distributed runs each, so they share one launch per world size
+(``tests/test_lab04.py`` and ``tests/test_lab07.py`` start the ranks the way torchrun does, with
+``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, without torchrun's own agent
+process)::
 
     python -m torch.distributed.run --standalone --nproc_per_node=N tests/lab04_worker.py PLAN.json OUT
 
 ``PLAN.json`` lists the runs, in order: ``{"name", "script", "argv"}`` and optionally
 ``"signal_during_step": K`` (rank 0 raises SIGUSR1 while training step K, counted from 0 over the
-run, is under way: a pre-emption arriving mid-epoch). Each run calls the script's ``main(argv)`` the
+run, is under way: a pre-emption arriving mid-epoch) and ``"copy_before": [SOURCE, TARGET]`` (rank 0
+copies the folder SOURCE, e.g. a checkpoint an earlier run saved, to TARGET before the run starts). Each run calls the script's ``main(argv)`` the
 way its ``__main__`` does; the scripts find the worker's process group and use it (and leave it to
 the worker to tear down). ``OUT/<name>.log`` gets rank 0's output, ``OUT/<name>.rank<R>.log`` the
 other ranks', and ``OUT/<name>.status`` the exit status, rank 0's CPU seconds and wall seconds.
@@ -33,6 +35,14 @@ def run_one(job: dict, rank: int, out: Path) -> int:
     import common.train.meter
     from common.errors import run_main
 
+    if job.get("copy_before"):
+        import shutil
+
+        import torch.distributed as dist
+
+        if rank == 0:
+            shutil.copytree(*job["copy_before"])
+        dist.barrier()  # no rank starts before the copy is complete
     module = load_script(job["script"])
     log = out / (f"{job['name']}.log" if rank == 0 else f"{job['name']}.rank{rank}.log")
     original = common.train.meter.StepTimer

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import LAB03_DDP_ARGS, REPO, run_reporting_threads, run_script, script_env
+from helpers import LAB03_DDP_ARGS, REPO, run_reporting_threads, run_script, script_env, torchrun
 
 #: Thread names (``/proc/<pid>/task/<tid>/comm``, at most 15 characters) of a process group's threads.
 GROUP_THREAD = re.compile(r"^(pt_gloo|gloo_tcp|pt_tcpstore|pt_nccl)")
@@ -41,13 +41,14 @@ class EntryPoint:
     args: tuple[str, ...]
     processes: int      # Python processes that run the script: itself, and the ranks it spawns
     proof: str          # printed only when the script trained under a process group
+    ranks: int = 0      # started by torchrun with this many processes (a script that makes no group alone)
 
 
 #: Every distributed entry point of the course. A new distributed script (one that calls
 #: common.runtime.distributed.init_distributed) adds one line here: its path, the smallest arguments that
 #: still create a process group on the CPU (a script that forces a group even alone runs as one
-#: process; others need -g 2 or the like), how many Python processes it runs, and a line of its
-#: output that only a run under a process group prints.
+#: process; others need -g 2 or the like, or ``ranks`` to be started by torchrun), how many Python
+#: processes run the script, and a line of its output that only a run under a process group prints.
 ENTRY_POINTS = {
     "ch04-multi_gpu_ddp": EntryPoint("chapters/ch04_deep_learning/multi_gpu_ddp.py",
                                      (*TINY_TRAINING, "--checkpoint", "ckpt.pt"), 1, "backend gloo"),
@@ -81,6 +82,11 @@ ENTRY_POINTS = {
                                    ("--device", "cpu", "--model", "resnet18", "--image-size", "16", "--batch-size",
                                     "2", "--bucket-cap-mb", "1", "--steps", "2", "--warmup-steps", "1"),
                                    1, "backend gloo"),
+    # Tensor parallel, FSDP2 and a DCP save on a 1 x 2 mesh: DTensor's caches hold meshes, meshes hold groups.
+    "lab07-03_2d_parallel": EntryPoint("labs/lab07_model_parallel/03_2d_parallel.py",
+                                       ("--device", "cpu", "--dry-run", "--layers", "2", "--width", "32", "--heads",
+                                        "4", "--context", "16", "--batch-size", "4", "--mesh", "1x2"),
+                                       2, "= 2 process(es)", ranks=2),
 }
 
 
@@ -91,7 +97,7 @@ def test_no_process_group_thread_is_left_at_exit(name, tmp_path, request):
         result, tmp_path = request.getfixturevalue("lab03_ddp_run")
     else:
         result = run_reporting_threads(entry.script, *entry.args, "--results-dir", str(tmp_path / "results"),
-                                       folder=tmp_path)
+                                       folder=tmp_path, launcher=torchrun(entry.ranks) if entry.ranks else None)
     reports = tmp_path / "threads"
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]

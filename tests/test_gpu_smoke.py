@@ -101,11 +101,11 @@ def memory(devices: int = 1, source: str = "cuda_max_memory_allocated", used: bo
 
 def record(folder: Path, method: str, *, lab: str = "lab01", device: str = "cuda", status: str = "ok",
            metrics: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
-           provenance: dict[str, Any] | None = None, fp32: str = "ieee") -> dict[str, Any]:
+           provenance: dict[str, Any] | None = None, fp32: str = "ieee", script: str = "x.py") -> dict[str, Any]:
     prov = {"hostname": "gpu01", "device": {"type": device, "name": "NVIDIA H100 80GB HBM3"},
             "fp32_math": {"matmul": fp32, "cudnn_conv": fp32, "tf32_hardware": True}, **(provenance or {})}
     values = {"memory": memory(), "samples_per_s": 1000.0, "world_size": 1, **(metrics or {})}
-    made = make_record(lab=lab, script="x.py", method=method, config=config or {}, metrics=values,
+    made = make_record(lab=lab, script=script, method=method, config=config or {}, metrics=values,
                        provenance=prov, status=status)
     write_record(made, folder)
     return made
@@ -275,6 +275,16 @@ def good_run(check: str, folder: Path) -> None:
     elif check == "lab05_overlap":
         record(folder, "overlap", lab="lab05", provenance=ddp, metrics={"world_size": GPUS, "buckets": [
             {"bucket_cap_mb": 1.0, "hidden_fraction": 0.4}, {"bucket_cap_mb": 25.0, "hidden_fraction": 0.9}]})
+    elif check == "lab07_model_parallel":
+        (folder / "status.txt").write_text("0\n0\n0\n")
+        lab07 = "labs/lab07_model_parallel/"
+        record(folder, "tp", lab="lab07", provenance=ddp, script=lab07 + "01_tensor_parallel.py", metrics={
+            "world_size": GPUS, "loss_at_step": [4.8, 4.1], "comm_predicted": {"total_bytes": 1000},
+            "per_rank": [{"rank": r, "comm_bytes": 1000} for r in range(GPUS)]})
+        record(folder, "pp-1f1b", lab="lab07", provenance=ddp, script=lab07 + "02_pipeline_parallel.py",
+               metrics={"world_size": GPUS, "loss_at_step": [4.8, 4.1], "bubble_measured": 0.2})
+        record(folder, "2d-1x2", lab="lab07", provenance=ddp, script=lab07 + "03_2d_parallel.py",
+               metrics={"world_size": GPUS, "loss_at_step": [4.8]})
     elif check == "main_job":
         for method in ("env", "baseline", "dp", "ddp"):
             record(folder, method, provenance=ddp if method == "ddp" else None,
@@ -297,7 +307,8 @@ def good_run(check: str, folder: Path) -> None:
 
 @pytest.mark.parametrize("check", ["lab01_dp", "ch04_ddp", "amp_training", "ch16_memory", "lab02_sweep", "gpu_check",
                                    "lab01_env", "lab04_memory", "lab04_ddp", "lab04_fsdp_resume", "lab04_largest",
-                                   "lab05_allreduce", "lab05_scaling", "lab05_overlap", "main_job", "pytest_gpu"])
+                                   "lab05_allreduce", "lab05_scaling", "lab05_overlap", "lab07_model_parallel",
+                                   "main_job", "pytest_gpu"])
 def test_a_healthy_run_passes_its_check(check, tmp_path):
     folder = run_folder(tmp_path, [0])
     good_run(check, folder)
@@ -423,3 +434,14 @@ def test_the_main_job_runs_with_a_given_interpreter_without_syncing_a_venv(tmp_p
     scripts = [Path(line.split()[0]).name for line in calls.read_text().splitlines()]
     assert scripts[:3] == ["01_environment_check.py", "02_baseline_single_gpu.py", "03_dataparallel_training.py"]
     assert proc.stdout.splitlines()[-1] == f"report: {tmp_path / 'out' / 'comparison_report.html'}"
+
+
+def test_lab07_needs_tensor_parallel_traffic_within_10_percent_of_the_plan(tmp_path):
+    folder = run_folder(tmp_path, [0, 0, 0])
+    good_run("lab07_model_parallel", folder)
+    (path,) = [p for p in folder.glob("*.json") if json.loads(p.read_text())["method"] == "tp"]
+    made = json.loads(path.read_text())
+    made["metrics"]["per_rank"][1]["comm_bytes"] = 1200  # 20% more than the plan says
+    path.write_text(json.dumps(made))
+    assert smoke.judge("lab07_model_parallel", folder, GPUS) == [
+        "tensor parallel rank 1: traffic 1200, predicted 1000"]

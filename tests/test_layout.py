@@ -201,6 +201,9 @@ LINE_BUDGETS = {
     "labs/lab06_failures/01_inject.py": 210,
     "labs/lab06_failures/02_diagnose.py": 150,
     "labs/lab06_failures/04_preflight.py": 120,
+    "labs/lab07_model_parallel/01_tensor_parallel.py": 100,
+    "labs/lab07_model_parallel/02_pipeline_parallel.py": 140,
+    "labs/lab07_model_parallel/03_2d_parallel.py": 120,
 }
 
 

@@ -10,8 +10,9 @@ model and wrap it the same way, or their numbers would not compare.
   the root), optionally with activation checkpointing and bf16 mixed precision.
 - :func:`tensor_bytes`: parameter, gradient and optimizer-state bytes held by *this* rank, summed
   over the real tensors (for FSDP2 the local shards of the DTensors).
-- :class:`SavedActivations`: bytes the forward pass saved for backward, measured with autograd's
-  saved-tensor hooks (works on CPU and GPU alike).
+- :class:`~common.measure.memory.SavedActivations` (from ``common.measure.memory``, shared with Lab-07):
+  bytes the forward pass saved for backward, measured with autograd's saved-tensor hooks (works on CPU
+  and GPU alike).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from common.cli import positive_int
 from common.data.datasets import TEXT_VOCAB_SIZE
 from common.errors import UserError
 from common.measure.gpu_peaks import peak_tflops
+from common.measure.memory import SavedActivations
 from common.models import DecoderOnlyTransformer, TransformerShape, transformer_parameter_count
 
 LAB = "lab04"
@@ -256,40 +258,6 @@ def tensor_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
             counts["optimizer"] += sum(nbytes(value) for value in state.values() if isinstance(value, torch.Tensor))
     counts["total"] = counts["parameters"] + counts["gradients"] + counts["optimizer"]
     return counts
-
-
-class SavedActivations:
-    """Bytes the forward pass keeps for backward, counted as autograd saves them.
-
-    ``with SavedActivations() as saved: loss = model(x)...`` then ``saved.bytes``. Each storage is
-    counted once (several views of one tensor cost its memory once); parameters and views of
-    parameters are not activations and are left out (under FSDP2 those are the gathered copies).
-    With activation checkpointing, the wrapped blocks save only their input here; their insides
-    are recomputed, and saved again briefly, during backward.
-    """
-
-    def __init__(self) -> None:
-        self.storages: dict[int, int] = {}
-        self._hooks: Any = None
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        base = tensor._base if tensor._base is not None else tensor
-        if not (base.is_leaf and base.requires_grad):
-            storage = tensor.untyped_storage()
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-    def __enter__(self) -> "SavedActivations":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
 
 
 def process_rss_bytes() -> int | None:

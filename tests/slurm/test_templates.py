@@ -266,6 +266,25 @@ def test_lab05_scaling_array_runs_one_point_per_task(slurm_cluster, template_job
     assert "launcher slurm" in log and "srun --kill-on-bad-exit=1 --nodes=2 --ntasks=4" in log
 
 
+def test_lab07_2d_mesh_across_two_nodes_keeps_tensor_parallel_rows_inside_a_node(slurm_cluster, template_jobs):
+    job = template_jobs["generic/labs/lab07_model_parallel/sbatch/two_d_parallel_2node.sbatch"]
+    log = job_log(slurm_cluster, job)
+    assert job.result.ok, log
+    (record,) = load_records(job.results_dir).records
+    assert record["method"] == "2d-2x2" and record["metrics"]["world_size"] == 4, log
+    assert record["provenance"]["distributed"]["launcher"] == "slurm"
+    assert record["provenance"]["slurm"]["SLURM_JOB_ID"] == str(job.result.job_id)
+    assert len(record["metrics"]["loss_at_step"]) == 2  # --dry-run: two steps
+
+
+def test_lab07_one_node_template_trains_tensor_parallel_after_its_reference(slurm_cluster, template_jobs):
+    job = template_jobs["generic/labs/lab07_model_parallel/sbatch/model_parallel_4gpu.sbatch"]
+    log = job_log(slurm_cluster, job)
+    assert job.result.ok, log
+    methods = sorted(record["method"] for record in load_records(job.results_dir).records)
+    assert methods == ["reference", "tp"], log
+
+
 def test_container_template_says_loudly_that_it_ran_without_a_container(slurm_cluster, template_jobs):
     job = template_jobs["generic/labs/lab03_precision_benchmark/sbatch/container.sbatch"]
     log = job_log(slurm_cluster, job)
