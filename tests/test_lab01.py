@@ -172,9 +172,9 @@ def test_each_script_is_the_previous_one_plus_its_lesson():
     assert not [line for line in dp if line.lstrip("+-").strip().startswith(("def train", "def test", "loss ="))]
     ddp = code_diff(DP, DDP)
     added = "\n".join(line for line in ddp if line.startswith("+"))
-    assert len(ddp) <= 125, "\n".join(ddp)
+    assert len(ddp) <= 130, "\n".join(ddp)  # the rank-0 checkpoint save is in the loop the student reads
     for lesson in ("model = DDP(model", "model.no_sync()", "distributed=True", "rank=run.rank", "across_ranks=True",
-                   "if run.is_main:"):
+                   "if run.is_main:", "save_checkpoint(state, args.checkpoint)"):
         assert lesson in added, lesson
 
 

@@ -46,7 +46,8 @@ def test_a_hang_under_srun_is_named_by_the_doctor_through_srun_overlap(slurm_clu
     ledger = run_dir / "ledger" / "rank1.json"
     wait_for(lambda: ledger.exists() and "barrier(end of run)" in ledger.read_text(), 240, "the hang")
     doctor = subprocess.run([sys.executable, str(DOCTOR), "--job", str(job_id), "--run-dir", str(run_dir),
-                             "--results-dir", str(tmp_path / "doctor")], capture_output=True, text=True, timeout=120)
+                             "--results-dir", str(tmp_path / "doctor")], capture_output=True, text=True, timeout=120,
+                            env=slurm_cluster.environment())
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     assert "looked at 2 rank(s)" in doctor.stdout, doctor.stdout
     assert ("verdict: rank(s) 1 skipped the all_reduce(gradients) of step 3 and left the loop; the others wait in it"
