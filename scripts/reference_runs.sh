@@ -95,7 +95,7 @@ run_lab05() {
 }
 
 run_lab06() {  # a fault that ends the run (a hang, a NaN without restarts) exits non-zero by design: its record is the result
-    local inject=(labs/lab06_failures/01_inject.py --device "$DEVICE" --results-dir "$1" --run-dir "$1/../lab06_run")
+    local inject=(labs/lab06_failures/01_inject.py --device "$DEVICE" --results-dir "$1" --run-dir "${CHECKPOINT_DIR:-checkpoints}/reference-lab06")
     torchrun --nproc_per_node "$NPROC" "${inject[@]}"
     torchrun --nproc_per_node "$NPROC" --max-restarts 1 "${inject[@]}" --fault crash-rank --rank 1 --step 7
     torchrun --nproc_per_node "$NPROC" --max-restarts 1 "${inject[@]}" --fault nan-loss --rank 1 --step 4

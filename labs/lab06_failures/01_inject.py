@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="steps between loss lines (default: %(default)s)")
     group.add_argument("--checkpoint-every", type=positive_int, default=5,
                        help="rank 0 saves model and optimiser every this many steps (default: %(default)s)")
-    group.add_argument("--run-dir", type=Path, default=Path("results/lab06_run"),
+    group.add_argument("--run-dir", type=Path, default=Path("checkpoints/lab06_run"),
                        help="checkpoint, fault marker and ledger; a restarted run resumes from it "
                             "(default: %(default)s)")
     group.add_argument("--resume", action="store_true",

@@ -2,9 +2,9 @@
 """Lab-06 step 2: the hang doctor — every rank's stack and last collective, and one verdict line.
 
 Usage:
-    python labs/lab06_failures/02_diagnose.py --run-dir results/lab06_run       # the ranks on this node
+    python labs/lab06_failures/02_diagnose.py --run-dir checkpoints/lab06_run       # the ranks on this node
     python labs/lab06_failures/02_diagnose.py --pid 12345    # a torchrun (or any process of the job)
-    python labs/lab06_failures/02_diagnose.py --job 4242 --run-dir results/lab06_run   # every node of a job
+    python labs/lab06_failures/02_diagnose.py --job 4242 --run-dir checkpoints/lab06_run   # every node of a job
     srun --overlap --jobid 4242 --ntasks-per-node=1 python labs/lab06_failures/02_diagnose.py --run-dir DIR --json
 
 What it teaches: a hung job is diagnosed from outside, without stopping it. For every rank the

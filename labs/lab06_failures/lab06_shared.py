@@ -195,7 +195,7 @@ def ranks_of_job(pid: int) -> dict[int, int]:
 def run_dir_of(pid: int) -> Path:
     """The ``--run-dir`` a rank was started with (relative to its working folder), or the default."""
     argv = _cmdline(pid).split()
-    given = argv[argv.index("--run-dir") + 1] if "--run-dir" in argv[:-1] else "results/lab06_run"
+    given = argv[argv.index("--run-dir") + 1] if "--run-dir" in argv[:-1] else "checkpoints/lab06_run"
     return Path(f"/proc/{pid}/cwd").resolve() / given
 
 
