@@ -42,7 +42,7 @@ def test_a_hang_under_srun_is_named_by_the_doctor_through_srun_overlap(slurm_clu
     env = {"RESULTS_DIR": str(tmp_path / "results"), "RUN_DIR": str(run_dir), "HPC_DL_LABS_TINY": "0",
            "MAX_REQUEUES": "0"}
     job_id = slurm_cluster.submit(script, script_args=(*TINY, "--fault", "skip-collective", "--rank", "1",
-                                                       "--step", "3", "--collective-timeout", "60"), env=env)
+                                                       "--step", "3", "--collective-timeout", "20"), env=env)
     ledger = run_dir / "ledger" / "rank1.json"
     wait_for(lambda: ledger.exists() and "barrier(end of run)" in ledger.read_text(), 240, "the hang")
     doctor = subprocess.run([sys.executable, str(DOCTOR), "--job", str(job_id), "--run-dir", str(run_dir),
