@@ -36,7 +36,9 @@ STEPS = 20
 TINY = ["--device", "cpu", "--layers", "2", "--width", "32", "--heads", "4", "--context", "16", "--batch-size", "8",
         "--steps", str(STEPS), "--seed", "3", "--warmup-steps", "1"]
 TINY_PIPELINE = [*TINY, "--layers", "4"]  # interleaved on 2 processes: 4 stages of one block
-BUBBLE = ["--device", "cpu", "--layers", "2", "--width", "512", "--heads", "4", "--context", "32", "--steps", "4",
+#: Four blocks per stage: per micro-batch, the schedule's own work between the stages' computations (which
+#: the formula leaves out) is then a few percent of the step, not ten, even where the machine is busy.
+BUBBLE = ["--device", "cpu", "--layers", "8", "--width", "512", "--heads", "4", "--context", "32", "--steps", "3",
           "--warmup-steps", "1", "--schedule", "gpipe"]
 MICROBATCHES = (1, 2, 4, 8)
 
@@ -162,7 +164,7 @@ def test_the_measured_bubble_is_near_the_formula_for_every_number_of_microbatche
     for m in MICROBATCHES:
         metrics = _record(runs, f"bubble_{m}")["metrics"]
         assert metrics["bubble_formula"] == pytest.approx(1 / (m + 1))
-        assert metrics["steps_timed"] == 3 and len(metrics["per_rank"]) == 2
+        assert metrics["steps_timed"] == 2 and len(metrics["per_rank"]) == 2
         measured[m] = metrics["bubble_measured"]
     print("bubble measured vs formula:", {m: (round(b, 3), round(1 / (m + 1), 3)) for m, b in measured.items()})
     assert all(abs(measured[m] - 1 / (m + 1)) <= 0.10 for m in MICROBATCHES), measured

@@ -48,13 +48,21 @@ COLLECTIVE_FRAMES = re.compile(r"^\s*(all_reduce|all_gather\w*|reduce_scatter\w*
 def stack_of(pid: int, rank: int, run_dir: Path | None) -> tuple[str, str]:
     """(main thread's frames, innermost first; how they were read): py-spy, else faulthandler on SIGUSR2."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    try:
-        result = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
-        if result.returncode == 0:
-            return main_thread(result.stdout), "py-spy"
-        why = (result.stderr.strip().splitlines() or ["py-spy failed"])[-1]
-    except (OSError, subprocess.TimeoutExpired) as error:
-        why = str(error)
+    why = "py-spy failed"
+    for _ in range(3):  # a dump now and then shows the main thread without frames: look again
+        try:
+            result = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            why = str(error)
+            break
+        if result.returncode != 0:
+            why = (result.stderr.strip().splitlines() or [why])[-1]
+            break
+        frames = main_thread(result.stdout)
+        if frames:
+            return frames, "py-spy"
+        why = "no frames for the main thread in " + " | ".join(result.stdout.strip().splitlines()[-3:])[:200]
+        time.sleep(0.2)
     if run_dir is None:
         return "", f"no stack ({why})"
     dump = run_dir / "ledger" / f"stack-rank{rank}.txt"

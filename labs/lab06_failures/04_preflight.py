@@ -48,17 +48,13 @@ def rendezvous_point(launch) -> tuple[str, int]:
     return launch.master_addr, launch.master_port + (1 if launch.launcher == "torchrun" else 0)
 
 
-def node_name() -> str:
-    """The node this task runs on: Slurm's name for it inside a job (several slurmd daemons can share one
-    machine, as on the course's test cluster), else the short host name."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-
-
 def my_findings(launch, device: str) -> dict:
     """What this task sees: its identity, its host, its GPUs."""
     env = os.environ
     found = {"rank": launch.rank, "local_rank": launch.local_rank, "node": launch.node_rank,
-             "host": node_name(), "world": launch.world_size,
+             # The node: Slurm's name for it in a job (several slurmd can share a machine, as on the test
+             # cluster), else the short host name.
+             "host": env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0], "world": launch.world_size,
              "slurm": {k: env.get(f"SLURM_{k}") for k in ("PROCID", "LOCALID", "NODEID")},
              "cuda_visible": env.get("CUDA_VISIBLE_DEVICES", "(unset)"), "gpus": [], "peer_access": None}
     if device != "cpu":
