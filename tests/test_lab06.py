@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import threading
 import time
@@ -333,6 +334,29 @@ def test_the_doctor_falls_back_to_faulthandler_when_py_spy_cannot_attach(blocked
     assert how.startswith("faulthandler"), how
     assert 'File "' in frames and "waiting_for_peers" in frames and blocked_process.poll() is None
 
+
+
+def test_the_doctor_looks_again_when_a_dump_shows_the_main_thread_without_frames(blocked_process, tmp_path,
+                                                                               monkeypatch):
+    """py-spy now and then answers with the main thread's header and no frames (seen once in CI under
+    load): the doctor asks again instead of reporting a rank with no stack."""
+    doctor = load_script(DOCTOR)
+    real = shutil.which("py-spy") or str(Path(PYTHON).with_name("py-spy"))
+    calls = tmp_path / "calls"
+    flaky = tmp_path / "py-spy"
+    flaky.write_text(f"""#!/bin/sh
+echo call >> {calls}
+if [ "$(wc -l < {calls})" -eq 1 ]; then
+    printf 'Process %s: python lesson.py\\n\\nThread %s (idle): "MainThread"\\n' "$3" "$3"
+    exit 0
+fi
+exec {real} "$@"
+""")
+    flaky.chmod(0o755)
+    monkeypatch.setattr(doctor.shutil, "which", lambda name: str(flaky))
+    frames, how = doctor.stack_of(blocked_process.pid, 0, tmp_path)
+    assert how == "py-spy" and doctor.where(frames) == "at waiting_for_peers (lesson.py:5)", (how, frames)
+    assert calls.read_text().count("call") == 2
 
 # --- preflight -------------------------------------------------------------------------------------------
 
