@@ -50,8 +50,9 @@ from common.models import PlainCNN
 from common.runtime.distributed import open_process, print0, print_rank, teardown_distributed
 from common.runtime.launch import detect_launch
 from labs.lab06_failures.lab06_shared import (
-    END_OF_RUN, FAULTS, FIRED_MARKER, GRADIENTS, RUN_META, FaultPlan, Ledger, block_until_parent_dies, diagnose,
-    dump_flight_recorder, read_history, read_ledger, restart_count, write_run_record,
+    DEFAULT_RUN_DIR, END_OF_RUN, FAULTS, FIRED_MARKER, GRADIENTS, RUN_META, FaultPlan, Ledger,
+    block_until_parent_dies, diagnose, dump_flight_recorder, read_history, read_ledger, restart_count,
+    write_run_record,
 )
 
 SCRIPT = "labs/lab06_failures/01_inject.py"
@@ -246,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="steps between loss lines (default: %(default)s)")
     group.add_argument("--checkpoint-every", type=positive_int, default=5,
                        help="rank 0 saves model and optimiser every this many steps (default: %(default)s)")
-    group.add_argument("--run-dir", type=Path, default=Path("checkpoints/lab06_run"),
+    group.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR,
                        help="checkpoint, fault marker and ledger; a restarted run resumes from it "
                             "(default: %(default)s)")
     group.add_argument("--resume", action="store_true",

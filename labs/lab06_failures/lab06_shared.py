@@ -46,6 +46,8 @@ END_OF_RUN = "barrier(end of run)"
 FIRED_MARKER = "fault-fired"
 #: Written by rank 0 at the start: what the doctor needs to know about the run.
 RUN_META = "run.json"
+#: Where 01 keeps checkpoint, marker and ledger unless told (with the checkpoints, out of the results folder).
+DEFAULT_RUN_DIR = Path("checkpoints/lab06_run")
 
 
 def restart_count(env: Mapping[str, str] | None = None) -> int:
@@ -195,7 +197,7 @@ def ranks_of_job(pid: int) -> dict[int, int]:
 def run_dir_of(pid: int) -> Path:
     """The ``--run-dir`` a rank was started with (relative to its working folder), or the default."""
     argv = _cmdline(pid).split()
-    given = argv[argv.index("--run-dir") + 1] if "--run-dir" in argv[:-1] else "checkpoints/lab06_run"
+    given = argv[argv.index("--run-dir") + 1] if "--run-dir" in argv[:-1] else DEFAULT_RUN_DIR
     return Path(f"/proc/{pid}/cwd").resolve() / given
 
 
