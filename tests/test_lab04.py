@@ -70,21 +70,19 @@ def _launch(processes: int, plan: list[dict], root: Path, name: str) -> dict[str
     """Run ``plan`` in one job of ``processes`` ranks; return each run's exit status.
 
     The ranks are started as torchrun starts them (its variables, one thread each), without
-    torchrun's agent: one process fewer importing torch. Where Python writes no bytecode
-    (``PYTHONDONTWRITEBYTECODE``, as on the CI machine) every rank would compile torch's sources
-    again; they share a bytecode cache instead, so the second launch finds it warm.
+    torchrun's agent: one process fewer importing torch. They read the bytecode the set-up compiled
+    into the environment (``compile-bytecode`` in pyproject.toml): a ``PYTHONPYCACHEPREFIX`` would
+    hide it, and every rank of the first launch would compile torch's sources again (7 s of CPU each).
     """
     from common.runtime.launch import free_port
 
     plan_file, out = root / f"{name}.json", root / f"{name}-logs"
     plan_file.write_text(json.dumps(plan))
     port = str(free_port())
-    bytecode = {"PYTHONPYCACHEPREFIX": str(root.parent / "pycache"), "PYTHONDONTWRITEBYTECODE": ""}
     ranks = [subprocess.Popen([PYTHON, str(WORKER), str(plan_file), str(out)], cwd=root, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
                               env=script_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(processes),
-                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
-                                             **bytecode))
+                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"))
              for rank in range(processes)]
     outputs = [rank.communicate(timeout=600)[0] for rank in ranks]
     costs = {step["name"]: (out / f"{step['name']}.status").read_text().split()

@@ -217,16 +217,8 @@ class Job:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every real run, started together; their records and output by name.
-
-    The processes compile torch's sources to bytecode once, into a cache of this module, instead of
-    each compiling them again (PYTHONDONTWRITEBYTECODE is set on this machine): 2 s of CPU per
-    ``import torch`` instead of 4, on a machine with two cores and fifteen processes to start.
-    """
-    cache = tmp_path_factory.mktemp("pycache")
-    env = script_env(PYTHONPYCACHEPREFIX=str(cache), PYTHONDONTWRITEBYTECODE="")
-    subprocess.run([PYTHON, "-c", "import torch.distributed.run, torch.nn.parallel, torchvision, common.measure.energy"],
-                   env=env, cwd=REPO, check=True)
+    """Every real run, started together; their records and output by name."""
+    env = script_env()
     folders = {name: tmp_path_factory.mktemp(name) for name in ("bench2", "bench4", "scaling", "overlap")}
     jobs = {
         "bench2": Job([PYTHON, str(REPO / BENCH), *BENCH_ARGS, "--results-dir", str(folders["bench2"])], env,

@@ -53,8 +53,7 @@ def _launch(processes: int, plan: list[dict], root: Path, name: str) -> dict[str
     ranks = [subprocess.Popen([PYTHON, str(WORKER), str(plan_file), str(out)], cwd=root, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
                               env=script_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(processes),
-                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
-                                             PYTHONPYCACHEPREFIX=str(root / "pycache"), PYTHONDONTWRITEBYTECODE=""))
+                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"))
              for rank in range(processes)]
     outputs = [rank.communicate(timeout=600)[0] for rank in ranks]
     statuses = {step["name"]: (out / f"{step['name']}.status").read_text().split()[0]
