@@ -2,7 +2,8 @@
 requeues itself and resumes to the uninterrupted run's final loss.
 
 Both use ``labs/lab06_failures/sbatch/inject.sbatch.j2`` rendered for the generic site with 2 tasks of
-one core each on one node (the test cluster does not confine tasks; see test_preemption.py).
+one core each on one node (the test cluster does not confine tasks; see test_preemption.py). The jobs
+of both tests are submitted together, so the hang's wait and the requeue's hold pass at the same time.
 """
 
 from __future__ import annotations
@@ -36,13 +37,29 @@ def two_task_script(tmp_path: Path) -> Path:
     return script
 
 
-def test_a_hang_under_srun_is_named_by_the_doctor_through_srun_overlap(slurm_cluster, tmp_path):
-    script = two_task_script(tmp_path)
-    run_dir = tmp_path / "run"
-    env = {"RESULTS_DIR": str(tmp_path / "results"), "RUN_DIR": str(run_dir), "HPC_DL_LABS_TINY": "0",
-           "MAX_REQUEUES": "0"}
-    job_id = slurm_cluster.submit(script, script_args=(*TINY, "--fault", "skip-collective", "--rank", "1",
-                                                       "--step", "3", "--collective-timeout", "20"), env=env)
+HANG_ARGS = (*TINY, "--fault", "skip-collective", "--rank", "1", "--step", "3", "--collective-timeout", "20")
+CRASH_ARGS = (*TINY, "--fault", "crash-rank", "--rank", "1", "--step", "4")
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tmp_path_factory) -> dict[str, tuple[int, dict[str, str]]]:
+    """The three jobs of this file, submitted together: the hang, the crashed run and its uninterrupted
+    reference. The hang waits out its collective timeout while the crashed job is held back before it
+    requeues: both waits at once. Returns {name: (job id, the job's folders)}."""
+    root = tmp_path_factory.mktemp("lab06-slurm")
+    script = two_task_script(root)
+    submitted = {}
+    for name, args, extra in (("hang", HANG_ARGS, {"MAX_REQUEUES": "0"}), ("crashed", CRASH_ARGS, {}),
+                              ("reference", TINY, {})):
+        env = {"RESULTS_DIR": str(root / name / "results"), "RUN_DIR": str(root / name / "run"),
+               "HPC_DL_LABS_TINY": "0", **extra}
+        submitted[name] = (slurm_cluster.submit(script, script_args=args, env=env), env)
+    return submitted
+
+
+def test_a_hang_under_srun_is_named_by_the_doctor_through_srun_overlap(slurm_cluster, jobs, tmp_path):
+    job_id, env = jobs["hang"]
+    run_dir = Path(env["RUN_DIR"])
     ledger = run_dir / "ledger" / "rank1.json"
     wait_for(lambda: ledger.exists() and "barrier(end of run)" in ledger.read_text(), 240, "the hang")
     doctor = subprocess.run([sys.executable, str(DOCTOR), "--job", str(job_id), "--run-dir", str(run_dir),
@@ -59,20 +76,15 @@ def test_a_hang_under_srun_is_named_by_the_doctor_through_srun_overlap(slurm_clu
         log[-3000:]
 
 
-def test_a_crashed_rank_requeues_the_job_which_resumes_to_the_uninterrupted_loss(slurm_cluster, tmp_path):
-    script = two_task_script(tmp_path)
-    runs = {name: {"RESULTS_DIR": str(tmp_path / name / "results"), "RUN_DIR": str(tmp_path / name / "run"),
-                   "HPC_DL_LABS_TINY": "0"} for name in ("crashed", "reference")}
-    crashed = slurm_cluster.submit(script, script_args=(*TINY, "--fault", "crash-rank", "--rank", "1", "--step", "4"),
-                                   env=runs["crashed"])
-    reference = slurm_cluster.submit(script, script_args=TINY, env=runs["reference"])
+def test_a_crashed_rank_requeues_the_job_which_resumes_to_the_uninterrupted_loss(slurm_cluster, jobs):
+    (crashed, runs_crashed), (reference, runs_reference) = jobs["crashed"], jobs["reference"]
     result = slurm_cluster.wait(crashed, timeout=400)  # requeued jobs are held back ~15 s on the test cluster
     log = slurm_cluster.output(crashed)
     assert result.ok, f"{result}\n{log[-3000:]}"
     assert "crash-rank: exiting at step 4" in log and f"requeueing job {crashed}" in log, log[-3000:]
     assert "at step 2 (restart 1)" in log and "SLURM_RESTART_COUNT=1" in log, log[-3000:]
     assert slurm_cluster.wait(reference, timeout=300).ok
-    (resumed,) = [r for r in load_records(runs["crashed"]["RESULTS_DIR"]).records if r["status"] == "ok"]
-    (uninterrupted,) = load_records(runs["reference"]["RESULTS_DIR"]).records
+    (resumed,) = [r for r in load_records(runs_crashed["RESULTS_DIR"]).records if r["status"] == "ok"]
+    (uninterrupted,) = load_records(runs_reference["RESULTS_DIR"]).records
     assert resumed["metrics"]["final_loss"] == uninterrupted["metrics"]["final_loss"]
     assert resumed["metrics"]["restarts"] == 1
