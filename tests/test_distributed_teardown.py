@@ -20,6 +20,8 @@ from __future__ import annotations
 import ast
 import json
 import re
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,15 +92,29 @@ ENTRY_POINTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def entry_runs(request, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Every entry point's run, {name: (finished process, its folder)}. Two run at a time beside
+    Lab-03's (most of each is one process importing torch: one core of the two); the runs share
+    nothing but the machine, and each finds its own free port."""
+    def run(name: str) -> tuple[subprocess.CompletedProcess, Path]:
+        entry, folder = ENTRY_POINTS[name], tmp_path_factory.mktemp(name)
+        return run_reporting_threads(entry.script, *entry.args, "--results-dir", str(folder / "results"),
+                                     folder=folder, launcher=torchrun(entry.ranks) if entry.ranks else None), folder
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(run, name) for name, entry in ENTRY_POINTS.items() if entry.args != LAB03_DDP_ARGS}
+        runs = {name: request.getfixturevalue("lab03_ddp_run")
+                for name, entry in ENTRY_POINTS.items() if entry.args == LAB03_DDP_ARGS}
+        runs.update({name: future.result() for name, future in futures.items()})
+    return runs
+
+
 @pytest.mark.parametrize("name", ENTRY_POINTS)
-def test_no_process_group_thread_is_left_at_exit(name, tmp_path, request):
+def test_no_process_group_thread_is_left_at_exit(name, entry_runs):
     entry = ENTRY_POINTS[name]
-    if entry.args == LAB03_DDP_ARGS:
-        result, tmp_path = request.getfixturevalue("lab03_ddp_run")
-    else:
-        result = run_reporting_threads(entry.script, *entry.args, "--results-dir", str(tmp_path / "results"),
-                                       folder=tmp_path, launcher=torchrun(entry.ranks) if entry.ranks else None)
-    reports = tmp_path / "threads"
+    result, folder = entry_runs[name]
+    reports = folder / "threads"
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert entry.proof in output, output[-3000:]  # it really ran under a process group
