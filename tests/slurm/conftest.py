@@ -8,6 +8,9 @@ Without root, or when Slurm cannot be installed or started, these tests are skip
 reason, except when ``HPC_DL_LABS_REQUIRE_SLURM=1`` (CI sets it): then they fail, so a CI machine
 that silently lost its Slurm cannot pass.
 
+When the session will run tests/slurm/test_templates.py, the fixture also starts its jobs, in the
+background (tests/slurm/template_jobs.py): the Slurm tests before it wait on timers half of the time.
+
 Every job the fixture submits sees ``HPC_DL_LABS_TINY=1`` (tiny runs), ``HPC_DL_LABS_SKIP_MODULES=1``
 (the sites' module lines cannot run here), ``HPC_DL_LABS_FAKE_GPUS=1`` (the nodes' GPUs are device
 files with nothing behind them: the job header runs such jobs on the CPU, where a real cluster's job
@@ -57,7 +60,7 @@ def job_environment() -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
+def slurm_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """A started 2-node Slurm test cluster, stopped at the end of the session."""
     if sys.platform != "linux":
         slurm_unavailable(f"the Slurm test cluster needs Linux, not {sys.platform}")
@@ -68,6 +71,10 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory):
         TIMINGS["start"] = cluster.start()
     except ClusterError as err:
         slurm_unavailable(f"the Slurm test cluster did not start: {err}")
+    if any("template_jobs" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        import template_jobs  # the template jobs start now, in the background (see that module)
+
+        template_jobs.start(cluster, tmp_path_factory)
     yield cluster
     TIMINGS["stop"] = cluster.stop()
     TIMINGS.update(cluster.timings)

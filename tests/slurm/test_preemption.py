@@ -28,9 +28,10 @@ from helpers import load_script, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO_ROOT / "chapters" / "ch04_deep_learning" / "sbatch" / "multi_gpu.sbatch.j2"
-#: One epoch of many small steps: the digits' 1438 training samples, 2 per rank per step (360
+#: One epoch of many small steps: the digits' 1438 training samples, 4 per rank per step (180
 #: steps), every step logged, so the test can see training under way and signal inside the epoch.
-TRAIN_ARGS = ("--dataset", "digits", "--epochs", "1", "--batch-size", "2", "--log-interval", "1",
+STEPS = 180
+TRAIN_ARGS = ("--dataset", "digits", "--epochs", "1", "--batch-size", "4", "--log-interval", "1",
               "--num-workers", "0", "--seed", "7")
 STEP_LINE = re.compile(r"epoch 1 step (\d+)/")
 
@@ -87,7 +88,7 @@ def test_signalled_mid_epoch_then_requeued_resumes_to_the_same_parameters(slurm_
     saved = re.search(rf"received SIGUSR1: saved {re.escape(str(checkpoint))} at epoch 1 step (\d+)", log)
     assert saved, log[-4000:]
     step = int(saved[1])
-    assert 0 < step < 360, f"signalled at step {step}: not inside the epoch (steps 0-359)"
+    assert 0 < step < STEPS, f"signalled at step {step}: not inside the epoch (steps 0-{STEPS - 1})"
     assert f"checkpoint saved; requeueing job {preempted}" in log
     assert f"resumed from {checkpoint}: epoch 1, step {step}" in log  # the requeued run, mid-epoch
     assert "SLURM_RESTART_COUNT=1" in log  # --open-mode=append kept both runs in one log

@@ -15,116 +15,32 @@ how it was started (task, step size, node, arguments) and exits. Training the sa
 site cost most of CI's time (each Python process imports torch: seconds of CPU on a 2-core machine).
 
 A request no site can satisfy is refused by the renderer before a job exists, and by sbatch when it
-gets that far. The jobs run a few at a time (:meth:`SlurmTestCluster.run_all`).
+gets that far. The jobs run a few at a time (:meth:`SlurmTestCluster.run_all`), in the background
+from the moment the cluster is up (tests/slurm/template_jobs.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-import time
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 
+import template_jobs as template_jobs_module
 from common.results import load_records
-from common.slurm.sites import site_names
-from helpers import load_script
-from common.slurm.rendering import find_templates
-from testbed import SbatchRejected, Submission
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE_FOLDERS = [REPO_ROOT / "chapters", REPO_ROOT / "labs"]
-#: The most processes (each importing torch, ~1 GB) running at once; a heavier job runs alone.
-MAX_PROCESSES = 8
-#: Seconds one tiny job may take from submission, on a loaded 2-core machine.
-JOB_TIMEOUT = 420
+from template_jobs import (LAUNCHED, PAIRS, REPO_ROOT, SITES, STAND_IN_LINE, TRAINED, RenderedJob, render_sbatch,
+                           training_site)
+from testbed import SbatchRejected
 
 pytestmark = pytest.mark.slurm
 
 
-
-
-render_sbatch = load_script("scripts/render_sbatch.py")
-SITES = site_names()
-
-
-def site_template_pairs() -> list[tuple[str, str]]:
-    """(site, rendered script path) for every template and every site it is for, as --all-sites does."""
-    pairs = []
-    for template, relative in find_templates(TEMPLATE_FOLDERS):
-        only = render_sbatch.read_template(template).request.get("sites")
-        pairs += [(site, str(relative)) for site in SITES if only is None or site in only]
-    return pairs
-
-
-PAIRS = site_template_pairs()
-
-
-def training_site(script: str) -> str:
-    """The site whose rendering of ``script`` trains for real: generic, else the first site it is for."""
-    sites = [site for site, rendered in PAIRS if rendered == script]
-    return "generic" if "generic" in sites else sorted(sites)[0]
-
-
-TRAINED = sorted({script for _, script in PAIRS})
-LAUNCHED = [(site, script) for site, script in PAIRS if site != training_site(script)]
-
-#: python, torchrun and kernprof in the jobs that do not train: say how they were started, exit 0.
-STAND_IN = """#!/usr/bin/env bash
-echo "STAND-IN $(basename "$0") task ${SLURM_PROCID:-none} of ${SLURM_STEP_NUM_TASKS:-none}" \\
-    "on ${SLURMD_NODENAME:-none}: $*"
-"""
-STAND_IN_LINE = re.compile(r"^STAND-IN (\S+) task (\S+) of (\S+) on \S+: (.*)$", re.M)
-
-
-def processes_of(job: dict, text: str) -> int:
-    """How many Python processes a job runs at once: one per task, or torchrun plus one per GPU;
-    a job array's tasks run side by side, each with the job's processes plus the batch script's."""
-    processes = job["nodes"] * (1 + job["gpus_per_node"]) if "torchrun " in text else job["ntasks"]
-    array = re.search(r"^#SBATCH --array=(\d+)-(\d+)", text, re.M)
-    return processes if array is None else (int(array[2]) - int(array[1]) + 1) * (processes + 1)
-
-
-class RenderedJob(NamedTuple):
-    site: str
-    script: Path
-    job: dict
-    results_dir: Path
-    result: object  # JobResult
-
-
 @pytest.fixture(scope="module")
 def template_jobs(slurm_cluster, tmp_path_factory) -> dict[str, RenderedJob]:
-    """Render every template for every site (--all-sites), submit them all: {"site/script": RenderedJob}."""
-    out_dir = tmp_path_factory.mktemp("rendered")
-    runs = tmp_path_factory.mktemp("runs")
-    stand_in = tmp_path_factory.mktemp("stand-in")
-    for name in ("python", "torchrun", "kernprof"):
-        (stand_in / name).write_text(STAND_IN)
-        (stand_in / name).chmod(0o755)
-    assert render_sbatch.main(["--all-sites", str(out_dir), *map(str, TEMPLATE_FOLDERS)]) == 0
-    manifest = json.loads((out_dir / "manifest.json").read_text())
-    submissions, jobs = [], {}
-    for entry in manifest:
-        key = entry["script"]  # <site>/<path of the template without .j2>
-        script, relative = out_dir / key, key.split("/", 1)[1]
-        results_dir = runs / key / "results"
-        env = {"RESULTS_DIR": str(results_dir), "CHECKPOINT_DIR": str(runs / key / "checkpoints")}
-        weight = processes_of(entry["job"], script.read_text())
-        if entry["site"] != training_site(relative):
-            env["PATH"] = f"{stand_in}:{slurm_cluster.job_env['PATH']}"
-            weight = 0  # a shell and Slurm's launcher: nothing to hold back
-        submissions.append(Submission(key=key, script=script, env=env, weight=weight))
-        jobs[key] = (entry, script, results_dir)
-    submissions.sort(key=lambda sub: -sub.weight)  # the heavy jobs first: no long one left at the end
-    began = time.perf_counter()
-    results = slurm_cluster.run_all(submissions, timeout=JOB_TIMEOUT, max_weight=MAX_PROCESSES)
-    slurm_cluster.timings[f"all {len(submissions)} template jobs"] = time.perf_counter() - began
-    return {key: RenderedJob(entry["site"], script, entry["job"], results_dir, results[key])
-            for key, (entry, script, results_dir) in jobs.items()}
+    """Every template rendered for every site (--all-sites) and submitted: {"site/script": RenderedJob}.
+    The jobs started in the background with the cluster (tests/slurm/template_jobs.py)."""
+    return template_jobs_module.results(slurm_cluster, tmp_path_factory)
 
 
 def job_log(slurm_cluster, job: RenderedJob) -> str:
