@@ -191,6 +191,37 @@ def run_reporting_threads(relpath: str, *args: str, folder: Path, timeout: float
     return run_script(relpath, *args, cwd=folder, env=env, timeout=timeout, launcher=launcher)
 
 
+def launch_plan(processes: int, plan: list[dict], root: Path, name: str) -> dict[str, int]:
+    """Run ``plan`` in one job of ``processes`` ranks of ``tests/lab04_worker.py``; return each run's
+    exit status, by name (tests/test_lab04.py, tests/test_lab07.py).
+
+    The ranks are started as torchrun starts them (its variables, one thread each), without
+    torchrun's agent: one process fewer importing torch. They read the bytecode the set-up compiled
+    into the environment (``compile-bytecode`` in pyproject.toml): a ``PYTHONPYCACHEPREFIX`` would
+    hide it, and every rank of the first launch would compile torch's sources again (7 s of CPU each).
+    """
+    import json
+
+    from common.runtime.launch import free_port
+
+    plan_file, out = root / f"{name}.json", root / f"{name}-logs"
+    plan_file.write_text(json.dumps(plan))
+    port = str(free_port())
+    worker = Path(__file__).resolve().parent / "lab04_worker.py"
+    ranks = [subprocess.Popen([PYTHON, str(worker), str(plan_file), str(out)], cwd=root, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=script_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(processes),
+                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"))
+             for rank in range(processes)]
+    outputs = [rank.communicate(timeout=600)[0] for rank in ranks]
+    costs = {step["name"]: (out / f"{step['name']}.status").read_text().split()
+             for step in plan if (out / f"{step['name']}.status").exists()}
+    print(f"{name}: " + ", ".join(f"{job} {cpu} s CPU / {wall} s" for job, (_, cpu, wall) in costs.items()))
+    assert all(rank.returncode == 0 for rank in ranks) and len(costs) == len(plan), \
+        f"{name}: exits {[r.returncode for r in ranks]}, finished {list(costs)}\n" + "\n".join(o[-3000:] for o in outputs)
+    return {job: int(status) for job, (status, _, _) in costs.items()}
+
+
 #: Lab-03's benchmark on two CPU processes (torchrun and two Gloo ranks, DDP in training).
 LAB03_DDP_ARGS = ("--device", "cpu", "-g", "2", "--models", "resnet18", "--image-size", "32", "-b", "2", "-w", "1",
                   "-n", "2", "--check-steps", "1", "--precisions", "fp32", "--modes", "train", "--folder", "csv",

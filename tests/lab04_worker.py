@@ -2,9 +2,8 @@
 
 Every rank of a launch imports torch and joins a rendezvous, seconds each on the CI machine; the
 Lab-04 and Lab-07 tests need a dozen distributed runs each, so they share one launch per world size
-(``tests/test_lab04.py`` and ``tests/test_lab07.py`` start the ranks the way torchrun does, with
-``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, without torchrun's own agent
-process)::
+(``helpers.launch_plan`` starts the ranks the way torchrun does, with ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT`` set, without torchrun's own agent process)::
 
     python -m torch.distributed.run --standalone --nproc_per_node=N tests/lab04_worker.py PLAN.json OUT
 

@@ -23,18 +23,16 @@ import contextlib
 import io
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, REPO, load_script, run_fresh, run_main, run_script, script_env
+from helpers import REPO, launch_plan, load_script, run_fresh, run_main, run_script
 
 LAB = "labs/lab04_sharded_training"
 BUDGET = f"{LAB}/01_memory_budget.py"
 TRAIN = f"{LAB}/02_sharded_training.py"
 LARGEST = f"{LAB}/03_largest_model.py"
-WORKER = REPO / "tests" / "lab04_worker.py"
 
 RTOL = 1e-5
 MODEL = ["--device", "cpu", "--layers", "4", "--width", "32", "--heads", "4", "--context", "32"]
@@ -66,33 +64,6 @@ def _train(name: str, root: Path, *extra: str, strategy: str = "fsdp") -> list[s
             "--checkpoint-dir", str(root / name / "ckpt"), *extra]
 
 
-def _launch(processes: int, plan: list[dict], root: Path, name: str) -> dict[str, int]:
-    """Run ``plan`` in one job of ``processes`` ranks; return each run's exit status.
-
-    The ranks are started as torchrun starts them (its variables, one thread each), without
-    torchrun's agent: one process fewer importing torch. They read the bytecode the set-up compiled
-    into the environment (``compile-bytecode`` in pyproject.toml): a ``PYTHONPYCACHEPREFIX`` would
-    hide it, and every rank of the first launch would compile torch's sources again (7 s of CPU each).
-    """
-    from common.runtime.launch import free_port
-
-    plan_file, out = root / f"{name}.json", root / f"{name}-logs"
-    plan_file.write_text(json.dumps(plan))
-    port = str(free_port())
-    ranks = [subprocess.Popen([PYTHON, str(WORKER), str(plan_file), str(out)], cwd=root, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=script_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(processes),
-                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"))
-             for rank in range(processes)]
-    outputs = [rank.communicate(timeout=600)[0] for rank in ranks]
-    costs = {step["name"]: (out / f"{step['name']}.status").read_text().split()
-             for step in plan if (out / f"{step['name']}.status").exists()}
-    print(f"{name}: " + ", ".join(f"{job} {cpu} s CPU / {wall} s" for job, (_, cpu, wall) in costs.items()))
-    assert all(rank.returncode == 0 for rank in ranks) and len(costs) == len(plan), \
-        f"{name}: exits {[r.returncode for r in ranks]}, finished {list(costs)}\n" + "\n".join(o[-3000:] for o in outputs)
-    return {job: int(status) for job, (status, _, _) in costs.items()}
-
-
 def _saved_at_end_of_epoch_1(source: Path, target: Path) -> None:
     """A copy of a run's checkpoint folder as it stood after epoch 1 (the newer save left out)."""
     folders = sorted(p for p in source.iterdir() if p.name.startswith("ckpt-"))
@@ -121,14 +92,14 @@ def _launch_variables_restored():
 def runs(tmp_path_factory):
     """Every run the tests read, made once: 4 ranks, then 2 ranks, then 1 rank inside pytest."""
     root = tmp_path_factory.mktemp("lab04")
-    statuses = _launch(4, [
+    statuses = launch_plan(4, [
         {"name": "ddp4", "script": TRAIN, "argv": _train("ddp4", root, strategy="ddp")},
         {"name": "fsdp4", "script": TRAIN, "argv": _train("fsdp4", root)},
         {"name": "memory4", "script": BUDGET, "argv": [*MEMORY, "--results-dir", str(root / "memory4")]},
     ], root, "four")
     for name in ("resume2", "resume1", "wrong_shape", "epoch1"):
         _saved_at_end_of_epoch_1(root / "fsdp4" / "ckpt", root / name / "ckpt")
-    statuses |= _launch(2, [
+    statuses |= launch_plan(2, [
         {"name": "ddp2", "script": TRAIN, "argv": _train("ddp2", root, strategy="ddp")},
         {"name": "fsdp2", "script": TRAIN, "argv": _train("fsdp2", root)},
         {"name": "resume2", "script": TRAIN, "argv": _train("resume2", root, "--resume")},

@@ -335,7 +335,6 @@ def test_the_doctor_falls_back_to_faulthandler_when_py_spy_cannot_attach(blocked
     assert 'File "' in frames and "waiting_for_peers" in frames and blocked_process.poll() is None
 
 
-
 def test_the_doctor_looks_again_when_a_dump_shows_the_main_thread_without_frames(blocked_process, tmp_path,
                                                                                monkeypatch):
     """py-spy now and then answers with the main thread's header and no frames (seen once in CI under
@@ -357,6 +356,7 @@ exec {real} "$@"
     frames, how = doctor.stack_of(blocked_process.pid, 0, tmp_path)
     assert how == "py-spy" and doctor.where(frames) == "at waiting_for_peers (lesson.py:5)", (how, frames)
     assert calls.read_text().count("call") == 2
+
 
 # --- preflight -------------------------------------------------------------------------------------------
 

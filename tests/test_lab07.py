@@ -20,17 +20,15 @@ import contextlib
 import io
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import PYTHON, REPO, run_main, run_script, script_env, torchrun
+from helpers import REPO, launch_plan, run_main, run_script, torchrun
 
 LAB = "labs/lab07_model_parallel"
 TP, PP, TWO_D = f"{LAB}/01_tensor_parallel.py", f"{LAB}/02_pipeline_parallel.py", f"{LAB}/03_2d_parallel.py"
-WORKER = REPO / "tests" / "lab04_worker.py"
 RTOL = 1e-5
 STEPS = 20
 TINY = ["--device", "cpu", "--layers", "2", "--width", "32", "--heads", "4", "--context", "16", "--batch-size", "8",
@@ -41,27 +39,6 @@ TINY_PIPELINE = [*TINY, "--layers", "4"]  # interleaved on 2 processes: 4 stages
 BUBBLE = ["--device", "cpu", "--layers", "8", "--width", "512", "--heads", "4", "--context", "32", "--steps", "3",
           "--warmup-steps", "1", "--schedule", "gpipe"]
 MICROBATCHES = (1, 2, 4, 8)
-
-
-def _launch(processes: int, plan: list[dict], root: Path, name: str) -> dict[str, int]:
-    """Run ``plan`` in one job of ``processes`` ranks (torchrun's variables, without its agent)."""
-    from common.runtime.launch import free_port
-
-    plan_file, out = root / f"{name}.json", root / f"{name}-logs"
-    plan_file.write_text(json.dumps(plan))
-    port = str(free_port())
-    ranks = [subprocess.Popen([PYTHON, str(WORKER), str(plan_file), str(out)], cwd=root, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=script_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(processes),
-                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"))
-             for rank in range(processes)]
-    outputs = [rank.communicate(timeout=600)[0] for rank in ranks]
-    statuses = {step["name"]: (out / f"{step['name']}.status").read_text().split()[0]
-                for step in plan if (out / f"{step['name']}.status").exists()}
-    assert all(rank.returncode == 0 for rank in ranks) and len(statuses) == len(plan), \
-        f"{name}: exits {[r.returncode for r in ranks]}, finished {list(statuses)}\n" \
-        + "\n".join(o[-3000:] for o in outputs)
-    return {job: int(status) for job, status in statuses.items()}
 
 
 def _args(root: Path, name: str, *extra: str, base: list[str] = TINY) -> list[str]:
@@ -80,10 +57,10 @@ def runs(tmp_path_factory):
            *({"name": f"bubble_{m}", "script": PP,
               "argv": _args(root, f"bubble_{m}", "--microbatches", str(m), "--batch-size", str(4 * m), base=BUBBLE)}
              for m in MICROBATCHES)]
-    statuses = _launch(2, two, root, "two")
+    statuses = launch_plan(2, two, root, "two")
     # The uninterrupted 2 x 2 run also saves after step 10; the resumed runs start from a copy of that save.
     saved = root / "2d" / "ckpt" / "ckpt-000001-epoch1-step10"
-    statuses |= _launch(4, [
+    statuses |= launch_plan(4, [
         {"name": "2d", "script": TWO_D, "argv": _args(root, "2d", "--mesh", "2x2", "--checkpoint-every", "10",
                                                       "--checkpoint-dir", str(root / "2d" / "ckpt"))},
         {"name": "resume4x1", "script": TWO_D,
