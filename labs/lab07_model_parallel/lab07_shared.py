@@ -215,7 +215,8 @@ def apply_tensor_parallel(model: DecoderOnlyTransformer, mesh: Any, *, sequence_
 
 
 #: Bytes each rank sends, per byte of a collective's full tensor, in the ring algorithms NCCL and Gloo use
-#: (nccl-tests' bus-bandwidth factors, Lab-05): an all-reduce is a reduce-scatter then an all-gather.
+#: (the bus-bandwidth factors of NVIDIA's NCCL benchmarks, as in Lab-05): an all-reduce is a
+#: reduce-scatter then an all-gather.
 def ring_factor(kind: str, ranks: int) -> float:
     return (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks
 
