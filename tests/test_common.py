@@ -694,3 +694,44 @@ def test_an_unreadable_checkpoint_ends_a_real_process_with_status_2_and_no_trace
     err = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(err) == 1 and "cannot be read as a checkpoint" in err[0], done.stderr[-3000:]
     assert not (tmp_path / "r").exists()
+
+
+def test_the_stop_flag_is_agreed_only_where_a_handler_is_armed_and_on_the_cpus(tmp_path, monkeypatch):
+    """No checkpoint, no handler: no collective at all. Armed: one all-reduce of a CPU tensor per
+    check, over the world on a Gloo run and over a Gloo group beside NCCL's on a GPU run, so the
+    check never waits for the GPU's queued work."""
+    import signal
+
+    import torch.distributed as dist
+
+    from common.runtime.distributed import open_process, teardown_distributed
+    from common.train.preemption import Preempted, Preemption, TorchCheckpointer
+
+    ctx = open_process("cpu", distributed=True)
+    try:
+        calls = []
+        real = dist.all_reduce
+
+        def spy(tensor, *args, **kwargs):
+            calls.append((tensor.device.type, kwargs.get("group")))
+            return real(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(dist, "all_reduce", spy)
+        with Preemption(None, argparse.Namespace()) as unarmed:
+            for step in range(3):
+                unarmed.check(step, across_ranks=True)
+        assert calls == []
+        with Preemption(TorchCheckpointer(tmp_path / "ck.pt"), argparse.Namespace()) as armed:
+            armed.check(0, across_ranks=True)
+            assert calls == [("cpu", None)]
+            with monkeypatch.context() as nccl:  # the world group is NCCL's on a GPU run
+                nccl.setattr(dist, "get_backend", lambda group=None: "nccl")
+                armed.check(1, across_ranks=True)
+                armed.check(2, across_ranks=True)
+            assert [device for device, _ in calls] == ["cpu"] * 3
+            assert calls[1][1] is not None and calls[1][1] is calls[2][1]  # one Gloo group, made once
+            armed.signal.requested = signal.SIGUSR1
+            with pytest.raises(Preempted):
+                armed.check(3, across_ranks=True)
+    finally:
+        teardown_distributed(ctx)

@@ -179,6 +179,31 @@ def test_nccl_is_given_its_device_at_init(fake_gpus, launch_env, monkeypatch):
     assert kwargs["backend"] == "nccl" and kwargs["device_id"] == torch.device("cuda", 1)
 
 
+def test_sharing_gpus_is_a_test_mode_that_puts_two_ranks_on_one_gpu_over_gloo(fake_gpus, launch_env, monkeypatch):
+    """HPC_DL_LABS_SHARE_GPUS=1: rank 1 of 2 on a one-GPU machine takes GPU 0 and the group is Gloo
+    (NCCL refuses two ranks on one GPU), and no device_id is given to a Gloo group."""
+    import torch
+    import torch.distributed as dist
+
+    from common.runtime.distributed import init_distributed
+
+    fake_gpus(count=1)
+    launch_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29500")
+    started = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: started.append(kwargs))
+    monkeypatch.setenv("HPC_DL_LABS_SHARE_GPUS", "1")
+    ctx = init_distributed("cuda")
+    assert ctx.device == torch.device("cuda", 0) and ctx.backend == "gloo"
+    (kwargs,) = started
+    assert kwargs["backend"] == "gloo" and kwargs["device_id"] is None
+    monkeypatch.delenv("HPC_DL_LABS_SHARE_GPUS")
+    from common.errors import UserError
+
+    with pytest.raises(UserError, match=r"^2 processes on this node but only 1 GPU\(s\) visible"):
+        init_distributed("cuda")
+
+
 def test_srun_with_gpus_per_task_gives_each_task_its_own_gpu(fake_gpus, launch_env, monkeypatch):
     import torch
     import torch.distributed as dist
@@ -647,54 +672,3 @@ def test_gpu_nccl_group_is_bound_to_its_device_and_fp32_is_real(tmp_path):
         assert fp32_math() == {"matmul": "ieee", "cudnn_conv": "ieee"}
     finally:
         teardown_distributed(ctx)
-
-
-@pytest.mark.gpu
-def test_gpu_memory_management_forward_pass_is_activations_only(tmp_path):
-    out = run_fresh("chapters/ch16_gpu_distributed/memory_management.py",
-                    ["--device", "cuda", "--depth", "6", "--width", "128", "--batch-size", "64", "--repeats", "1",
-                     "--results-dir", str(tmp_path)])
-    assert "CUDA memory summary" in out
-    (record,) = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
-    forward = record["metrics"]["phases"][0]
-    assert forward["source"] == "cuda_memory_allocated"
-    assert forward["allocated_change_bytes"] < 2 * 2**20  # under a MiB of activations; no cuBLAS workspace
-    assert record["metrics"]["memory"][0]["device_used_bytes"] >= record["metrics"]["memory"][0]["peak_bytes"]
-
-
-@pytest.mark.gpu
-def test_gpu_environment_check_matches_every_cuda_device_to_the_topology():
-    import shutil
-
-    import torch
-
-    if shutil.which("nvidia-smi") is None:
-        pytest.skip("nvidia-smi is not on the PATH")
-    env_check = load_script("labs/lab01_dp_vs_ddp/01_environment_check.py")
-    checks = env_check.multi_gpu_checks({"torch_gpus": torch.cuda.device_count()}, run_backend_tests=False)
-    assert all(row["topology_name"] for row in checks["cuda_to_topology"])
-
-
-@pytest.mark.gpu
-def test_gpu_lab03_compile_is_recorded_as_compiled(tmp_path):
-    run_fresh("labs/lab03_precision_benchmark/benchmark_models.py",
-              ["--device", "cuda", "--models", "resnet18", "--modes", "inference", "--precisions",
-               "fp32,amp-bf16", "--image-size", "64", "-b", "4", "-w", "2", "-n", "2", "--check-steps", "1",
-               "--compile", "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path)])
-    for path in tmp_path.glob("*.json"):
-        record = json.loads(path.read_text())
-        assert record["metrics"]["compile"]["compiled"] is True, record["metrics"]["compile"]
-        expected = "tf32" if record["method"].endswith("tf32") else "ieee"
-        assert record["provenance"]["fp32_math"]["cudnn_conv"] == expected
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("script", ["chapters/ch04_deep_learning/mnist_training.py",
-                                    "labs/lab01_dp_vs_ddp/02_baseline_single_gpu.py"])
-def test_gpu_single_process_training_in_a_fresh_process_records_its_peak_memory(script, tmp_path):
-    """A fresh process, as a user starts it: the first CUDA call is the script's own (nothing warmed it)."""
-    run_fresh(script, ["--device", "cuda", "--dry-run", "--results-dir", str(tmp_path)])
-    records = [json.loads(path.read_text()) for path in tmp_path.glob("*.json")]
-    memory = [entry for record in records for entry in record["metrics"]["memory"]]
-    assert memory and all(entry["source"] == "cuda_max_memory_allocated" and entry["peak_bytes"] > 0
-                          for entry in memory), memory

@@ -84,6 +84,31 @@ def test_a_fault_fires_once_and_never_in_a_restarted_run(tmp_path, monkeypatch):
 
 # --- bad input: one line, status 2, nothing written ---------------------------------------------------
 
+def test_a_step_builds_its_one_all_reduce_buffer_on_the_gradients_device(tmp_path, monkeypatch):
+    """The not-finite flags sit beside the gradients: on a GPU a CPU tensor in torch.cat stops the
+    first step. "meta" stands in for the GPU here: it refuses to mix with CPU tensors the same way."""
+    import torch
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    inject = load_script(INJECT)
+    model = torch.nn.Linear(3, 2, device="meta")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    seen = []
+
+    def all_reduce(buffer, *args, **kwargs):
+        seen.append((buffer.device.type, buffer.numel()))
+        raise StopIteration  # the rest of the step needs real numbers
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    plan = shared.FaultPlan("none", 0, 1, tmp_path)
+    ctx = SimpleNamespace(rank=1, world_size=2)
+    with pytest.raises(StopIteration):
+        inject.reduce_step(model, torch.zeros((), device="meta"), ctx, plan, shared.Ledger(tmp_path, 1), 1, 0.0)
+    assert seen == [("meta", 6 + 2 + 1 + 2)]  # weights, bias, the loss, one flag per rank
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--fault", "explode"], "invalid choice: 'explode'"),
     (["--fault", "crash-rank", "--rank", "1"], "--rank 1 does not exist: the run has 1 rank(s)"),
@@ -423,14 +448,19 @@ def test_the_report_lists_each_fault_with_what_it_ended_in(runs, tmp_path):
 
 @pytest.mark.gpu
 def test_on_gpus_an_oom_on_one_rank_is_named_with_its_step(tmp_path):
+    """Two ranks: on two GPUs over NCCL, on one GPU the two share it over Gloo (the test mode of
+    common.runtime.device), which still puts rank 1's tensors on a CUDA device."""
+    import torch
+
+    share = {} if torch.cuda.device_count() >= 2 else {"HPC_DL_LABS_SHARE_GPUS": "1"}
     result = subprocess.run([*torchrun(2), str(REPO / INJECT), "--device", "cuda", "--steps", "6", "--fault", "oom",
                              "--rank", "1", "--step", "3", "--collective-timeout", "20",
                              "--run-dir", str(tmp_path / "run"),
-                             "--results-dir", str(tmp_path / "res")], cwd=tmp_path, env=script_env(),
+                             "--results-dir", str(tmp_path / "res")], cwd=tmp_path, env=script_env(**share),
                             capture_output=True, text=True, timeout=180)
     output = result.stdout + result.stderr
-    assert result.returncode != 0 and "OutOfMemoryError" in output, output[-3000:]
-    assert "diagnosis: rank(s) 1 ran out of GPU memory at step 3" in output, output[-3000:]
+    assert result.returncode != 0, output[-3000:]
+    assert "diagnosis: rank(s) 1 ran out of GPU memory at step 3 (OutOfMemoryError: " in output, output[-3000:]
 
 
 @pytest.mark.gpu
@@ -492,3 +522,54 @@ def test_a_short_collective_timeout_does_not_count_a_rank_that_arrives_late(tmp_
     outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], outputs
     assert all("sum 2.0" in output for output in outputs), outputs
+OLDER_TORCH = """import os, sys, time
+import torch, torch.distributed as dist
+from torch.distributed import distributed_c10d
+del dist.set_timeout  # as in a release before torch.distributed.set_timeout
+if sys.argv[1] == "neither":
+    del distributed_c10d._set_pg_timeout
+from common.runtime.distributed import open_process, teardown_distributed
+if os.environ["RANK"] == "1":
+    time.sleep(3)  # late at the rendezvous: no hang
+ctx = open_process("cpu", distributed=True, collective_timeout_s=1)
+value = torch.ones(1)
+dist.all_reduce(value)
+print("sum", value.item(), flush=True)
+if sys.argv[1] == "private":  # rank 1 skips the next collective: rank 0's must fail after about 1 s
+    began = time.perf_counter()
+    try:
+        if os.environ["RANK"] == "0":
+            dist.all_reduce(value)
+        else:
+            time.sleep(8)
+    except RuntimeError:
+        print("timed out after %.1f s" % (time.perf_counter() - began), flush=True)
+    os._exit(0)
+teardown_distributed(ctx)
+"""
+
+
+@pytest.mark.parametrize("available", ["private", "neither"])
+def test_on_an_older_torch_the_short_timeout_still_spares_the_rendezvous(tmp_path, available):
+    """Without torch.distributed.set_timeout the group starts with the usual timeout and the short one
+    is set after start-up through the private call; without that either, it keeps the usual one and
+    says so (it used to give the short timeout to init_process_group: a late rank failed the start)."""
+    from common.runtime.launch import free_port
+
+    (tmp_path / "older.py").write_text(OLDER_TORCH)
+    port = str(free_port())
+    ranks = [subprocess.Popen([PYTHON, str(tmp_path / "older.py"), available], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=script_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    assert all("sum 2.0" in output for output in outputs), outputs
+    if available == "private":
+        waited = re.search(r"timed out after ([\d.]+) s", outputs[0])
+        assert waited and float(waited.group(1)) < 6, outputs[0]  # 1 s, not the usual 600
+    else:
+        assert "cannot shorten a process group's timeout once it has started" in outputs[0], outputs[0]
+
+

@@ -464,25 +464,27 @@ def stdlib_sources(modules: tuple[str, ...] = STDLIB_TEXT_MODULES) -> tuple[dict
 
 
 class CharWindows(Dataset):
-    """Fixed windows of a token stream: sample ``i`` is ``stream[i*L : i*L + L + 1]`` split into the
-    input (the first ``L`` ids) and the target (the same shifted by one: the next character)."""
+    """Windows of a token stream: sample ``i`` is ``stream[i*S : i*S + L + 1]`` split into the input
+    (the first ``L`` ids) and the target (the same shifted by one: the next character). The stride
+    ``S`` is ``L`` by default (windows side by side); a smaller one overlaps them, so a long context
+    still gets many samples from a small text."""
 
-    def __init__(self, stream: torch.Tensor, context: int) -> None:
+    def __init__(self, stream: torch.Tensor, context: int, stride: int | None = None) -> None:
         if len(stream) < context + 1:
             raise UserError(f"the text has {len(stream)} characters, fewer than one window of --context "
                             f"{context} + 1; use a smaller --context")
-        self.stream, self.context = stream, context
+        self.stream, self.context, self.stride = stream, context, stride or context
 
     def __len__(self) -> int:
-        return (len(self.stream) - 1) // self.context
+        return (len(self.stream) - 1 - self.context) // self.stride + 1
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = index * self.context
+        start = index * self.stride
         window = self.stream[start:start + self.context + 1].long()
         return window[:-1], window[1:]
 
 
-def load_stdlib_text(context: int, validation_fraction: float = 0.1) -> DataSplits:
+def load_stdlib_text(context: int, validation_fraction: float = 0.1, stride: int | None = None) -> DataSplits:
     """Character-level language modelling on the standard library's own source code.
 
     Offline on every Python installation, and deterministic: a fixed list of modules in a fixed
@@ -505,9 +507,9 @@ def load_stdlib_text(context: int, validation_fraction: float = 0.1) -> DataSpli
         cut = int(len(text) * (1 - validation_fraction))
         train_parts.append(text[:cut])
         validation_parts.append(text[cut:])
-    train = CharWindows(encode_text("".join(train_parts)), context)
+    train = CharWindows(encode_text("".join(train_parts)), context, stride)  # validation: side by side
     validation = CharWindows(encode_text("".join(validation_parts)), context)
     extra = {"text_python": platform.python_version(), "text_modules": len(sources),
              "text_modules_missing": missing, "text_characters": len(train.stream) + len(validation.stream),
-             "text_sha256": digest.hexdigest()}
+             "text_sha256": digest.hexdigest(), "window_stride": train.stride}
     return DataSplits(train, validation, "stdlib-text", (context,), TEXT_VOCAB_SIZE, extra)

@@ -11,6 +11,13 @@ for cuDNN convolutions off (``common.train.amp.set_fp32_math``), so fp32 baselin
 Scripts that measure TF32 (Lab-03's ``tf32`` rows, ``pytorch_basics.py --dtypes tf32``) turn it
 on where they measure it, and every record says which was in force (``provenance.fp32_math``).
 
+**Test mode: processes sharing a GPU.** ``HPC_DL_LABS_SHARE_GPUS=1`` lets more processes than GPUs
+run on a node: local rank ``r`` takes GPU ``r % count`` and the process group uses Gloo (NCCL
+refuses two ranks on one GPU), so a machine with one GPU can run a 2-rank job and catch what one
+rank cannot (a tensor left on the CPU beside CUDA tensors, a rank-dependent device). It proves
+placement, not speed or NCCL: never set it for a measurement (``scripts/gpu_proof.sh`` sets it
+for its ``*_shared_gpu`` checks).
+
 ``resolve_device`` also starts CUDA on this process's GPU (``set_device`` and ``init``), so the
 memory counters of ``common.measure.timing`` are live from the first step, whatever the script calls first.
 """
@@ -24,6 +31,15 @@ import torch
 
 from common.train.amp import set_fp32_math
 from common.errors import UserError
+
+
+#: The variable that turns on the shared-GPU test mode (see the module docstring).
+SHARE_GPUS_VARIABLE = "HPC_DL_LABS_SHARE_GPUS"
+
+
+def sharing_gpus() -> bool:
+    """True in the test mode where several processes may share one GPU over Gloo."""
+    return os.environ.get(SHARE_GPUS_VARIABLE, "") == "1"
 
 
 def resolve_device(name: str = "auto", local_rank: int = 0, local_world_size: int | None = None) -> torch.device:
@@ -55,7 +71,9 @@ def resolve_device(name: str = "auto", local_rank: int = 0, local_world_size: in
                 raise UserError(f"--device {name}: only {count} GPU(s) visible (cuda:0..cuda:{count - 1})")
         else:
             processes = max(local_world_size or 0, local_rank + 1)
-            if processes > count:
+            if sharing_gpus():
+                local_rank %= count
+            elif processes > count:
                 raise UserError(f"{processes} processes on this node but only {count} GPU(s) visible: one GPU per "
                                 f"process, so start at most {count} (e.g. torchrun --nproc_per_node={count}), or "
                                 "use --device cpu for Gloo processes")

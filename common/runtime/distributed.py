@@ -28,12 +28,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from common.runtime.device import configure_threads, describe, resolve_device, set_device, use_deterministic_algorithms
+from common.runtime.compat import set_collective_timeout
+from common.runtime.device import (configure_threads, describe, resolve_device, set_device, sharing_gpus,
+                                   use_deterministic_algorithms)
 from common.runtime.launch import LaunchInfo, detect_launch, free_port, gpus_bound_per_task, local_world_size, rank_tag
 
 __all__ = [
     "DistContext", "backend_for", "init_distributed", "open_process", "teardown_distributed", "ddp_buffer_sync",
-    "print0", "print_rank", "all_reduce_sum", "all_reduce_mean", "all_reduce_max", "any_rank", "gather_objects",
+    "print0", "print_rank", "all_reduce_sum", "all_reduce_mean", "all_reduce_max", "any_rank", "any_rank_on_host",
+    "gather_objects",
     "MODULES_BINDING_THE_WORLD_GROUP",
 ]
 
@@ -97,8 +100,9 @@ MODULES_BINDING_THE_WORLD_GROUP = (
 
 
 def backend_for(device: torch.device) -> str:
-    """NCCL moves CUDA tensors between GPUs; Gloo is the CPU backend."""
-    return "nccl" if device.type == "cuda" else "gloo"
+    """NCCL moves CUDA tensors between GPUs; Gloo is the CPU backend. Processes that share a GPU (the
+    test mode of :func:`common.runtime.device.sharing_gpus`) use Gloo: NCCL refuses two ranks on one GPU."""
+    return "nccl" if device.type == "cuda" and not sharing_gpus() else "gloo"
 
 
 def init_distributed(device_name: str = "auto", *, force_process_group: bool = False,
@@ -127,11 +131,10 @@ def init_distributed(device_name: str = "auto", *, force_process_group: bool = F
         if key not in os.environ:
             os.environ[key] = str(value)
             added.append(key)
-    usual = _dt.timedelta(seconds=float(os.environ.get("HPC_DL_LABS_DIST_TIMEOUT", 600)))
-    # A short collective timeout (``--collective-timeout``) starts once every rank is in: the ranks
-    # reach the rendezvous seconds apart (imports, a loaded node), which is no hang.
-    later = timeout_s is not None and hasattr(dist, "set_timeout")
-    timeout = usual if later or timeout_s is None else _dt.timedelta(seconds=timeout_s)
+    # The start-up (rendezvous, first connections) always gets the usual timeout: the ranks reach it
+    # seconds apart (imports, a loaded node), which is no hang. A short collective timeout
+    # (``--collective-timeout``) is set once every rank is in (common.runtime.compat).
+    timeout = _dt.timedelta(seconds=float(os.environ.get("HPC_DL_LABS_DIST_TIMEOUT", 600)))
     for module in MODULES_BINDING_THE_WORLD_GROUP:
         importlib.import_module(module)
     # device_id binds NCCL to this rank's GPU at once, so a bad GPU set-up fails here, not at the first step.
@@ -148,9 +151,11 @@ def init_distributed(device_name: str = "auto", *, force_process_group: bool = F
         store = None
     dist.init_process_group(backend=backend, init_method=init_method, store=store, rank=launch.rank,
                             world_size=launch.world_size, timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
-    if later:
-        dist.set_timeout(_dt.timedelta(seconds=timeout_s))
+                            device_id=device if backend == "nccl" else None)
+    if timeout_s is not None and set_collective_timeout(timeout_s) is None:
+        print_rank(f"note: this PyTorch cannot shorten a process group's timeout once it has started; "
+                   f"collectives wait {timeout.total_seconds():.0f} s (HPC_DL_LABS_DIST_TIMEOUT), not "
+                   f"--collective-timeout {timeout_s:g}")
     launch = LaunchInfo(launch.launcher, launch.rank, launch.local_rank, launch.world_size,
                         launch.node_rank, addr, port)
     return DistContext(launch=launch, device=device, backend=backend, owns_group=True,
@@ -196,6 +201,7 @@ def teardown_distributed(ctx: DistContext | None) -> None:
     if ctx is not None and ctx.owns_group and dist.is_available() and dist.is_initialized():
         if sys.exc_info()[0] is None:
             dist.barrier()
+        _HOST_GROUPS.clear()
         dist.destroy_process_group()
         _forget_dtensor_caches()
         gc.collect()
@@ -318,6 +324,26 @@ def any_rank(flag: bool, device: torch.device | None = None) -> bool:
     in the next all-reduce until the timeout.
     """
     return bool(_reduce(1.0 if flag else 0.0, "max", device))
+
+
+def any_rank_on_host(flag: bool) -> bool:
+    """:func:`any_rank` agreed between the CPUs: a one-number all-reduce over Gloo (the world group on
+    CPU runs; a Gloo group beside NCCL's on GPU runs, made on first use), so a per-step check never
+    waits for the GPU's queued work the way a CUDA tensor's ``.item()`` would."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    group = None
+    if dist.get_backend() != "gloo":
+        group = _HOST_GROUPS.get(id(dist.group.WORLD))
+        if group is None:  # every rank calls this at the same step, so every rank creates it together
+            group = _HOST_GROUPS[id(dist.group.WORLD)] = dist.new_group(backend="gloo")
+    value = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+#: The Gloo group beside a NCCL world, by the world group's id (forgotten at teardown).
+_HOST_GROUPS: dict[int, Any] = {}
 
 
 def gather_objects(obj: Any) -> list[Any]:

@@ -27,7 +27,7 @@ from common.checkpoint.single_file import (capture_rng_state, check_same_setting
                                            restore_rng_state, save_checkpoint)
 from common.cli import config_dict
 from common.errors import UserError
-from common.runtime.distributed import any_rank, gather_objects, print0
+from common.runtime.distributed import any_rank_on_host, gather_objects, print0
 from common.train.progress import Progress
 
 __all__ = ["StopSignal", "Preempted", "Checkpointer", "TorchCheckpointer", "Preemption", "unwrap"]
@@ -141,10 +141,16 @@ class Preemption:
         finally:
             self.tracked.clear()  # the last references to the wrapped model and optimiser go before the group
 
-    def check(self, step: int, device: torch.device, *, across_ranks: bool) -> None:
-        """Raise :class:`Preempted` on every rank at once if any rank received the stop signal."""
+    def check(self, step: int, *, across_ranks: bool) -> None:
+        """Raise :class:`Preempted` on every rank at once if any rank received the stop signal.
+
+        Only where the handler is armed (a checkpoint to save): otherwise a signal ends the process as
+        usual and there is nothing to agree on, so no collective runs. Across ranks the flag is agreed
+        between the CPUs (:func:`~common.runtime.distributed.any_rank_on_host`): no wait for the GPU."""
+        if self.checkpointer is None:
+            return
         stop = self.signal.requested is not None
-        if any_rank(stop, device) if across_ranks else stop:
+        if any_rank_on_host(stop) if across_ranks else stop:
             raise Preempted(step)
 
     def resume(self, objects: dict[str, Any], *, rank: int, world_size: int,

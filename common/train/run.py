@@ -169,7 +169,7 @@ class TrainingRun:
                     break
                 if step < self.start_step:
                     continue
-                self.preemption.check(step, self.device, across_ranks=self.distributed)
+                self.preemption.check(step, across_ranks=self.distributed)  # a collective where a handler is armed
                 logged = len(self.losses)
                 with self.meter.step(batch, world_size=self.world_size, waited_s=time.perf_counter() - asked):
                     yield batch

@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences per optimiser step over all ranks, whatever their number (default: %(default)s)")
     group.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
     group.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: %(default)s)")
+    group.add_argument("--window-stride", type=positive_int, default=None,
+                       help="characters between the starts of two training sequences; below --context they "
+                            "overlap, so a long context still gets enough steps per epoch from the small "
+                            "corpus (default: --context, side by side)")
     group.add_argument("--eval-steps", type=positive_int, default=20,
                        help="validation global batches after every epoch (default: %(default)s)")
     add_training_args(parser)
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--global-batch-size {args.global_batch_size} must be a multiple of {run.world_size} "
                             f"rank(s) x --batch-size {args.batch_size}")
         args.accumulation_steps = per_rank
-        splits = load_stdlib_text(shape.context)
+        splits = load_stdlib_text(shape.context, stride=args.window_stride)
         # Every rank, every strategy and every world size start from the same weights (seeded build).
         model = build_model(shape, args.strategy, device, precision=args.mixed_precision,
                             activation_checkpointing=args.activation_checkpointing, seed=args.seed,

@@ -47,6 +47,7 @@ from common.cli import (
 )
 from common.errors import run_main
 from common.models import PlainCNN
+from common.runtime.compat import enable_flight_recorder
 from common.runtime.distributed import open_process, print0, print_rank, teardown_distributed
 from common.runtime.launch import detect_launch
 from labs.lab06_failures.lab06_shared import (
@@ -82,11 +83,11 @@ def reduce_step(model, loss: torch.Tensor, ctx, plan: FaultPlan, ledger: Ledger,
     """The one all-reduce of a step: every gradient, the loss, and one not-finite flag per rank.
     Returns the mean loss and the ranks whose loss was not finite; gradients become the mean."""
     grads = [p.grad.reshape(-1) for p in model.parameters()]
-    flags = torch.zeros(ctx.world_size)
-    flags[ctx.rank] = float(not torch.isfinite(loss))
+    flags = torch.zeros(ctx.world_size, device=loss.device)  # beside the gradients: one buffer, one device
+    flags[ctx.rank] = (~torch.isfinite(loss.detach())).float()
     buffer = torch.cat([*grads, loss.detach().reshape(1), flags])
     if plan.fires(ctx.rank, step, "shape-mismatch"):
-        buffer = torch.cat([buffer, torch.zeros(1)])  # one element more than every other rank
+        buffer = torch.cat([buffer, buffer.new_zeros(1)])  # one element more than every other rank
     if plan.fires(ctx.rank, step, "slow-rank"):
         time.sleep(slow_s)  # longer than the collective timeout: the others give up first
     ledger.enter(GRADIENTS, step, buffer.numel())
@@ -96,7 +97,8 @@ def reduce_step(model, loss: torch.Tensor, ctx, plan: FaultPlan, ledger: Ledger,
     for p, g in zip(model.parameters(), grads):
         p.grad.copy_(buffer[offset:offset + g.numel()].view_as(p.grad))
         offset += g.numel()
-    return buffer[offset].item(), [r for r in range(ctx.world_size) if buffer[offset + 1 + r] > 0]
+    loss_value, *flags = buffer[offset:].tolist()  # the loss and the flags: one copy to the host
+    return loss_value, [r for r in range(ctx.world_size) if flags[r] > 0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,9 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = FaultPlan(args.fault, args.rank, args.step, args.run_dir)
     wants_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     plan.check(launch.world_size, args.steps, cuda=wants_cuda)  # one error line, nothing written yet
-    # The flight recorder keeps each rank's last 64 collectives from the group's start (NCCL and, in
-    # recent PyTorch, Gloo; older releases name it TORCH_NCCL_TRACE_BUFFER_SIZE).
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "64")
+    # The flight recorder keeps each rank's last 64 collectives (NCCL, and Gloo in recent PyTorch).
+    enable_flight_recorder(64)
     ctx = open_process(args.device, distributed=True, collective_timeout_s=args.collective_timeout)
     try:
         return train(args, ctx, plan)
@@ -199,7 +200,8 @@ def report_failure(args, ctx, error: RuntimeError, step: int, stacks) -> int:
     """One line from one rank: the lowest rank that waited for the others, after reading the ledger."""
     message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if isinstance(error, torch.OutOfMemoryError):  # this rank's own failure, not a peer's: it says so itself
-        print_rank(f"diagnosis: rank(s) {ctx.rank} ran out of GPU memory at step {step}: {message[:120]}")
+        print_rank(f"diagnosis: rank(s) {ctx.rank} ran out of GPU memory at step {step} "
+                   f"({type(error).__name__}: {message[:120]})")
         write(args, ctx, "failed", step, float("nan"), None, {"diagnosis": f"rank {ctx.rank} out of memory",
                                                                "culprits": [ctx.rank], "culprit_step": step})
         return 1
@@ -208,7 +210,7 @@ def report_failure(args, ctx, error: RuntimeError, step: int, stacks) -> int:
                        history=read_history(args.run_dir))
     waiting = [r for r in range(ctx.world_size) if r not in verdict.ranks]
     print_rank(f"error at step {step}: {message[:160]}", file=sys.stderr)
-    dump_flight_recorder(args.run_dir, ctx.rank)  # what 02_diagnose.py shows after the fact
+    dump_flight_recorder(args.run_dir, ctx.rank, ctx.backend)  # what 02_diagnose.py shows after the fact
     if waiting and ctx.rank == min(waiting):
         print_rank(f"diagnosis: {verdict.line}")
         write(args, ctx, "failed", step, float("nan"), None,

@@ -11,8 +11,8 @@ What it teaches: a hung job is diagnosed from outside, without stopping it. For 
 doctor asks ``py-spy dump`` where the main thread is (py-spy reads the process's memory through
 ptrace; where ptrace is not allowed it falls back to the ``faulthandler`` dump that ``01_inject.py``
 writes on SIGUSR2), and reads the rank's last collective from the run's ledger (and, after a
-timeout, the flight recorder's dump: NCCL's ``TORCH_NCCL_TRACE_BUFFER_SIZE``, Gloo's
-``TORCH_FR_BUFFER_SIZE`` in this PyTorch). The verdict comes from the ledger, which every rank
+timeout, the flight recorder's dump, which ``01_inject.py`` turns on for NCCL and Gloo through
+``common.runtime.compat``). The verdict comes from the ledger, which every rank
 writes before entering a collective, so the same hang gives the same verdict every time; the
 stacks say why a rank is behind (asleep, in its data loader, dead). With ``--job`` the doctor runs
 itself on every node of a Slurm job through ``srun --overlap`` and merges what they saw.

@@ -7,7 +7,7 @@ piece is unit-tested on its own (``tests/test_lab06.py``). Nothing here imports 
 
 The ledger is a poor man's flight recorder: before every collective, each rank writes one small
 file, ``RUN_DIR/ledger/rank<R>.json``, saying which collective it is about to enter, at which step,
-with how many elements. NCCL's flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``) keeps the same
+with how many elements. PyTorch's flight recorder (``common.runtime.compat``) keeps the same
 facts inside the process; the ledger keeps them on disk, so they survive a rank that died and can be
 read by another program while the ranks hang.
 """
@@ -130,18 +130,17 @@ class Ledger:
             history.write(json.dumps(entry) + "\n")
 
 
-def dump_flight_recorder(run_dir: Path, rank: int) -> Path | None:
-    """Write this rank's flight recorder (its last collectives, kept by PyTorch when
-    ``TORCH_FR_BUFFER_SIZE`` or, on NCCL, ``TORCH_NCCL_TRACE_BUFFER_SIZE`` was set before the group
-    started) beside the ledger; ``None`` where this PyTorch cannot (a private API, so guarded)."""
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+def dump_flight_recorder(run_dir: Path, rank: int, backend: str | None) -> Path | None:
+    """Write this rank's flight recorder (its last collectives, kept by PyTorch when the recorder was
+    enabled before the group started: ``common.runtime.compat.enable_flight_recorder``) beside the
+    ledger; ``None`` where this PyTorch has no recorder for ``backend``."""
+    from common.runtime.compat import dump_flight_recorder as dump  # imports torch: only where a rank dumps
 
-        text = _dump_fr_trace_json(True, True)
-    except Exception:  # older PyTorch, or no recorder on this backend
+    dumped = dump(backend)
+    if dumped is None:
         return None
     path = Path(run_dir) / "ledger" / f"fr-rank{rank}.json"
-    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    path.write_bytes(dumped[0])
     return path
 
 

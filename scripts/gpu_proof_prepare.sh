@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Fill what the GPU proof needs on a GPU machine without internet; run it where there is internet.
+#
+#   bash scripts/gpu_proof_prepare.sh [PYTHON_VERSION]    # default 3.12, the GPU machine's Python
+#
+# - .whl/: wheels (x86_64 Linux, CPython PYTHON_VERSION) of the course's dependencies that a GPU
+#   image often lacks: line_profiler (Lab-02) and py-spy (Lab-06's doctor), at the versions of uv.lock.
+#   scripts/gpu_proof.sh installs them into a private folder before any check.
+# - .examples/: pytorch/examples (a shallow clone), whose mnist/main.py the Chapter 4 speed target
+#   is measured against. Both folders are ignored by git; a device lease carries them (carry: .whl,
+#   .examples).
+set -euo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo_root"
+version=${1:-3.12}
+locked() {  # the version uv.lock pins for a package
+    awk -v name="$1" '$0 == "name = \"" name "\"" {getline; gsub(/version = |"/, ""); print; exit}' uv.lock
+}
+mkdir -p .whl
+for package in line-profiler py-spy; do
+    pin=$(locked "$package")
+    [[ -n $pin ]] || { echo "error: uv.lock pins no $package" >&2; exit 1; }
+    python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "$version" --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 \
+        -d .whl "$package==$pin"
+done
+if [[ ! -f .examples/mnist/main.py ]]; then
+    rm -rf .examples
+    git clone --quiet --depth 1 https://github.com/pytorch/examples .examples
+fi
+wheels=(.whl/*.whl)
+echo "gpu_proof_prepare: ${#wheels[@]} wheel(s) in .whl/, pytorch/examples $(git -C .examples rev-parse --short HEAD)"
