@@ -32,6 +32,8 @@ SCHEMA_NAME = "hpc-dl-labs/result"
 #: ``provenance.machine`` (``common.runtime.machine``: CPU model, cores, bf16/fp16 flags, GPU peaks).
 #: Records of versions 1 and 2 are still read (the report labels their bf16 capability unknown).
 SCHEMA_VERSION = 3
+#: Other JSON documents of the course that live among records (``scripts/gpu_proof.py``'s summary).
+OTHER_SCHEMAS = ("hpc-dl-labs/gpu-proof",)
 #: Versions of the schema this code can read.
 READABLE_VERSIONS = (1, 2, 3)
 #: Top-level config values that mean the run computed in bf16 (``amp``, ``precision``, ``mixed_precision``).
@@ -360,7 +362,8 @@ class LoadResult:
 
 
 def load_records(folder: str | os.PathLike[str], recursive: bool = True) -> LoadResult:
-    """Read every ``*.json`` record under ``folder``; bad files are reported, not fatal.
+    """Read every ``*.json`` record under ``folder``; bad files are reported, not fatal. Files of
+    another of the course's schemas (``hpc-dl-labs/gpu-proof``, say) are left out without a word.
 
     Raises ``FileNotFoundError`` when ``folder`` does not exist or is not a directory.
     """
@@ -378,6 +381,8 @@ def load_records(folder: str | os.PathLike[str], recursive: bool = True) -> Load
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             errors.append((path, f"not valid JSON ({err})"))
             continue
+        if isinstance(data, dict) and data.get("schema") in OTHER_SCHEMAS:
+            continue  # another document of the course, kept beside records: not a record, not an error
         problems = validate_record(data)
         if problems:
             errors.append((path, "; ".join(problems)))

@@ -216,7 +216,7 @@ class Proof:
             ordered = [dict(self.results[c.name]) for c in proof.CHECKS if c.name in self.results]
         counts = {status: sum(1 for r in ordered if r["status"] == status)
                   for status in ("ok", "failed", "skipped", "not-run")}
-        summary = {"schema": 1, "device": self.args.device, **self.probe, "started": _iso(self.started),
+        summary = {"schema": "hpc-dl-labs/gpu-proof", "schema_version": 1, "device": self.args.device, **self.probe, "started": _iso(self.started),
                    "budget_s": self.args.budget, "elapsed_s": round(time.time() - self.started, 1),
                    "git": _git_revision(), "targets": proof.TARGETS, "counts": counts, "checks": ordered}
         _write(self.out / "summary.json", json.dumps(summary, indent=1) + "\n")

@@ -43,6 +43,8 @@ TARGETS = {
     "lab04_fsdp_over_ddp": 1.15,         # FSDP2's step time over DDP's on one GPU, at most
     "lab03_images_per_s": 5500.0,        # Lab-03's recipe, ResNet-50 training images/s at least
 }
+#: The targets met by staying at or below them (the others: at or above).
+AT_MOST = frozenset({"lab02_graph_3_epochs_s", "lab04_fsdp_over_ddp"})
 #: The shared-GPU test mode (common.runtime.device): two ranks on one GPU, over Gloo.
 SHARE_GPUS = {"HPC_DL_LABS_SHARE_GPUS": "1"}
 
@@ -287,6 +289,7 @@ def target(run: Run, name: str, value: Any, *, at_most: bool = False) -> list[st
     goal = TARGETS[name]
     if not number(value):
         return [f"{name}: no figure ({value!r})"]
+    assert at_most == (name in AT_MOST), name
     met = value <= goal if at_most else value >= goal
     return [] if met else [f"{name}: {value:.4g}, target {'at most' if at_most else 'at least'} {goal:g}"]
 
@@ -920,7 +923,8 @@ def steps_lab01_ddp_shared_gpu(c: Ctx) -> list[Step]:
 def steps_lab02_graph(c: Ctx) -> list[Step]:
     size = ["--epochs", "1", "--max-steps", "8"] if c.cpu else ["--epochs", "3"]
     return [mnist_data(c), Step(c.script(LAB02 + "/mnist_classify.py", "--device", c.device, "--dataset", "mnist",
-                                         "--data-dir", str(c.data), "--pipeline", "device", "--cuda-graph", *size,
+                                         "--data-dir", str(c.data), "--pipeline", "device", "--cuda-graph",
+                                         "--method", "graph", *size,
                                          "--results-dir", str(c.folder)))]
 
 
@@ -942,9 +946,10 @@ def steps_lab04_mfu(c: Ctx) -> list[Step]:
         model = [*tiny_lab04(c), "--max-steps", "3", "--warmup-steps", "1", "--global-batch-size", "8",
                  "--batch-size", "4"]
     else:
+        # Micro-batch 16: on the H100 (2026-11-26) micro-batch 8 gave 27.4% MFU, 16 gave 40.7%.
         model = ["--device", "cuda", "--layers", "24", "--width", "1024", "--heads", "16", "--context", "1024",
-                 "--window-stride", "128", "--max-steps", "30", "--warmup-steps", "10", "--compile",
-                 "--global-batch-size", "64", "--batch-size", "8"]
+                 "--window-stride", "128", "--max-steps", "24", "--warmup-steps", "10", "--compile",
+                 "--global-batch-size", "64", "--batch-size", "16"]
     return [Step([*c.torchrun(1), LAB04 + "/02_sharded_training.py", *model, "--epochs", "1", "--eval-steps", "1",
                   "--strategy", "fsdp", "--mixed-precision", "bf16", "--no-reshard-after-forward",
                   "--checkpoint-dir", str(c.folder / "ckpt"), "--results-dir", str(c.folder)],
@@ -1069,7 +1074,8 @@ CHECKS: list[Check] = [
           steps_ch04_vs_examples, judge_ch04_vs_examples, exclusive=True, needs=("sklearn",)),
     Check("lab04_fsdp_vs_ddp", 1, "Lab-04 303 M model, fp32, micro-batch 8 (2 a step): FSDP2 step <= 1.15x DDP's",
           steps_lab04_fsdp_vs_ddp, judge_lab04_fsdp_vs_ddp, exclusive=True, ranks=_one),
-    Check("lab04_mfu", 1, "Lab-04 303 M model, bf16, compiled blocks: >= 40% MFU; recompiles and graph breaks logged",
+    Check("lab04_mfu", 1, "Lab-04 303 M model, bf16, compiled blocks, micro-batch 16: >= 40% MFU; recompiles and graph "
+          "breaks logged",
           steps_lab04_mfu, judge_lab04_mfu, exclusive=True, ranks=_one),
     Check("lab03_recipe", 1, "Lab-03's recipe (ResNet-50, channels-last, bf16, compile, batch 256): >= 5,500 img/s",
           steps_lab03_recipe, judge_lab03_recipe, exclusive=True),
@@ -1141,9 +1147,10 @@ CHECKS: list[Check] = [
           lambda c: [Step([*c.torchrun(c.ranks), LAB04 + "/02_sharded_training.py", *tiny_train04(c), "--strategy",
                            "ddp", "--epochs", "1", "--checkpoint-dir", str(c.folder / "ckpt"), "--results-dir",
                            str(c.folder)])], judge_lab04_ddp),
-    Check("lab04_largest", 2, "Lab-04 03_largest_model.py under a 64 MiB budget",
+    Check("lab04_largest", 2, "Lab-04 03_largest_model.py under a small budget (64 MiB on CPU, 160 MiB on a GPU)",
           lambda c: [Step([*c.torchrun(c.ranks), LAB04 + "/03_largest_model.py", "--device", c.device, "--layers", "2",
-                           "--width", "64", "--heads", "4", "--context", "32", "--batch-size", "2", "--budget", "64MiB",
+                           "--width", "64", "--heads", "4", "--context", "32", "--batch-size", "2", "--budget",
+                           "64MiB" if c.cpu else "160MiB",  # on the H100, 2 blocks took 66-68 MiB in all
                            "--max-doublings", "2" if c.cpu else "4", "--results-dir", str(c.folder)])],
           judge_lab04_largest),
     Check("lab05_allreduce", 2, "Lab-05 01_allreduce_bench.py (one GPU: no link to measure, said once)",

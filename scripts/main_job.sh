@@ -5,7 +5,7 @@
 #   bash scripts/main_job.sh                 # results in results/lab01/
 #   RESULTS_DIR=/tmp/r bash scripts/main_job.sh
 #   PYTHON=python3 bash scripts/main_job.sh  # an interpreter that has the course's packages: no .venv sync
-#                                            # (an offline GPU node; scripts/gpu_smoke.sh runs it so)
+#                                            # (an offline GPU node; scripts/gpu_proof.sh runs it so)
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"

@@ -383,6 +383,16 @@ exec {real} "$@"
     assert calls.read_text().count("call") == 2
 
 
+def test_the_doctor_names_nccl_s_watchdog_dump_where_a_rank_left_no_json_dump(tmp_path):
+    doctor = load_script(DOCTOR)
+    (tmp_path / "ledger").mkdir()
+    (tmp_path / "ledger" / "fr-rank0.json").write_text(json.dumps({"entries": [
+        {"collective_seq_id": 7, "profiling_name": "gloo:all_reduce", "input_sizes": [[10]], "state": "scheduled"}]}))
+    (tmp_path / "ledger" / "nccl-watchdog-rank1").write_bytes(b"\x80" * 300)
+    assert doctor.flight_recorder(tmp_path) == {0: "#7 gloo:all_reduce [[10]] scheduled",
+                                                1: "NCCL's watchdog dump nccl-watchdog-rank1 (300 B, pickled)"}
+
+
 # --- preflight -------------------------------------------------------------------------------------------
 
 def test_preflight_on_one_machine_is_one_table_and_one_verdict(tmp_path, capsys):

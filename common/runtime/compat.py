@@ -14,7 +14,10 @@ it used, so a record or a test can tell.
   ``TORCH_FR_BUFFER_SIZE`` for every backend, older ones ``TORCH_NCCL_TRACE_BUFFER_SIZE`` for NCCL;
   the dump is ``_dump_nccl_trace_json`` for NCCL's recorder and ``_dump_fr_trace_json`` for the
   backend-neutral one (Gloo's). :func:`enable_flight_recorder` sets both variables,
-  :func:`dump_flight_recorder` asks the dump that belongs to the backend first.
+  :func:`dump_flight_recorder` asks the dump that belongs to the backend first. Measured on one H100
+  (torch 2.11, the GPU proof's ``nccl_flight_recorder`` check): either variable alone made NCCL keep
+  its collectives; ``_dump_nccl_trace_json`` returned them (3 of 3), ``_dump_fr_trace_json`` none;
+  ``set_timeout`` was missing and ``_set_pg_timeout`` present.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import MutableMapping
 
 import torch.distributed as dist
 
-__all__ = ["set_collective_timeout", "FLIGHT_RECORDER_BUFFER_VARIABLES", "enable_flight_recorder",
+__all__ = ["set_collective_timeout", "FLIGHT_RECORDER_BUFFER_VARIABLES", "WATCHDOG_DUMP_VARIABLES",
+           "enable_flight_recorder",
            "flight_recorder_dumps", "dump_flight_recorder"]
 
 #: The variables that size the flight recorder, newest name first (both are set: each release reads its own).
@@ -51,12 +55,24 @@ def set_collective_timeout(seconds: float, group: object | None = None) -> str |
     return None
 
 
-def enable_flight_recorder(entries: int, env: MutableMapping[str, str] | None = None) -> None:
+#: Where NCCL's watchdog writes the recorder when a collective times out (it appends the rank), newest first.
+WATCHDOG_DUMP_VARIABLES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
+def enable_flight_recorder(entries: int, env: MutableMapping[str, str] | None = None,
+                           dump_prefix: str | os.PathLike | None = None) -> None:
     """Keep each rank's last ``entries`` collectives (set before the process group starts; a value the
-    user exported wins)."""
+    user exported wins). ``dump_prefix``: on NCCL, the watchdog writes the recorder to this path plus
+    the rank when a collective times out, before it ends the process (``TORCH_NCCL_DUMP_ON_TIMEOUT``):
+    on an H100 with torch 2.11 the watchdog aborted the rank (SIGABRT) and Python's ``except`` never
+    ran, so that file is the only recorder a timed-out NCCL rank leaves."""
     env = os.environ if env is None else env
     for name in FLIGHT_RECORDER_BUFFER_VARIABLES:
         env.setdefault(name, str(entries))
+    if dump_prefix is not None:
+        env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        for name in WATCHDOG_DUMP_VARIABLES:
+            env.setdefault(name, str(dump_prefix))
 
 
 def flight_recorder_dumps(backend: str | None) -> list[str]:

@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = FaultPlan(args.fault, args.rank, args.step, args.run_dir)
     wants_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     plan.check(launch.world_size, args.steps, cuda=wants_cuda)  # one error line, nothing written yet
-    # The flight recorder keeps each rank's last 64 collectives (NCCL, and Gloo in recent PyTorch).
-    enable_flight_recorder(64)
+    # The flight recorder keeps each rank's last 64 collectives; NCCL's watchdog dumps it on a timeout.
+    enable_flight_recorder(64, dump_prefix=args.run_dir / "ledger" / "nccl-watchdog-rank")
     ctx = open_process(args.device, distributed=True, collective_timeout_s=args.collective_timeout)
     try:
         return train(args, ctx, plan)

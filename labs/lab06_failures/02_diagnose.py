@@ -109,6 +109,8 @@ def flight_recorder(run_dir: Path | None) -> dict[int, str]:
         entries = json.loads(path.read_text()).get("entries", [])[-3:]
         last[int(path.stem.removeprefix("fr-rank"))] = ", ".join(
             f"#{e['collective_seq_id']} {e['profiling_name']} {e['input_sizes']} {e['state']}" for e in entries)
+    for path in sorted(run_dir.glob("ledger/nccl-watchdog-rank[0-9]*")) if run_dir else []:  # NCCL's, on a timeout
+        last.setdefault(int(path.name[18:]), f"NCCL's watchdog dump {path.name} ({path.stat().st_size} B, pickled)")
     return last
 
 
