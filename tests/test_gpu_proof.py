@@ -169,7 +169,7 @@ def good_run(check: str, folder: Path) -> None:
             "checkpoint_saves": [{"mode": "sync", "stall_s": 0.1}]})
     elif check == "lab04_fsdp_resume":
         (folder / "status.txt").write_text("0\n0\n")
-        options = {"mixed_precision": "bf16", "activation_checkpointing": True}
+        options = {"precision": "bf16", "activation_checkpointing": True}
         record(folder, "fsdp+ac+bf16", lab="lab04", provenance=ddp, config={"epochs": 1, "resume": False, **options},
                metrics={"world_size": GPUS, "memory": memory(GPUS), "checkpoint_saves": [{"mode": "async"}]})
         record(folder, "fsdp+ac+bf16", lab="lab04", provenance=ddp, config={"epochs": 2, "resume": True, **options})
@@ -229,7 +229,7 @@ def test_lab04_fsdp_needs_async_saves_then_a_resumed_run_on_one_gpu(tmp_path):
         if json.loads(path.read_text())["config"]["resume"]:
             path.unlink()
     record(folder, "fsdp+ac+bf16", lab="lab04", provenance={"distributed": {"backend": "nccl"}},
-           config={"epochs": 1, "resume": False, "mixed_precision": "fp32", "activation_checkpointing": True},
+           config={"epochs": 1, "resume": False, "precision": "fp32", "activation_checkpointing": True},
            metrics={"world_size": GPUS, "memory": memory(GPUS), "checkpoint_saves": [{"mode": "sync"}]})
     problems = " | ".join(judged("lab04_fsdp_resume", folder, GPUS))
     for expected in ("1 command(s) ran, 2 expected", "no record of the resumed run", "expected async only",

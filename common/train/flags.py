@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common.cli import apply_dry_run, non_negative_int, output_file, positive_int
+from common.cli import apply_dry_run, non_negative_int, output_dir, output_file, positive_int
 from common.errors import UserError
 
-__all__ = ["add_checkpoint_args", "add_determinism_arg", "add_training_args", "settle"]
+__all__ = ["add_checkpoint_args", "add_determinism_arg", "add_distributed_checkpoint_args", "add_training_args",
+           "settle"]
 
 
 def add_determinism_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -57,6 +58,22 @@ def add_checkpoint_args(parser: argparse.ArgumentParser, *, always: bool = False
                             f"(default: {default_text})")
     group.add_argument("--resume", action="store_true",
                        help="continue from --checkpoint when it exists (default: start fresh)")
+    add_determinism_arg(group)
+    return parser
+
+
+def add_distributed_checkpoint_args(parser: argparse.ArgumentParser, *, default_dir: str) -> argparse.ArgumentParser:
+    """``--checkpoint-dir DIR``, ``--resume`` and ``--async-checkpoint``."""
+    group = parser.add_argument_group("distributed checkpoint and resume (pre-emption safe)")
+    group.add_argument("--checkpoint-dir", type=output_dir, default=None,
+                       help="every rank writes its shards here after every epoch and on SIGUSR1/SIGTERM, then "
+                            f"exits 0 (default: {default_dir})")
+    group.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint in --checkpoint-dir, with any number of "
+                            "processes (default: start fresh)")
+    group.add_argument("--async-checkpoint", action="store_true",
+                       help="save with dcp.async_save: training continues while a background thread writes "
+                            "(default: off, the loop waits for the files)")
     add_determinism_arg(group)
     return parser
 

@@ -26,7 +26,7 @@ from torch import nn
 from common.checkpoint.single_file import (capture_rng_state, check_same_settings, load_checkpoint,
                                            restore_rng_state, save_checkpoint)
 from common.cli import config_dict
-from common.errors import UserError
+from common.errors import Stopped, UserError
 from common.runtime.distributed import any_rank_on_host, gather_objects, print0
 from common.train.progress import Progress
 
@@ -59,8 +59,8 @@ class StopSignal:
         return signal.Signals(self.requested).name if self.requested else None
 
 
-class Preempted(Exception):
-    """Raised before ``step`` when every rank has agreed to stop."""
+class Preempted(Stopped):
+    """Raised before ``step`` when every rank has agreed to stop; ``run_main`` exits 0 on it."""
 
     def __init__(self, step: int) -> None:
         super().__init__(f"stopped before step {step}")

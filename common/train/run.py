@@ -39,7 +39,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from common.runtime.distributed import open_process, print0, teardown_distributed
+from common.runtime.distributed import every_rank_arrives, open_process, print0, teardown_distributed
 from common.train.flags import settle
 from common.train.meter import RunMeter
 from common.train.preemption import Checkpointer, Preempted, Preemption, TorchCheckpointer
@@ -76,11 +76,10 @@ class TrainingRun:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _tb: Any) -> bool:
         try:
-            if isinstance(error, Preempted):
+            if isinstance(error, Preempted):  # saved here; the exception goes on (run_main exits 0 on it)
                 self.save_checkpoint(self.epoch, error.step)
                 self.print(f"received {self.preemption.signal.name}: saved {self.checkpointer.path} at epoch "
                            f"{self.epoch} step {error.step}; exiting so the job can be requeued (resume with --resume)")
-                return True
             return False
         finally:
             try:
@@ -123,16 +122,25 @@ class TrainingRun:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """A one-file checkpoint after this epoch, for a script that writes it itself: the tracked state dicts
-        (the model unwrapped from DDP) and every rank's random generators (a collective: every rank calls it)."""
+        (the model unwrapped from DDP) and every rank's random generators. A collective: every rank calls it
+        (called on rank 0 alone it ends within the collective timeout, naming the ranks that did not come)."""
+        self._every_rank_here("checkpoint_state()")
         state = self._run_state(None, 0)
         return {**{name: obj.state_dict() for name, obj in self.preemption.tracked.items()}, **state}
 
     def save_checkpoint(self, epoch: int | None = None, step: int = 0) -> None:
-        """Every rank calls it (by default after the epoch); rank 0 writes, or every rank if sharded."""
+        """A collective: every rank calls it (by default after the epoch); rank 0 writes, or every rank if
+        sharded. Called under ``if run.is_main:`` it ends within the collective timeout, naming the ranks
+        that never came, instead of hanging."""
         if self.checkpointer is not None:
+            self._every_rank_here("save_checkpoint()")
             state = self._run_state(epoch, step)
             if self.is_main or self.checkpointer.every_rank_writes:
                 self.checkpointer.save(state, self.preemption.tracked)
+
+    def _every_rank_here(self, what: str) -> None:
+        if self.distributed:
+            every_rank_arrives(what, self.ctx)
 
     def _run_state(self, epoch: int | None, step: int) -> dict[str, Any]:
         self._close_epoch(ended=epoch is None)  # the epoch is over unless a signal stopped it at ``step``

@@ -48,6 +48,7 @@ from common.cli import (
 from common.errors import run_main
 from common.models import PlainCNN
 from common.runtime.compat import enable_flight_recorder
+from common.runtime.device import device_type
 from common.runtime.distributed import open_process, print0, print_rank, teardown_distributed
 from common.runtime.launch import detect_launch
 from labs.lab06_failures.lab06_shared import (
@@ -106,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = min(args.steps, 4) if args.dry_run else args.steps
     launch = detect_launch()
     plan = FaultPlan(args.fault, args.rank, args.step, args.run_dir)
-    wants_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    plan.check(launch.world_size, args.steps, cuda=wants_cuda)  # one error line, nothing written yet
+    plan.check(launch.world_size, args.steps, cuda=device_type(args.device) == "cuda")  # one error line, nothing yet
     # The flight recorder keeps each rank's last 64 collectives; NCCL's watchdog dumps it on a timeout.
     enable_flight_recorder(64, dump_prefix=args.run_dir / "ledger" / "nccl-watchdog-rank")
     ctx = open_process(args.device, distributed=True, collective_timeout_s=args.collective_timeout)
