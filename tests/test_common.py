@@ -725,11 +725,11 @@ def test_the_stop_flag_is_agreed_only_where_a_handler_is_armed_and_on_the_cpus(t
             return real(tensor, *args, **kwargs)
 
         monkeypatch.setattr(dist, "all_reduce", spy)
-        with Preemption(None, argparse.Namespace()) as unarmed:
+        with Preemption(None, resume=False) as unarmed:
             for step in range(3):
                 unarmed.check(step, across_ranks=True)
         assert calls == []
-        with Preemption(TorchCheckpointer(tmp_path / "ck.pt"), argparse.Namespace()) as armed:
+        with Preemption(TorchCheckpointer(tmp_path / "ck.pt"), resume=False) as armed:
             armed.check(0, across_ranks=True)
             assert calls == [("cpu", None)]
             with monkeypatch.context() as nccl:  # the world group is NCCL's on a GPU run

@@ -7,13 +7,15 @@ helpers read ``args`` and never repeat a default.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from common.cli import apply_dry_run, non_negative_int, output_dir, output_file, positive_int
+from common.cli import apply_dry_run, config_dict, non_negative_int, output_dir, output_file, positive_int
 from common.errors import UserError
 
-__all__ = ["add_checkpoint_args", "add_determinism_arg", "add_distributed_checkpoint_args", "add_training_args",
-           "settle"]
+__all__ = ["RunSettings", "add_checkpoint_args", "add_determinism_arg", "add_distributed_checkpoint_args",
+           "add_training_args", "settle"]
 
 
 def add_determinism_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -93,3 +95,35 @@ def settle(args: argparse.Namespace, script: str, *, distributed: bool) -> Path 
     if args.resume and args.checkpoint is None:
         raise UserError("--resume needs --checkpoint PATH (the file to continue from)")
     return args.checkpoint
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What :class:`~common.train.run.TrainingRun` and its parts read from the command line, read once,
+    after :func:`settle`: each part gets the values it needs, not the whole ``args``."""
+
+    device: str
+    deterministic: bool
+    epochs: int
+    max_steps: int | None
+    log_interval: int
+    warmup_steps: int
+    record_steps: int
+    num_workers: int | None
+    resume: bool
+    results_dir: Path
+    checkpoint: Path | None
+    flags: argparse.Namespace  # every flag, for the record and the checkpoint: what the run was asked to do
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RunSettings":
+        return cls(device=args.device, deterministic=args.deterministic, epochs=args.epochs,
+                   max_steps=args.max_steps, log_interval=args.log_interval, warmup_steps=args.warmup_steps,
+                   record_steps=args.record_steps, num_workers=getattr(args, "num_workers", None),
+                   resume=bool(getattr(args, "resume", False)), results_dir=Path(args.results_dir),
+                   checkpoint=getattr(args, "checkpoint", None), flags=args)
+
+    def config(self, **derived: Any) -> dict[str, Any]:
+        """Every flag as the script holds it now (a script may settle some after the run starts), plus ``derived``."""
+        return config_dict(self.flags, **derived)
+

@@ -54,7 +54,7 @@ from common.runtime.launch import detect_launch
 from labs.lab06_failures.lab06_shared import (
     DEFAULT_RUN_DIR, END_OF_RUN, FAULTS, FIRED_MARKER, GRADIENTS, RUN_META, FaultPlan, Ledger,
     block_until_parent_dies, diagnose, dump_flight_recorder, read_history, read_ledger, restart_count,
-    write_run_record,
+    write_inject_record,
 )
 
 SCRIPT = "labs/lab06_failures/01_inject.py"
@@ -222,7 +222,7 @@ def report_failure(args, ctx, error: RuntimeError, step: int, stacks) -> int:
 
 def write(args, ctx, status: str, step: int, loss: float, wall: float | None, extra: dict, ledger=None) -> None:
     if ctx.rank == 0 or "diagnosis" in extra:  # rank 0's result, or the record of the rank that diagnosed
-        write_run_record(args, SCRIPT, ctx.device, ctx.world_size, ctx.describe(), status,
+        write_inject_record(args, SCRIPT, ctx.device, ctx.world_size, ctx.describe(), status,
                          {"final_loss": loss, "steps_done": step, "restarts": restart_count(), "wall_s": wall,
                           **extra, **({"ledger": ledger} if ledger is not None else {})})
 
