@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--metadata-latency", type=float, default=0.0, metavar="MS",
                        help="wait this long before every open (see 02_read_formats.py) (default: %(default)s)")
     group.add_argument("--ids-out", type=output_dir, default=None,
-                       help="write the sample ids each rank read, in order, to ids-rank<r>.json here (default: none)")
+                       help="write the sample ids each rank read, in order, one line per epoch, to ids-rank<r>.jsonl here (default: none)")
     group.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (default: %(default)s)")
     add_training_args(parser)
     add_checkpoint_args(parser)
@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         run.print(f"{plan['shards']} shard(s), {plan['samples']:,} samples, over {plan['slots']} reader slot(s) "
                   f"({run.world_size} rank(s) x {max(1, args.num_workers)} worker(s)): {plan['slot_samples_min']:,} "
                   f"to {plan['slot_samples_max']:,} samples a slot | --shard-policy {args.shard_policy}: "
-                  + {"pad": f"{plan['padded']:,} weight-0 blank(s) pad the slots to the largest",
-                     "drop": f"{plan['dropped']:,} sample(s) left out this epoch (the smallest slot sets the pace)",
+                  + {"pad": f"{plan['padded']:,} weight-0 blank(s) in epoch {run.epoch} pad the slots to the largest",
+                     "drop": f"{plan['dropped']:,} sample(s) left out in epoch {run.epoch} (the smallest slot sets the pace)",
                      "uneven": "every sample once, ranks take different numbers of steps (DDP's Join)"}[args.shard_policy])
         torch.manual_seed(args.seed)
         model = build_model().to(device)
@@ -204,10 +204,12 @@ def main(argv: list[str] | None = None) -> int:
                 twice = sum(1 for n in seen.values() if n > 1)
                 run.print(f"epoch {epoch}: {len(seen):,} of {plan['samples']:,} samples read, {twice} more than once "
                           f"({'every sample exactly once' if len(seen) == plan['samples'] and not twice else 'not exactly once'}"
-                          f"; policy {args.shard_policy}) | rank 0: {padded} blank(s) | {skipped_all} skipped on all ranks | rank 0 opened "
+                          f"; policy {args.shard_policy}: {stream.describe(epoch)['padded']} blank(s), "
+                          f"{stream.describe(epoch)['dropped']} left out) | rank 0: {padded} blank(s) | {skipped_all} skipped on all ranks | rank 0 opened "
                           f"{counted['opens']} shard file(s), waiting for data {waited / epoch_s:.0%} of step time")
             run.save_checkpoint()  # model, optimiser and, from every rank, the loader's position
-            epochs.append({"epoch": epoch, "samples": sum(1 for i in ids if i >= 0), "padded": padded,
+            epochs.append({"epoch": epoch, "plan": stream.describe(epoch), "samples": sum(1 for i in ids if i >= 0),
+                           "padded": padded,
                            "skipped_all_ranks": skipped_all,
                            "distinct_all_ranks": len({i for rank_ids in everyone for i in rank_ids}),
                            "read_all_ranks": sum(len(rank_ids) for rank_ids in everyone), "epoch_s": epoch_s,
@@ -221,9 +223,11 @@ def main(argv: list[str] | None = None) -> int:
                             "exactly_once": all(e["distinct_all_ranks"] == plan["samples"] ==
                                                 e["read_all_ranks"] for e in epochs) if run.is_main else None})
     if args.ids_out is not None:  # also after a pre-emption stop: what this run read before it stopped
-        write_text_atomic(json.dumps({"rank": launch.rank, "world_size": launch.world_size, "workers": args.num_workers,
-                                      "policy": args.shard_policy, "epochs": ids_read}) + "\n",
-                          args.ids_out / f"ids-rank{launch.rank}.json")
+        # JSON lines (not .json: a results folder's reader would take a .json file for a record).
+        lines = [json.dumps({"rank": launch.rank, "world_size": launch.world_size, "workers": args.num_workers,
+                             "policy": args.shard_policy, "epoch_index": index, "ids": ids})
+                 for index, ids in enumerate(ids_read)]
+        write_text_atomic("".join(line + "\n" for line in lines), args.ids_out / f"ids-rank{launch.rank}.jsonl")
     return 0
 
 

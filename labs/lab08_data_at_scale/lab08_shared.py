@@ -41,6 +41,9 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
+# Imported here, before any DataLoader worker is forked: a worker would otherwise import torchvision itself,
+# seconds of CPU in every worker of every epoch.
+from torchvision.io import ImageReadMode, decode_jpeg
 
 from common.errors import UserError
 
@@ -189,8 +192,6 @@ class EpochIO:
 
 def decode(jpeg: bytes) -> torch.Tensor:
     """One JPEG -> uint8 (1, 64, 64) with libjpeg (torchvision.io); raises ValueError on a broken file."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
     try:
         image = decode_jpeg(torch.frombuffer(bytearray(jpeg), dtype=torch.uint8), mode=ImageReadMode.GRAY)
     except RuntimeError as err:
@@ -202,8 +203,6 @@ def decode(jpeg: bytes) -> torch.Tensor:
 
 def decode_batch(jpegs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Raw JPEG bytes (one uint8 tensor each) decoded where ``device`` is: nvJPEG on a GPU, libjpeg on a CPU."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
     images = decode_jpeg(jpegs, mode=ImageReadMode.GRAY, device=device)
     return torch.stack(images)
 
@@ -333,13 +332,14 @@ class BadSample(Exception):
         self.shard, self.member, self.reason = shard, member, reason
 
 
-def split_samples(data: bytes) -> list[dict[str, Any]]:
+def split_samples(data: bytes, samples: list[dict[str, Any]]) -> None:
     """A tar shard's members grouped into samples by key, in the tar's order, with WebDataset's own tar
-    reader (``webdataset.tariterators``): ``{"__key__": "000042", "jpg": b"...", "cls": b"3"}``."""
+    reader (``webdataset.tariterators``), appended to ``samples`` as they come (a tar cut short keeps what
+    came before the cut): ``{"__key__": "000042", "jpg": b"...", "cls": b"3"}``."""
     from webdataset.tariterators import group_by_keys, tar_file_iterator
 
     members = ({**member, "__url__": None} for member in tar_file_iterator(io.BytesIO(data), handler=_reraise))
-    return list(group_by_keys(members, handler=_reraise))
+    samples.extend(group_by_keys(members, handler=_reraise))
 
 
 def _reraise(error: Exception) -> bool:
@@ -368,10 +368,10 @@ def check_shard(info: ShardInfo, data: bytes) -> tuple[list[dict[str, Any]], lis
                 damaged.add(row["member"])
         if not damaged:
             bad.append(BadSample(info.name, "(tar headers)", "checksum mismatch outside the members' data"))
+    samples: list[dict[str, Any]] = []
     try:
-        samples = split_samples(data)
+        split_samples(data, samples)
     except Exception as err:  # a tar cut short or broken: keep what was read before the break
-        samples = []
         if not bad:
             bad.append(BadSample(info.name, "(tar)", f"unreadable tar: {err}"))
     good = []
