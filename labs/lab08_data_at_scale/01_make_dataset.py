@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
           f"in {target}")
     record = make_record(lab=LAB, script=SCRIPT, method="make-dataset", config=config_dict(args),
                          metrics={"samples": args.samples, "jpeg_bytes": jpeg_bytes, "make_s": made_s,
-                                  "formats": written}, provenance=provenance())
+                                  "formats": written}, provenance=provenance(torch.device("cpu")))
     print(f"record: {write_record(record, args.results_dir)}")
     return 0
 
