@@ -128,13 +128,20 @@ def test_each_format_counts_its_opens_bytes_and_workers(data, reads):
 
 
 def test_injected_latency_is_waited_once_per_open_and_predicted(reads):
+    model = load_script(READ)
     (plain,) = reads["webdataset"]["record"]["metrics"]["epochs_io"]
     (slow,) = reads["webdataset+latency"]["record"]["metrics"]["epochs_io"]
     assert plain["injected_wait_s"] == 0
-    assert slow["opens"] == 6 and 6 * 0.040 <= slow["injected_wait_s"] < 6 * 0.040 + 0.5
-    # 6 waits of 40 ms shared by 2 workers: the epoch takes at least 3 of them, and the model says so too.
-    assert slow["epoch_s"] >= 3 * 0.040 and slow["predicted_epoch_s"] >= 3 * 0.040
-    assert slow["predicted_epoch_s"] - plain["predicted_epoch_s"] == pytest.approx(3 * 0.040, rel=0.5)
+    assert slow["opens"] == 6 and slow["injected_wait_s"] >= 6 * 0.040  # a sleep lasts at least what it asks
+    assert slow["epoch_s"] >= 3 * 0.040  # 6 waits of 40 ms shared by 2 workers
+    # The prediction printed and recorded is the model's, from this run's calibration and the format's opens.
+    cost = reads["webdataset+latency"]["record"]["metrics"]["cost"]
+    again = model.predict_here(samples=SAMPLES, opens=6, workers=2, batch=32, sample_s=cost["sample_s"],
+                               step_s=cost["step_s"], open_wait_s=0.040)
+    assert slow["predicted_epoch_s"] == pytest.approx(again["epoch_s"])
+    assert again["epoch_s"] - model.predict_here(samples=SAMPLES, opens=6, workers=2, batch=32,
+                                                 sample_s=cost["sample_s"], step_s=cost["step_s"],
+                                                 open_wait_s=0.0)["epoch_s"] >= 3 * 0.040
     assert "measured ÷ predicted" in reads["webdataset+latency"]["out"]
     cluster = reads["webdataset"]["record"]["metrics"]["cluster_prediction"]
     assert [row["nodes"] for row in cluster] == [1, 8] and cluster[1]["epoch_s"] < cluster[0]["epoch_s"]
