@@ -806,6 +806,27 @@ def judge_lab07_model_parallel(run: Run) -> list[str]:
     return problems
 
 
+def judge_lab08_gpu_decode(run: Run) -> list[str]:
+    """Lab-08's shards read with the JPEGs decoded by the CPU workers, then by the training device in whole
+    batches (nvJPEG on a GPU): both ran on the device, each read every sample; samples/s of both, and their ratio."""
+    problems = exited(run)
+    rates = {}
+    for method in ("webdataset+read-only", "webdataset+read-only+decode-on-device"):
+        records, more = records_of(run, method)
+        problems += more + on_device(run, records) + status_ok(records)
+        for record in records:
+            epochs = get(record, "metrics", "epochs_io") or [{}]
+            if not number(epochs[-1].get("samples_per_s")):
+                problems.append(f"{name_of(record)}: no samples/s")
+            else:
+                rates[method] = epochs[-1]["samples_per_s"]
+    if len(rates) == 2:
+        run.findings["samples_per_s_cpu_workers"] = rates["webdataset+read-only"]
+        run.findings["samples_per_s_decode_on_device"] = rates["webdataset+read-only+decode-on-device"]
+        run.findings["device_over_workers"] = rates["webdataset+read-only+decode-on-device"] / rates["webdataset+read-only"]
+    return problems
+
+
 def judge_nccl_flight_recorder(run: Run) -> list[str]:
     """The flight recorder on NCCL in this PyTorch (which variable sizes it, which dump reads it) and
     what NCCL's watchdog does to a rank whose collective never finishes (see scripts/gpu_probe_nccl.py)."""
@@ -856,6 +877,7 @@ LAB01, LAB02 = "labs/lab01_dp_vs_ddp", "labs/lab02_profiling"
 LAB03 = "labs/lab03_precision_benchmark/benchmark_models.py"
 LAB04, LAB05 = "labs/lab04_sharded_training", "labs/lab05_scaling"
 LAB06, LAB07 = "labs/lab06_failures", "labs/lab07_model_parallel"
+LAB08 = "labs/lab08_data_at_scale"
 
 
 def tiny_lab01(c: Ctx) -> list[str]:
@@ -1174,6 +1196,16 @@ CHECKS: list[Check] = [
                                            ("02_pipeline_parallel.py", ["--schedule", "1f1b", "--microbatches", "8"]),
                                            ("03_2d_parallel.py", ["--checkpoint-dir", str(c.folder / "ckpt")]))],
           judge_lab07_model_parallel),
+    Check("lab08_gpu_decode", 2, "Lab-08 shards read with JPEGs decoded by 2 CPU workers, then by the device "
+          "(torchvision.io.decode_jpeg on cuda): samples/s of each",
+          lambda c: [Step(c.script(LAB08 + "/01_make_dataset.py", "--samples", "2048", "--shard-size", "256",
+                                   "--data-dir", str(c.folder.parent / "lab08-data"), "--overwrite",
+                                   "--results-dir", str(c.folder))),
+                     *[Step(c.script(LAB08 + "/02_read_formats.py", "--device", c.device, "--format", "webdataset",
+                                     "--read-only", "--decode", decode, "--num-workers", "2", "--batch-size", "128",
+                                     "--data-dir", str(c.folder.parent / "lab08-data"), "--results-dir",
+                                     str(c.folder))) for decode in ("loader", "device")]],
+          judge_lab08_gpu_decode, needs=("webdataset",)),
     Check("nccl_flight_recorder", 2, "NCCL's flight recorder in this PyTorch, and its watchdog on a stalled rank",
           lambda c: [Step([c.python, "scripts/gpu_probe_nccl.py", "recorder", str(c.folder / "probe.json")]),
                      Step([c.python, "scripts/gpu_probe_nccl.py", "watchdog", str(c.folder / "probe.json")])],

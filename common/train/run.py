@@ -176,21 +176,27 @@ class TrainingRun:
             self.progress.close_epoch()
             self._epoch_open = False
 
-    def steps(self, loader: Iterable[Any]) -> Iterator[Any]:
+    def steps(self, loader: Iterable[Any], *, loader_resumes: bool = False) -> Iterator[Any]:
         """This epoch's batches, each one timed as a step, up to ``--max-steps``. Skips the steps a resumed run
-        did (the same batches: the order is the same); stops every rank at once if any got the stop signal."""
+        did (the same batches: the order is the same); stops every rank at once if any got the stop signal.
+
+        ``loader_resumes=True``: the loader keeps its own position and the checkpoint holds it (Lab-08's
+        ``StatefulDataLoader``, tracked with :meth:`track`); a resumed run takes its next batch as it is,
+        numbered from the step it stopped at. The stop is agreed before a batch is taken, so such a loader
+        has not yet handed out the batch a resumed run must start with."""
         cap = self.settings.max_steps
         total = len(loader) if cap is None else min(len(loader), cap)
         with self.meter.epoch(loader):
             batches = iter(loader)
-            for step in range(total):
+            for step in range(self.start_step if loader_resumes else 0, total):
+                if step >= self.start_step:
+                    self.preemption.check(step, across_ranks=self.distributed)  # a collective where a handler is armed
                 asked = time.perf_counter()
                 batch = next(batches, None)  # waiting for the loader is part of the step: a starved device shows
                 if batch is None:
                     break
                 if step < self.start_step:
                     continue
-                self.preemption.check(step, across_ranks=self.distributed)  # a collective where a handler is armed
                 logged = len(self.losses)
                 with self.meter.step(batch, world_size=self.world_size, waited_s=time.perf_counter() - asked):
                     yield batch
