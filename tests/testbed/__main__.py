@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="the cluster's directory (default: %(default)s)")
     parser.add_argument("--nodes", type=int, default=2, choices=range(1, MAX_NODES + 1), metavar="N",
                         help=f"emulated compute nodes n1..nN, 1 to {MAX_NODES} [start] (default: %(default)s)")
+    parser.add_argument("--no-accounting", dest="accounting", action="store_false",
+                        help="no slurmdbd and MariaDB: sacct does not answer [start] (default: accounting on)")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep D/log after stopping [stop] (default: delete everything)")
     claims = parser.add_argument_group("what the nodes claim [start] (default: enough for every site profile "
@@ -83,7 +85,7 @@ def status(testbed: Testbed) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    testbed = Testbed(args.dir, nodes=args.nodes)
+    testbed = Testbed(args.dir, nodes=args.nodes, accounting=args.accounting)
     try:
         if args.command == "start":
             testbed.start(resources_from(args))
