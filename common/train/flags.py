@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common.cli import apply_dry_run, non_negative_int, output_file, positive_int
+from common.cli import apply_dry_run, non_negative_int, output_dir, output_file, positive_int
 from common.errors import UserError
 
 __all__ = ["add_checkpoint_args", "add_determinism_arg", "add_training_args", "settle"]
@@ -39,6 +39,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     group.add_argument("--record-steps", type=non_negative_int, default=200,
                        help="how many of the first optimiser steps keep their loss in the record "
                             "(metrics.loss_at_step) (default: %(default)s)")
+    group.add_argument("--tensorboard", type=output_dir, default=None, metavar="DIR",
+                       help="write TensorBoard event files here from rank 0: train/loss per step, test/loss and "
+                            "test/accuracy per evaluation (tensorboard --logdir DIR) (default: none)")
     add_determinism_arg(group)
     return group
 
@@ -57,6 +60,10 @@ def add_checkpoint_args(parser: argparse.ArgumentParser, *, always: bool = False
                             f"(default: {default_text})")
     group.add_argument("--resume", action="store_true",
                        help="continue from --checkpoint when it exists (default: start fresh)")
+    group.add_argument("--step-budget", type=positive_int, default=None, metavar="STEPS",
+                       help="optimiser steps this process may take; then it saves the checkpoint and exits 0 as "
+                            "on a pre-emption signal, and --resume goes on (one link of a job chain) "
+                            "(default: no budget)")
     add_determinism_arg(group)
     return parser
 
@@ -75,4 +82,6 @@ def settle(args: argparse.Namespace, script: str, *, distributed: bool) -> Path 
         args.checkpoint = output_file(str(Path(args.results_dir) / "checkpoints" / f"{Path(script).stem}.pt"))
     if args.resume and args.checkpoint is None:
         raise UserError("--resume needs --checkpoint PATH (the file to continue from)")
+    if getattr(args, "step_budget", None) is not None and args.checkpoint is None:
+        raise UserError("--step-budget needs --checkpoint PATH (where the next run goes on from)")
     return args.checkpoint

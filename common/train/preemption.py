@@ -1,5 +1,9 @@
 """Surviving the end of an allocation: stop on a signal, save, and resume where the run stopped.
 
+A run may also stop by itself after ``--step-budget`` optimiser steps, exactly as on the signal (save,
+exit 0): one link of a chain of jobs that each continue the run (Lab-09), with a length a test can
+choose, where a time limit's signal comes only to the minute.
+
 :class:`StopSignal` catches ``SIGUSR1`` (what ``#SBATCH --signal=B:USR1@120`` sends before the time
 limit) and ``SIGTERM`` (what ``scancel`` and pre-emption send). :class:`Preemption` is the policy a
 :class:`~common.train.run.TrainingRun` follows: with a checkpoint, a signal only sets a flag; before
@@ -125,6 +129,8 @@ class Preemption:
         self.checkpointer, self.args = checkpointer, args
         self.resume_settings = tuple(resume_settings)
         self.signal = StopSignal()
+        self.budget: int | None = getattr(args, "step_budget", None)  # steps this process may take
+        self.steps_taken = 0
         self.tracked: dict[str, Any] = {}
 
     def __enter__(self) -> "Preemption":
@@ -149,9 +155,16 @@ class Preemption:
         between the CPUs (:func:`~common.runtime.distributed.any_rank_on_host`): no wait for the GPU."""
         if self.checkpointer is None:
             return
-        stop = self.signal.requested is not None
+        stop = self.signal.requested is not None or (self.budget is not None and self.steps_taken >= self.budget)
         if any_rank_on_host(stop) if across_ranks else stop:
             raise Preempted(step)
+        self.steps_taken += 1
+
+    def why_stopped(self) -> str:
+        """What stopped the run: the signal, else the step budget."""
+        if self.signal.requested is not None:
+            return f"received {self.signal.name}"
+        return f"step budget of {self.budget} step(s) reached"
 
     def resume(self, objects: dict[str, Any], *, rank: int, world_size: int,
                device: torch.device) -> tuple[int, int, Progress] | None:

@@ -28,6 +28,7 @@ The run delegates each of its jobs to one collaborator:
   kept on the device, averaged over ranks per epoch, the held-out history);
 - **measuring**: :class:`common.train.meter.RunMeter` (step time, data waiting, energy, memory,
   placement);
+- **the curves**: :class:`common.train.curves.Curves` (``--tensorboard DIR``: TensorBoard event files);
 - **the record**: :func:`common.train.record.write_run_record` (rank 0 writes it).
 """
 
@@ -40,6 +41,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from common.runtime.distributed import open_process, print0, teardown_distributed
+from common.train.curves import Curves
 from common.train.flags import settle
 from common.train.meter import RunMeter
 from common.train.preemption import Checkpointer, Preempted, Preemption, TorchCheckpointer
@@ -68,6 +70,7 @@ class TrainingRun:
         self.ctx = open_process(self.args.device, distributed=self.distributed,
                                 deterministic=self.args.deterministic)
         self.device = self.ctx.device
+        self.curves = Curves(getattr(self.args, "tensorboard", None), is_main=self.is_main)  # --tensorboard
         self.meter = RunMeter(self.device, warmup_steps=self.args.warmup_steps)
         if self.distributed:  # each rank's cores, its GPU's NUMA node, DataLoader workers against cores
             self.meter.place(getattr(self.args, "num_workers", None))
@@ -78,12 +81,13 @@ class TrainingRun:
         try:
             if isinstance(error, Preempted):
                 self.save_checkpoint(self.epoch, error.step)
-                self.print(f"received {self.preemption.signal.name}: saved {self.checkpointer.path} at epoch "
+                self.print(f"{self.preemption.why_stopped()}: saved {self.checkpointer.path} at epoch "
                            f"{self.epoch} step {error.step}; exiting so the job can be requeued (resume with --resume)")
                 return True
             return False
         finally:
             try:
+                self.curves.close()
                 self.preemption.__exit__()
             finally:
                 teardown_distributed(self.ctx)
@@ -151,7 +155,9 @@ class TrainingRun:
             self.print(self.progress.line(epoch, self.meter.rate(), job=self.world_size > 1))
 
     def _close_epoch(self, *, ended: bool) -> None:
+        logged = len(self.progress.epoch_losses)
         self.losses.reduce_into(self.progress, self.device, across_ranks=self.distributed)
+        self.curves.losses(self.progress.steps, self.progress.epoch_losses[logged:])
         if ended and self._epoch_open:
             self.progress.close_epoch()
             self._epoch_open = False
@@ -188,6 +194,7 @@ class TrainingRun:
         """The held-out loss and accuracy after this epoch (kept with the training time so far)."""
         epoch = self.epoch if self._epoch_open else len(self.progress.train_loss)  # after the loop: the last
         self.progress.evaluated(epoch, test_loss, test_accuracy)
+        self.curves.evaluated(self.progress.steps, test_loss, test_accuracy)
 
     # ---------------------------------------------------------------------------------- the record
     def finish(self, *, config: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,
