@@ -133,7 +133,8 @@ def lab09_sections(ctx: SectionContext) -> list[Section]:
         sections.append(Section(f"Lab 09: sweep {record['config'].get('sweep_id')} ({record['config'].get('how')})",
                                 id=f"lab09-{record['run_id']}", paragraphs=paragraphs, figures=figures,
                                 tables=[ranking_table(record, "accuracy"), ranking_table(record, "cost")]))
-    table = comparison_table(sorted(records, key=lambda r: r["created"]))
+    newest = {record["config"].get("sweep_id"): record for record in sorted(records, key=lambda r: r["created"])}
+    table = comparison_table(list(newest.values()))  # a sweep recorded again after resubmission: its last word
     if table is not None:
         sections.append(Section("Lab 09: sbatch --array or submitit", tables=[table]))
     return sections
