@@ -28,7 +28,7 @@ The run delegates each of its jobs to one collaborator:
   kept on the device, averaged over ranks per epoch, the held-out history);
 - **measuring**: :class:`common.train.meter.RunMeter` (step time, data waiting, energy, memory,
   placement);
-- **the curves**: :class:`common.train.curves.Curves` (``--tensorboard DIR``: TensorBoard event files);
+- **the curves**: :class:`common.train.progress.Curves` (``--tensorboard DIR``: TensorBoard event files);
 - **the record**: :func:`common.train.record.write_run_record` (rank 0 writes it).
 """
 
@@ -41,11 +41,10 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from common.runtime.distributed import open_process, print0, teardown_distributed
-from common.train.curves import Curves
 from common.train.flags import settle
 from common.train.meter import RunMeter
 from common.train.preemption import Checkpointer, Preempted, Preemption, TorchCheckpointer
-from common.train.progress import LossLog, Progress
+from common.train.progress import Curves, LossLog, Progress
 from common.train.record import write_run_record
 
 __all__ = ["TrainingRun"]
