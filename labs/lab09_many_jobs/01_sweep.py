@@ -99,6 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         return run_task(plan, args.task, run_flags(args), replace_process=True)
 
     plan = prepare_folder(folder, args.sweep_file)
+    if not (args.plan or args.local):
+        if plan.submissions():
+            raise UserError(f"{folder} was submitted already (job {plan.submissions()[-1]['job_id']}): follow it or "
+                            f"resubmit what failed with 02_status.py --sweep-dir {folder} [--resubmit]")
+        limit = max_array_size()  # array indices run from 0 to MaxArraySize - 1
+        if len(plan.tasks) > limit:
+            raise UserError(f"the sweep has {len(plan.tasks)} tasks, more than this cluster's MaxArraySize of {limit} "
+                            "(scontrol show config): split it into several sweep files")
     seconds = check_with_script(plan.script, plan.tasks)  # the script's own parser: before anything is written
     print(f"{len(plan.tasks)} task(s) of {display(plan.script)}, flags checked by its parser in {seconds:.1f} s:")
     for task in plan.tasks[:10]:
@@ -115,13 +123,6 @@ def main(argv: list[str] | None = None) -> int:
                   if run_task(plan, task.index, ["--device", args.device, *run_flags(args)]) != 0]
         print(f"ran {len(plan.tasks)} task(s) here; failed: {failed or 'none'}")
         return 1 if failed else 0
-    if plan.submissions():
-        raise UserError(f"{folder} was submitted already (job {plan.submissions()[-1]['job_id']}): follow it or resubmit "
-                        f"what failed with 02_status.py --sweep-dir {folder} [--resubmit]")
-    limit = max_array_size()  # array indices run from 0 to MaxArraySize - 1
-    if len(plan.tasks) > limit:
-        raise UserError(f"the sweep has {len(plan.tasks)} tasks, more than this cluster's MaxArraySize of {limit} "
-                        "(scontrol show config): split it into several sweep files")
     write_plan(plan)
     submit_array(plan, args)
     return 0
