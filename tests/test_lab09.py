@@ -118,7 +118,7 @@ def test_a_local_sweep_writes_each_task_into_its_own_folder_with_curves_that_mat
     assert all(t["core_hours"] > 0 and t["gpu_hours"] == 0 for t in by_index.values())
 
     # The report ranks the tasks by accuracy and by cost.
-    from common.report.sections import lab_sections
+    from common.report.labs import lab_sections
     from common.report.runs import runs_frame
 
     sections, problems = lab_sections(runs_frame(sweep_records), folder, plots=False)

@@ -69,8 +69,8 @@ SUMMARY_COLUMNS = [
     number_column("time / epoch", "time_per_epoch_s", fmt_seconds),
     ("peak memory per device", lambda r: fmt_memory(r["memory_per_device"], r["memory_source"])),
     ("samples/s", _rate_cell), number_column("TFLOP/s", "achieved_tflops", fmt_number, 3),
-    ("% of peak", lambda r: Cell(fmt_percent(r["fraction_of_peak"], 1), style="num",
-                                 title=None if is_missing(r["fraction_of_peak"]) else
+    ("% of peak", lambda r: Cell(fmt_percent(r["mfu"], 1), style="num",
+                                 title=None if is_missing(r["mfu"]) else
                                  "achieved TFLOP/s ÷ the GPU's dense datasheet peak for the precision in force")),
     ("speed-up vs baseline", _speedup_cell), ("scaling efficiency", _efficiency_cell),
     number_column("final loss", "final_loss", fmt_number),
@@ -103,7 +103,7 @@ def summary_section(runs: pd.DataFrame) -> Section:
             + (f" DDP is expected to reach {DDP_MIN_EFFICIENCY:.0%}." if ddp_measured else ""))
     if "% of peak" in shown:
         notes.append("TFLOP/s is what the run achieved (its FLOPs ÷ its measured time); % of peak divides it by the "
-                     "GPU's dense datasheet peak for the precision in force (common/measure/gpu_peaks.py).")
+                     "GPU's dense datasheet peak for the precision in force (common.precision).")
     if "peak memory per device" in shown:
         notes.append(
             "Memory on CUDA is the caching allocator's peak (torch.cuda.max_memory_allocated): tensors only; on "

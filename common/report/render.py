@@ -7,6 +7,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jinja2
 
@@ -14,8 +15,11 @@ from common.atomic import write_text_atomic
 from common.errors import UserError
 from common.report import core
 from common.report.runs import configurations_frame, csv_frame, runs_frame
-from common.report.sections import Section, lab_sections
+from common.report.labs import lab_sections
 from common.results import load_records
+
+if TYPE_CHECKING:
+    from common.report.sections import Section
 
 TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 TEMPLATE = "report.html.j2"

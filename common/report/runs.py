@@ -28,7 +28,7 @@ COMPARISON_KEYS = ("lab", "model", "device_type", "machine")
 CONFIGURATION_KEYS = (*COMPARISON_KEYS, "method", "world_size", "devices")
 #: Metric keys the summary table shows as columns (other scalar metrics get a table of their own).
 SUMMARY_METRICS = ("samples_per_s", "time_per_epoch_s", "global_batch_size", "world_size", "devices", "memory",
-                   "final_loss", "test_accuracy", "achieved_tflops", "fraction_of_peak")
+                   "final_loss", "test_accuracy", "achieved_tflops", "mfu")
 
 MEMORY_SOURCES = {
     "cuda_max_memory_allocated": "CUDA peak allocated",
@@ -145,7 +145,7 @@ def run_row(record: Mapping[str, Any], results_dir: Path | None = None) -> dict[
         # How far from the hardware: the achieved TFLOP/s and its fraction of the GPU's datasheet
         # peak for the precision in force (Lab-03 and Lab-04 record them).
         "achieved_tflops": number(metrics.get("achieved_tflops")),
-        "fraction_of_peak": number(metrics.get("fraction_of_peak")),
+        "mfu": number(metrics.get("mfu")),
         # A run no longer than its warm-up timed nothing: its throughput is "n/a", not missing.
         "not_timed": get(metrics, "step_time", "steps_timed") == 0,
         "peak_memory_bytes": max((peak for _, peak in memory), default=None),
@@ -188,7 +188,7 @@ def runs_frame(records: Iterable[Mapping[str, Any]], results_dir: Path | None = 
     # dtype=object keeps a missing name as None (pandas 3 would turn it into NaN in a string column).
     runs = pd.DataFrame([run_row(r, results_dir) for r in records], dtype=object)
     for column in ("world_size", "global_batch_size", "time_per_epoch_s", "samples_per_s", "achieved_tflops",
-                   "fraction_of_peak", "peak_memory_bytes", "final_loss", "test_accuracy"):
+                   "mfu", "peak_memory_bytes", "final_loss", "test_accuracy"):
         runs[column] = pd.to_numeric(runs[column], errors="coerce").astype("float64")
     runs["devices"] = runs["devices"].astype("int64")
     runs["comparison"] = _key(runs, COMPARISON_KEYS)
@@ -258,7 +258,7 @@ def csv_frame(runs: pd.DataFrame) -> pd.DataFrame:
     out["device_memory_per_device"] = runs["device_memory_per_device"].map(
         lambda memory: ";".join(f"{device}={int(used)}" for device, used in memory))
     out["device_memory_source"] = runs["device_memory_source"]
-    for column in ("baseline_samples_per_s", "speedup", "scaling_efficiency", "achieved_tflops", "fraction_of_peak",
+    for column in ("baseline_samples_per_s", "speedup", "scaling_efficiency", "achieved_tflops", "mfu",
                    "final_loss", "test_accuracy",
                    "slurm_job_id", "git_commit", "created", "file"):
         out[column] = runs[column]

@@ -22,9 +22,7 @@ entry script can also register one before it calls the report.
 
 from __future__ import annotations
 
-import importlib
 import math
-import pkgutil
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +30,6 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import pandas as pd
 
-from common.report.checks import Finding
 from common.units import byte_unit, format_bytes
 
 MISSING = "—"
@@ -121,24 +118,6 @@ def register_section(lab: str) -> Callable[[SectionBuilder], SectionBuilder]:
 def lab_section_builders(lab: str) -> list[SectionBuilder]:
     """The builders registered for ``lab``, in the order they were registered."""
     return list(_LAB_SECTIONS.get(lab, {}).values())
-
-
-def load_builtin_lab_sections() -> list[tuple[str, str]]:
-    """Import every module in ``common/report/labs/`` so their ``@register_section`` calls run.
-
-    Returns ``(module, error)`` for each module that failed to import: one lab's broken section
-    must not cost every other lab its report.
-    """
-    from common.report import labs
-
-    failed = []
-    for module in pkgutil.iter_modules(labs.__path__):
-        name = f"{labs.__name__}.{module.name}"
-        try:
-            importlib.import_module(name)
-        except Exception as err:
-            failed.append((name, f"{type(err).__name__}: {err}"))
-    return failed
 
 
 def slug(title: str) -> str:
@@ -253,24 +232,3 @@ def table_from_frame(
     if row_id_column and row_id_column in frame.columns:
         row_ids = [fmt_text(value) for value in frame[row_id_column]]
     return Table(columns=headers, rows=rows, id=id, caption=caption, row_ids=row_ids)
-
-
-def lab_sections(runs: pd.DataFrame, results_dir: Path, plots: bool) -> tuple[list[Section], list[Finding]]:
-    """Sections registered for the labs present; a section that fails becomes a warning, not a crash."""
-    problems = [Finding(f"section module {module}", f"could not be imported: {error}")
-                for module, error in load_builtin_lab_sections()]
-    sections: list[Section] = []
-    for lab in sorted(runs["lab"].dropna().unique()):
-        lab_runs = runs[runs["lab"] == lab].reset_index(drop=True)
-        for builder in lab_section_builders(lab):
-            context = SectionContext(runs=lab_runs, all_runs=runs, results_dir=results_dir, plots=plots)
-            try:
-                result = builder(context)
-            except Exception as err:  # one lab's section must not cost the whole report
-                problems.append(Finding(f"section {builder.__name__} of {lab}",
-                                        f"could not be built: {type(err).__name__}: {err}"))
-                continue
-            if isinstance(result, Section):
-                result = [result]
-            sections.extend(result or [])
-    return sections, problems
