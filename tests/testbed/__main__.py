@@ -59,6 +59,7 @@ def resources_from(args: argparse.Namespace) -> node_resources.NodeResources:
             gpus=tuple(check_node_list(args.gpus)) if args.gpus is not None else claims.gpus,
             features=split(args.features) if args.features is not None else claims.features,
             reservations=split(args.reservations) if args.reservations is not None else claims.reservations,
+            accounts=claims.accounts,
             cpus=args.cpus if args.cpus is not None else claims.cpus,
             mem_mb=args.mem_mb if args.mem_mb is not None else claims.mem_mb)
     except ValueError as err:

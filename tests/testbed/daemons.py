@@ -328,7 +328,7 @@ class Testbed:
         self.write_config(resources, port)
         add_host_entries(self.directory, self.node_names)
         try:
-            self.start_daemons(owner_token(owner) if owner else "", port)
+            self.start_daemons(owner_token(owner) if owner else "", port, resources.accounts)
             self.wait_for_idle_nodes(30)
             for name in resources.reservations:
                 created = self.slurm("scontrol", "create", "reservation", f"ReservationName={name}", "Users=root",
@@ -466,7 +466,7 @@ AccountingStorageTRES=gres/gpu"""
         (self.directory / "pids" / name).write_text(f"{process.pid}\n")
         return process.pid
 
-    def start_daemons(self, owner: str, port: int) -> None:
+    def start_daemons(self, owner: str, port: int, accounts: tuple[str, ...] = ()) -> None:
         directory = self.directory
         key = directory / "munge.key"
         key.write_bytes(os.urandom(1024))
@@ -483,6 +483,7 @@ AccountingStorageTRES=gres/gpu"""
             time.sleep(0.05)
         if self.accounting:
             self.start_accounting(owner, port)
+            self.add_accounts(accounts)
         self._launch("slurmctld", ["slurmctld", "-D", "-f", str(self.slurm_conf)], owner)
         for node in self.node_names:
             self._launch(f"slurmd-{node}", ["slurmd", "-D", "-f", str(self.slurm_conf), "-N", node], owner)
@@ -514,6 +515,17 @@ AccountingStorageTRES=gres/gpu"""
         shutil.rmtree(building, ignore_errors=True)
         say(f"kept the registered accounting database in {cached}")
         self._start_database(owner, port)
+
+    def add_accounts(self, accounts: tuple[str, ...]) -> None:
+        """The sites' accounts, with root in each: with accounting, a job's --account must name an account
+        its user belongs to, or Slurm drops it (the job runs without SLURM_JOB_ACCOUNT)."""
+        if not accounts:
+            return
+        for command in (["sacctmgr", "--immediate", "add", "account", ",".join(accounts)],
+                        ["sacctmgr", "--immediate", "add", "user", "root", f"account={','.join(accounts)}"]):
+            done = self.slurm(*command)
+            if done.returncode != 0 and "Nothing new added" not in done.stdout + done.stderr:
+                raise ClusterError(f"{' '.join(command)} failed: {(done.stderr or done.stdout).strip()}")
 
     def _start_database(self, owner: str, port: int) -> None:
         directory = self.directory
