@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from common.checkpoint.single_file import load_checkpoint, save_checkpoint
 from common.cli import (
-    add_collective_timeout_arg, add_run_args, config_dict, non_negative_int, positive_int, script_parser,
+    add_collective_timeout_arg, add_run_args, config_dict, non_negative_int, output_dir, positive_int, script_parser,
 )
 from common.errors import run_main
 from common.models import PlainCNN
@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="steps between loss lines (default: %(default)s)")
     group.add_argument("--checkpoint-every", type=positive_int, default=5,
                        help="rank 0 saves model and optimiser every this many steps (default: %(default)s)")
-    group.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR,
+    group.add_argument("--run-dir", type=output_dir, default=DEFAULT_RUN_DIR,
                        help="checkpoint, fault marker and ledger; a restarted run resumes from it "
                             "(default: %(default)s)")
     group.add_argument("--resume", action="store_true",
