@@ -3,7 +3,7 @@
 Kept apart so that the benchmark script shows the measuring, and so that the report and the tests
 can use these without importing torch:
 
-- :func:`unsupported_reason`, which says why a precision of :data:`common.cli.PRECISIONS`
+- :func:`unsupported_reason`, which says why a precision of :data:`common.cli.BENCHMARK_PRECISIONS`
   cannot run on a device (the reason goes into the CSV summary and the record).
 - :func:`peak_tflops`: the datasheet peak of known GPUs per precision (``common.measure.gpu_peaks``), to
   put an achieved TFLOP/s next to what the device could do, and :func:`launch_bound_line`, which says
