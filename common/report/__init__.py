@@ -17,10 +17,10 @@ Where things are:
 ``sections.py``     what a section is made of, the cell formatting, the section registry
 ``checks.py``       results outside their expected range, as warnings
 ``plots.py``        the figures (matplotlib, imported only when plots are wanted)
-``labs/labNN.py``   one module per lab with the sections of that lab (``lab01.py`` ... ``lab03.py``;
-                    a new lab adds ``labs/lab04.py``: every module there is imported when a report
-                    is built, and its ``@register_section("lab04")`` builders run when the results
-                    folder holds lab04 records)
+``labs/labNN.py``   one module per lab with the sections of that lab (``lab01.py`` ... ``lab07.py``;
+                    a new lab adds its own, ``labs/labNN.py``: every module there is imported when
+                    a report is built, and its ``@register_section("labNN")`` builders run when the
+                    results folder holds that lab's records)
 ``templates/``      the page (jinja2, autoescaped)
 ==================  ==========================================================================
 
