@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.cli import output_dir, positive_int, script_parser
+from common.cli import input_file, output_dir, positive_int, script_parser
 from common.errors import UserError, run_main
 from common.slurm.rendering import read_template, render, write_script
 from common.slurm.sites import find_site
@@ -37,7 +37,7 @@ from labs.lab09_many_jobs.lab09_shared import (ARRAY_TEMPLATE, check_with_script
 
 def build_parser():
     parser = script_parser(__doc__)
-    parser.add_argument("sweep_file", type=Path, help="the sweep: .toml or .yaml (see sweeps/tiny.toml)")
+    parser.add_argument("sweep_file", type=input_file, help="the sweep: .toml or .yaml (see sweeps/tiny.toml)")
     parser.add_argument("--sweep-dir", type=output_dir, default=None,
                         help="the sweep's folder: plan, logs, one folder per task (default: results/lab09/<sweep name>)")
     how = parser.add_mutually_exclusive_group()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from common.cli import script_parser
+from common.cli import input_dir, script_parser
 from common.errors import UserError, run_main
 from labs.lab09_many_jobs.lab09_shared import (ENDED, RETRY, read_plan, slurm, status_table, submitted_job_id,
                                                sweep_status, write_sweep_record)
@@ -32,7 +32,7 @@ SCRIPT = "labs/lab09_many_jobs/02_status.py"
 
 def build_parser():
     parser = script_parser(__doc__)
-    parser.add_argument("--sweep-dir", type=Path, required=True, help="the sweep's folder (from 01_sweep.py)")
+    parser.add_argument("--sweep-dir", type=input_dir, required=True, help="the sweep's folder (from 01_sweep.py)")
     parser.add_argument("--resubmit", action="store_true",
                         help="submit the failed and timed-out tasks again, as one array of just those (default: off)")
     parser.add_argument("--record", action="store_true",

@@ -5,7 +5,7 @@ Usage:
     python labs/lab09_many_jobs/03_chain.py --run-dir checkpoints/long-run -- --epochs 50        # on a login node
     python labs/lab09_many_jobs/03_chain.py --run-dir checkpoints/demo --local -- --dataset digits \\
         --epochs 1 --max-steps 9 --step-budget 3                                                   # 3 links, here
-    sbatch --job-name=long-run labs/lab09_many_jobs/sbatch/chain_link.sbatch ...   (what it submits, rendered)
+    sbatch --job-name=long-run chain_link.sbatch ...   (what it submits: sbatch/chain_link.sbatch.j2, rendered)
 
 What it teaches: a run that needs 30 hours on a partition that allows 24 is a chain of jobs, each one
 resuming from the checkpoint the one before saved. The link (``sbatch/chain_link.sbatch.j2``) trains

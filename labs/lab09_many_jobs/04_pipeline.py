@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.cli import positive_int, script_parser
+from common.cli import input_file, output_dir, positive_int, script_parser
 from common.errors import UserError, run_main
 from common.results import load_records
 from common.slurm.rendering import read_template, render, write_script
@@ -31,8 +31,8 @@ STAGE_TEMPLATE = LAB_DIR / "sbatch" / "pipeline_stage.sbatch.j2"
 
 def build_parser():
     parser = script_parser(__doc__)
-    parser.add_argument("sweep_file", type=Path, nargs="?", help="the sweep to train (see sweeps/tiny.toml)")
-    parser.add_argument("--sweep-dir", type=Path, required=True, help="the sweep's folder")
+    parser.add_argument("sweep_file", type=input_file, nargs="?", help="the sweep to train (see sweeps/tiny.toml)")
+    parser.add_argument("--sweep-dir", type=output_dir, required=True, help="the sweep's folder")
     parser.add_argument("--parallel", type=positive_int, default=4, help="tasks at once (default: %(default)s)")
     parser.add_argument("--site", default="generic", help="the site the jobs are rendered for (default: %(default)s)")
     parser.add_argument("--time", default=None, help="each training task's time limit (default: the template's)")

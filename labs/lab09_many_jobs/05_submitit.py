@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.cli import positive_int, script_parser
+from common.cli import input_file, output_dir, positive_int, script_parser
 from common.errors import run_main
 from labs.lab09_many_jobs.lab09_shared import (ENDED, check_with_script, prepare_folder, read_plan, run_task, status_table,
                                                sweep_status, write_plan, write_sweep_record)
@@ -39,8 +39,8 @@ def train_one(folder: str, index: int, extra: list[str]) -> int:
 
 def build_parser():
     parser = script_parser(__doc__)
-    parser.add_argument("sweep_file", type=Path, help="the sweep (see sweeps/tiny.toml)")
-    parser.add_argument("--sweep-dir", type=Path, required=True, help="the sweep's folder")
+    parser.add_argument("sweep_file", type=input_file, help="the sweep (see sweeps/tiny.toml)")
+    parser.add_argument("--sweep-dir", type=output_dir, required=True, help="the sweep's folder")
     parser.add_argument("--partition", default=None, help="Slurm partition (default: the cluster's default)")
     parser.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per task (default: %(default)s)")
     parser.add_argument("--cpus-per-task", type=positive_int, default=1, help="cores per task (default: %(default)s)")
