@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         measured_here = world_size == launched
         for variant in args.variants:
             strategy, precision, _ = VARIANTS[variant]
-            check_strategy(strategy, precision, device, world_size=world_size, layers=shape.layers)
+            check_strategy(strategy, precision, device, world_size=world_size, layers=shape.layers,
+                           say_overhead=False)
         params = transformer_parameter_count(shape)
         print0(f"memory per rank: {world_size} rank(s) | {params / 1e6:.2f} M parameters ({shape.layers} layers x "
                f"{shape.width} wide, {shape.heads} heads) | micro-batch {args.batch_size} x {shape.context} "

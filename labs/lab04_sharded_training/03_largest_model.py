@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             args.budget = torch.cuda.get_device_properties(device).total_memory
         for variant in args.variants:
             check_strategy(VARIANTS[variant][0], VARIANTS[variant][1], device, world_size=ctx.world_size,
-                           layers=base.layers)
+                           layers=base.layers, say_overhead=False)
         what = "the CUDA allocator's peak" if device.type == "cuda" else "bytes held (tensors + saved activations)"
         print0(f"largest model: {ctx.world_size} rank(s) | budget {format_bytes(args.budget)} per rank, by {what} | "
                f"doubling the {args.grow} from {base.layers} layers x {base.width} wide | micro-batch "

@@ -92,11 +92,8 @@ def byte_size(text: str) -> int:
 # Strategies
 
 
-_SAID_OVERHEAD: list[bool] = []
-
-
 def check_strategy(strategy: str, precision: str, device: torch.device, *, world_size: int,
-                   layers: int) -> None:
+                   layers: int, say_overhead: bool = True) -> None:
     """Refuse, with one line each, what this device or this launch cannot run.
 
     - bf16 mixed precision on a GPU older than Ampere: its bf16 runs emulated, slower than fp32.
@@ -105,7 +102,8 @@ def check_strategy(strategy: str, precision: str, device: torch.device, *, world
       rank's shard (1/ranks): adding ranks no longer lowers the peak memory.
     - bf16 with DDP: bf16 here is FSDP2's ``MixedPrecisionPolicy`` (DDP would need autocast: Lab-01).
 
-    FSDP2 on one rank runs (it is the lesson's reference) and says that it is pure overhead there.
+    FSDP2 on one rank runs (it is the lesson's reference) and, with ``say_overhead``, says that it is pure
+    overhead there (01 and 03, which check every variant in turn, leave it out).
     """
     if strategy == "ddp" and precision != "fp32":
         raise UserError("--precision bf16 is FSDP2's MixedPrecisionPolicy; use --strategy fsdp "
@@ -122,8 +120,7 @@ def check_strategy(strategy: str, precision: str, device: torch.device, *, world
                         f"the model has --layers {layers}: each block is gathered whole, so with more ranks "
                         "than blocks the gathered block outweighs each rank's shard; use more --layers or "
                         "fewer ranks")
-    if strategy == "fsdp" and world_size == 1 and not _SAID_OVERHEAD:
-        _SAID_OVERHEAD.append(True)  # once per process: 01 and 03 check every variant
+    if strategy == "fsdp" and world_size == 1 and say_overhead:
         print0("fsdp on 1 rank: nothing to shard across, so FSDP2's gathers and copies are pure overhead here; "
                "use --strategy ddp on one device, and FSDP2 when there are ranks to shard over")
 
