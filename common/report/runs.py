@@ -79,6 +79,11 @@ def texts(frame: pd.DataFrame, key: str) -> pd.Series:
     return _column(frame, key).map(text).astype(object)
 
 
+def flags(frame: pd.DataFrame, key: str) -> pd.Series:
+    """``frame[key]`` as booleans: True only where the record holds ``true``."""
+    return _column(frame, key).map(lambda v: v is True).astype(bool)
+
+
 def flatten(value: dict[str, Any], prefix: str = "", into: dict[str, Any] | None = None) -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: objects (JSON's, so dicts) are opened, lists and values stay whole."""
     into = {} if into is None else into
@@ -98,7 +103,7 @@ def entries(frame: pd.DataFrame, key: str, *keep: str) -> pd.DataFrame:
             for label, value in _column(frame, key).items() if isinstance(value, list)
             for position, item in enumerate(value) if isinstance(item, dict)]
     found = pd.DataFrame(rows, columns=None if rows else ["_run", "_position"], dtype=object)
-    return found.join(frame[list(keep)], on="_run") if keep else found
+    return found.join(frame.reindex(columns=list(keep)), on="_run") if keep else found
 
 
 def _per_device(memory: pd.DataFrame, key: str, index: pd.Index) -> pd.Series:

@@ -26,7 +26,11 @@ from common.report.checks import Finding
 from common.units import byte_unit, format_bytes
 
 MISSING = "—"
-TEMPLATES = Path(__file__).resolve().parent / "templates"
+#: The page's templates (templates/): autoescaped whatever the file's name, since record fields are untrusted text.
+TEMPLATES = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates"),
+                               autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+TEMPLATES.filters["own_classes"] = lambda classes: " ".join(c for c in classes.split()
+                                                            if not re.fullmatch(r"data|row\d+|col\d+", c))
 
 
 @dataclass
@@ -41,11 +45,8 @@ class Cell:
 class _Layout(Styler):
     """pandas' Styler with the page's table template: autoescaped, the run id on each row, hover texts."""
 
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True, trim_blocks=True,
-                             lstrip_blocks=True)
-    env.filters["own_classes"] = lambda classes: " ".join(c for c in classes.split()
-                                                          if not re.fullmatch(r"data|row\d+|col\d+", c))
-    template_html = env.get_template("table.html.j2")
+    env = TEMPLATES
+    template_html = TEMPLATES.get_template("table.html.j2")
 
 
 @dataclass
