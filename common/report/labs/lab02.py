@@ -1,10 +1,8 @@
 """Lab 02 (profiling and the data pipeline): the optimisation path, step by step.
 
-``labs/lab02_profiling/sweep.py`` writes one record per step with ``config.sweep`` (which sweep, which step, in
-what order) and ``metrics.data_loading_share`` (the line_profiler share of ``train()`` spent waiting for the next
-batch) and ``metrics.speedup_vs_seed``: each sweep is laid out in path order as a table and a plot.
-``bench/data_pipeline.py`` records (``config.bench``) get a table of their own: the USC lab's pipeline, the lab's
-best and pure compute, with the ratios.
+``sweep.py`` writes one record per step (``config.sweep``: which sweep, which step, in what order), each laid out in
+path order as a table and a plot; ``bench/data_pipeline.py`` records (``config.bench``) get a table of their own:
+the USC lab's pipeline, the lab's best and pure compute, with the ratios.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Lab 03 (the precision benchmark): ms/batch per model and precision, TFLOP/s against the peak, and the loss check.
 
-``labs/lab03_precision_benchmark/benchmark_models.py`` writes one record per model, mode and precision (method
-``<mode>-<precision>``; ``config.model``, ``config.mode``, ``config.precision``) with ``metrics.ms_per_batch``,
-``achieved_tflops``, ``peak_tflops`` and ``loss_check``; a precision the device cannot run is one ``skipped``
-record per mode with ``config.model`` empty and the reason in ``notes``. This section lays them out as the SJTU
-page's table does, a model per row and a precision per column, one table per machine, process count and mode;
-repeats of a cell are combined with the median.
+``benchmark_models.py`` writes one record per model, mode and precision; a precision the device cannot run is one
+``skipped`` record per mode with the reason in ``notes``. Laid out as the SJTU page's table: a model per row, a
+precision per column, one table per machine, process count and mode; repeats of a cell combined with the median.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Lab 04 (sharded data parallel): memory per rank, DDP against FSDP2, checkpoint stalls, the largest model.
-
-``labs/lab04_sharded_training`` writes three kinds of record: ``01_memory_budget.py`` (method ``memory``:
-``metrics.budget``, per variant the ``predicted`` and ``measured`` bytes per rank of each part), then
-``02_sharded_training.py`` (methods ``ddp``, ``fsdp``, ``fsdp+ac``, ...: the training metrics plus
-``metrics.checkpoint_saves``, ``tensor_bytes``, ``tokens_per_s`` and ``mfu``) and ``03_largest_model.py``
-(method ``largest-model``: ``metrics.largest``, per variant the largest model within ``metrics.budget_bytes``).
-Each gets a table here, and the training runs a plot of their loss curves.
+"""Lab 04 (sharded data parallel): memory per rank (``01_memory_budget.py``, method ``memory``), DDP against FSDP2
+with their checkpoint stalls and loss curves (``02_sharded_training.py``) and the largest model that fits
+(``03_largest_model.py``, method ``largest-model``).
 """
 
 from __future__ import annotations

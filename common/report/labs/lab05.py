@@ -1,14 +1,7 @@
 """Lab 05 (the network and the scaling curve): bus bandwidth against the link's peak, strong and weak scaling
-against ideal, time to a target accuracy, and how much communication DDP hides.
-
-The records (``labs/lab05_scaling/``): ``01_allreduce_bench.py`` (method ``all_reduce`` / ``all_gather`` /
-``reduce_scatter``: ``metrics.sizes``, one object per message size, ``metrics.reference``, the link's peak or the
-measured memory copy, and ``metrics.transport``); ``02_scaling_study.py`` (method ``strong-scaling`` /
-``weak-scaling``, one record per point: ``metrics.world_size``, ``nodes``, ``samples_per_s``, ``evaluations``,
-``time_to_target_s``); ``03_overlap.py`` (method ``overlap``: ``metrics.buckets``, one object per
-``bucket_cap_mb``). Repeats are combined with the median. Efficiency is throughput divided by (processes / the
-smallest point's processes) times the smallest point's throughput, on the same machine, model, data set and batch
-setting: 100% is ideal.
+against ideal, time to a target accuracy, and how much communication DDP hides; from ``labs/lab05_scaling/``'s
+``01_allreduce_bench.py`` (one record per collective), ``02_scaling_study.py`` (one per point) and
+``03_overlap.py`` (one per run). Repeats are combined with the median.
 """
 
 from __future__ import annotations

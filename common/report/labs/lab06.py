@@ -1,8 +1,5 @@
-"""Lab 06 (when distributed training breaks): what each injected fault ended in, the doctor's verdicts, and the
-preflight checks, from ``labs/lab06_failures/``: ``01_inject.py`` (method ``uninterrupted`` or the fault's name:
-``metrics.final_loss``, ``restarts``, ``wall_s``; a hang or desync named in ``metrics.diagnosis``, a NaN stop in
-``metrics.nan_stop``), ``02_diagnose.py`` (method ``diagnosis``) and ``04_preflight.py`` (method ``preflight``),
-each with its ``metrics.verdict``.
+"""Lab 06 (when distributed training breaks): what each injected fault ended in (``01_inject.py``), the doctor's
+verdicts (``02_diagnose.py``) and the preflight checks (``04_preflight.py``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Lab 07 (beyond data parallel): tensor, sequence, pipeline and 2-D parallel, held against one process.
-
-``labs/lab07_model_parallel`` writes one record per run, method ``reference`` (one process, no parallelism),
-``tp`` / ``tp+sp``, ``pp-gpipe`` / ``pp-1f1b`` / ``pp-interleaved`` or ``2d-DPxTP``. Every record has
-``metrics.loss_at_step`` and ``metrics.per_rank`` (``parameter_bytes``, and for tensor parallel
-``activation_bytes`` and ``comm_bytes``, the bytes it sent per step); tensor parallel adds
-``metrics.comm_predicted``, the pipeline ``metrics.bubble_measured`` and ``metrics.bubble_formula``. Tables: per
-strategy (memory per rank, tokens/s, traffic, bubble, and the largest loss difference from the reference of the same
-script, model, batch and seed); the bubble against the formula, with a plot; and a decision table whose numbers are
-these measurements (and Lab-04's DDP and FSDP2 records when the results folder has them).
+"""Lab 07 (beyond data parallel): tensor, sequence, pipeline and 2-D parallel, each run held against the
+one-process run (method ``reference``) of the same script, model, batch and seed: memory per rank, traffic, the
+pipeline bubble against its formula, and a decision table whose numbers are these measurements (and Lab-04's DDP
+and FSDP2 records when the results folder has them).
 """
 
 from __future__ import annotations
