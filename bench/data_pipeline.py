@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from common.train import amp
 from common.data import pipelines
-from common.cli import add_common_args, add_dataset_args, config_dict, positive_int, script_parser
+from common.cli import add_common_args, add_dataset_args, add_precision_arg, config_dict, positive_int, script_parser
 from common.runtime.device import configure_threads, describe, resolve_device, seed_everything, synchronize
 from common.measure.energy import EnergyMeter
 from common.errors import UserError, run_main
@@ -71,7 +71,7 @@ def train_epoch(model, optimizer, batches: Iterable, device, args) -> int:
         if args.channels_last:
             data = data.contiguous(memory_format=torch.channels_last)
         optimizer.zero_grad(set_to_none=True)
-        with amp.autocast(device, args.amp):
+        with amp.autocast(device, args.precision):
             loss = F.nll_loss(model(data), target)
         loss.backward()
         optimizer.step()
@@ -98,8 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="intra-op threads for all three; 1 leaves the other cores to the worker and to other "
                              "users of a shared machine (default: SLURM_CPUS_PER_TASK, else PyTorch's)")
     parser.add_argument("--channels-last", action="store_true", help="NHWC layout for all three (default: off)")
-    parser.add_argument("--amp", choices=amp.PRECISIONS, default="fp32",
-                        help="precision of all three: fp32, bf16, fp16 (GPU) (default: %(default)s)")
+    add_precision_arg(parser, "--amp", help="precision of all three: fp32, bf16, fp16 (GPU) (default: %(default)s)")
     add_common_args(parser, epochs=1, batch_size=64, results_dir="results")
     return parser
 
@@ -116,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         threads = args.threads
     device = resolve_device(args.device)
-    args.amp = amp.check_precision(args.amp, device)
+    args.precision = amp.check_precision(args.precision, device)
     train_data, _ = pipelines.load_uint8(args.dataset, args.data_dir, seed=args.seed,
                                          synthetic_size=args.synthetic_size)
 
@@ -136,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sources = {"a": usc_loader, "b": device_batches, "c": ready_batches}
     load_start = os.getloadavg()[0]
     print(f"device {describe(device)} | data {args.dataset} train={len(train_data)} | batch {args.batch_size} | "
-          f"precision {args.amp} | threads {threads} | {args.rounds} rounds (first dropped) | "
+          f"precision {args.precision} | threads {threads} | {args.rounds} rounds (first dropped) | "
           f"load average {load_start:.2f} on {os.cpu_count()} CPUs", flush=True)
 
     keys = list(VARIANTS)

@@ -21,6 +21,8 @@ This module must not import torch (2-4 s): parsers and the report read it.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -182,6 +184,40 @@ def add_common_args(
     return parser
 
 
+class _FormerName(argparse.Action):
+    """A flag's former name: sets the same value, and says once (rank 0) what the flag is called now."""
+
+    def __init__(self, option_strings: list[str], dest: str, current: str = "", **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.current = current
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+            print(f"note: {option_string} is now {self.current}; the old name still works", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_former_names(parser: argparse.ArgumentParser | argparse._ArgumentGroup, current: argparse.Action,
+                     *former: str) -> argparse.Action:
+    """Accept ``former`` spellings of the flag ``current`` (what ``add_argument`` returned), hidden from
+    ``--help``: commands typed from older material keep working and learn the new name in one line."""
+    for name in former:
+        parser.add_argument(name, dest=current.dest, type=current.type, choices=current.choices,
+                            nargs=current.nargs, metavar=current.metavar, default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS, action=_FormerName, current=max(current.option_strings, key=len))
+    return current
+
+
+def add_precision_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *former: str,
+                      choices: tuple[str, ...] = ("fp32", "bf16", "fp16"), default: str = "fp32",
+                      help: str = "fp32, or autocast to bf16 or fp16 with the matching gradient scaler "
+                                  "(common.precision) (default: %(default)s)") -> argparse.Action:
+    """``--precision``: what a training script computes in, the one name every script uses for it."""
+    return add_former_names(parser, parser.add_argument("--precision", choices=choices, default=default, help=help),
+                            *former)
+
+
 def add_collective_timeout_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--collective-timeout SECONDS``: how long a collective may wait for its peers before the process
     group raises an error (Gloo's "Timed out waiting ... ms", NCCL's watchdog). Unset, the group keeps
@@ -193,17 +229,15 @@ def add_collective_timeout_arg(parser: argparse.ArgumentParser | argparse._Argum
 
 
 def add_timing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, warmup: int, repeats: int,
-                    what: str, repeats_flag: str = "--repeats") -> None:
+                    what: str, former: tuple[str, ...] = ()) -> None:
     """How a measurement repeats (convention 8): ``--warmup`` untimed runs of ``what`` first, then
-    timed ones whose median is reported (``common.measure.timing.time_function``'s ``warmup`` and ``repeats``).
-
-    ``repeats_flag`` names the timed count: ``--repeats``, or the name a script's course material and
-    records use (Lab-05's ``--iters`` after nccl-tests, Chapter 16's ``--iterations``).
-    """
+    ``--repeats`` timed ones whose median is reported (``common.measure.timing.time_function``'s
+    ``warmup`` and ``repeats``). ``former``: names the count had before (``--iters``, ``--iterations``)."""
     parser.add_argument("--warmup", type=non_negative_int, default=warmup,
                         help=f"untimed {what} first, left out of the timing (default: %(default)s)")
-    parser.add_argument(repeats_flag, type=positive_int, default=repeats,
-                        help=f"timed {what}; the median is reported (default: %(default)s)")
+    add_former_names(parser, parser.add_argument("--repeats", type=positive_int, default=repeats,
+                                                 help=f"timed {what}; the median is reported (default: %(default)s)"),
+                     *former)
 
 
 def apply_dry_run(args: argparse.Namespace, **at_most: int) -> argparse.Namespace:
@@ -226,7 +260,8 @@ def command_flags(parser: argparse.ArgumentParser, values: Mapping[str, Any]) ->
     on/off flag appears when its value is true (``--no-X`` for a false ``BooleanOptionalAction``); a
     value of ``None`` leaves the flag out (its default applies).
     """
-    actions = {action.dest: action for action in parser._actions if action.option_strings}
+    actions = {action.dest: action for action in parser._actions  # a flag's current name, not a former one
+               if action.option_strings and not isinstance(action, _FormerName)}
     argv: list[str] = []
     for dest, value in values.items():
         action = actions.get(dest)
@@ -265,7 +300,7 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
 
 
 #: Every precision Lab-03's benchmark knows, in the order its tables show them, with what it means.
-#: (The ``--amp`` choices of the training scripts are another list: :data:`common.train.amp.PRECISIONS`.)
+#: (The ``--precision`` choices of the training scripts are another list: :data:`common.precision.TRAINING`.)
 BENCHMARK_PRECISIONS: dict[str, str] = {
     "fp64": "float64 weights and inputs (model.double()): the SJTU page's 'double'",
     "fp32": "float32 with TF32 off: true IEEE single precision, the SJTU page's 'float' (PyTorch 1.6 had no TF32)",

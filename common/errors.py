@@ -2,7 +2,8 @@
 
 Scripts raise :class:`UserError` for anything the user can fix (a flag, a path, a missing data
 set) and wrap their entry point with :func:`run_main`, which prints ``error: <message>`` on
-stderr and exits with status 2. Bugs still raise normally so they keep their tracebacks.
+stderr and exits with status 2. A run that stopped on purpose (:class:`Stopped`: pre-empted, its
+checkpoint saved) exits 0. Bugs still raise normally so they keep their tracebacks.
 
 This module must not import torch: the report tool and the test suite use it too.
 """
@@ -21,6 +22,11 @@ class UserError(Exception):
     """Something the user asked for cannot be done; the message says what to do instead."""
 
 
+class Stopped(Exception):
+    """A run that stopped on purpose and exits 0: pre-empted, its checkpoint saved (the code that stopped it
+    has said so), so that Slurm's requeue or the next link of a chain resumes it."""
+
+
 def fail(message: str) -> NoReturn:
     """Raise a :class:`UserError` (a shorthand that reads well in argument checks)."""
     raise UserError(message)
@@ -33,6 +39,8 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
+    except Stopped:
+        status = 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)

@@ -25,18 +25,22 @@ from typing import Any, Iterable, Mapping
 
 from common.atomic import write_text_atomic
 from common.measure.energy import not_measured
-from common.runtime.machine import bf16_emulation_note, cpu_description, gpu_description
+from common.precision import emulation_note
+from common.runtime.envcheck import software_versions
+from common.runtime.machine import cpu_description, gpu_description
 
 SCHEMA_NAME = "hpc-dl-labs/result"
 #: 2 added the required top-level ``energy`` entry (``common.measure.energy``); 3 the required
 #: ``provenance.machine`` (``common.runtime.machine``: CPU model, cores, bf16/fp16 flags, GPU peaks).
-#: Records of versions 1 and 2 are still read (the report labels their bf16 capability unknown).
-SCHEMA_VERSION = 3
+#: Records of versions 1 and 2 are still read (the report labels their bf16 capability unknown). 4: one
+#: key for "how far from the hardware", ``metrics.mfu`` (``common.precision.utilisation``); older records
+#: are upgraded as they are read (:func:`upgrade_record`).
+SCHEMA_VERSION = 4
 #: Other JSON documents of the course that live among records (``scripts/gpu_proof.py``'s summary).
 OTHER_SCHEMAS = ("hpc-dl-labs/gpu-proof",)
 #: Versions of the schema this code can read.
-READABLE_VERSIONS = (1, 2, 3)
-#: Top-level config values that mean the run computed in bf16 (``amp``, ``precision``, ``mixed_precision``).
+READABLE_VERSIONS = (1, 2, 3, 4)
+#: Top-level config values that mean the run computed in bf16 (``precision``, and the former names).
 BF16_CONFIG_VALUES = ("bf16", "amp-bf16", "bfloat16")
 #: What an ``energy`` entry's ``status`` may say.
 ENERGY_STATUSES = ("ok", "unavailable")
@@ -111,30 +115,6 @@ def slurm_info(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return {key: env[key] for key in SLURM_KEYS if key in env}
 
 
-def software_versions() -> dict[str, Any]:
-    """Python, PyTorch, torchvision, CUDA, cuDNN and NCCL versions (imports torch)."""
-    import torch
-
-    versions: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-    }
-    try:  # the installed version, without importing torchvision (about 2 s)
-        from importlib.metadata import PackageNotFoundError, version
-
-        versions["torchvision"] = version("torchvision")
-    except PackageNotFoundError:
-        versions["torchvision"] = None
-    try:
-        nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
-        versions["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
-    except (AttributeError, RuntimeError):
-        versions["nccl"] = None
-    return versions
-
-
 def device_info(device: Any) -> dict[str, Any]:
     """Device type, name(s) and count for a ``torch.device`` (imports torch)."""
     import torch
@@ -154,10 +134,10 @@ def fp32_math_info(device: Any) -> dict[str, Any]:
     whether the device has TF32 at all (``tf32_hardware``: CUDA compute capability 8.0 or newer)."""
     import torch
 
-    from common.train.amp import fp32_math
+    from common.precision import fp32_math, gpu_support
 
     device = torch.device(device)
-    hardware = device.type == "cuda" and tuple(torch.cuda.get_device_capability(device)) >= (8, 0)
+    hardware = device.type == "cuda" and gpu_support("tf32", torch.cuda.get_device_capability(device)) == "native"
     return {**fp32_math(), "tf32_hardware": hardware}
 
 
@@ -292,7 +272,7 @@ def _bf16_emulation(config: Mapping[str, Any], prov: Mapping[str, Any]) -> str |
     uses_bf16 = any(isinstance(value, str) and value.lower() in BF16_CONFIG_VALUES for value in config.values())
     if not (uses_bf16 and isinstance(device, Mapping) and device.get("type") == "cpu" and isinstance(cpu, Mapping)):
         return None
-    return bf16_emulation_note(cpu)
+    return emulation_note(cpu)
 
 
 def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> Path:
@@ -361,6 +341,33 @@ class LoadResult:
     errors: list[tuple[Path, str]]
 
 
+#: Keys older records used, by the key version 4 reads (in ``metrics`` and ``metrics.floors``).
+RENAMED_METRICS = {"fraction_of_peak": "mfu", "achieved_tflops_per_device": "achieved_tflops",
+                   "peak_tflops_source": "peak_source"}
+#: The precision flags' former names, as ``config`` keys (version 4: every script says ``--precision``).
+RENAMED_CONFIG = {"amp": "precision", "mixed_precision": "precision", "precisions": "precision",
+                  "dtypes": "precision"}
+
+
+def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A record of an older version, read as version 4 reads it (the file is left as it is)."""
+    if record.get("schema_version", SCHEMA_VERSION) >= 4:
+        return record
+    config = record.get("config")
+    if isinstance(config, dict):
+        for old, new in RENAMED_CONFIG.items():
+            if old in config and new not in config:
+                config[new] = config.pop(old)
+    for holder in (record.get("metrics"), (record.get("metrics") or {}).get("floors")):
+        if isinstance(holder, dict):
+            for old, new in RENAMED_METRICS.items():
+                if old in holder and new not in holder:
+                    holder[new] = holder.pop(old)
+            if isinstance(holder.get("reasons"), dict) and "fraction_of_peak" in holder["reasons"]:
+                holder["reasons"]["mfu"] = holder["reasons"].pop("fraction_of_peak")
+    return record
+
+
 def load_records(folder: str | os.PathLike[str], recursive: bool = True) -> LoadResult:
     """Read every ``*.json`` record under ``folder``; bad files are reported, not fatal. Files of
     another of the course's schemas (``hpc-dl-labs/gpu-proof``, say) are left out without a word.
@@ -387,6 +394,7 @@ def load_records(folder: str | os.PathLike[str], recursive: bool = True) -> Load
         if problems:
             errors.append((path, "; ".join(problems)))
             continue
+        data = upgrade_record(data)
         data["_path"] = str(path)
         records.append(data)
     return LoadResult(records=records, errors=errors)

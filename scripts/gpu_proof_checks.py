@@ -417,7 +417,7 @@ def judge_pytorch_basics(run: Run) -> list[str]:
             missing = {"fp32", "tf32", "bf16", "fp16"} - {row.get("dtype") for row in rows}
             problems += [f"no matmul row for {', '.join(sorted(missing))}"] if missing else []
         if run.cuda and get(record, "metrics", "peak_source") is None:
-            problems.append("no datasheet peak for this GPU in common/measure/gpu_peaks.py")
+            problems.append("no datasheet peak for this GPU in common.precision.GPU_PEAKS")
     return problems
 
 
@@ -429,7 +429,7 @@ def judge_refuse_ranks(run: Run) -> list[str]:
 
 
 def judge_refuse_bf16(run: Run) -> list[str]:
-    """mnist_training.py --amp bf16 on a GPU made to report compute capability 7.0 (a V100)."""
+    """mnist_training.py --precision bf16 on a GPU made to report compute capability 7.0 (a V100)."""
     return exited(run, [2]) + no_records(run) + in_log(run, "(compute capability 7.0) has no bf16 tensor cores") \
         + one_error_line(run)
 
@@ -655,7 +655,7 @@ def judge_lab04_fsdp_resume(run: Run) -> list[str]:
         if modes != {"async"}:
             problems.append(f"{name_of(record)}: checkpoint saves {sorted(map(str, modes))}, expected async only")
     for record in records:
-        settings = (get(record, "config", "mixed_precision"), get(record, "config", "activation_checkpointing"))
+        settings = (get(record, "config", "precision"), get(record, "config", "activation_checkpointing"))
         if settings != ("bf16", True):
             problems.append(f"{name_of(record)} ran without bf16 and activation checkpointing")
     return problems + sharded_training(run, first, run.gpus) + sharded_training(run, resumed, 1)
@@ -806,6 +806,27 @@ def judge_lab07_model_parallel(run: Run) -> list[str]:
     return problems
 
 
+def judge_lab08_gpu_decode(run: Run) -> list[str]:
+    """Lab-08's shards read with the JPEGs decoded by the CPU workers, then by the training device in whole
+    batches (nvJPEG on a GPU): both ran on the device, each read every sample; samples/s of both, and their ratio."""
+    problems = exited(run)
+    rates = {}
+    for method in ("webdataset+read-only", "webdataset+read-only+decode-on-device"):
+        records, more = records_of(run, method)
+        problems += more + on_device(run, records) + status_ok(records)
+        for record in records:
+            epochs = get(record, "metrics", "epochs_io") or [{}]
+            if not number(epochs[-1].get("samples_per_s")):
+                problems.append(f"{name_of(record)}: no samples/s")
+            else:
+                rates[method] = epochs[-1]["samples_per_s"]
+    if len(rates) == 2:
+        run.findings["samples_per_s_cpu_workers"] = rates["webdataset+read-only"]
+        run.findings["samples_per_s_decode_on_device"] = rates["webdataset+read-only+decode-on-device"]
+        run.findings["device_over_workers"] = rates["webdataset+read-only+decode-on-device"] / rates["webdataset+read-only"]
+    return problems
+
+
 def judge_nccl_flight_recorder(run: Run) -> list[str]:
     """The flight recorder on NCCL in this PyTorch (which variable sizes it, which dump reads it) and
     what NCCL's watchdog does to a rank whose collective never finishes (see scripts/gpu_probe_nccl.py)."""
@@ -856,6 +877,7 @@ LAB01, LAB02 = "labs/lab01_dp_vs_ddp", "labs/lab02_profiling"
 LAB03 = "labs/lab03_precision_benchmark/benchmark_models.py"
 LAB04, LAB05 = "labs/lab04_sharded_training", "labs/lab05_scaling"
 LAB06, LAB07 = "labs/lab06_failures", "labs/lab07_model_parallel"
+LAB08 = "labs/lab08_data_at_scale"
 
 
 def tiny_lab01(c: Ctx) -> list[str]:
@@ -886,7 +908,7 @@ def mnist_data(c: Ctx) -> Step:
 
 def ch04(precision: str) -> Callable[[Ctx], list[Step]]:
     def steps(c: Ctx) -> list[Step]:
-        args = [CH04 + "/mnist_training.py", "--device", c.device, "--amp", precision, "--max-steps", "6",
+        args = [CH04 + "/mnist_training.py", "--device", c.device, "--precision", precision, "--max-steps", "6",
                 "--num-workers", "0", "--checkpoint", str(c.folder / "ck.pt"), "--deterministic",
                 "--results-dir", str(c.folder)]
         return [Step(c.script(*args, "--epochs", "1")), Step(c.script(*args, "--epochs", "2", "--resume"))]
@@ -951,7 +973,7 @@ def steps_lab04_mfu(c: Ctx) -> list[Step]:
                  "--window-stride", "128", "--max-steps", "24", "--warmup-steps", "10", "--compile",
                  "--global-batch-size", "64", "--batch-size", "16"]
     return [Step([*c.torchrun(1), LAB04 + "/02_sharded_training.py", *model, "--epochs", "1", "--eval-steps", "1",
-                  "--strategy", "fsdp", "--mixed-precision", "bf16", "--no-reshard-after-forward",
+                  "--strategy", "fsdp", "--precision", "bf16", "--no-reshard-after-forward",
                   "--checkpoint-dir", str(c.folder / "ckpt"), "--results-dir", str(c.folder)],
                  env={"TORCH_LOGS": "recompiles,graph_breaks"}, timeout_s=400)]
 
@@ -974,7 +996,7 @@ def steps_lab03_recipe(c: Ctx) -> list[Step]:
         recipe = ["--models", "resnet18", "--image-size", "32", "-b", "4", "-w", "1", "-n", "2", "--check-steps", "1"]
     else:
         recipe = ["--models", "resnet50", "--compile", "-b", "256", "-w", "20", "-n", "30"]
-    return [Step(c.script(LAB03, "--device", c.device, *recipe, "--modes", "train", "--precisions", "amp-bf16",
+    return [Step(c.script(LAB03, "--device", c.device, *recipe, "--modes", "train", "--precision", "amp-bf16",
                           "--channels-last", "--folder", str(c.folder / "csv"), "--results-dir", str(c.folder)),
                  timeout_s=400)]
 
@@ -983,7 +1005,7 @@ def steps_refuse_bf16(c: Ctx) -> list[Step]:
     """The real GPU, made to report compute capability 7.0 (a V100) to PyTorch."""
     fake = ("import runpy, sys, torch\ntorch.cuda.get_device_capability = lambda device=None: (7, 0)\n"
             "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')")
-    return [Step([c.python, "-c", fake, CH04 + "/mnist_training.py", "--device", "cuda", "--amp", "bf16", "--dry-run",
+    return [Step([c.python, "-c", fake, CH04 + "/mnist_training.py", "--device", "cuda", "--precision", "bf16", "--dry-run",
                   "--results-dir", str(c.folder)])]
 
 
@@ -1032,7 +1054,7 @@ CHECKS: list[Check] = [
           steps_main_job, judge_main_job, exclusive=True, needs=REPORT),
     Check("ch04_fp32", 1, "Chapter 4 mnist_training.py fp32: one epoch with a checkpoint, resumed to two",
           ch04("fp32"), _judge_ch04("fp32"), needs=("sklearn",)),
-    Check("ch04_bf16", 1, "the same with --amp bf16", ch04("bf16"), _judge_ch04("bf16"), needs=("sklearn",)),
+    Check("ch04_bf16", 1, "the same with --precision bf16", ch04("bf16"), _judge_ch04("bf16"), needs=("sklearn",)),
     Check("amp_training", 1, "Chapter 4 amp_training.py: fp32, fp16 and bf16 compared",
           lambda c: [Step(c.script(CH04 + "/amp_training.py", "--device", c.device, "--epochs", "1", "--max-steps", "6",
                                    "--results-dir", str(c.folder)))], judge_amp_training, needs=("sklearn",)),
@@ -1048,12 +1070,12 @@ CHECKS: list[Check] = [
                                    "--synthetic-size", "1024", "--epochs", "1", "--max-steps", "10", "--num-workers",
                                    "1", "--results-dir", str(c.folder)))], judge_lab02_train, needs=("line_profiler",)),
     Check("lab03_short", 1, "Lab-03 benchmark_models.py: resnet18 training in fp32 and amp-bf16",
-          lambda c: [Step(c.script(LAB03, *tiny_lab03(c), "--modes", "train", "--precisions", "fp32,amp-bf16",
+          lambda c: [Step(c.script(LAB03, *tiny_lab03(c), "--modes", "train", "--precision", "fp32,amp-bf16",
                                    "--folder", str(c.folder / "csv"), "--results-dir", str(c.folder)))],
           judge_lab03_short),
     Check("lab04_fsdp_resume", 1, "Lab-04 FSDP2 + activation checkpointing + bf16, async DCP saves, resumed on one rank",
           lambda c: [Step([*c.torchrun(1), LAB04 + "/02_sharded_training.py", *tiny_train04(c), "--strategy", "fsdp",
-                           "--activation-checkpointing", "--mixed-precision", "bf16", "--checkpoint-dir",
+                           "--activation-checkpointing", "--precision", "bf16", "--checkpoint-dir",
                            str(c.folder / "ckpt"), "--results-dir", str(c.folder), *extra])
                      for extra in (["--epochs", "1", "--async-checkpoint"], ["--epochs", "2", "--resume"])],
           judge_lab04_fsdp_resume, ranks=_one),
@@ -1086,7 +1108,7 @@ CHECKS: list[Check] = [
           lambda c: [Step(c.script(CH04 + "/pytorch_basics.py", "--device", c.device, "--size", "256" if c.cpu
                                    else "2048", "--repeats", "3", "--results-dir", str(c.folder)))],
           judge_pytorch_basics),
-    Check("ch04_fp16", 2, "Chapter 4 mnist_training.py --amp fp16, checkpoint and resume", ch04("fp16"),
+    Check("ch04_fp16", 2, "Chapter 4 mnist_training.py --precision fp16, checkpoint and resume", ch04("fp16"),
           _judge_ch04("fp16"), needs=("sklearn",), cuda_only="fp16 autocast needs a CUDA GPU"),
     Check("ch04_ddp", 2, "Chapter 4 multi_gpu_ddp.py over every GPU",
           lambda c: [Step([*c.torchrun(c.ranks), CH04 + "/multi_gpu_ddp.py", "--device", c.device, "--epochs", "1",
@@ -1103,7 +1125,7 @@ CHECKS: list[Check] = [
           lambda c: [Step([*c.torchrun(c.gpus + 1), LAB01 + "/04_ddp_training.py", *tiny_lab01(c), "--batch-size", "8",
                            "--dry-run", "--checkpoint", str(c.folder / "ck.pt"), "--results-dir", str(c.folder)])],
           judge_refuse_ranks, cuda_only="a refusal of more processes than GPUs needs GPUs"),
-    Check("refuse_bf16", 2, "--amp bf16 on a GPU that reports compute capability 7.0: one error line",
+    Check("refuse_bf16", 2, "--precision bf16 on a GPU that reports compute capability 7.0: one error line",
           steps_refuse_bf16, judge_refuse_bf16, cuda_only="the bf16 refusal is about a GPU's compute capability"),
     Check("lab02_line_profile", 2, "Lab-02 under kernprof, asynchronous and --launch-blocking; the line table",
           steps_lab02_line_profile, judge_lab02_line_profile, needs=("line_profiler",)),
@@ -1115,13 +1137,13 @@ CHECKS: list[Check] = [
     Check("lab02_sweep", 2, "Lab-02 sweep.py: baseline, pin-memory, device, amp under kernprof",
           lambda c: [Step(c.script(LAB02 + "/sweep.py", "--device", c.device, "--dataset", "synthetic",
                                    "--synthetic-size", "1024" if c.cpu else "4096", "--epochs", "1", "--max-steps",
-                                   "5" if c.cpu else "20", "--steps", ",".join(LAB02_SWEEP_STEPS), "--results-dir",
+                                   "5" if c.cpu else "20", "--stages", ",".join(LAB02_SWEEP_STEPS), "--results-dir",
                                    str(c.folder)))], judge_lab02_sweep, needs=("line_profiler",)),
     Check("lab03_precisions", 2, "Lab-03 every precision, training and inference",
           lambda c: [Step(c.script(LAB03, *tiny_lab03(c), "--folder", str(c.folder / "csv"), "--results-dir",
                                    str(c.folder)))], judge_lab03_precisions),
     Check("lab03_channels_last", 2, "Lab-03 channels-last in fp32, amp-fp16 and amp-bf16",
-          lambda c: [Step(c.script(LAB03, *tiny_lab03(c), "--channels-last", "--precisions", "fp32,amp-fp16,amp-bf16",
+          lambda c: [Step(c.script(LAB03, *tiny_lab03(c), "--channels-last", "--precision", "fp32,amp-fp16,amp-bf16",
                                    "--folder", str(c.folder / "csv"), "--results-dir", str(c.folder)))],
           judge_lab03_channels_last),
     Check("ch16_memory", 2, "Chapter 16 memory_management.py: the CUDA allocator, accumulation matches",
@@ -1130,14 +1152,14 @@ CHECKS: list[Check] = [
           judge_ch16_memory),
     Check("ch16_profiling", 2, "Chapter 16 profiling.py: a trace with GPU kernels",
           lambda c: [Step(c.script(CH16 + "/profiling.py", "--device", c.device, "--batch-size", "8", "--image-size",
-                                   "32" if c.cpu else "64", "--iterations", "3", "--trace",
+                                   "32" if c.cpu else "64", "--repeats", "3", "--trace",
                                    str(c.folder / "trace.json"), "--results-dir", str(c.folder)))],
           judge_ch16_profiling),
     Check("ch16_benchmark", 2, "Chapter 16 benchmark_cpu_vs_gpu.py",
-          lambda c: [Step(c.script(CH16 + "/benchmark_cpu_vs_gpu.py", "--iterations", "5", "--warmup", "2",
+          lambda c: [Step(c.script(CH16 + "/benchmark_cpu_vs_gpu.py", "--repeats", "5", "--warmup", "2",
                                    "--results-dir", str(c.folder)))], judge_ch16_benchmark),
     Check("ch16_loading", 2, "Chapter 16 efficient_loading.py: cudnn.benchmark off and on",
-          lambda c: [Step(c.script(CH16 + "/efficient_loading.py", "--device", c.device, "--steps", "2",
+          lambda c: [Step(c.script(CH16 + "/efficient_loading.py", "--device", c.device, "--repeats", "2",
                                    "--num-workers", "1", "--batch-size", "32" if c.cpu else "128", "--results-dir",
                                    str(c.folder)))], judge_ch16_loading, needs=("sklearn",)),
     Check("lab04_memory", 2, "Lab-04 01_memory_budget.py: predicted = held, per variant",
@@ -1156,10 +1178,10 @@ CHECKS: list[Check] = [
     Check("lab05_allreduce", 2, "Lab-05 01_allreduce_bench.py (one GPU: no link to measure, said once)",
           lambda c: [Step([*c.torchrun(c.ranks), LAB05 + "/01_allreduce_bench.py", "--device", c.device,
                            "--min-bytes", "1024", "--max-bytes", "1048576", "--step-factor", "16", "--warmup", "2",
-                           "--iters", "5", "--results-dir", str(c.folder)])], judge_lab05_allreduce),
+                           "--repeats", "5", "--results-dir", str(c.folder)])], judge_lab05_allreduce),
     Check("lab05_overlap", 2, "Lab-05 03_overlap.py (one GPU: nothing to overlap, said so)",
           lambda c: [Step([*c.torchrun(c.ranks), LAB05 + "/03_overlap.py", "--device", c.device, "--model",
-                           "resnet18", "--image-size", "32" if c.cpu else "64", "--batch-size", "8", "--steps", "3",
+                           "resnet18", "--image-size", "32" if c.cpu else "64", "--batch-size", "8", "--repeats", "3",
                            "--warmup-steps", "1", "--bucket-cap-mb", "1,25", "--results-dir", str(c.folder)])],
           judge_lab05_overlap),
     Check("lab06_preflight", 2, "Lab-06 04_preflight.py over every GPU",
@@ -1174,6 +1196,16 @@ CHECKS: list[Check] = [
                                            ("02_pipeline_parallel.py", ["--schedule", "1f1b", "--microbatches", "8"]),
                                            ("03_2d_parallel.py", ["--checkpoint-dir", str(c.folder / "ckpt")]))],
           judge_lab07_model_parallel),
+    Check("lab08_gpu_decode", 2, "Lab-08 shards read with JPEGs decoded by 2 CPU workers, then by the device "
+          "(torchvision.io.decode_jpeg on cuda): samples/s of each",
+          lambda c: [Step(c.script(LAB08 + "/01_make_dataset.py", "--samples", "2048", "--shard-size", "256",
+                                   "--data-dir", str(c.folder.parent / "lab08-data"), "--overwrite",
+                                   "--results-dir", str(c.folder))),
+                     *[Step(c.script(LAB08 + "/02_read_formats.py", "--device", c.device, "--format", "webdataset",
+                                     "--read-only", "--decode", decode, "--num-workers", "2", "--batch-size", "128",
+                                     "--data-dir", str(c.folder.parent / "lab08-data"), "--results-dir",
+                                     str(c.folder))) for decode in ("loader", "device")]],
+          judge_lab08_gpu_decode, needs=("webdataset",)),
     Check("nccl_flight_recorder", 2, "NCCL's flight recorder in this PyTorch, and its watchdog on a stalled rank",
           lambda c: [Step([c.python, "scripts/gpu_probe_nccl.py", "recorder", str(c.folder / "probe.json")]),
                      Step([c.python, "scripts/gpu_probe_nccl.py", "watchdog", str(c.folder / "probe.json")])],

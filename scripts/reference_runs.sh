@@ -51,7 +51,7 @@ run_ch04() {
     "$PYTHON" chapters/ch04_deep_learning/mnist_training.py --device "$DEVICE" --epochs 4 --log-interval 1000 \
         --results-dir "$out"
     "$PYTHON" chapters/ch04_deep_learning/mnist_training.py --device "$DEVICE" --epochs 4 --log-interval 1000 \
-        --amp bf16 --results-dir "$out"
+        --precision bf16 --results-dir "$out"
     torchrun --nproc_per_node "$NPROC" chapters/ch04_deep_learning/multi_gpu_ddp.py --device "$DEVICE" --epochs 4 \
         --log-interval 1000 --results-dir "$out" --checkpoint "$out/../checkpoints/ddp.pt"
 }
@@ -91,7 +91,7 @@ run_lab05() {
     "$PYTHON" labs/lab05_scaling/02_scaling_study.py --device "$DEVICE" --processes "$SCALING_PROCESSES" --epochs 3 \
         --results-dir "$1"
     torchrun --nproc_per_node "$NPROC" labs/lab05_scaling/03_overlap.py --device "$DEVICE" --model resnet18 \
-        --image-size 32 --batch-size 8 --steps 6 --results-dir "$1"
+        --image-size 32 --batch-size 8 --repeats 6 --results-dir "$1"
 }
 
 run_lab06() {  # a fault that ends the run (a hang, a NaN without restarts) exits non-zero by design: its record is the result

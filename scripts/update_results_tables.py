@@ -64,7 +64,8 @@ def summary_table(subset, doc: Path) -> list[str]:
 
 def lab_section_tables(lab: str, subset, runs, records_dir: Path) -> list[str]:
     """The tables of the report sections a lab registered (e.g. Lab-03's ms/batch per precision)."""
-    from common.report.sections import Section, SectionContext, lab_section_builders, load_builtin_lab_sections
+    from common.report.labs import load_builtin_lab_sections
+    from common.report.sections import Section, SectionContext, lab_section_builders
 
     load_builtin_lab_sections()
     lines: list[str] = []

@@ -224,5 +224,5 @@ def launch_plan(processes: int, plan: list[dict], root: Path, name: str) -> dict
 
 #: Lab-03's benchmark on two CPU processes (torchrun and two Gloo ranks, DDP in training).
 LAB03_DDP_ARGS = ("--device", "cpu", "-g", "2", "--models", "resnet18", "--image-size", "32", "-b", "2", "-w", "1",
-                  "-n", "2", "--check-steps", "1", "--precisions", "fp32", "--modes", "train", "--folder", "csv",
+                  "-n", "2", "--check-steps", "1", "--precision", "fp32", "--modes", "train", "--folder", "csv",
                   "--results-dir", "records")

@@ -104,9 +104,9 @@ def test_bf16_autocast_on_cpu_follows_the_fp32_run_step_by_step(fp32_run, tmp_pa
     _, _, fp32_results = fp32_run
     (fp32_record,) = _records(fp32_results)
     assert run_main(TRAIN, ["--device", "cpu", "--dataset", "digits", "--epochs", "1", "--max-steps", str(steps),
-                            "--amp", "bf16", "--results-dir", str(tmp_path), "--log-interval", "1000"]) == 0
+                            "--precision", "bf16", "--results-dir", str(tmp_path), "--log-interval", "1000"]) == 0
     (record,) = _records(tmp_path)
-    assert record["method"] == "bf16" and record["config"]["amp"] == "bf16"
+    assert record["method"] == "bf16" and record["config"]["precision"] == "bf16"
     bf16_losses, fp32_losses = record["metrics"]["loss_at_step"], fp32_record["metrics"]["loss_at_step"][:steps]
     assert len(bf16_losses) == steps and bf16_losses != fp32_losses  # bf16 really ran: not the same bits
     assert bf16_losses == pytest.approx(fp32_losses, rel=0.05), (bf16_losses, fp32_losses)
@@ -211,7 +211,7 @@ def test_both_training_scripts_take_chapter4s_shared_flags_with_the_same_default
 
     shared = load_script("chapters/ch04_deep_learning/ch04_shared.py")
     expected = vars(shared.add_mnist_args(argparse.ArgumentParser()).parse_args([]))
-    assert {"dataset", "model", "lr", "gamma", "amp", "log_interval", "warmup_steps"} <= set(expected)
+    assert {"dataset", "model", "lr", "gamma", "precision", "log_interval", "warmup_steps"} <= set(expected)
     for script in (TRAIN, DDP):
         parsed = vars(load_script(script).build_parser().parse_args([]))
         assert {name: parsed[name] for name in expected} == expected, script

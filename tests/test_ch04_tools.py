@@ -54,25 +54,25 @@ def test_basics_times_matmul_per_dtype_and_writes_record(tmp_path, capsys):
         assert float(printed.group(1)) == pytest.approx(1000 * row["median_s"], abs=1e-3)
     # fp32 rounds at ~1e-7, bf16 (8 bits of precision) at ~1e-3: the error column shows the difference
     assert rows["fp32"]["rel_error_vs_fp64"] < 1e-5 < 1e-4 < rows["bf16"]["rel_error_vs_fp64"] < 5e-2
-    assert record["config"]["size"] == 96 and record["config"]["dtypes"] == ["fp32", "bf16"]
+    assert record["config"]["size"] == 96 and record["config"]["precision"] == ["fp32", "bf16"]
 
 
 def test_basics_explicit_dtypes_and_bad_input(tmp_path, capsys):
-    assert run_main(BASICS, ["--device", "cpu", "--size", "32", "--repeats", "1", "--dtypes", "fp64,fp32,fp64",
+    assert run_main(BASICS, ["--device", "cpu", "--size", "32", "--repeats", "1", "--precision", "fp64,fp32,fp64",
                              "--skip-tour", "--results-dir", str(tmp_path / "ok")]) == 0
     out = capsys.readouterr().out
     assert "== tensors" not in out
     (record,) = _records(tmp_path / "ok").values()
     assert [row["dtype"] for row in record["metrics"]["matmul"]] == ["fp64", "fp32"]
 
-    assert run_main(BASICS, ["--device", "cpu", "--dtypes", "tf32", "--results-dir", str(tmp_path / "bad")]) == 2
+    assert run_main(BASICS, ["--device", "cpu", "--precision", "tf32", "--results-dir", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: tf32 is a mode of NVIDIA tensor cores") and len(err.splitlines()) == 1
     with pytest.raises(SystemExit) as exit_:
-        load_script(BASICS).build_parser().parse_args(["--dtypes", "fp32,int8"])
+        load_script(BASICS).build_parser().parse_args(["--precision", "fp32,int8"])
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and len(err.splitlines()) == 1
-    assert err.startswith("error: argument --dtypes: unknown precision(s) int8; choose from fp64, fp32")
+    assert err.startswith("error: argument --precision: unknown precision(s) int8; choose from fp64, fp32")
     assert not (tmp_path / "bad").exists()
 
 
@@ -233,7 +233,7 @@ def test_amp_training_compares_records_it_ran(tmp_path, capsys):
     records = _records(tmp_path)
     # Its fp32 run is mnist_training.py's loop: the same settings typed to that script train to the same loss.
     assert run_main("chapters/ch04_deep_learning/mnist_training.py",
-                    [*settings, "--amp", "fp32", "--results-dir", str(tmp_path / "alone")]) == 0
+                    [*settings, "--precision", "fp32", "--results-dir", str(tmp_path / "alone")]) == 0
     (alone,) = _records(tmp_path / "alone").values()
     assert records["fp32"]["metrics"]["final_loss"] == alone["metrics"]["final_loss"]
     assert records["fp32"]["metrics"]["test_accuracy"] == alone["metrics"]["test_accuracy"]
@@ -248,7 +248,7 @@ def test_amp_training_compares_records_it_ran(tmp_path, capsys):
         assert row["test_accuracy"] == run["metrics"]["test_accuracy"]
         assert row["final_loss"] == run["metrics"]["final_loss"]
         # mnist_training.py's own run (the loop a student reads), with the same seed and settings every time
-        assert run["script"] == "chapters/ch04_deep_learning/mnist_training.py" and run["config"]["amp"] == precision
+        assert run["script"] == "chapters/ch04_deep_learning/mnist_training.py" and run["config"]["precision"] == precision
         for key in ("seed", "epochs", "max_steps", "batch_size", "dataset", "model", "log_interval"):
             assert run["config"][key] == records["fp32"]["config"][key]
     assert records["fp32"]["config"]["log_interval"] == 1000
@@ -264,9 +264,9 @@ def test_amp_training_compares_records_it_ran(tmp_path, capsys):
 
 
 def test_amp_training_checks_precisions_before_running(tmp_path, capsys):
-    assert run_main(AMP, ["--device", "cpu", "--precisions", "fp16", "--results-dir", str(tmp_path)]) == 2
+    assert run_main(AMP, ["--device", "cpu", "--precision", "fp16", "--results-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "error: fp16 autocast needs a CUDA GPU; on CPU compare --precisions fp32,bf16"
+    assert err == "error: fp16 autocast needs a CUDA GPU; on CPU compare --precision fp32,bf16"
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 

@@ -129,7 +129,7 @@ def test_memory_management_on_a_gpu_uses_the_cuda_allocator(tmp_path):
 def test_profiling_exports_a_valid_trace_with_events(tmp_path, capsys):
     trace = tmp_path / "trace.json"
     status = run_main(f"{CHAPTER}/profiling.py", ["--device", "cpu", "--model", "mnist_cnn", "--batch-size", "4",
-                                                  "--iterations", "2", "--trace", str(trace),
+                                                  "--repeats", "2", "--trace", str(trace),
                                                   "--results-dir", str(tmp_path)])
     assert status == 0
     events = json.loads(trace.read_text())["traceEvents"]
@@ -144,7 +144,7 @@ def test_profiling_exports_a_valid_trace_with_events(tmp_path, capsys):
 def test_benchmark_times_the_cpu_and_says_when_there_is_no_gpu(tmp_path, capsys):
     import torch
 
-    status = run_main(f"{CHAPTER}/benchmark_cpu_vs_gpu.py", ["--iterations", "3", "--warmup", "1",
+    status = run_main(f"{CHAPTER}/benchmark_cpu_vs_gpu.py", ["--repeats", "3", "--warmup", "1",
                                                              "--results-dir", str(tmp_path)])
     assert status == 0
     out = capsys.readouterr().out

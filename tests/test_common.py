@@ -13,7 +13,7 @@ import pytest
 from common import cli, results
 
 from common.runtime import cpus, launch
-from helpers import fake_cpuinfo
+from helpers import fake_cpuinfo, script_env
 
 # --------------------------------------------------------------------------------------------
 # launch: who started us (pure environment logic, no torch)
@@ -177,17 +177,25 @@ def test_every_new_record_carries_the_machine_and_older_versions_still_read(tmp_
 
     monkeypatch.setattr(machine, "read_cpuinfo", lambda path="/proc/cpuinfo": ZEN1)
     record = _record()  # a provenance without "machine": make_record adds this machine's
-    assert record["schema_version"] == 3 and record["provenance"]["machine"]["cpu"]["bf16"] == "emulated"
+    assert record["schema_version"] == 4 and record["provenance"]["machine"]["cpu"]["bf16"] == "emulated"
     assert record["provenance"]["machine"]["gpus"] == []
     h100 = machine.gpu_description("NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30)
     assert (h100["peaks_from"], h100["peak_tflops"]["bf16"], h100["bf16"]) == ("H100 SXM", 989.5, "native")
     results.write_record(record, tmp_path)
     without = dict(record, provenance={"hostname": "h"}, run_id="no-machine")
-    (tmp_path / "v3-without-machine.json").write_text(json.dumps(without))
+    (tmp_path / "v4-without-machine.json").write_text(json.dumps(without))
     (tmp_path / "v2-without-machine.json").write_text(json.dumps(dict(without, schema_version=2, run_id="old")))
+    # Version 3 said fraction_of_peak and --amp/--mixed-precision; read as version 4 says them.
+    v3 = dict(record, run_id="v3", schema_version=3, config={"amp": "bf16", "epochs": 1},
+              metrics={**record["metrics"], "fraction_of_peak": 0.25, "floors": {"fraction_of_peak": 0.25,
+                                                                                "reasons": {"fraction_of_peak": "x"}}})
+    (tmp_path / "v3.json").write_text(json.dumps(v3))
     loaded = results.load_records(tmp_path)
-    assert sorted(r["run_id"] for r in loaded.records) == sorted([record["run_id"], "old"])
-    assert [(p.name, "provenance.machine" in why) for p, why in loaded.errors] == [("v3-without-machine.json", True)]
+    assert sorted(r["run_id"] for r in loaded.records) == sorted([record["run_id"], "old", "v3"])
+    assert [(p.name, "provenance.machine" in why) for p, why in loaded.errors] == [("v4-without-machine.json", True)]
+    (old,) = [r for r in loaded.records if r["run_id"] == "v3"]
+    assert old["config"] == {"precision": "bf16", "epochs": 1} and old["metrics"]["mfu"] == 0.25
+    assert old["metrics"]["floors"] == {"mfu": 0.25, "reasons": {"mfu": "x"}} and "fraction_of_peak" not in old["metrics"]
 
 
 def test_a_bf16_run_on_a_cpu_without_bf16_says_so_at_start_and_in_its_record(monkeypatch, capsys):
@@ -206,19 +214,19 @@ def test_a_bf16_run_on_a_cpu_without_bf16_says_so_at_start_and_in_its_record(mon
                        "converts to fp32 and back, so bf16 runs slower than fp32 here; its timings say nothing "
                        "about bf16 hardware"]
     cpu_prov = {"hostname": "h", "device": {"type": "cpu", "name": "AMD EPYC 7551"}}
-    bf16 = _record(config={"amp": "bf16"}, provenance=cpu_prov)
-    fp32 = _record(config={"amp": "fp32"}, provenance=cpu_prov)
+    bf16 = _record(config={"precision": "bf16"}, provenance=cpu_prov)
+    fp32 = _record(config={"precision": "fp32"}, provenance=cpu_prov)
     assert bf16["notes"] == [printed[0].removeprefix("note: ")] and fp32["notes"] == []
     monkeypatch.setattr(machine, "read_cpuinfo", lambda path="/proc/cpuinfo": ZEN4)
     assert amp.announce_bf16_emulation("bf16", cpu) is None and capsys.readouterr().out == ""
-    assert _record(config={"amp": "bf16"}, provenance=cpu_prov)["notes"] == []
+    assert _record(config={"precision": "bf16"}, provenance=cpu_prov)["notes"] == []
 
 
 @pytest.mark.gpu
 def test_a_cuda_record_names_its_gpu_with_the_datasheet_peaks():
     """In a fresh process on a GPU: provenance.machine.gpus holds the GPU used, its capability and,
-    for a GPU in common/measure/gpu_peaks.py, its dense peaks (an H100 SXM: bf16 989.5 TFLOP/s)."""
-    code = ("import json, torch; from common.results import provenance; from common.measure.gpu_peaks import gpu_peaks; "
+    for a GPU in common.precision.GPU_PEAKS, its dense peaks (an H100 SXM: bf16 989.5 TFLOP/s)."""
+    code = ("import json, torch; from common.results import provenance; from common.precision import gpu_peaks; "
             "p = provenance(torch.device('cuda', 0)); g = p['machine']['gpus']; "
             "print(json.dumps([g, torch.cuda.get_device_name(0), gpu_peaks(torch.cuda.get_device_name(0))[1]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
@@ -717,11 +725,11 @@ def test_the_stop_flag_is_agreed_only_where_a_handler_is_armed_and_on_the_cpus(t
             return real(tensor, *args, **kwargs)
 
         monkeypatch.setattr(dist, "all_reduce", spy)
-        with Preemption(None, argparse.Namespace()) as unarmed:
+        with Preemption(None, resume=False) as unarmed:
             for step in range(3):
                 unarmed.check(step, across_ranks=True)
         assert calls == []
-        with Preemption(TorchCheckpointer(tmp_path / "ck.pt"), argparse.Namespace()) as armed:
+        with Preemption(TorchCheckpointer(tmp_path / "ck.pt"), resume=False) as armed:
             armed.check(0, across_ranks=True)
             assert calls == [("cpu", None)]
             with monkeypatch.context() as nccl:  # the world group is NCCL's on a GPU run
@@ -748,3 +756,61 @@ def test_the_flight_recorder_is_turned_on_under_every_name_a_release_reads_and_a
     quiet = {}
     enable_flight_recorder(8, env=quiet)
     assert quiet == {"TORCH_FR_BUFFER_SIZE": "8", "TORCH_NCCL_TRACE_BUFFER_SIZE": "8"}
+
+
+RANK0_ONLY_SAVE = """import sys
+from chapters.ch04_deep_learning import mnist_training
+from common.errors import run_main
+from common.train.run import TrainingRun
+
+
+def main(argv):
+    args = mnist_training.build_parser().parse_args(argv)
+    with TrainingRun(args, lab="ch04", script="rank0_save.py", method="fp32", distributed=True) as run:
+        if run.is_main:  # the way students write it: save_checkpoint() is a collective
+            run.save_checkpoint()
+    return 0
+
+
+run_main(main, sys.argv[1:])
+"""
+
+
+def test_a_collective_called_on_rank_0_alone_ends_in_one_line_naming_the_missing_rank(tmp_path):
+    """save_checkpoint() under `if run.is_main:` on 2 ranks: the job ends within the collective timeout
+    (5 s here) plus start-up, with one error line that says the call is collective and names rank 1."""
+    import time
+
+    from helpers import torchrun
+
+    (tmp_path / "rank0_save.py").write_text(RANK0_ONLY_SAVE)
+    began = time.monotonic()
+    result = subprocess.run([*torchrun(2), str(tmp_path / "rank0_save.py"), "--device", "cpu", "--epochs", "1",
+                             "--checkpoint", str(tmp_path / "ck.pt"), "--results-dir", str(tmp_path / "r")],
+                            cwd=tmp_path, env=script_env(HPC_DL_LABS_DIST_TIMEOUT="5"), capture_output=True,
+                            text=True, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and time.monotonic() - began < 120, output[-3000:]
+    errors = [line for line in output.splitlines() if "error: save_checkpoint() is collective" in line]
+    assert len(errors) == 1 and "1" in errors[0].split(":", 2)[-1], output[-3000:]
+    assert not (tmp_path / "ck.pt").exists()
+
+
+@pytest.mark.parametrize(("script", "former", "current"), [
+    ("chapters/ch04_deep_learning/mnist_training.py", ["--amp", "bf16"], ("precision", "bf16")),
+    ("labs/lab04_sharded_training/02_sharded_training.py", ["--mixed-precision", "bf16"], ("precision", "bf16")),
+    ("chapters/ch04_deep_learning/pytorch_basics.py", ["--dtypes", "fp32,bf16"], ("precision", ["fp32", "bf16"])),
+    ("labs/lab05_scaling/01_allreduce_bench.py", ["--iters", "3"], ("repeats", 3)),
+    ("chapters/ch16_gpu_distributed/profiling.py", ["--iterations", "4"], ("repeats", 4)),
+    ("labs/lab03_precision_benchmark/benchmark_models.py", ["--num-iters", "5"], ("repeats", 5)),
+    ("labs/lab02_profiling/sweep.py", ["--steps", "baseline"], ("stages", "baseline")),
+])
+def test_a_flag_s_former_name_still_works_and_says_the_new_one_once(script, former, current, capsys):
+    from helpers import load_script
+
+    args = load_script(script).build_parser().parse_args(former)
+    assert getattr(args, current[0]) == current[1]
+    new = max((a for a in load_script(script).build_parser()._actions if a.dest == current[0]),
+              key=lambda a: a.help != argparse.SUPPRESS).option_strings
+    assert capsys.readouterr().err == f"note: {former[0]} is now {max(new, key=len)}; the old name still works\n"
+    assert former[0] not in load_script(script).build_parser().format_help()  # hidden from --help

@@ -115,7 +115,7 @@ def test_bf16_is_refused_below_compute_capability_8_although_is_bf16_supported_s
     fake_gpus(capability=(7, 0), name=V100)
     with pytest.raises(UserError) as refused:
         amp.check_precision("bf16", cuda)
-    assert "V100" in str(refused.value) and "7.0" in str(refused.value) and "--amp fp16" in str(refused.value)
+    assert "V100" in str(refused.value) and "7.0" in str(refused.value) and "--precision fp16" in str(refused.value)
     assert amp.check_precision("fp16", cuda) == "fp16"
     fake_gpus(capability=(8, 0), name="NVIDIA A100-SXM4-40GB")
     assert amp.check_precision("bf16", cuda) == "bf16"
@@ -124,7 +124,7 @@ def test_bf16_is_refused_below_compute_capability_8_although_is_bf16_supported_s
 def test_mnist_training_with_bf16_on_a_v100_is_one_error_line(fake_gpus, tmp_path, capsys):
     fake_gpus(count=1, capability=(7, 0), name=V100)
     status = run_main("chapters/ch04_deep_learning/mnist_training.py",
-                      ["--device", "cuda", "--amp", "bf16", "--dry-run", "--results-dir", str(tmp_path / "r")])
+                      ["--device", "cuda", "--precision", "bf16", "--dry-run", "--results-dir", str(tmp_path / "r")])
     assert status == 2 and "no bf16 tensor cores" in one_error_line(capsys)
     assert not (tmp_path / "r").exists()
 
@@ -229,7 +229,7 @@ def test_srun_with_gpus_per_task_gives_each_task_its_own_gpu(fake_gpus, launch_e
 def test_a_cuda_run_uses_real_fp32_and_records_say_which_maths_was_in_force(fake_gpus):
     import torch
 
-    from common.train.amp import fp32_math, set_fp32_math
+    from common.precision import fp32_math, set_fp32_math
     from common.runtime.device import resolve_device
     from common.results import provenance
 
@@ -248,7 +248,7 @@ def test_a_cuda_run_uses_real_fp32_and_records_say_which_maths_was_in_force(fake
 def test_legacy_tf32_readers_work_and_agree_with_the_record_after_the_maths_is_set(fake_gpus):
     import torch
 
-    from common.train.amp import fp32_math, set_fp32_math
+    from common.precision import fp32_math, set_fp32_math
 
     fake_gpus(count=1)
     for mode, matmul_precision in (("tf32", "high"), ("ieee", "highest")):
@@ -478,18 +478,37 @@ def test_run_lab_gives_dataparallel_the_gpus_ddp_uses(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# one datasheet table, which knows the H100 NVL
+# one datasheet table (common.precision), read under every lab's names
 
 
-@pytest.mark.parametrize("name", ["NVIDIA H100 NVL", "NVIDIA H100 PCIe", H100, "NVIDIA H200 NVL", "NVIDIA H200",
-                                  "NVIDIA A100-SXM4-80GB", V100, "Tesla V100-PCIE-16GB", "Tesla V100S-PCIE-32GB"])
-def test_chapter4_and_lab03_read_one_peak_table(name):
-    basics = load_script("chapters/ch04_deep_learning/pytorch_basics.py")
-    lab03 = load_script("labs/lab03_precision_benchmark/lab03_shared.py")
-    _, peaks = basics.peak_for(name)
-    for basics_name, lab03_name in (("fp64", "fp64"), ("fp32", "fp32"), ("tf32", "tf32"), ("fp16", "half"),
-                                    ("fp16", "amp-fp16"), ("bf16", "amp-bf16")):
-        assert peaks.get(basics_name) == lab03.peak_tflops("cuda", name, lab03_name)[0]
+@pytest.mark.parametrize(("name", "precision", "expected"), [
+    ("NVIDIA A100-SXM4-40GB", "fp32", (19.5, "A100 datasheet, fp32, dense")),
+    ("NVIDIA A100 80GB PCIe", "amp-bf16", (312.0, "A100 datasheet, bf16, dense")),
+    ("NVIDIA H100 PCIe", "tf32", (378.0, "H100 PCIe datasheet, tf32, dense")),
+    (H100, "tf32", (494.5, "H100 SXM datasheet, tf32, dense")),
+    ("Tesla V100-SXM3-32GB", "half", (125.0, "V100 SXM2 datasheet, fp16, dense")),
+    ("Tesla V100-SXM2-32GB", "tf32", (None, "the V100 SXM2 datasheet lists no tf32 peak")),
+    ("NVIDIA GeForce RTX 4090", "fp32", (None, "no datasheet peak for 'NVIDIA GeForce RTX 4090' in "
+                                               "common.precision.GPU_PEAKS")),
+    (None, "fp32", (None, "no peak known for a CPU (it depends on cores, clock and vector units)")),
+])
+def test_every_lab_reads_one_peak_table_under_its_own_precision_names(name, precision, expected):
+    from common import precision as precisions
+
+    assert precisions.peak_of(name, precisions.math_of(precision)) == expected
+
+
+def test_the_utilisation_of_a_run_is_one_set_of_keys_on_a_gpu_and_on_a_cpu(fake_gpus):
+    import torch
+
+    from common import precision
+
+    fake_gpus(count=1)
+    speed = precision.utilisation(400e12, torch.device("cuda", 0), "bf16", devices=2)
+    assert speed == {"achieved_tflops": 200.0, "peak_tflops": 989.5, "peak_precision": "bf16",
+                     "peak_source": "H100 SXM datasheet, bf16, dense", "mfu": 200.0 / 989.5, "mfu_reason": None}
+    cpu = precision.utilisation(1e9, torch.device("cpu"), "fp32")
+    assert cpu["mfu"] is None and cpu["mfu_reason"].startswith("no peak known for a CPU") and cpu["achieved_tflops"] == 1e-3
 
 
 def test_an_h100_nvl_gets_the_nvl_peaks_not_the_sxm_ones():
@@ -660,7 +679,7 @@ def test_gpu_nccl_group_is_bound_to_its_device_and_fp32_is_real(tmp_path):
     import torch
     import torch.distributed as dist
 
-    from common.train.amp import fp32_math
+    from common.precision import fp32_math
     from common.runtime.distributed import init_distributed, teardown_distributed
 
     ctx = init_distributed("cuda", force_process_group=True)

@@ -169,7 +169,7 @@ def good_run(check: str, folder: Path) -> None:
             "checkpoint_saves": [{"mode": "sync", "stall_s": 0.1}]})
     elif check == "lab04_fsdp_resume":
         (folder / "status.txt").write_text("0\n0\n")
-        options = {"mixed_precision": "bf16", "activation_checkpointing": True}
+        options = {"precision": "bf16", "activation_checkpointing": True}
         record(folder, "fsdp+ac+bf16", lab="lab04", provenance=ddp, config={"epochs": 1, "resume": False, **options},
                metrics={"world_size": GPUS, "memory": memory(GPUS), "checkpoint_saves": [{"mode": "async"}]})
         record(folder, "fsdp+ac+bf16", lab="lab04", provenance=ddp, config={"epochs": 2, "resume": True, **options})
@@ -195,6 +195,10 @@ def good_run(check: str, folder: Path) -> None:
                metrics={"world_size": GPUS, "loss_at_step": [4.8, 4.1], "bubble_measured": 0.2})
         record(folder, "2d-1x2", lab="lab07", provenance=ddp, script=lab07 + "03_2d_parallel.py",
                metrics={"world_size": GPUS, "loss_at_step": [4.8]})
+    elif check == "lab08_gpu_decode":
+        (folder / "status.txt").write_text("0\n0\n0\n")
+        for method, rate in (("webdataset+read-only", 2000.0), ("webdataset+read-only+decode-on-device", 5000.0)):
+            record(folder, method, lab="lab08", metrics={"epochs_io": [{"samples": 2048, "samples_per_s": rate}]})
     elif check == "main_job":
         for method in ("env", "baseline", "dp", "ddp"):
             record(folder, method, provenance=ddp if method == "ddp" else None,
@@ -213,6 +217,7 @@ def good_run(check: str, folder: Path) -> None:
 @pytest.mark.parametrize("check", ["lab01_dp", "ch04_ddp", "amp_training", "ch16_memory", "lab02_sweep", "gpu_check",
                                    "lab01_env", "lab04_memory", "lab04_ddp", "lab04_fsdp_resume", "lab04_largest",
                                    "lab05_allreduce", "lab05_scaling", "lab05_overlap", "lab07_model_parallel",
+                                   "lab08_gpu_decode",
                                    "main_job", "pytest_gpu"])
 def test_a_healthy_run_passes_its_check(check, tmp_path):
     folder = run_folder(tmp_path, [0])
@@ -229,7 +234,7 @@ def test_lab04_fsdp_needs_async_saves_then_a_resumed_run_on_one_gpu(tmp_path):
         if json.loads(path.read_text())["config"]["resume"]:
             path.unlink()
     record(folder, "fsdp+ac+bf16", lab="lab04", provenance={"distributed": {"backend": "nccl"}},
-           config={"epochs": 1, "resume": False, "mixed_precision": "fp32", "activation_checkpointing": True},
+           config={"epochs": 1, "resume": False, "precision": "fp32", "activation_checkpointing": True},
            metrics={"world_size": GPUS, "memory": memory(GPUS), "checkpoint_saves": [{"mode": "sync"}]})
     problems = " | ".join(judged("lab04_fsdp_resume", folder, GPUS))
     for expected in ("1 command(s) ran, 2 expected", "no record of the resumed run", "expected async only",
@@ -540,3 +545,15 @@ def test_the_cpu_rehearsal_runs_the_real_checks_within_its_budget(tmp_path):
         if row["status"] == "skipped":
             assert row["reason"].startswith("on the CPU: "), row
     assert re.search(r"\| main_job \| 1 \| ok \| \d+ \|", (out / "summary.md").read_text())
+
+
+def test_lab08_gpu_decode_measures_both_decoders_and_names_one_that_ran_on_the_cpu(tmp_path):
+    folder = run_folder(tmp_path, [0, 0, 0])
+    good_run("lab08_gpu_decode", folder)
+    problems, findings = proof.judge("lab08_gpu_decode", folder, GPUS)
+    assert problems == [] and findings["device_over_workers"] == pytest.approx(2.5)
+    for path in folder.glob("*decode-on-device*.json"):
+        path.unlink()
+    record(folder, "webdataset+read-only+decode-on-device", lab="lab08", device="cpu",
+           metrics={"epochs_io": [{"samples": 2048, "samples_per_s": 900.0}]})
+    assert any("ran on 'cpu', not cuda" in p for p in judged("lab08_gpu_decode", folder, GPUS))

@@ -87,7 +87,7 @@ def test_the_three_pipelines_give_the_same_numbers():
 
 def test_sweep_records_each_step_and_the_report_shows_the_path(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO / LAB)  # where the README runs it
-    status = run_main(f"{LAB}/sweep.py", ["--steps", "baseline,device", *TINY, "--results-dir", str(tmp_path)])
+    status = run_main(f"{LAB}/sweep.py", ["--stages", "baseline,device", *TINY, "--results-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert status == 0, out
     # The report command it ends with can be typed where the sweep ran.
@@ -119,7 +119,7 @@ def test_sweep_records_each_step_and_the_report_shows_the_path(tmp_path, capsys,
 
 
 def test_sweep_rejects_an_unknown_step(capsys):
-    assert run_main(f"{LAB}/sweep.py", ["--steps", "baseline,warp-drive"]) == 2
+    assert run_main(f"{LAB}/sweep.py", ["--stages", "baseline,warp-drive"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: unknown step(s) warp-drive") and len(err.strip().splitlines()) == 1
 
@@ -220,9 +220,9 @@ def test_cuda_graph_step_on_a_cpu_runs_eagerly_says_why_and_records_the_floors(t
     assert floors["flops_per_step"] == 3 * forward - conv1
     assert metrics["achieved_tflops"] == pytest.approx(floors["flops_per_step"] / metrics["step_time_s"] / 1e12)
     # A CPU has no datasheet peak: no FLOP floor and no fraction of it, each with the reason.
-    assert metrics["flop_floor_s"] is None and metrics["fraction_of_peak"] is None
-    assert "no peak for a CPU" in floors["reasons"]["flop_floor_s"]
-    assert floors["reasons"]["fraction_of_peak"] == floors["reasons"]["flop_floor_s"]
+    assert metrics["flop_floor_s"] is None and metrics["mfu"] is None
+    assert "no peak known for a CPU" in floors["reasons"]["flop_floor_s"]
+    assert floors["reasons"]["mfu"] == floors["reasons"]["flop_floor_s"]
     # The launch floor counts operators (said so) at the measured cost of calling one.
     assert "an operator count, not kernels" in floors["counted"] and metrics["kernels_per_step"] > 50
     assert metrics["launch_floor_s"] == pytest.approx(metrics["kernels_per_step"] * floors["launch_latency_s"])
@@ -251,11 +251,13 @@ def test_a_larger_batch_adds_flops_not_kernels_and_moves_a_gpu_step_from_launch_
                for name, run in (("small", small), ("large", large))}
     assert counted["large"][0] == 8 * counted["small"][0] and counted["large"][1] == counted["small"][1]
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(floors, "fp32_math", lambda: {"matmul": "ieee", "cudnn_conv": "tf32"})
-    assert floors.peak_for(torch.device("cuda"), "fp32")[0] == 494.5  # cuDNN may use TF32: the lower floor
-    monkeypatch.setattr(floors, "fp32_math", lambda: {"matmul": "ieee", "cudnn_conv": "ieee"})
-    peak, source = floors.peak_for(torch.device("cuda"), "fp32")
-    assert peak == 67.0 and source.startswith("H100 SXM datasheet, fp32")
+    from common import precision
+
+    monkeypatch.setattr(precision, "fp32_math", lambda: {"matmul": "ieee", "cudnn_conv": "tf32"})
+    assert precision.peak(torch.device("cuda"), "fp32")[:2] == (494.5, "tf32")  # cuDNN may use TF32: the lower floor
+    monkeypatch.setattr(precision, "fp32_math", lambda: {"matmul": "ieee", "cudnn_conv": "ieee"})
+    peak, maths, source = precision.peak(torch.device("cuda"), "fp32")
+    assert (peak, maths) == (67.0, "fp32") and source.startswith("H100 SXM datasheet, fp32")
     flops_at_64, kernels = counted["small"][0] * 16, counted["small"][1]
 
     def regime(flops: int) -> str:
@@ -313,6 +315,6 @@ def test_gpu_graph_step_is_captured_and_trains_step_by_step_like_the_eager_devic
     for record in found.values():
         metrics = record["metrics"]
         assert metrics["kernels_per_step"] > 20 and record["metrics"]["floors"]["counted"] == "CUDA kernels"
-        assert metrics["flop_floor_s"] > 0 and metrics["launch_floor_s"] > 0 and 0 < metrics["fraction_of_peak"] < 1
+        assert metrics["flop_floor_s"] > 0 and metrics["launch_floor_s"] > 0 and 0 < metrics["mfu"] < 1
         assert metrics["regime"] in ("launch-bound", "compute-bound")
     assert "CUDA graph" in graph["floors"]["latency_method"]

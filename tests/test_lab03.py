@@ -76,7 +76,7 @@ def records_by_method(folder: Path) -> dict[str, list[dict]]:
 
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
-    """All six precisions in both modes, asked for on a CPU (the default --precisions and --modes)."""
+    """All six precisions in both modes, asked for on a CPU (the default --precision and --modes)."""
     folder = tmp_path_factory.mktemp("lab03")
     with quiet() as out:
         status = run_main(SCRIPT, [*TINY, "--folder", str(folder / "csv"), "--results-dir", str(folder / "records")])
@@ -131,8 +131,8 @@ def test_records_carry_the_documented_metrics(cpu_run):
             assert len(metrics["ms_per_batch_samples"]) == 2
             assert metrics["samples_per_s"] > 0
             assert metrics["flops_per_batch"] > 0 and metrics["achieved_tflops"] > 0
-            assert metrics["peak_tflops"] is None and "no peak known for this CPU" in metrics["peak_tflops_source"]
-            assert metrics["fraction_of_peak"] is None and metrics["launch_bound"] is None
+            assert metrics["peak_tflops"] is None and "no peak known for a CPU" in metrics["mfu_reason"]
+            assert metrics["mfu"] is None and metrics["launch_bound"] is None
             assert metrics["memory"][0]["source"] == "process_max_rss"
             assert metrics["step_time"]["method"].startswith("time.perf_counter per step, CPU")
             assert metrics["step_time"]["steps_timed"] == 2 and metrics["step_time"]["warmup_steps"] == 1
@@ -197,7 +197,7 @@ def test_the_loss_check_compares_after_the_same_number_of_applied_steps(tmp_path
     with fp32's after as many applied steps, so a healthy precision is not called DIVERGED."""
     with_overflowing_scaler(monkeypatch, backoff_factor=0.5)
     argv = ["--device", "cpu", "--models", "resnet18", "--image-size", "64", "-b", "2", "-w", "0", "-n", "1",
-            "--check-steps", "2", "--precisions", "fp32,amp-bf16", "--modes", "inference", "--seed", "1",
+            "--check-steps", "2", "--precision", "fp32,amp-bf16", "--modes", "inference", "--seed", "1",
             "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path / "records")]
     with quiet() as out:
         assert run_main(SCRIPT, argv) == 0
@@ -223,7 +223,7 @@ def test_a_check_whose_every_step_was_skipped_is_inconclusive(tmp_path, monkeypa
     # A CPU without bf16 units: the run says so in one line at start, and its bf16 record says so too.
     monkeypatch.setattr(machine, "read_cpuinfo", lambda path="/proc/cpuinfo": fake_cpuinfo("AMD EPYC 7302", "avx2"))
     argv = ["--device", "cpu", "--models", "resnet18", "--image-size", "32", "-b", "2", "-w", "0", "-n", "1",
-            "--check-steps", "2", "--precisions", "fp32,amp-bf16", "--modes", "inference", "--seed", "1",
+            "--check-steps", "2", "--precision", "fp32,amp-bf16", "--modes", "inference", "--seed", "1",
             "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path / "records")]
     with quiet() as out:
         assert run_main(SCRIPT, argv) == 0
@@ -265,7 +265,7 @@ def test_half_keeps_batchnorm_in_float32():
 def test_a_precision_over_the_tolerance_is_flagged(tmp_path):
     """The same check with a tolerance no rounding can meet: amp-bf16 is flagged, fp32 (the reference) is not."""
     argv = ["--device", "cpu", "--models", "resnet18", "--image-size", "32", "-b", "2", "-w", "0", "-n", "1",
-            "--check-steps", "2", "--precisions", "fp32,amp-bf16", "--modes", "inference", "--loss-tolerance", "1e-6",
+            "--check-steps", "2", "--precision", "fp32,amp-bf16", "--modes", "inference", "--loss-tolerance", "1e-6",
             "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path / "records")]
     with quiet() as out:
         assert run_main(SCRIPT, argv) == 0
@@ -281,7 +281,7 @@ def test_a_precision_over_the_tolerance_is_flagged(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--models", "resnet18,resnet9000"], "error: unknown models 'resnet9000'; valid models: "),
-    (["--precisions", "fp32,fp8"], "error: unknown precisions 'fp8'; valid precisions: fp64, fp32, tf32"),
+    (["--precision", "fp32,fp8"], "error: unknown precisions 'fp8'; valid precisions: fp64, fp32, tf32"),
     (["--models", "vit_b_16", "--image-size", "64"], "error: vit_b_16 cannot run on 64x64 images: "),
 ])
 def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, argv, message):
@@ -365,13 +365,6 @@ def test_shared_rules_without_torch():
     assert lab.unsupported_reason("tf32", "cuda", "NVIDIA A100-SXM4-40GB", (8, 0)) is None
     assert "sm_70" in lab.unsupported_reason("tf32", "cuda", "Tesla V100-SXM2-32GB", (7, 0))
     assert "bfloat16" in lab.unsupported_reason("amp-bf16", "cuda", "Tesla V100-SXM2-32GB", (7, 0))
-    assert lab.peak_tflops("cuda", "NVIDIA A100-SXM4-40GB", "fp32")[0] == 19.5
-    assert lab.peak_tflops("cuda", "NVIDIA A100 80GB PCIe", "amp-bf16")[0] == 312
-    assert lab.peak_tflops("cuda", "NVIDIA H100 PCIe", "tf32")[0] == 378
-    assert lab.peak_tflops("cuda", "NVIDIA H100 80GB HBM3", "tf32")[0] == 494.5
-    assert lab.peak_tflops("cuda", "Tesla V100-SXM3-32GB", "half") == (125.0, "V100 SXM2 datasheet")
-    assert lab.peak_tflops("cuda", "Tesla V100-SXM2-32GB", "tf32")[0] is None
-    assert lab.peak_tflops("cuda", "NVIDIA GeForce RTX 4090", "fp32")[0] is None
     ok = lab.compare_losses([6.9, 5.0, 3.01], [6.9, 5.0, 3.0])
     assert not ok["diverged"] and math.isclose(ok["relative_diff"], 0.01 / 6.9)
     stalled = lab.compare_losses([6.9, 6.9, 6.9], [6.9, 5.0, 3.0])  # gradients that underflowed to zero
@@ -386,14 +379,12 @@ def test_shared_rules_without_torch():
     never = lab.compare_losses([6.9], [6.9, 5.0, 3.0], attempts=16, skipped_steps=16)
     assert never["verdict"] == "inconclusive" and not never["diverged"] and "skipped all 16" in never["reason"]
     # Far from the peak is launch-bound; one line, with the remedy; nothing where no peak is known.
-    h100 = [{"model": "resnet50", "mode": "train", "precision": p, "fraction_of_peak": f}
+    h100 = [{"model": "resnet50", "mode": "train", "precision": p, "mfu": f}
             for p, f in (("fp32", 0.16), ("tf32", 0.03), ("amp-bf16", 0.015))]
     line = lab.launch_bound_line(h100, 12)
     assert line.startswith("launch-bound: 2 of 3 results below 5% of the GPU's peak (lowest: resnet50 train amp-bf16")
     assert "\n" not in line and "raise -b" in line and "--compile" in line and "CUDA graphs" in line
-    assert lab.launch_bound_line([{**row, "fraction_of_peak": None} for row in h100], 12) is None
-    assert lab.peak_tflops("cpu", "AMD EPYC 7763", "fp32") == (None, "no peak known for this CPU (it depends on cores, "
-                                                               "clock and vector units)")
+    assert lab.launch_bound_line([{**row, "mfu": None} for row in h100], 12) is None
     assert lab.iterations_csv({"a": [1.0, 2.5], "b": [3.0, 4.0]}) == "a,b\n1.0000,3.0000\n2.5000,4.0000\n"
     assert lab.csv_name(lab.device_tag("cuda", "NVIDIA A100-SXM4-40GB", 1), "fp32", "train") == \
         "NVIDIA-A100-SXM4-40GB_1_gpus_fp32_model_train_benchmark.csv"
@@ -403,8 +394,8 @@ def test_flags_are_the_sjtu_pages_plus_the_labs_and_say_their_defaults():
     script = load_script(SCRIPT)
     parser = script.build_parser()
     options = {option: action for action in parser._actions for option in action.option_strings}
-    for flag in ("--folder", "-w", "--warmup", "-n", "--num-iters", "-b", "--batch-size", "-g", "--num-gpus",
-                 "--models", "--modes", "--precisions", "--channels-last", "--compile", "--image-size", "--device",
+    for flag in ("--folder", "-w", "--warmup", "-n", "--repeats", "-b", "--batch-size", "-g", "--num-gpus",
+                 "--models", "--modes", "--precision", "--channels-last", "--compile", "--image-size", "--device",
                  "--results-dir", "--seed", "--dry-run", "--check-steps", "--loss-tolerance"):
         assert flag in options, flag
     formatter = parser._get_formatter()  # what --help prints for each flag, default included
@@ -414,7 +405,7 @@ def test_flags_are_the_sjtu_pages_plus_the_labs_and_say_their_defaults():
             assert help_text.count("(default: ") == 1 and "(default: None)" not in help_text, (action.dest, help_text)
     assert "(default: resnet18, resnet34, resnet50," in " ".join(parser.format_help().split())
     args = script.parse_args([])
-    assert args.models == list(shared().SJTU_MODELS) and args.precisions == list(shared().PRECISIONS)
+    assert args.models == list(shared().SJTU_MODELS) and args.precision == list(shared().PRECISIONS)
 
 
 APPTAINER_DEF = REPO / "environments/apptainer/pytorch.def"
@@ -487,13 +478,13 @@ def test_gpu_small_batch_says_launch_bound_and_fp16_is_compared_after_applied_st
     """A fresh process on a GPU: batch 2 is far below 5% of the peak (one launch-bound line, the fraction in every
     record), half runs with float32 BatchNorm, and amp-fp16's skipped steps do not make it DIVERGED."""
     result = run_script(SCRIPT, "--device", "cuda", "--models", "resnet50", "--image-size", "224", "-b", "12",
-                        "-w", "3", "-n", "3", "--precisions", "fp32,half,amp-fp16,amp-bf16", "--modes", "train",
+                        "-w", "3", "-n", "3", "--precision", "fp32,half,amp-fp16,amp-bf16", "--modes", "train",
                         "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path / "records"), timeout=400)
     assert result.returncode == 0, result.stdout + result.stderr
     assert sum(line.startswith("launch-bound: ") for line in result.stdout.splitlines()) == 1
     by_method = records_by_method(tmp_path / "records")
     for precision in ("fp32", "half", "amp-fp16", "amp-bf16"):
         metrics = by_method[f"train-{precision}"][0]["metrics"]
-        assert metrics["peak_tflops"] and 0 < metrics["fraction_of_peak"] < 1
+        assert metrics["peak_tflops"] and 0 < metrics["mfu"] < 1
         assert metrics["loss_check"]["verdict"] != "diverged", metrics["loss_check"]
         assert metrics["loss_check"]["compared_after_steps"] == metrics["loss_check"]["check_steps"] - 1

@@ -376,7 +376,8 @@ def test_report_section_shows_memory_losses_checkpoint_stalls_and_the_largest_mo
     from common.results import load_records
     from common.report import build_report
     from common.report.runs import runs_frame
-    from common.report.sections import SectionContext, lab_section_builders, load_builtin_lab_sections
+    from common.report.labs import load_builtin_lab_sections
+    from common.report.sections import SectionContext, lab_section_builders
 
     folder = tmp_path / "records"
     folder.mkdir()
@@ -497,7 +498,7 @@ def test_fsdp_without_a_process_group_is_one_error_line():
 @pytest.mark.parametrize("argv, message", [
     (["--width", "30", "--heads", "4"], "--width 30 must be a multiple of --heads 4"),
     (["--global-batch-size", "6"], "--global-batch-size 6 must be a multiple of 1 rank(s) x --batch-size 4"),
-    (["--strategy", "ddp", "--mixed-precision", "bf16"], "--mixed-precision bf16 is FSDP2's MixedPrecisionPolicy"),
+    (["--strategy", "ddp", "--precision", "bf16"], "--precision bf16 is FSDP2's MixedPrecisionPolicy"),
 ])
 def test_bad_training_flags_are_one_error_line(tmp_path, capsys, argv, message):
     status = run_main(TRAIN, [*TINY, "--results-dir", str(tmp_path / "r"), "--checkpoint-dir", str(tmp_path / "c"),
@@ -624,7 +625,8 @@ def test_on_a_gpu_the_allocator_peak_holds_at_least_what_the_tensors_hold(tmp_pa
 
 def test_report_section_survives_records_with_missing_or_odd_values():
     from common.report.runs import runs_frame
-    from common.report.sections import SectionContext, lab_section_builders, load_builtin_lab_sections
+    from common.report.labs import load_builtin_lab_sections
+    from common.report.sections import SectionContext, lab_section_builders
 
     load_builtin_lab_sections()
     base = {"schema": "hpc-dl-labs/result", "schema_version": 1, "created": "2026-01-01T00:00:00+00:00",

@@ -28,7 +28,7 @@ SCALING = f"{LAB}/02_scaling_study.py"
 OVERLAP = f"{LAB}/03_overlap.py"
 shared = load_script(f"{LAB}/lab05_shared.py")
 
-BENCH_ARGS = ["--device", "cpu", "--min-bytes", "1K", "--max-bytes", "64K", "--step-factor", "4", "--iters", "3",
+BENCH_ARGS = ["--device", "cpu", "--min-bytes", "1K", "--max-bytes", "64K", "--step-factor", "4", "--repeats", "3",
               "--warmup", "1", "--memcpy-repeats", "2", "--num-workers", "0"]
 SIZES = [1024, 4096, 16384, 65536]
 
@@ -137,7 +137,7 @@ def test_a_point_larger_than_the_allocation_is_refused():
 def test_every_training_command_of_the_study_parses_into_what_the_point_asked_for(tmp_path):
     """The study writes each point's command from Lab-01's parser: parsed back, it is the point's settings."""
     study, training = load_script(SCALING), load_script("labs/lab01_dp_vs_ddp/04_ddp_training.py")
-    for argv in (["--dry-run"], ["--max-steps", "5", "--device", "cpu", "--", "--amp", "bf16"]):
+    for argv in (["--dry-run"], ["--max-steps", "5", "--device", "cpu", "--", "--precision", "bf16"]):
         args = study.build_parser().parse_args(argv)
         args = study.apply_dry_run(args)
         args.training_args = [a for a in args.training_args if a != "--"]
@@ -148,7 +148,7 @@ def test_every_training_command_of_the_study_parses_into_what_the_point_asked_fo
                                                                                   tmp_path / "c.pt")
             assert (parsed.max_steps, parsed.dry_run, parsed.device) == (args.max_steps, args.dry_run, args.device)
             assert (parsed.model, parsed.dataset, parsed.image_size) == (args.model, args.dataset, args.image_size)
-    assert parsed.amp == "bf16"  # what follows "--" goes to the training as it is
+    assert parsed.precision == "bf16"  # what follows "--" goes to the training as it is
 
 
 def test_time_to_target_from_the_evaluation_history_or_the_final_evaluation():
@@ -231,7 +231,7 @@ def runs(tmp_path_factory):
                         "--", "--synthetic-size", "64", "--warmup-steps", "1"],
                        env, folders["scaling"]),
         "overlap": Job([PYTHON, str(REPO / OVERLAP), "--device", "cpu", "--model", "resnet18", "--image-size", "16",
-                        "--batch-size", "2", "--bucket-cap-mb", "1,1000", "--steps", "2", "--warmup-steps", "1",
+                        "--batch-size", "2", "--bucket-cap-mb", "1,1000", "--repeats", "2", "--warmup-steps", "1",
                         "--results-dir", str(folders["overlap"])], env, folders["overlap"], ranks=2),
     }
     outputs = {}
@@ -331,7 +331,7 @@ def test_overlap_keeps_hidden_within_0_to_100_percent_and_calls_a_small_exposed_
 
 def test_overlap_on_one_rank_says_there_is_nothing_to_overlap_and_times_nothing(tmp_path, capsys):
     assert run_main(OVERLAP, ["--device", "cpu", "--model", "resnet18", "--image-size", "16", "--batch-size", "2",
-                              "--steps", "2", "--warmup-steps", "1", "--results-dir", str(tmp_path)]) == 0
+                              "--repeats", "2", "--warmup-steps", "1", "--results-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 3 and "placement" in out[0] and out[2].startswith("record: "), out
     assert out[1].startswith("overlap: 1 rank, backend gloo: ") and "no communication to overlap" in out[1]
@@ -403,7 +403,7 @@ def test_on_gpus_nccl_reports_its_transport_and_nvml_the_energy(tmp_path):
     ranks = min(torch.cuda.device_count(), 4)
     env = script_env()
     job = Job([PYTHON, str(REPO / BENCH), "--device", "cuda", "--collectives", "all_reduce", "--max-bytes", "64M",
-               "--iters", "5", "--results-dir", str(tmp_path)], env, tmp_path, ranks=ranks)
+               "--repeats", "5", "--results-dir", str(tmp_path)], env, tmp_path, ranks=ranks)
     status, output = job.wait()
     assert status == 0, output[-4000:]
     if ranks == 1:

@@ -226,7 +226,8 @@ def test_report_section_has_memory_speed_traffic_bubble_and_a_decision_table(run
 
 def test_report_section_survives_records_with_missing_or_odd_values():
     from common.report.runs import runs_frame
-    from common.report.sections import SectionContext, lab_section_builders, load_builtin_lab_sections
+    from common.report.labs import load_builtin_lab_sections
+    from common.report.sections import SectionContext, lab_section_builders
 
     load_builtin_lab_sections()
     base = {"schema": "hpc-dl-labs/result", "schema_version": 1, "created": "2026-01-01T00:00:00+00:00",

@@ -200,11 +200,11 @@ LINE_BUDGETS = {
     "chapters/ch04_deep_learning/mnist_training.py": 120,
     "chapters/ch04_deep_learning/multi_gpu_ddp.py": 135,
     "labs/lab01_dp_vs_ddp/04_ddp_training.py": 160,
-    "labs/lab03_precision_benchmark/benchmark_models.py": 260,
+    "labs/lab03_precision_benchmark/benchmark_models.py": 265,
     "labs/lab06_failures/01_inject.py": 210,
     "labs/lab06_failures/02_diagnose.py": 155,  # + NCCL watchdog dumps (the H100 run, 2026-11-26)
     "labs/lab06_failures/04_preflight.py": 120,
-    "labs/lab07_model_parallel/01_tensor_parallel.py": 100,
+    "labs/lab07_model_parallel/01_tensor_parallel.py": 130,  # + its parallelize_module plan
     "labs/lab07_model_parallel/02_pipeline_parallel.py": 140,
     "labs/lab07_model_parallel/03_2d_parallel.py": 120,
 }
@@ -249,3 +249,103 @@ def test_the_budget_counts_code_a_script_gains_but_not_docstring_or_blank_lines(
     spare = LINE_BUDGETS[script] - code_lines(source)
     copy.write_text(padded + "".join(f"extra_{n} = {n}\n" for n in range(spare + 1)))
     assert over_budget(tmp_path) == {script: LINE_BUDGETS[script] + 1}
+
+
+# --------------------------------------------------------------------------------------------
+# The layers of common (docs/architecture.md holds the table this reads)
+
+
+def layers(doc: Path = REPO / "docs" / "architecture.md") -> dict[str, int]:
+    """``{"common.runtime": 3, ...}`` from the table between ``<!-- layers -->`` markers."""
+    text = doc.read_text(encoding="utf-8")
+    table = text[text.index("<!-- layers -->"):text.index("<!-- /layers -->")]
+    found = {}
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].isdigit():
+            for name in re.findall(r"`(common(?:\.\w+)?)`", cells[1]):
+                found[name] = int(cells[0])
+    return found
+
+
+def part_of(module: str, parts: dict[str, int]) -> str:
+    """The part of the table a module belongs to (``common.runtime.device`` -> ``common.runtime``)."""
+    pieces = module.split(".")
+    for size in range(len(pieces), 0, -1):
+        if ".".join(pieces[:size]) in parts:
+            return ".".join(pieces[:size])
+    raise AssertionError(f"{module} is in no layer of docs/architecture.md")
+
+
+def common_imports(root: Path = REPO) -> dict[str, set[str]]:
+    """Every module of ``common`` and the modules of ``common`` it imports when it runs: function-level
+    imports and ``importlib.import_module("common....")`` included, type-checking-only ones not."""
+    graph = {}
+    for path in sorted((root / "common").rglob("*.py")):
+        name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        found = set(common_dependencies(path, root))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
+                if node.args and isinstance(node.args[0], ast.Constant):
+                    found |= {node.args[0].value} if str(node.args[0].value).startswith("common") else set()
+                else:  # a name made at run time: every module of the packages this one imports, itself included
+                    packages = [p for p in (*found, name) if (root.joinpath(*p.split(".")) / "__init__.py").is_file()]
+                    found |= {".".join(m.relative_to(root).with_suffix("").parts) for p in packages
+                              for m in root.joinpath(*p.split(".")).glob("*.py") if m.name != "__init__.py"}
+        graph[name] = found - {name}
+    return graph
+
+
+def against_the_layers(graph: dict[str, set[str]], parts: dict[str, int]) -> list[str]:
+    """Imports from a lower layer to a higher one, and every circle of modules."""
+    wrong = [f"{module} (layer {parts[part_of(module, parts)]}) imports {target} "
+             f"(layer {parts[part_of(target, parts)]})" for module, targets in graph.items() for target in targets
+             if parts[part_of(target, parts)] > parts[part_of(module, parts)]]
+    state: dict[str, int] = {}
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                wrong.append("circle: " + " -> ".join([*trail[trail.index(target):], target]))
+            elif target in graph and not state.get(target):
+                visit(target, [*trail, target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if not state.get(module):
+            visit(module, [module])
+    return wrong
+
+
+def test_every_import_in_common_follows_the_layers_of_the_architecture_doc_and_none_is_a_circle():
+    parts = layers()
+    assert parts["common.runtime"] < parts["common.train"] < parts["common.report"]
+    assert against_the_layers(common_imports(), parts) == []
+
+
+def test_the_layer_check_finds_an_import_upwards_a_function_level_circle_and_an_import_module(tmp_path):
+    (tmp_path / "common" / "runtime").mkdir(parents=True)
+    (tmp_path / "common" / "train").mkdir()
+    (tmp_path / "common" / "report" / "labs").mkdir(parents=True)
+    files = {
+        "common/__init__.py": "",
+        "common/runtime/device.py": "def f():\n    from common.train.amp import g\n",  # runtime -> train: up
+        "common/train/amp.py": "from common.runtime import device\n",
+        "common/train/run.py": "import importlib\nimportlib.import_module('common.train.record')\n",
+        "common/train/record.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from common.train.run import R\n"
+                                  "def h():\n    from common.train import run\n",
+        # a registry that imports, by names made at run time, the plugins that import it
+        "common/report/__init__.py": "", "common/report/labs/__init__.py": "",
+        "common/report/sections.py": "import importlib\nfrom common.report import labs\n"
+                                     "def load(name):\n    importlib.import_module(name)\n",
+        "common/report/labs/lab01.py": "from common.report.sections import register\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    parts = {"common": 1, "common.runtime": 2, "common.train": 3, "common.report": 4}
+    found = against_the_layers(common_imports(tmp_path), parts)
+    assert "common.runtime.device (layer 2) imports common.train.amp (layer 3)" in found
+    assert "circle: common.runtime.device -> common.train.amp -> common.runtime.device" in found
+    assert "circle: common.train.record -> common.train.run -> common.train.record" in found
+    assert "circle: common.report.labs.lab01 -> common.report.sections -> common.report.labs.lab01" in found

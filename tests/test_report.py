@@ -518,7 +518,7 @@ def test_cpus_with_and_without_bf16_are_different_machines_and_emulated_bf16_is_
     for name, flags in (("emulated", "avx2"), ("native", "avx2 avx512f avx512_bf16")):
         machine = {"cpu": cpu_description(fake_cpuinfo("AMD EPYC", flags)), "gpus": []}
         prov = provenance(host="vm", device_type="cpu", device_name="AMD EPYC", machine=machine)
-        made[name] = make_record(lab="lab02", script="x.py", method="amp", config={"model": "mnist_cnn", "amp": "bf16"},
+        made[name] = make_record(lab="lab02", script="x.py", method="amp", config={"model": "mnist_cnn", "precision": "bf16"},
                                  metrics={"samples_per_s": 4.1 if name == "emulated" else 77.2}, provenance=prov)
         write_record(made[name], folder)
 
@@ -540,7 +540,7 @@ def test_summary_shows_only_filled_columns_and_tflops_where_recorded(tmp_path: P
     folder = tmp_path / "results"
     sentence = "median of 5 repeats after 2 warm-up steps, the device synchronised before each clock read"
     measured = write_run(folder, lab="lab03", method="train-amp-bf16",
-                         metrics={"achieved_tflops": 123.4, "fraction_of_peak": 0.1247, "timing_method": sentence})
+                         metrics={"achieved_tflops": 123.4, "mfu": 0.1247, "timing_method": sentence})
     page = report(folder, "--no-plots")
     html = (tmp_path / "results-report.html").read_text(encoding="utf-8")
 

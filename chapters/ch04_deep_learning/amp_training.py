@@ -4,7 +4,7 @@
 Usage:
     python amp_training.py --device cpu                       # fp32 vs bf16 on the bundled digits
     python amp_training.py --dataset mnist --data-dir ~/data  # GPU node: fp32 vs fp16 vs bf16
-    python amp_training.py --precisions fp32,fp16             # choose the precisions yourself
+    python amp_training.py --precision fp32,fp16             # choose the precisions yourself
     srun --gres=gpu:1 python amp_training.py --dataset mnist --data-dir ~/data
     sbatch sbatch/single_gpu.sbatch                           # the chapter's GPU job
     (one process on one device: no torchrun form; multi_gpu_ddp.py is the torchrun lesson)
@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
+from common.precision import TRAINING, gpu_support
 from common.train import amp
-from common.cli import add_common_args, apply_dry_run, config_dict, script_parser
+from common.cli import add_common_args, add_former_names, apply_dry_run, config_dict, script_parser
 from common.runtime.device import describe, resolve_device
 from common.measure.energy import not_measured
 from common.errors import UserError, run_main
@@ -52,10 +53,10 @@ def parse_precisions(text: str) -> list[str]:
     if text == "auto":
         return ["auto"]
     names = [name.strip().lower() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in amp.PRECISIONS]
+    unknown = [name for name in names if name not in TRAINING]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown precision(s) {', '.join(unknown) or repr(text)}; "
-                                         f"choose from {', '.join(amp.PRECISIONS)} or auto")
+                                         f"choose from {', '.join(TRAINING)} or auto")
     return list(dict.fromkeys(names))
 
 
@@ -64,21 +65,21 @@ def precisions_for(device: torch.device, requested: list[str]) -> list[str]:
     if requested == ["auto"]:
         if device.type == "cuda":
             # bf16 is native from compute capability 8.0 (A100); a V100 only emulates it, slowly.
-            native_bf16 = torch.cuda.get_device_capability(device) >= (8, 0)
+            native_bf16 = gpu_support("bf16", torch.cuda.get_device_capability(device)) == "native"
             requested = ["fp16", "bf16"] if native_bf16 else ["fp16"]
         else:
             requested = ["bf16"]  # CPU autocast supports bf16 only
     precisions = [BASELINE] + [p for p in requested if p != BASELINE]
     if "fp16" in precisions and device.type != "cuda":
-        raise UserError("fp16 autocast needs a CUDA GPU; on CPU compare --precisions fp32,bf16")
+        raise UserError("fp16 autocast needs a CUDA GPU; on CPU compare --precision fp32,bf16")
     return [amp.check_precision(p, device) for p in precisions]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
-    parser.add_argument("--precisions", type=parse_precisions, default=["auto"],
+    add_former_names(parser, parser.add_argument("--precision", type=parse_precisions, default=["auto"],
                         help="comma-separated precisions to compare with fp32; auto = fp16,bf16 on a GPU "
-                             "(fp16 only before compute capability 8.0), bf16 on CPU (default: auto)")
+                             "(fp16 only before compute capability 8.0), bf16 on CPU (default: auto)"), "--precisions")
     add_data_args(parser)  # passed on to mnist_training.py
     add_training_args(parser)  # passed on too
     # Small defaults on purpose: bf16 on a CPU without native bf16 is about ten times slower than fp32.
@@ -91,7 +92,7 @@ def run_one(precision: str, args: argparse.Namespace) -> dict[str, Any]:
     both scripts have the flag; returns the record it wrote."""
     run_args = mnist_training.build_parser().parse_args([])
     vars(run_args).update({name: value for name, value in vars(args).items() if name in vars(run_args)})
-    run_args.amp = precision
+    run_args.precision = precision
     path = mnist_training.train_and_record(run_args)
     record = json.loads(path.read_text(encoding="utf-8"))
     record["_path"] = str(path)
@@ -101,7 +102,7 @@ def run_one(precision: str, args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = apply_dry_run(build_parser().parse_args(argv))
     device = resolve_device(args.device)
-    precisions = precisions_for(device, args.precisions)  # all checked before the first run starts
+    precisions = precisions_for(device, args.precision)  # all checked before the first run starts
     print(f"comparing {', '.join(precisions)} on {describe(device)}: {args.dataset}, {args.epochs} epoch(s), "
           f"batch {args.batch_size}, seed {args.seed}", flush=True)
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 
 from common.train import amp
-from common.cli import positive_float, positive_int
+from common.cli import add_precision_arg, positive_float, positive_int
 from common.data.datasets import DATASETS, RESIDENT_CHOICES, RESIDENT_SHARE
 from common.train.flags import add_training_args
 
 #: Settings a resumed run must share with the run that wrote the checkpoint (more --epochs is fine).
-RESUME_SETTINGS = ("dataset", "model", "batch_size", "seed", "amp", "max_steps")
+RESUME_SETTINGS = ("dataset", "model", "batch_size", "seed", "precision", "max_steps")
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -41,8 +41,7 @@ def add_mnist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--lr", type=positive_float, default=1.0, help="Adadelta learning rate (default: %(default)s)")
     group.add_argument("--gamma", type=positive_float, default=0.7,
                        help="learning-rate decay per epoch (default: %(default)s)")
-    group.add_argument("--amp", choices=amp.PRECISIONS, default="fp32",
-                       help="forward-pass precision: fp32 (off), bf16, fp16 (GPU only) (default: %(default)s)")
+    add_precision_arg(group, "--amp")
     group.add_argument("--clip-grad-norm", type=float, default=1.0,
                        help="clip gradients to this norm after unscaling; 0 turns it off (default: %(default)s)")
     group.add_argument("--test-batch-size", type=positive_int, default=1000,

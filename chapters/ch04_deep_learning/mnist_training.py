@@ -4,7 +4,7 @@
 Usage:
     python mnist_training.py --device cpu --dataset digits --epochs 3      # laptop / CI, offline
     python mnist_training.py --dataset mnist --data-dir ~/data --epochs 5  # GPU node (auto-detects)
-    python mnist_training.py --amp bf16                                    # mixed precision
+    python mnist_training.py --precision bf16                                    # mixed precision
     sbatch sbatch/single_gpu.sbatch                                        # on a cluster
 
 What it teaches: the device-agnostic training loop (move the model once, move every batch,
@@ -17,7 +17,7 @@ batch there (``batches:`` at the start says so). Otherwise a DataLoader with ``-
 processes (from ``SLURM_CPUS_PER_TASK``) and pinned memory feeds it. Samples/s include any wait for
 data, so they agree with the epoch's wall time.
 
-``--amp`` chooses the precision of the forward pass: ``fp32`` (off), ``bf16`` (CPU and recent GPUs)
+``--precision`` chooses the precision of the forward pass: ``fp32`` (off), ``bf16`` (CPU and recent GPUs)
 or ``fp16`` (GPU; uses a GradScaler). Gradients are clipped after ``scaler.unscale_()`` so the clip
 threshold applies to the true gradients, not the scaled ones. ``amp_training.py`` runs fp32 and AMP
 side by side and compares their speed and accuracy. ``multi_gpu_ddp.py`` is this script under DDP:
@@ -61,7 +61,7 @@ def train(model, device, loader, optimizer, args, scaler, run) -> None:
     for data, target in run.steps(loader):
         data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
-        with amp.autocast(device, args.amp):
+        with amp.autocast(device, args.precision):
             output = model(data)
             loss = F.nll_loss(output, target)
         scaler.scale(loss).backward()
@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def train_and_record(args: argparse.Namespace) -> Path | None:
     """The whole run for parsed ``args``: returns the record's path (on rank 0)."""
-    with TrainingRun(args, lab="ch04", script=SCRIPT, method=args.amp, resume_settings=RESUME_SETTINGS) as run:
+    with TrainingRun(args, lab="ch04", script=SCRIPT, method=args.precision, resume_settings=RESUME_SETTINGS) as run:
         device = run.device
-        args.amp = amp.check_precision(args.amp, device)
+        args.precision = amp.check_precision(args.precision, device)
         seed_everything(args.seed)
         splits = get_dataset(args.dataset, args.data_dir, image_size=28, channels=1, seed=args.seed)  # MNIST-shaped
         model = build_model(args.model, num_classes=splits.num_classes, in_channels=splits.input_shape[0]).to(device)
@@ -102,16 +102,16 @@ def train_and_record(args: argparse.Namespace) -> Path | None:
                                      resident_on=resident)
         optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
-        scaler = amp.grad_scaler(device, args.amp)
+        scaler = amp.grad_scaler(device, args.precision)
         run.print(f"{run.describe()} | data {args.dataset} {splits.input_shape} train={len(splits.train)} "
-                  f"test={len(splits.test)} | precision {args.amp}")
+                  f"test={len(splits.test)} | precision {args.precision}")
         run.print(f"batches: {loader_line(train_loader)}")
 
         run.track(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         for epoch in run.epochs():
             sampler.set_epoch(epoch)  # a new order each epoch, from the seed and the epoch alone (on every rank)
             train(model, device, train_loader, optimizer, args, scaler, run)
-            run.evaluated(*evaluate(model, test_loader, device, loss=F.nll_loss, precision=args.amp))
+            run.evaluated(*evaluate(model, test_loader, device, loss=F.nll_loss, precision=args.precision))
             scheduler.step()
             run.save_checkpoint()  # with --checkpoint: after every epoch (and on SIGUSR1/SIGTERM)
         record = run.finish(config=splits.describe())

@@ -57,7 +57,7 @@ def train(model, device, loader, optimizer, args, scaler, run) -> None:
     for data, target in run.steps(loader):
         data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
-        with amp.autocast(device, args.amp):
+        with amp.autocast(device, args.precision):
             output = model(data)
             loss = F.nll_loss(output, target)
         scaler.scale(loss).backward()  # DDP all-reduces (averages) the gradients during backward()
@@ -87,7 +87,7 @@ def train_and_record(args: argparse.Namespace) -> Path | None:
     with TrainingRun(args, lab="ch04", script=SCRIPT, method="ddp", resume_settings=RESUME_SETTINGS,
                      distributed=True) as run:  # one process per device: torchrun, srun or plain python
         device = run.device
-        args.amp = amp.check_precision(args.amp, device)
+        args.precision = amp.check_precision(args.precision, device)
         seed_everything(args.seed)  # the same seed on every rank: every replica starts from the same weights
         splits = get_dataset(args.dataset, args.data_dir, image_size=28, channels=1, seed=args.seed)  # MNIST-shaped
         model = build_model(args.model, num_classes=splits.num_classes, in_channels=splits.input_shape[0]).to(device)
@@ -105,16 +105,16 @@ def train_and_record(args: argparse.Namespace) -> Path | None:
                                      resident_on=resident)
         optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
-        scaler = amp.grad_scaler(device, args.amp)
+        scaler = amp.grad_scaler(device, args.precision)
         run.print(f"DDP: {run.describe()} | data {args.dataset} {splits.input_shape} train={len(splits.train)} "
-                  f"test={len(splits.test)} | precision {args.amp} | global batch {args.batch_size * run.world_size}")
+                  f"test={len(splits.test)} | precision {args.precision} | global batch {args.batch_size * run.world_size}")
         run.print(f"batches: {loader_line(train_loader)}")
 
         run.track(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         for epoch in run.epochs():
             sampler.set_epoch(epoch)  # a new order each epoch, from the seed and the epoch alone (on every rank)
             train(model, device, train_loader, optimizer, args, scaler, run)
-            run.evaluated(*evaluate(model, test_loader, device, loss=F.nll_loss, precision=args.amp,
+            run.evaluated(*evaluate(model, test_loader, device, loss=F.nll_loss, precision=args.precision,
                                     across_ranks=True))  # each rank scored its slice: sums added over ranks
             scheduler.step()
             state = run.checkpoint_state()  # model.module's weights, ...; every rank's random state (collective)

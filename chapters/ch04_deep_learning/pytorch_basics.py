@@ -4,7 +4,7 @@
 Usage:
     python pytorch_basics.py                                  # auto: the GPU when there is one
     python pytorch_basics.py --device cpu --size 512          # a quick run on a laptop
-    python pytorch_basics.py --dtypes fp32,tf32,bf16,fp16     # a GPU's precisions side by side
+    python pytorch_basics.py --precision fp32,tf32,bf16,fp16     # a GPU's precisions side by side
     srun --gres=gpu:1 python pytorch_basics.py                # inside a Slurm allocation
     sbatch sbatch/single_gpu.sbatch                           # the chapter's GPU job
     (one process on one device: no torchrun form; multi_gpu_ddp.py is the torchrun lesson)
@@ -30,11 +30,11 @@ from typing import Any, Iterator
 
 import torch
 
-from common.cli import add_timing_args, config_dict, output_dir, positive_int, script_parser
+from common.cli import add_former_names, add_timing_args, config_dict, output_dir, positive_int, script_parser
 from common.runtime.device import configure_threads, describe, resolve_device, seed_everything
 from common.measure.energy import EnergyMeter
 from common.errors import UserError, run_main
-from common.measure.gpu_peaks import gpu_peaks
+from common.precision import gpu_peaks, gpu_support
 from common.results import make_record, provenance, write_record
 from common.measure.timing import time_function
 
@@ -47,7 +47,7 @@ DEFAULT_SIZE = {"cuda": 8192, "cpu": 512}
 
 
 def peak_for(device_name: str) -> tuple[str | None, dict[str, float]]:
-    """The datasheet peaks of a GPU (``common.measure.gpu_peaks``, Lab-03 reads the same table): a label and
+    """The datasheet peaks of a GPU (``common.precision``, where every lab reads them): a label and
     ``{precision: dense TFLOP/s}``; ``(None, {})`` for CPUs and GPUs the table does not know."""
     gpu, peaks = gpu_peaks(device_name)
     return (f"NVIDIA {gpu} (data sheet, dense)", peaks) if gpu else (None, {})
@@ -68,8 +68,8 @@ def parse_dtypes(text: str) -> list[str]:
 def default_dtypes(device: torch.device) -> list[str]:
     """The precisions worth comparing on ``device``: those it runs natively."""
     if device.type == "cuda":
-        native_tensor_cores = torch.cuda.get_device_capability(device) >= (8, 0)  # Ampere and later
-        return ["fp32", "tf32", "bf16", "fp16"] if native_tensor_cores else ["fp32", "fp16"]
+        native_bf16 = gpu_support("bf16", torch.cuda.get_device_capability(device)) == "native"  # from Ampere
+        return ["fp32", "tf32", "bf16", "fp16"] if native_bf16 else ["fp32", "fp16"]
     return ["fp32", "bf16"]
 
 
@@ -148,9 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--size", type=positive_int, default=None,
                         help="matrix size n of the n x n matmul (default: 8192 on a GPU, 512 on CPU)")
     add_timing_args(parser, warmup=2, repeats=10, what="matmuls per precision")
-    parser.add_argument("--dtypes", type=parse_dtypes, default=["auto"],
+    add_former_names(parser, parser.add_argument("--precision", type=parse_dtypes, default=["auto"],
                         help=f"comma-separated precisions from {', '.join(DTYPES)}; auto = fp32,tf32,bf16,fp16 on "
-                             "an Ampere-or-newer GPU, fp32,fp16 on older GPUs, fp32,bf16 on CPU (default: auto)")
+                             "an Ampere-or-newer GPU, fp32,fp16 on older GPUs, fp32,bf16 on CPU (default: auto)"), "--dtypes")
     parser.add_argument("--skip-tour", action="store_true", help="only run the matmul timing (default: off)")
     # The shared flags that apply here (common.cli.add_common_args would add training flags too).
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -166,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     seed_everything(args.seed)
     threads = configure_threads()
     device = resolve_device(args.device)
-    dtypes = default_dtypes(device) if args.dtypes == ["auto"] else args.dtypes
+    dtypes = default_dtypes(device) if args.precision == ["auto"] else args.precision
     if "tf32" in dtypes and device.type != "cuda":
-        raise UserError("tf32 is a mode of NVIDIA tensor cores; on CPU use --dtypes fp32,bf16")
+        raise UserError("tf32 is a mode of NVIDIA tensor cores; on CPU use --precision fp32,bf16")
     size = args.size or DEFAULT_SIZE[device.type]
 
     if not args.skip_tour:
@@ -185,10 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in dtypes:
         row = time_matmul(device, name, size, args.repeats, args.warmup)
         row["peak_tflops"] = peaks.get(name)
-        row["fraction_of_peak"] = row["tflops"] / row["peak_tflops"] if row["peak_tflops"] else None
+        row["mfu"] = row["tflops"] / row["peak_tflops"] if row["peak_tflops"] else None
         rows.append(row)
         peak = f"{row['peak_tflops']:.1f}" if row["peak_tflops"] else "unknown"
-        share = f"{100 * row['fraction_of_peak']:.0f}%" if row["fraction_of_peak"] else "-"
+        share = f"{100 * row['mfu']:.0f}%" if row["mfu"] else "-"
         print(f"{name:<6} {1000 * row['median_s']:>10.3f} {row['tflops']:>9.4g} {row['tflops_best']:>9.4g} "
               f"{peak:>8} {share:>7} {row['rel_error_vs_fp64']:>11.1e}", flush=True)
     energy = meter.stop().result()

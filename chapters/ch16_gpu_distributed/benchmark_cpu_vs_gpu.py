@@ -3,7 +3,7 @@
 
 Usage:
     python benchmark_cpu_vs_gpu.py                               # CPU, then the GPU when one is visible
-    python benchmark_cpu_vs_gpu.py --model resnet18 --image-size 64 --iterations 30
+    python benchmark_cpu_vs_gpu.py --model resnet18 --image-size 64 --repeats 30
     sbatch --gres=gpu:1 --cpus-per-task=8 --wrap "python benchmark_cpu_vs_gpu.py"
     (one process: there is no torchrun form)
 
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from common.cli import add_common_args, add_timing_args, apply_dry_run, config_dict, script_parser
-from common.runtime.device import configure_threads, describe, resolve_device, seed_everything
+from common.runtime.device import configure_threads, describe, device_type, resolve_device, seed_everything
 from common.measure.energy import EnergyMeter
 from common.errors import run_main
 from common.models import add_image_model_args, build_model, input_shape
@@ -63,7 +63,7 @@ def benchmark_training(model: torch.nn.Module, batches: list[tuple[torch.Tensor,
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     add_image_model_args(parser, model="mnist_cnn", image_size=32)
-    add_timing_args(parser, warmup=10, repeats=100, what="training steps per device", repeats_flag="--iterations")
+    add_timing_args(parser, warmup=10, repeats=100, what="training steps per device", former=("--iterations",))
     add_common_args(parser, batch_size=64)
     return parser
 
@@ -71,27 +71,26 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = apply_dry_run(build_parser().parse_args(argv), iterations=2, warmup=1)
     if args.max_steps is not None:  # --max-steps (and --dry-run) caps the timed steps
-        args.iterations = min(args.iterations, args.max_steps)
+        args.repeats = min(args.repeats, args.max_steps)
     seed_everything(args.seed)
     threads = configure_threads()
-    gpu = resolve_device(args.device) if args.device == "cuda" else None  # --device cuda without a GPU: clear error
-    if args.device == "auto" and torch.cuda.is_available():
-        gpu = resolve_device("cuda")
+    # The GPU side when --device asks for one (auto: when there is one); --device cuda without one: a clear error.
+    gpu = resolve_device(args.device) if device_type(args.device) == "cuda" else None
     channels, size = input_shape(args.model, args.image_size)
     reference = build_model(args.model, num_classes=10, in_channels=channels)
     generator = torch.Generator().manual_seed(args.seed)
     batches = [(torch.randn(args.batch_size, channels, size, size, generator=generator),
                 torch.randint(0, 10, (args.batch_size,), generator=generator)) for _ in range(4)]
     print(f"model {args.model} | batch {args.batch_size}x{channels}x{size}x{size} | {args.warmup} warm-up + "
-          f"{args.iterations} timed steps per device", flush=True)
+          f"{args.repeats} timed steps per device", flush=True)
 
     devices = [torch.device("cpu")] + ([gpu] if gpu is not None else [])
     results: dict[str, dict[str, Any]] = {}
     energy: dict[str, dict[str, Any]] = {}
     for device in devices:
         with EnergyMeter(device) as meter:
-            summary = benchmark_training(copy.deepcopy(reference), batches, device, args.iterations, args.warmup)
-        energy[device.type] = meter.result(samples=(args.warmup + args.iterations) * args.batch_size)
+            summary = benchmark_training(copy.deepcopy(reference), batches, device, args.repeats, args.warmup)
+        energy[device.type] = meter.result(samples=(args.warmup + args.repeats) * args.batch_size)
         results[device.type] = summary
         print(f"{describe(device):<40} median step {1000 * summary['median_s']:8.2f} ms "
               f"(p10 {1000 * summary['p10_s']:.2f}, p90 {1000 * summary['p90_s']:.2f}) | "

@@ -3,7 +3,7 @@
 
 Usage:
     python efficient_loading.py                          # GPU when visible, else CPU
-    python efficient_loading.py --device cpu --steps 5
+    python efficient_loading.py --device cpu --repeats 5
     sbatch --gres=gpu:1 --cpus-per-task=8 --wrap "python efficient_loading.py"
     (one process, one device: there is no torchrun form)
 
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from common.data import pipelines
-from common.cli import add_common_args, apply_dry_run, config_dict, positive_int, script_parser
+from common.cli import add_common_args, add_former_names, apply_dry_run, config_dict, positive_int, script_parser
 from common.runtime.device import configure_threads, describe, resolve_device, seed_everything
 from common.measure.energy import EnergyMeter
 from common.errors import run_main
@@ -131,7 +131,8 @@ def loader_options(device: torch.device, batch_size: int, max_workers: int, data
 
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
-    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per setting (default: %(default)s)")
+    add_former_names(parser, parser.add_argument("--repeats", type=positive_int, default=10,
+                                                 help="timed steps per setting (default: %(default)s)"), "--steps")
     add_common_args(parser, batch_size=64)
     return parser
 
@@ -145,14 +146,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     meter = EnergyMeter(device).start()  # over all three measurements
     print("\n1. torch.set_num_threads: MnistNet training step on the CPU")
-    scaling = thread_scaling(args.batch_size, args.steps, max(threads, 1))
+    scaling = thread_scaling(args.batch_size, args.repeats, max(threads, 1))
     for row in scaling:
-        print(f"  {row['threads']:3d} thread(s): {1000 * row['median_s']:8.1f} ms per step (median of {args.steps})")
+        print(f"  {row['threads']:3d} thread(s): {1000 * row['median_s']:8.1f} ms per step (median of {args.repeats})")
 
     print("\n2. torch.backends.cudnn.benchmark")
     cudnn = []
     if device.type == "cuda":
-        cudnn = cudnn_benchmark(device, args.batch_size, args.steps)
+        cudnn = cudnn_benchmark(device, args.batch_size, args.repeats)
         for row in cudnn:
             print(f"  benchmark={str(row['cudnn_benchmark']):5}: first step {1000 * row['first_step_s']:8.1f} ms, "
                   f"then {1000 * row['median_s']:.2f} ms per step")

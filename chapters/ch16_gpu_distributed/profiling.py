@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 from common.atomic import atomic_path
-from common.cli import add_common_args, apply_dry_run, config_dict, positive_int, script_parser
+from common.cli import add_common_args, add_former_names, apply_dry_run, config_dict, positive_int, script_parser
 from common.runtime.device import configure_threads, describe, resolve_device, seed_everything, synchronize
 from common.measure.energy import EnergyMeter
 from common.errors import run_main
@@ -44,8 +44,9 @@ SCRIPT = "chapters/ch16_gpu_distributed/profiling.py"
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     add_image_model_args(parser, model="resnet18", image_size=224)
-    parser.add_argument("--iterations", type=positive_int, default=10,
-                        help="forward+backward passes profiled (default: %(default)s)")
+    add_former_names(parser, parser.add_argument("--repeats", type=positive_int, default=10,
+                                                 help="forward+backward passes profiled (default: %(default)s)"),
+                     "--iterations")
     parser.add_argument("--with-stack", action="store_true",
                         help="record Python stacks (larger trace, slower) (default: off)")
     add_trace_args(parser, row_limit=10, trace="ch16_profile_trace.json")
@@ -66,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     trace = args.trace or args.results_dir / "ch16_profile_trace.json"
     trace.parent.mkdir(parents=True, exist_ok=True)
     print(f"device {describe(device)} | model {args.model} | input {args.batch_size}x{channels}x{size}x{size} | "
-          f"{args.iterations} iterations | threads {threads}", flush=True)
+          f"{args.repeats} iterations | threads {threads}", flush=True)
 
     model(data).sum().backward()  # warm-up: lazy initialisation stays out of the trace
     synchronize(device)
@@ -76,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with EnergyMeter(device) as meter, \
             profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=args.with_stack) as prof:
         with record_function("model_training"):
-            for _ in range(args.iterations):
+            for _ in range(args.repeats):
                 output = model(data)
                 loss = output.sum()
                 loss.backward()
@@ -89,12 +90,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         events = len(json.loads(partial.read_text())["traceEvents"])
     print(f"trace: {trace} ({events:,} events; open it at https://ui.perfetto.dev or chrome://tracing)")
 
-    metrics = {"trace_file": str(trace), "trace_events": events, "iterations": args.iterations, "sorted_by": sort_by,
+    metrics = {"trace_file": str(trace), "trace_events": events, "iterations": args.repeats, "sorted_by": sort_by,
                "top_operators": top_operators(prof.key_averages(), device, args.row_limit), "world_size": 1}
     record = make_record(lab="ch16", script=SCRIPT, method="torch-profiler",
                          config=config_dict(args, resolved_device=str(device), threads=threads),
                          metrics=metrics, provenance=provenance(device),
-                         energy=meter.result(samples=args.iterations * args.batch_size))
+                         energy=meter.result(samples=args.repeats * args.batch_size))
     print(f"record: {write_record(record, args.results_dir)}")
     return 0
 

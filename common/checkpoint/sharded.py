@@ -29,7 +29,6 @@ how long the training loop stood still (``stall_s``) and when the files were com
 
 from __future__ import annotations
 
-import argparse
 import io
 import re
 import shutil
@@ -44,32 +43,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from common.checkpoint.single_file import unreadable_checkpoint
 from common.errors import UserError
 
-__all__ = ["DistributedCheckpointer", "add_distributed_checkpoint_args", "complete_checkpoints", "check_same_model"]
+__all__ = ["DistributedCheckpointer", "complete_checkpoints", "check_same_model"]
 
 # DCP wraps what went wrong on each rank in a CheckpointException, which derives from BaseException
 # (not Exception), so ``except Exception`` does not catch it.
 _LOAD_ERRORS = (Exception, CheckpointException)
 _FOLDER = re.compile(r"^ckpt-(\d{6})-(.+)$")
-
-
-def add_distributed_checkpoint_args(parser: argparse.ArgumentParser, *, default_dir: str) -> argparse.ArgumentParser:
-    """``--checkpoint-dir DIR``, ``--resume`` and ``--async-checkpoint``."""
-    from common.cli import output_dir
-
-    group = parser.add_argument_group("distributed checkpoint and resume (pre-emption safe)")
-    group.add_argument("--checkpoint-dir", type=output_dir, default=None,
-                       help="every rank writes its shards here after every epoch and on SIGUSR1/SIGTERM, then "
-                            f"exits 0 (default: {default_dir})")
-    group.add_argument("--resume", action="store_true",
-                       help="continue from the newest checkpoint in --checkpoint-dir, with any number of "
-                            "processes (default: start fresh)")
-    group.add_argument("--async-checkpoint", action="store_true",
-                       help="save with dcp.async_save: training continues while a background thread writes "
-                            "(default: off, the loop waits for the files)")
-    from common.train.flags import add_determinism_arg
-
-    add_determinism_arg(group)
-    return parser
 
 
 def complete_checkpoints(directory: str | Path) -> list[Path]:

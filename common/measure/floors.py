@@ -3,7 +3,7 @@
 Two lower bounds on the time of a step, each from one cause alone (Lab-02 prints and records them):
 
 - **FLOP floor** = the step's floating-point operations ÷ the GPU's peak for the precision in force
-  (``common.measure.gpu_peaks``). ``torch.utils.flop_counter.FlopCounterMode`` counts the matrix maths of
+  (``common.precision.peak``). ``torch.utils.flop_counter.FlopCounterMode`` counts the matrix maths of
   the forward and backward passes (convolutions, matmuls: 2 FLOPs per multiply-add); element-wise
   work (ReLU, dropout, the optimizer) is not counted. A CPU has no entry in the table, so on a CPU
   there is no FLOP floor: ``None``, with the reason.
@@ -29,11 +29,10 @@ from typing import Any, Callable
 
 import torch
 
-from common.train.amp import fp32_math
+from common import precision as precisions
 from common.runtime.device import synchronize
-from common.measure.gpu_peaks import gpu_peaks
 
-__all__ = ["count_flops", "count_kernels", "launch_latency", "peak_for", "step_floors", "floors_lines",
+__all__ = ["count_flops", "count_kernels", "launch_latency", "step_floors", "floors_lines",
            "measure_floors"]
 
 def count_flops(step: Callable[[], Any]) -> int:
@@ -119,28 +118,9 @@ def launch_latency(device: torch.device, *, in_graph: bool = False, launches: in
     return best, method
 
 
-def peak_for(device: torch.device, precision: str) -> tuple[float | None, str]:
-    """``(peak TFLOP/s, where it comes from)`` for ``precision`` on ``device``; ``None`` and why when unknown.
-
-    ``precision`` is the autocast precision (``fp32``, ``bf16``, ``fp16``). A float32 run uses TF32's
-    peak when cuDNN or cuBLAS may use TF32 tensor cores (the floor is then the lower one).
-    """
-    if device.type != "cuda":
-        return None, "no peak for a CPU in common.measure.gpu_peaks (it depends on cores, clock and vector units)"
-    name = torch.cuda.get_device_name(device)
-    gpu, peaks = gpu_peaks(name)
-    if gpu is None:
-        return None, f"no datasheet peak for {name!r} in common/measure/gpu_peaks.py"
-    if precision == "fp32" and "tf32" in fp32_math().values():
-        precision = "tf32"
-    if precision not in peaks:
-        return None, f"the {gpu} datasheet lists no {precision} peak"
-    return peaks[precision], f"{gpu} datasheet, {precision}, dense"
-
-
 def step_floors(*, flops: int | None, kernels: int | None, counted: str, latency_s: float | None,
                 latency_method: str, step_time_s: float, peak_tflops: float | None, peak_source: str,
-                kernels_note: str = "") -> dict[str, Any]:
+                peak_precision: str | None = None, kernels_note: str = "") -> dict[str, Any]:
     """The floors, the achieved rate and the regime of a step measured at ``step_time_s`` (arithmetic only).
 
     Every number that cannot be had is ``None`` and ``reasons[key]`` says why.
@@ -150,7 +130,7 @@ def step_floors(*, flops: int | None, kernels: int | None, counted: str, latency
     if flop_floor is None:
         reasons["flop_floor_s"] = peak_source if not peak_tflops else "no FLOPs counted"
     if peak_tflops is None:
-        reasons["fraction_of_peak"] = peak_source
+        reasons["mfu"] = peak_source
     launch_floor = kernels * latency_s if kernels is not None and latency_s is not None else None
     if launch_floor is None:
         reasons["launch_floor_s"] = reasons["kernels_per_step"] = kernels_note or "not counted"
@@ -163,7 +143,7 @@ def step_floors(*, flops: int | None, kernels: int | None, counted: str, latency
             "regime": regime, "regime_why": why, "kernels_per_step": kernels, "counted": counted,
             "launch_latency_s": latency_s, "latency_method": latency_method, "flops_per_step": flops,
             "achieved_tflops": achieved, "peak_tflops": peak_tflops, "peak_source": peak_source,
-            "fraction_of_peak": fraction, "reasons": reasons}
+            "peak_precision": peak_precision, "mfu": fraction, "reasons": reasons}
 
 
 def _regime(flop_floor: float | None, launch_floor: float | None, step_time: float,
@@ -212,8 +192,8 @@ def floors_lines(floors: dict[str, Any]) -> list[str]:
     rate = ""
     if floors["achieved_tflops"] is not None:
         rate = f", {floors['achieved_tflops']:.3g} TFLOP/s"
-        if floors["fraction_of_peak"] is not None:
-            rate += f" = {floors['fraction_of_peak']:.1%} of peak"
+        if floors["mfu"] is not None:
+            rate += f" = {floors['mfu']:.1%} of peak"
     return [f"per step: {flop} | {launch} | measured {_seconds(floors['step_time_s'])}{rate}",
             f"regime: {floors['regime'] or 'unknown'}: {floors['regime_why']}"
             f"{_WHAT_MOVES_IT.get(floors['regime'], '')}"]
@@ -235,6 +215,7 @@ def measure_floors(step: Callable[[], Any], device: torch.device, *, precision: 
         step()  # warm-up of the step whose kernels are counted
     kernels, counted = (None, "") if kernels_note else count_kernels(step, device)
     latency, method = launch_latency(device, in_graph=in_graph)
-    peak, source = peak_for(device, precision)
+    peak, maths, source = precisions.peak(device, precision)
     return step_floors(flops=flops, kernels=kernels, counted=counted, latency_s=latency, latency_method=method,
-                       step_time_s=step_time_s, peak_tflops=peak, peak_source=source, kernels_note=kernels_note)
+                       step_time_s=step_time_s, peak_tflops=peak, peak_source=source, peak_precision=maths,
+                       kernels_note=kernels_note)

@@ -14,9 +14,11 @@ and the CSV; ``checks.py`` turns results outside their expected range into warni
 matplotlib and jinja2 are installed, a login node included.
 
 A lab adds its section in one module, ``common/report/labs/labNN.py``: every module there is imported when a report
-is built, and its builder runs when the results folder holds records of that lab. For example::
+is built, and its builder runs when the results folder holds records of that lab. It imports ``common.report.runs``
+and ``common.report.sections`` (the package itself imports the lab modules). For example::
 
-    from common.report import Section, SectionContext, numbers, register_section, table_from_frame
+    from common.report.runs import numbers
+    from common.report.sections import Section, SectionContext, register_section, table_from_frame
 
     @register_section("lab08")
     def data_at_scale(ctx: SectionContext) -> Section | None:

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import pandas as pd
 
-from common.runtime.machine import BF16_EMULATION_PREFIX
+from common.precision import BF16_EMULATION_PREFIX
 
 #: DDP below this scaling efficiency is flagged (the Lab-01 handout's 4-GPU run reached 94%).
 DDP_MIN_EFFICIENCY = 0.80

@@ -55,15 +55,14 @@ SUMMARY_COLUMNS = {
     # After the allocator's peak: what the driver counts, which the allocator does not see.
     "GPU memory in use per device": lambda r: fmt_memory(r["device_memory_per_device"], r["device_memory_source"]),
     "samples/s": _rate, "TFLOP/s": ("achieved_tflops", "{:.3g}"),
-    "% of peak": lambda r: Cell(fmt(r["fraction_of_peak"], "%1"), style="num",
-                                title=None if is_missing(r["fraction_of_peak"]) else PEAK_TITLE),
+    "% of peak": lambda r: Cell(fmt(r["mfu"], "%1"), style="num", title=None if is_missing(r["mfu"]) else PEAK_TITLE),
     "speed-up vs baseline": _speedup, "scaling efficiency": _efficiency, "final loss": ("final_loss", "num"),
     "test accuracy": ("test_accuracy", "%1"),
     "status": lambda r: Cell(fmt(r["status"]), style="" if r["status"] == "ok" else "warn"),
 }
 SUMMARY_NOTES = {
     "% of peak": "TFLOP/s is what the run achieved (its FLOPs ÷ its measured time); % of peak divides it by the GPU's "
-                 "dense datasheet peak for the precision in force (common/measure/gpu_peaks.py).",
+                 "dense datasheet peak for the precision in force (common.precision).",
     "peak memory per device": "Memory on CUDA is the caching allocator's peak (torch.cuda.max_memory_allocated): "
         "tensors only; on CPU it is the peak resident set of the whole process (Python, PyTorch and the data set "
         "included). Several values are the devices of one run, first device first.",

@@ -8,14 +8,19 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jinja2
+
 from common.atomic import write_text_atomic
 from common.errors import UserError
 from common.report import core
 from common.report.runs import configurations_frame, csv_frame, runs_frame
-from common.report.sections import TEMPLATES, lab_sections
+from common.report.labs import lab_sections
 from common.results import load_records
 
 DEFAULT_REPORT_NAME = "comparison_report.html"
+#: Autoescaped whatever the file's name: record fields are untrusted text (the tables: sections.TEMPLATES, the same).
+PAGE = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates"),
+                          autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 
 
 @dataclass
@@ -90,7 +95,7 @@ def build_report(results_dir: str | os.PathLike[str], output_report: str | os.Pa
     facts = [f"{_plural(len(runs), 'run')} from {_plural(runs['lab'].nunique(), 'lab')} on "
              f"{_plural(runs['machine'].nunique(), 'machine')}", _plural(len(skipped), "file") + " skipped",
              _plural(len(warned.items), "warning"), *([] if plots else ["plots not generated (--no-plots)"])]
-    html = TEMPLATES.get_template("report.html.j2").render(
+    html = PAGE.get_template("report.html.j2").render(
         title=title or f"Results comparison: {folder.resolve().name}", facts=facts, sections=sections,
         generated=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), results_dir=str(folder.resolve()))
     try:

@@ -36,7 +36,7 @@ TEXT_COLUMNS = {"run_id": "run_id", "lab": "lab", "method": "method", "status": 
                 "git_commit": "provenance.git.commit"}
 #: Metrics the summary shows as columns, read from ``metrics.<name>`` (other metrics get a table of their own).
 SUMMARY_METRICS = ("samples_per_s", "time_per_epoch_s", "global_batch_size", "world_size", "devices", "memory",
-                   "final_loss", "test_accuracy", "achieved_tflops", "fraction_of_peak")
+                   "final_loss", "test_accuracy", "achieved_tflops", "mfu")
 MEMORY_SOURCES = {
     "cuda_max_memory_allocated": "CUDA peak allocated",
     "process_max_rss": "process peak RSS",
@@ -138,7 +138,8 @@ def runs_frame(records: Iterable[Mapping[str, Any]], results_dir: Path | None = 
     records = list(records)
     flat = pd.DataFrame([flatten(record) for record in records], dtype=object)
     runs = pd.DataFrame({name: texts(flat, key) for name, key in TEXT_COLUMNS.items()})
-    for name in SUMMARY_METRICS[:3] + SUMMARY_METRICS[6:]:
+    for name in ("samples_per_s", "time_per_epoch_s", "global_batch_size", "final_loss", "test_accuracy",
+                 "achieved_tflops", "mfu"):
         runs[name] = numbers(flat, f"metrics.{name}")
     runs["world_size"] = numbers(flat, "metrics.world_size").fillna(numbers(flat, "provenance.world_size"))
     provenances = [record.get("provenance") if isinstance(record.get("provenance"), Mapping) else {}
@@ -223,7 +224,7 @@ def csv_frame(runs: pd.DataFrame) -> pd.DataFrame:
         out[column] = runs[column if column != "peak_memory_per_device" else "memory_per_device"].map(
             lambda memory: ";".join(f"{device}={int(peak)}" for device, peak in memory))
         out[source] = runs[source]
-    for column in ("baseline_samples_per_s", "speedup", "scaling_efficiency", "achieved_tflops", "fraction_of_peak",
+    for column in ("baseline_samples_per_s", "speedup", "scaling_efficiency", "achieved_tflops", "mfu",
                    "final_loss", "test_accuracy", "slurm_job_id", "git_commit", "created", "file"):
         out[column] = runs[column]
     return out

@@ -3,14 +3,13 @@
 A report is a list of :class:`Section` objects holding data only: paragraphs, bullet items, figures as PNG
 bytes and :class:`Table` objects (rows of :class:`Cell`: text, hover text, style). A table is laid out by
 pandas' Styler through the page's own template, autoescaped like the page, so a run named ``<script>``
-shows as text and no section can inject markup. How a lab adds a section: ``common/report/__init__.py``.
+shows as text and no section can inject markup. How a lab adds a section: ``common/report/__init__.py``; the
+registry here never imports the sections that use it (``common.report.labs`` does).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
-import pkgutil
 import re
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,7 +21,6 @@ import markupsafe
 import pandas as pd
 from pandas.io.formats.style import Styler
 
-from common.report.checks import Finding
 from common.units import byte_unit, format_bytes
 
 MISSING = "—"
@@ -135,20 +133,6 @@ def lab_section_builders(lab: str) -> list[SectionBuilder]:
     return list(_LAB_SECTIONS.get(lab, {}).values())
 
 
-def load_builtin_lab_sections() -> list[tuple[str, str]]:
-    """Import every module in ``common/report/labs/`` so their ``@register_section`` calls run; returns
-    ``(module, error)`` for each that failed to import: one lab's broken section must not cost every other lab."""
-    from common.report import labs
-
-    failed = []
-    for module in pkgutil.iter_modules(labs.__path__):
-        try:
-            importlib.import_module(f"{labs.__name__}.{module.name}")
-        except Exception as err:
-            failed.append((f"{labs.__name__}.{module.name}", f"{type(err).__name__}: {err}"))
-    return failed
-
-
 def slug(title: str) -> str:
     """An HTML id from a title: ``"Runs by lab"`` -> ``"runs-by-lab"``."""
     return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-") or "section"
@@ -236,22 +220,3 @@ def table_from_frame(frame: pd.DataFrame, columns: Mapping[str, ColumnSpec] | Se
         headers, rows = [headers[i] for i in keep], [[row[i] for i in keep] for row in rows]
     row_ids = [fmt(value) for value in frame[row_id_column]] if row_id_column in frame.columns else None
     return Table(columns=headers, rows=rows, id=id, caption=caption, row_ids=row_ids)
-
-
-def lab_sections(runs: pd.DataFrame, results_dir: Path, plots: bool) -> tuple[list[Section], list[Finding]]:
-    """Sections registered for the labs present; a section that fails becomes a warning, not a crash."""
-    problems = [Finding(f"section module {module}", f"could not be imported: {error}")
-                for module, error in load_builtin_lab_sections()]
-    sections: list[Section] = []
-    for lab in sorted(runs["lab"].dropna().unique()):
-        context = SectionContext(runs=runs[runs["lab"] == lab].reset_index(drop=True), all_runs=runs,
-                                 results_dir=results_dir, plots=plots)
-        for builder in lab_section_builders(lab):
-            try:
-                result = builder(context)
-            except Exception as err:  # one lab's section must not cost the whole report
-                problems.append(Finding(f"section {builder.__name__} of {lab}",
-                                        f"could not be built: {type(err).__name__}: {err}"))
-                continue
-            sections.extend([result] if isinstance(result, Section) else result or [])
-    return sections, problems

@@ -7,8 +7,8 @@ CUDA traceback deep inside the first ``.to()``; so is starting more processes on
 GPUs (two NCCL ranks on one GPU fail at their first collective with "Duplicate GPU detected").
 
 On a GPU, "fp32" in this course means IEEE float32: ``resolve_device`` turns PyTorch's default TF32
-for cuDNN convolutions off (``common.train.amp.set_fp32_math``), so fp32 baselines are not a TF32 hybrid.
-Scripts that measure TF32 (Lab-03's ``tf32`` rows, ``pytorch_basics.py --dtypes tf32``) turn it
+for cuDNN convolutions off (``common.precision.set_fp32_math``), so fp32 baselines are not a TF32 hybrid.
+Scripts that measure TF32 (Lab-03's ``tf32`` rows, ``pytorch_basics.py --precision tf32``) turn it
 on where they measure it, and every record says which was in force (``provenance.fp32_math``).
 
 **Test mode: processes sharing a GPU.** ``HPC_DL_LABS_SHARE_GPUS=1`` lets more processes than GPUs
@@ -29,7 +29,7 @@ import random
 
 import torch
 
-from common.train.amp import set_fp32_math
+from common.precision import set_fp32_math
 from common.errors import UserError
 
 
@@ -42,6 +42,15 @@ def sharing_gpus() -> bool:
     return os.environ.get(SHARE_GPUS_VARIABLE, "") == "1"
 
 
+def device_type(name: str = "auto") -> str:
+    """``cuda`` or ``cpu``: the kind of device ``--device NAME`` asks for, without starting CUDA. The
+    course's one rule for ``auto``: the GPU when PyTorch sees one, else the CPU."""
+    name = (name or "auto").strip().lower()
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if name.startswith("cuda") else name
+
+
 def resolve_device(name: str = "auto", local_rank: int = 0, local_world_size: int | None = None) -> torch.device:
     """Map ``auto|cpu|cuda`` (or ``cuda:N``) to a ``torch.device`` for this process.
 
@@ -50,12 +59,9 @@ def resolve_device(name: str = "auto", local_rank: int = 0, local_world_size: in
     is refused on every rank, naming both counts, instead of putting two ranks on one GPU.
     """
     name = (name or "auto").strip().lower()
-    if name == "cpu":
+    if device_type(name) == "cpu":
         return torch.device("cpu")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-        if name == "cpu":
-            return torch.device("cpu")
+    name = "cuda" if name == "auto" else name
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common.errors import UserError
 from common.runtime.compat import set_collective_timeout
 from common.runtime.device import (configure_threads, describe, resolve_device, set_device, sharing_gpus,
                                    use_deterministic_algorithms)
@@ -35,7 +36,7 @@ from common.runtime.launch import LaunchInfo, detect_launch, free_port, gpus_bou
 
 __all__ = [
     "DistContext", "backend_for", "init_distributed", "open_process", "teardown_distributed", "ddp_buffer_sync",
-    "print0", "print_rank", "all_reduce_sum", "all_reduce_mean", "all_reduce_max", "any_rank", "any_rank_on_host",
+    "print0", "print_rank", "all_reduce_sum", "all_reduce_mean", "all_reduce_max", "any_rank", "any_rank_on_host", "every_rank_arrives",
     "gather_objects",
     "MODULES_BINDING_THE_WORLD_GROUP",
 ]
@@ -159,7 +160,7 @@ def init_distributed(device_name: str = "auto", *, force_process_group: bool = F
     launch = LaunchInfo(launch.launcher, launch.rank, launch.local_rank, launch.world_size,
                         launch.node_rank, addr, port)
     return DistContext(launch=launch, device=device, backend=backend, owns_group=True,
-                       extra={"environment_set": added})
+                       extra={"environment_set": added, "collective_timeout_s": timeout_s})
 
 
 def open_process(device_name: str, *, distributed: bool, deterministic: bool = False,
@@ -326,24 +327,45 @@ def any_rank(flag: bool, device: torch.device | None = None) -> bool:
     return bool(_reduce(1.0 if flag else 0.0, "max", device))
 
 
-def any_rank_on_host(flag: bool) -> bool:
-    """:func:`any_rank` agreed between the CPUs: a one-number all-reduce over Gloo (the world group on
-    CPU runs; a Gloo group beside NCCL's on GPU runs, made on first use), so a per-step check never
-    waits for the GPU's queued work the way a CUDA tensor's ``.item()`` would."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    group = None
-    if dist.get_backend() != "gloo":
-        group = _HOST_GROUPS.get(id(dist.group.WORLD))
-        if group is None:  # every rank calls this at the same step, so every rank creates it together
-            group = _HOST_GROUPS[id(dist.group.WORLD)] = dist.new_group(backend="gloo")
-    value = torch.tensor([1.0 if flag else 0.0])
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
+def _host_group() -> Any:
+    """A Gloo group for agreements between the CPUs: the world on a Gloo run; on NCCL a Gloo group beside
+    it, made on first use (every rank reaches that first use at the same point, so they make it together)."""
+    if dist.get_backend() == "gloo":
+        return None
+    group = _HOST_GROUPS.get(id(dist.group.WORLD))
+    if group is None:
+        group = _HOST_GROUPS[id(dist.group.WORLD)] = dist.new_group(backend="gloo")
+    return group
 
 
 #: The Gloo group beside a NCCL world, by the world group's id (forgotten at teardown).
 _HOST_GROUPS: dict[int, Any] = {}
+
+
+def any_rank_on_host(flag: bool) -> bool:
+    """:func:`any_rank` agreed between the CPUs: a one-number all-reduce over Gloo (the world group on
+    CPU runs; a Gloo group beside NCCL's on GPU runs), so a per-step check never waits for the GPU's
+    queued work the way a CUDA tensor's ``.item()`` would."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_host_group())
+    return bool(value.item())
+
+
+def every_rank_arrives(what: str, ctx: DistContext) -> None:
+    """Wait until every rank has reached ``what``, a collective call. A rank that never does (the call made
+    under ``if rank == 0:``) ends the wait within the collective timeout with one line naming the ranks
+    that did not come (Gloo's ``monitored_barrier``), where the collective itself would hang."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    seconds = float(ctx.extra.get("collective_timeout_s") or os.environ.get("HPC_DL_LABS_DIST_TIMEOUT", 600))
+    try:
+        dist.monitored_barrier(group=_host_group(), timeout=_dt.timedelta(seconds=seconds), wait_all_ranks=True)
+    except RuntimeError as error:
+        found = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"{what} is collective: every rank must call it, and not all did within {seconds:g} s "
+                        f"(called under `if run.is_main:`?): {found}") from None
 
 
 def gather_objects(obj: Any) -> list[Any]:

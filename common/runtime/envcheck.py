@@ -46,6 +46,30 @@ SLURM_ALLOCATION_KEYS = (
 )
 
 
+def software_versions() -> dict[str, Any]:
+    """Python, PyTorch, torchvision, CUDA, cuDNN and NCCL versions (imports torch)."""
+    import torch
+
+    versions: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+    }
+    try:  # the installed version, without importing torchvision (about 2 s)
+        from importlib.metadata import PackageNotFoundError, version
+
+        versions["torchvision"] = version("torchvision")
+    except PackageNotFoundError:
+        versions["torchvision"] = None
+    try:
+        nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
+        versions["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
+    except (AttributeError, RuntimeError):
+        versions["nccl"] = None
+    return versions
+
+
 def add_check_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``--json``, ``--strict`` and ``--no-smoke-test`` (``smoke_test``): the flags of every environment check."""
     parser.add_argument("--json", action="store_true",
@@ -118,8 +142,8 @@ def _gpu_details(torch: Any, index: int, smoke_test: bool) -> dict[str, Any]:
         "capability": f"{props.major}.{props.minor}",
         "multiprocessors": int(props.multi_processor_count),
         # bf16 runs natively from compute capability 8.0 (A100); older GPUs only emulate it, slowly.
-        "bf16_native": (props.major, props.minor) >= (8, 0),
-        "peak_tflops": gpu_description(props.name)["peak_tflops"],  # datasheet, dense (common.measure.gpu_peaks)
+        "bf16_native": gpu_support("bf16", (props.major, props.minor)) == "native",
+        "peak_tflops": gpu_description(props.name)["peak_tflops"],  # datasheet, dense (common.precision)
     }
     if smoke_test:
         try:  # a GPU can be listed and still fail on first use (driver mismatch, a GPU in a bad state)
@@ -139,7 +163,6 @@ def collect_environment(env: Mapping[str, str] | None = None, *, smoke_test: boo
     import torch
     import torch.distributed as dist
 
-    from common.results import software_versions
 
     env = os.environ if env is None else env
     cuda_available = torch.cuda.is_available()

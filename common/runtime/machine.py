@@ -17,65 +17,26 @@ import os
 import platform
 from typing import Any, Mapping
 
+from common.precision import (ARM_FEATURES, X86_FLAGS, cpu_flags, cpu_support, cpuinfo_blocks, gpu_peaks,
+                              gpu_support, read_cpuinfo)
 from common.runtime.cpus import usable_cpus
-from common.measure.gpu_peaks import gpu_peaks
 
-__all__ = ["X86_FLAGS", "ARM_FEATURES", "BF16_EMULATION_PREFIX", "read_cpuinfo", "cpu_description", "gpu_description",
-           "machine_label",
-           "describe_machine", "bf16_emulation_note"]
-
-#: x86 flags that decide low-precision speed: bf16 runs natively with avx512_bf16 or AMX (amx_bf16 on
-#: amx_tile), fp16 with avx512_fp16; avx_vnni/avx512f/avx2 are the vector units oneDNN falls back to.
-X86_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16", "avx_vnni")
-#: ARM features (``Features`` in /proc/cpuinfo): bf16 instructions, half-precision arithmetic, SVE.
-ARM_FEATURES = ("bf16", "fphp", "asimdhp", "sve", "i8mm")
-#: How :func:`bf16_emulation_note` begins: the report finds the note in a record's notes by it.
-BF16_EMULATION_PREFIX = "bf16 is emulated on this CPU"
-_NATIVE = {"x86": {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16",)},
-           "arm": {"bf16": ("bf16",), "fp16": ("fphp", "asimdhp")}}
-
-
-def read_cpuinfo(path: str = "/proc/cpuinfo") -> str | None:
-    """The text of ``/proc/cpuinfo``; ``None`` where there is none (macOS, Windows)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            return handle.read()
-    except OSError:
-        return None
-
-
-def _blocks(cpuinfo: str) -> list[dict[str, str]]:
-    """One ``{field: value}`` per logical CPU (blocks separated by blank lines)."""
-    blocks = []
-    for chunk in cpuinfo.strip().split("\n\n"):
-        fields = {}
-        for line in chunk.splitlines():
-            key, sep, value = line.partition(":")
-            if sep:
-                fields[key.strip()] = value.strip()
-        if fields:
-            blocks.append(fields)
-    return blocks
+__all__ = ["cpu_description", "gpu_description", "machine_label", "describe_machine"]
 
 
 def cpu_description(cpuinfo: str | None = None) -> dict[str, Any]:
     """The CPU as a record stores it: model, cores, the relevant flags, and bf16/fp16 ``native``,
-    ``emulated`` or ``unknown``.
+    ``emulated`` or ``unknown`` (:func:`common.precision.cpu_support`).
 
     ``cpuinfo`` is the text of ``/proc/cpuinfo`` (read from the machine when ``None``; tests pass
     another machine's). ``physical_cores`` counts distinct (package, core) pairs, ``logical_cpus``
     the hardware threads, ``usable_cpus`` the ones this process may run on (its affinity mask).
     """
     text = read_cpuinfo() if cpuinfo is None else cpuinfo
-    blocks = _blocks(text) if text else []
+    blocks = cpuinfo_blocks(text) if text else []
     processors = [b for b in blocks if "processor" in b] or blocks
     first = processors[0] if processors else {}
-    if "flags" in first:
-        family, present, checked = "x86", set(first["flags"].split()), X86_FLAGS
-    elif "Features" in first:
-        family, present, checked = "arm", set(first["Features"].split()), ARM_FEATURES
-    else:
-        family, present, checked = None, set(), ()
+    family, present, checked = cpu_flags(first)
     cores = {(b.get("physical id", "0"), b["core id"]) for b in processors if "core id" in b}
     model = first.get("model name") or first.get("Model") or platform.processor() or platform.machine()
     description: dict[str, Any] = {
@@ -87,22 +48,19 @@ def cpu_description(cpuinfo: str | None = None) -> dict[str, Any]:
         "isa": {flag: flag in present for flag in checked},
     }
     for kind in ("bf16", "fp16"):
-        if family is None:
-            description[kind] = "unknown"
-        else:
-            description[kind] = "native" if present & set(_NATIVE[family][kind]) else "emulated"
+        description[kind] = cpu_support(kind, family, present)
     return description
 
 
 def gpu_description(name: str, capability: tuple[int, int] | None = None,
                     total_memory_bytes: int | None = None) -> dict[str, Any]:
-    """A GPU as a record stores it, with its dense datasheet peaks (``common.measure.gpu_peaks``)."""
+    """A GPU as a record stores it, with its dense datasheet peaks (``common.precision.GPU_PEAKS``)."""
     peaks_name, peaks = gpu_peaks(name)
     entry: dict[str, Any] = {"name": name, "capability": f"{capability[0]}.{capability[1]}" if capability else None,
                              "total_memory_bytes": total_memory_bytes,
                              "peak_tflops": peaks, "peaks_from": peaks_name}
-    if capability is not None:  # bf16 tensor cores arrived with compute capability 8.0 (Ampere)
-        entry["bf16"] = "native" if tuple(capability) >= (8, 0) else "emulated"
+    if capability is not None:
+        entry["bf16"] = gpu_support("bf16", capability)
     return entry
 
 
@@ -154,15 +112,5 @@ def describe_machine(prov: Mapping[str, Any]) -> str:
             peaks = gpu.get("peak_tflops") or {}
             shown = ", ".join(f"{p} {v:g}" for p, v in peaks.items() if p in ("fp32", "tf32", "bf16", "fp16"))
             text += (f"; GPU {gpu.get('name')} (datasheet dense TFLOP/s: {shown})" if shown
-                     else f"; GPU {gpu.get('name')} (no datasheet peak in common/measure/gpu_peaks.py)")
+                     else f"; GPU {gpu.get('name')} (no datasheet peak in common.precision.GPU_PEAKS)")
     return text
-
-
-def bf16_emulation_note(cpu: Mapping[str, Any]) -> str | None:
-    """The one line a bf16 run on this CPU prints, and its record keeps; ``None`` when bf16 is native
-    (or the flags could not be read)."""
-    if cpu.get("bf16") != "emulated":
-        return None
-    missing = "no avx512_bf16 or AMX" if "avx2" in (cpu.get("isa") or {}) else "no bf16 instructions"
-    return (f"{BF16_EMULATION_PREFIX} ({cpu.get('model')}: {missing}): PyTorch converts to fp32 and back, "
-            "so bf16 runs slower than fp32 here; its timings say nothing about bf16 hardware")

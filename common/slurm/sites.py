@@ -169,6 +169,7 @@ class Site:
     partitions: dict[str, Partition]
     setup: tuple[str, ...]
     path: Path
+    node_local: str | None = None  # a node's own storage for staged data (Lab-08), e.g. '${TMPDIR:-/tmp}'
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -177,12 +178,12 @@ class Site:
             "reservation": self.reservation, "max_time": self.max_time,
             "default_partitions": dict(self.default_partitions),
             "partitions": {name: part.as_dict() for name, part in self.partitions.items()},
-            "setup": list(self.setup),
+            "setup": list(self.setup), "node_local": self.node_local,
         }
 
 
 _SITE_KEYS = {"name", "title", "source", "account", "account_required", "reservation", "max_time",
-             "default_partitions", "partitions", "setup", "notes"}
+             "default_partitions", "partitions", "setup", "notes", "node_local"}
 _PARTITION_KEYS = {"description", "cpus_per_node", "mem_per_node", "gpus_per_node", "gpu_types",
                   "gpu_memory", "typed_gres", "cpus_per_gpu", "features", "max_time", "links"}
 _LINK_KEYS = {"gb_per_s", "source"}
@@ -325,6 +326,7 @@ def load_site(path: Path) -> Site:
         partitions=partitions,
         setup=tuple(setup),
         path=path,
+        node_local=text_or_none(data.get("node_local"), f"{where}: node_local"),
     )
 
 

@@ -1,6 +1,6 @@
 """The held-out evaluation every training script runs after an epoch: mean loss and accuracy.
 
-    test_loss, accuracy = evaluate(model, test_loader, device, loss=F.nll_loss, precision=args.amp)
+    test_loss, accuracy = evaluate(model, test_loader, device, loss=F.nll_loss, precision=args.precision)
     run.evaluated(test_loss, accuracy)                       # common.train.run.TrainingRun keeps it per epoch
 
 One loop serves the image classifiers (Chapter 4's ``MnistNet`` returns log-probabilities, hence

@@ -7,12 +7,15 @@ helpers read ``args`` and never repeat a default.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from common.cli import apply_dry_run, non_negative_int, output_file, positive_int
+from common.cli import apply_dry_run, config_dict, non_negative_int, output_dir, output_file, positive_int
 from common.errors import UserError
 
-__all__ = ["add_checkpoint_args", "add_determinism_arg", "add_training_args", "settle"]
+__all__ = ["RunSettings", "add_checkpoint_args", "add_determinism_arg", "add_distributed_checkpoint_args",
+           "add_training_args", "settle"]
 
 
 def add_determinism_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -61,6 +64,22 @@ def add_checkpoint_args(parser: argparse.ArgumentParser, *, always: bool = False
     return parser
 
 
+def add_distributed_checkpoint_args(parser: argparse.ArgumentParser, *, default_dir: str) -> argparse.ArgumentParser:
+    """``--checkpoint-dir DIR``, ``--resume`` and ``--async-checkpoint``."""
+    group = parser.add_argument_group("distributed checkpoint and resume (pre-emption safe)")
+    group.add_argument("--checkpoint-dir", type=output_dir, default=None,
+                       help="every rank writes its shards here after every epoch and on SIGUSR1/SIGTERM, then "
+                            f"exits 0 (default: {default_dir})")
+    group.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint in --checkpoint-dir, with any number of "
+                            "processes (default: start fresh)")
+    group.add_argument("--async-checkpoint", action="store_true",
+                       help="save with dcp.async_save: training continues while a background thread writes "
+                            "(default: off, the loop waits for the files)")
+    add_determinism_arg(group)
+    return parser
+
+
 def settle(args: argparse.Namespace, script: str, *, distributed: bool) -> Path | None:
     """Apply ``--dry-run`` and choose the checkpoint file; returns it (``None``: nothing is saved).
 
@@ -76,3 +95,35 @@ def settle(args: argparse.Namespace, script: str, *, distributed: bool) -> Path 
     if args.resume and args.checkpoint is None:
         raise UserError("--resume needs --checkpoint PATH (the file to continue from)")
     return args.checkpoint
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What :class:`~common.train.run.TrainingRun` and its parts read from the command line, read once,
+    after :func:`settle`: each part gets the values it needs, not the whole ``args``."""
+
+    device: str
+    deterministic: bool
+    epochs: int
+    max_steps: int | None
+    log_interval: int
+    warmup_steps: int
+    record_steps: int
+    num_workers: int | None
+    resume: bool
+    results_dir: Path
+    checkpoint: Path | None
+    flags: argparse.Namespace  # every flag, for the record and the checkpoint: what the run was asked to do
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "RunSettings":
+        return cls(device=args.device, deterministic=args.deterministic, epochs=args.epochs,
+                   max_steps=args.max_steps, log_interval=args.log_interval, warmup_steps=args.warmup_steps,
+                   record_steps=args.record_steps, num_workers=getattr(args, "num_workers", None),
+                   resume=bool(getattr(args, "resume", False)), results_dir=Path(args.results_dir),
+                   checkpoint=getattr(args, "checkpoint", None), flags=args)
+
+    def config(self, **derived: Any) -> dict[str, Any]:
+        """Every flag as the script holds it now (a script may settle some after the run starts), plus ``derived``."""
+        return config_dict(self.flags, **derived)
+

@@ -14,19 +14,17 @@ writes it) or a checkpointer that writes from every rank (PyTorch Distributed Ch
 
 from __future__ import annotations
 
-import argparse
 import signal
 from pathlib import Path
 from types import FrameType
-from typing import Any, Iterable, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from common.checkpoint.single_file import (capture_rng_state, check_same_settings, load_checkpoint,
                                            restore_rng_state, save_checkpoint)
-from common.cli import config_dict
-from common.errors import UserError
+from common.errors import Stopped, UserError
 from common.runtime.distributed import any_rank_on_host, gather_objects, print0
 from common.train.progress import Progress
 
@@ -59,8 +57,8 @@ class StopSignal:
         return signal.Signals(self.requested).name if self.requested else None
 
 
-class Preempted(Exception):
-    """Raised before ``step`` when every rank has agreed to stop."""
+class Preempted(Stopped):
+    """Raised before ``step`` when every rank has agreed to stop; ``run_main`` exits 0 on it."""
 
     def __init__(self, step: int) -> None:
         super().__init__(f"stopped before step {step}")
@@ -120,10 +118,8 @@ def unwrap(model: Any) -> Any:
 class Preemption:
     """The stop flag, the checkpoint and the resume of one run (every method is called on every rank)."""
 
-    def __init__(self, checkpointer: Checkpointer | None, args: argparse.Namespace,
-                 resume_settings: Iterable[str] = ()) -> None:
-        self.checkpointer, self.args = checkpointer, args
-        self.resume_settings = tuple(resume_settings)
+    def __init__(self, checkpointer: Checkpointer | None, *, resume: bool) -> None:
+        self.checkpointer, self.wants_resume = checkpointer, resume
         self.signal = StopSignal()
         self.tracked: dict[str, Any] = {}
 
@@ -153,12 +149,13 @@ class Preemption:
         if any_rank_on_host(stop) if across_ranks else stop:
             raise Preempted(step)
 
-    def resume(self, objects: dict[str, Any], *, rank: int, world_size: int,
+    def resume(self, objects: dict[str, Any], *, settings: dict[str, Any], rank: int, world_size: int,
                device: torch.device) -> tuple[int, int, Progress] | None:
         """Track ``objects``; with ``--resume`` and a checkpoint, load them back and return where the
-        run stopped (epoch, step, progress). ``None``: starting fresh."""
+        run stopped (epoch, step, progress); ``settings`` must be those the checkpoint was made with.
+        ``None``: starting fresh."""
         self.tracked = {name: unwrap(obj) for name, obj in objects.items()}
-        if not getattr(self.args, "resume", False) or self.checkpointer is None:
+        if not self.wants_resume or self.checkpointer is None:
             return None
         state = self.checkpointer.read()
         path = self.checkpointer.path
@@ -169,18 +166,17 @@ class Preemption:
         if missing:
             raise UserError(f"{path} lacks {', '.join(missing)} (written by another version of this script?); "
                             "start fresh without --resume")
-        settings = {key: getattr(self.args, key) for key in self.resume_settings}
         if not self.checkpointer.reshards:
-            settings["world_size"] = world_size
+            settings = {**settings, "world_size": world_size}
         check_same_settings(state, settings, path)
         self.checkpointer.restore(self.tracked)
         if not self.checkpointer.reshards:  # every rank its own generators (dropout masks differ by rank)
             restore_rng_state(state["rng"][rank], device)
         return state["epoch"], state["step"], Progress.from_dict(state["progress"])
 
-    def state(self, epoch: int, step: int, progress: Progress, *, world_size: int,
+    def state(self, epoch: int, step: int, progress: Progress, *, config: dict[str, Any],
               device: torch.device) -> dict[str, Any]:
         """The run's own part of a checkpoint: every rank's random generators (gathered: a collective,
-        so every rank calls it), where to continue, the progress and the settings."""
+        so every rank calls it), where to continue, the progress and the run's ``config``."""
         return {"rng": gather_objects(capture_rng_state(device)), "epoch": epoch, "step": step,
-                "progress": progress.as_dict(), "config": config_dict(self.args, world_size=world_size)}
+                "progress": progress.as_dict(), "config": config}

@@ -7,13 +7,11 @@ must end identical (sharded parameters, FSDP2's DTensors, differ by design and a
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from torch import nn
 
-from common.cli import config_dict
 from common.measure.timing import format_rate
 from common.models import replica_digests
 from common.results import make_record, provenance, training_metrics, write_record
@@ -41,11 +39,12 @@ def _replica_digests(model: nn.Module | None) -> list[dict[str, Any]] | None:
     return digests
 
 
-def write_run_record(*, args: argparse.Namespace, lab: str, script: str, method: str, ctx: DistContext,
-                     distributed: bool, progress: Progress, meter: RunMeter, model: nn.Module | None,
-                     config: dict[str, Any], metrics: dict[str, Any], notes: Iterable[str],
-                     checkpoint: Path | None) -> Path | None:
-    """Gather (every rank calls this) and have rank 0 write the record; returns its path on rank 0."""
+def write_run_record(*, lab: str, script: str, method: str, ctx: DistContext, distributed: bool, progress: Progress,
+                     meter: RunMeter, model: nn.Module | None, config: dict[str, Any], metrics: dict[str, Any],
+                     notes: Iterable[str], epochs: int, results_dir: Path, checkpoint: Path | None) -> Path | None:
+    """Gather (every rank calls this) and have rank 0 write the record; returns its path on rank 0.
+    ``config``: the run's flags and settings (``common.cli.config_dict``), completed here with what the
+    run resolved (device, global batch, loader)."""
     measured = meter.gathered(ctx.rank)
     digests = _replica_digests(model) if distributed else None
     if ctx.rank != 0:
@@ -53,7 +52,7 @@ def write_run_record(*, args: argparse.Namespace, lab: str, script: str, method:
     last_eval = progress.eval_history[-1] if progress.eval_history else {}
     all_metrics = training_metrics(
         train_loss=progress.train_loss, loss_at_step=progress.loss_at_step, epoch_time_s=progress.epoch_time_s,
-        step_time=measured["step_time"], steps=progress.steps, epochs=args.epochs, world_size=ctx.world_size,
+        step_time=measured["step_time"], steps=progress.steps, epochs=epochs, world_size=ctx.world_size,
         memory=measured["memory"], test_loss=last_eval.get("test_loss"),
         test_accuracy=last_eval.get("test_accuracy"), eval_history=progress.eval_history,
         replica_digests=digests, global_batch_size=meter.global_batch)
@@ -67,12 +66,11 @@ def write_run_record(*, args: argparse.Namespace, lab: str, script: str, method:
     all_metrics["data_wait_s"] = meter.waited_s  # this process's steps: waiting for their batches
     extra = {"distributed": ctx.describe(), "placement": meter.placement} if distributed else None
     record = make_record(lab=lab, script=script, method=method,
-                         config=config_dict(args, resolved_device=str(ctx.device),
-                                            global_batch_size=all_metrics["global_batch_size"],
-                                            data_loader=meter.loader, **config),
+                         config={**config, "resolved_device": str(ctx.device),
+                                 "global_batch_size": all_metrics["global_batch_size"], "data_loader": meter.loader},
                          metrics=all_metrics, notes=notes, energy=measured["energy"],
                          provenance=provenance(ctx.device, ctx.world_size, extra))
-    path = write_record(record, args.results_dir)
+    path = write_record(record, results_dir)
     _print_summary(all_metrics, measured, meter, notes, job=ctx.world_size > 1)
     if checkpoint is not None:
         print0(f"checkpoint: {checkpoint}")

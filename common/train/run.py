@@ -11,8 +11,16 @@
                 ...forward, backward, optimizer.step()...
                 run.log_loss(loss)
             run.evaluated(*test(model, ...))             # optional: test loss and accuracy per epoch
-            run.save_checkpoint()                        # when the run has one (--checkpoint)
-        run.finish(config=splits.describe())             # rank 0 writes the record
+            run.save_checkpoint()                        # collective; when the run has one (--checkpoint)
+        run.finish(config=splits.describe())             # collective; rank 0 writes the record
+
+The flags it reads are read once, into :class:`common.train.flags.RunSettings`, and each part gets
+the values it needs; ``args`` itself only goes into the record and the checkpoint (what the run was
+asked to do). Its collectives, on a distributed run: ``steps`` agrees on a stop signal once per step
+where a handler is armed (a checkpoint to save: one Gloo all-reduce of one number, no wait for the
+GPU), ``epochs`` averages each epoch's losses over the ranks, ``save_checkpoint``,
+``checkpoint_state`` and ``finish`` gather from every rank. Every rank calls them; one called on rank
+0 alone ends within the collective timeout, naming the ranks that did not come.
 
 The run delegates each of its jobs to one collaborator:
 
@@ -20,8 +28,8 @@ The run delegates each of its jobs to one collaborator:
   CPU threads from the allocation and, with ``distributed=True``, the process group: NCCL on CUDA,
   Gloo on CPU), torn down on exit;
 - **stopping and resuming**: :class:`common.train.preemption.Preemption` (SIGUSR1/SIGTERM set a
-  flag, all ranks stop at the same step, the checkpoint is saved, the ``with`` block ends quietly
-  so ``main`` returns 0 and the job can be requeued; ``--resume`` restores the tracked objects and
+  flag, all ranks stop at the same step, the checkpoint is saved, and :class:`~common.train.preemption.Preempted`
+  goes on to ``common.errors.run_main``, which exits 0 so the job can be requeued; ``--resume`` restores the tracked objects and
   every rank's random generators, and the steps already done are skipped: each epoch's order
   depends only on the seed and the epoch number);
 - **what it learned**: :class:`common.train.progress.Progress` and ``LossLog`` (per-step losses
@@ -39,8 +47,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from common.runtime.distributed import open_process, print0, teardown_distributed
-from common.train.flags import settle
+from common.runtime.distributed import every_rank_arrives, open_process, print0, teardown_distributed
+from common.train.flags import RunSettings, settle
 from common.train.meter import RunMeter
 from common.train.preemption import Checkpointer, Preempted, Preemption, TorchCheckpointer
 from common.train.progress import LossLog, Progress
@@ -55,32 +63,32 @@ class TrainingRun:
     def __init__(self, args: argparse.Namespace, *, lab: str, script: str, method: str,
                  distributed: bool = False, resume_settings: Iterable[str] = (),
                  checkpointer: Checkpointer | None = None) -> None:
-        self.args, self.lab, self.script, self.method = args, lab, script, method
-        self.distributed = distributed
+        self.lab, self.script, self.method = lab, script, method
+        self.distributed, self.resume_settings = distributed, tuple(resume_settings)
         path = settle(args, script, distributed=distributed)  # --dry-run, --resume, where the checkpoint goes
+        self.settings = RunSettings.from_args(args)  # what the run's parts read, once; args itself goes to the record
         self.checkpointer = checkpointer or (TorchCheckpointer(path) if path is not None else None)
-        self.preemption = Preemption(self.checkpointer, args, resume_settings)
+        self.preemption = Preemption(self.checkpointer, resume=self.settings.resume)
         self.progress = Progress()
-        self.losses = LossLog(args.record_steps)
+        self.losses = LossLog(self.settings.record_steps)
         self.epoch, self.start_step, self._epoch_open = 1, 0, False
 
     def __enter__(self) -> "TrainingRun":
-        self.ctx = open_process(self.args.device, distributed=self.distributed,
-                                deterministic=self.args.deterministic)
+        self.ctx = open_process(self.settings.device, distributed=self.distributed,
+                                deterministic=self.settings.deterministic)
         self.device = self.ctx.device
-        self.meter = RunMeter(self.device, warmup_steps=self.args.warmup_steps)
+        self.meter = RunMeter(self.device, warmup_steps=self.settings.warmup_steps)
         if self.distributed:  # each rank's cores, its GPU's NUMA node, DataLoader workers against cores
-            self.meter.place(getattr(self.args, "num_workers", None))
+            self.meter.place(self.settings.num_workers)
         self.preemption.__enter__()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _tb: Any) -> bool:
         try:
-            if isinstance(error, Preempted):
+            if isinstance(error, Preempted):  # saved here; the exception goes on (run_main exits 0 on it)
                 self.save_checkpoint(self.epoch, error.step)
                 self.print(f"received {self.preemption.signal.name}: saved {self.checkpointer.path} at epoch "
                            f"{self.epoch} step {error.step}; exiting so the job can be requeued (resume with --resume)")
-                return True
             return False
         finally:
             try:
@@ -116,34 +124,46 @@ class TrainingRun:
     def track(self, **objects: Any) -> None:
         """Name what a checkpoint holds (``model=``, ``optimizer=``, ``scheduler=``, ``scaler=``...);
         with ``--resume`` and an existing checkpoint, load them back now."""
-        resumed = self.preemption.resume(objects, rank=self.rank, world_size=self.world_size, device=self.device)
+        # The settings a checkpoint must have been made with, as the script has them now.
+        settings = {key: getattr(self.settings.flags, key) for key in self.resume_settings}
+        resumed = self.preemption.resume(objects, settings=settings, rank=self.rank, world_size=self.world_size,
+                                         device=self.device)
         if resumed is not None:
             self.epoch, self.start_step, self.progress = resumed
             self.print(f"resumed from {self.checkpointer.path}: epoch {self.epoch}, step {self.start_step}")
 
     def checkpoint_state(self) -> dict[str, Any]:
         """A one-file checkpoint after this epoch, for a script that writes it itself: the tracked state dicts
-        (the model unwrapped from DDP) and every rank's random generators (a collective: every rank calls it)."""
+        (the model unwrapped from DDP) and every rank's random generators. A collective: every rank calls it
+        (called on rank 0 alone it ends within the collective timeout, naming the ranks that did not come)."""
+        self._every_rank_here("checkpoint_state()")
         state = self._run_state(None, 0)
         return {**{name: obj.state_dict() for name, obj in self.preemption.tracked.items()}, **state}
 
     def save_checkpoint(self, epoch: int | None = None, step: int = 0) -> None:
-        """Every rank calls it (by default after the epoch); rank 0 writes, or every rank if sharded."""
+        """A collective: every rank calls it (by default after the epoch); rank 0 writes, or every rank if
+        sharded. Called under ``if run.is_main:`` it ends within the collective timeout, naming the ranks
+        that never came, instead of hanging."""
         if self.checkpointer is not None:
+            self._every_rank_here("save_checkpoint()")
             state = self._run_state(epoch, step)
             if self.is_main or self.checkpointer.every_rank_writes:
                 self.checkpointer.save(state, self.preemption.tracked)
 
+    def _every_rank_here(self, what: str) -> None:
+        if self.distributed:
+            every_rank_arrives(what, self.ctx)
+
     def _run_state(self, epoch: int | None, step: int) -> dict[str, Any]:
         self._close_epoch(ended=epoch is None)  # the epoch is over unless a signal stopped it at ``step``
         return self.preemption.state(self.epoch + 1 if epoch is None else epoch, step, self.progress,
-                                     world_size=self.world_size, device=self.device)
+                                     config=self.settings.config(world_size=self.world_size), device=self.device)
 
     # ---------------------------------------------------------------------------------- the loop
     def epochs(self) -> Iterator[int]:
         """Epoch numbers from 1 (or where a resumed run stopped) to ``--epochs``; after each one, its
         losses are averaged over ranks and one progress line is printed."""
-        for epoch in range(self.epoch, self.args.epochs + 1):
+        for epoch in range(self.epoch, self.settings.epochs + 1):
             self.epoch, self._epoch_open = epoch, True
             yield epoch
             self._close_epoch(ended=True)
@@ -156,25 +176,32 @@ class TrainingRun:
             self.progress.close_epoch()
             self._epoch_open = False
 
-    def steps(self, loader: Iterable[Any]) -> Iterator[Any]:
+    def steps(self, loader: Iterable[Any], *, loader_resumes: bool = False) -> Iterator[Any]:
         """This epoch's batches, each one timed as a step, up to ``--max-steps``. Skips the steps a resumed run
-        did (the same batches: the order is the same); stops every rank at once if any got the stop signal."""
-        total = len(loader) if self.args.max_steps is None else min(len(loader), self.args.max_steps)
+        did (the same batches: the order is the same); stops every rank at once if any got the stop signal.
+
+        ``loader_resumes=True``: the loader keeps its own position and the checkpoint holds it (Lab-08's
+        ``StatefulDataLoader``, tracked with :meth:`track`); a resumed run takes its next batch as it is,
+        numbered from the step it stopped at. The stop is agreed before a batch is taken, so such a loader
+        has not yet handed out the batch a resumed run must start with."""
+        cap = self.settings.max_steps
+        total = len(loader) if cap is None else min(len(loader), cap)
         with self.meter.epoch(loader):
             batches = iter(loader)
-            for step in range(total):
+            for step in range(self.start_step if loader_resumes else 0, total):
+                if step >= self.start_step:
+                    self.preemption.check(step, across_ranks=self.distributed)  # a collective where a handler is armed
                 asked = time.perf_counter()
                 batch = next(batches, None)  # waiting for the loader is part of the step: a starved device shows
                 if batch is None:
                     break
                 if step < self.start_step:
                     continue
-                self.preemption.check(step, across_ranks=self.distributed)  # a collective where a handler is armed
                 logged = len(self.losses)
                 with self.meter.step(batch, world_size=self.world_size, waited_s=time.perf_counter() - asked):
                     yield batch
                 self.progress.steps += 1
-                if len(self.losses) > logged and (step % self.args.log_interval == 0 or step == total - 1):
+                if len(self.losses) > logged and (step % self.settings.log_interval == 0 or step == total - 1):
                     rank0 = " (rank 0's share)" if self.world_size > 1 else ""
                     self.print(f"epoch {self.epoch} step {step + 1}/{total}: loss {self.losses.latest():.4f}{rank0}")
         self.progress.epoch_time_s.append(self.meter.last_epoch_s)
@@ -193,8 +220,10 @@ class TrainingRun:
     def finish(self, *, config: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,
                notes: Iterable[str] = (), method: str | None = None) -> Any:
         """Gather what every rank measured and have rank 0 write the record; returns its path on rank 0."""
-        return write_run_record(args=self.args, lab=self.lab, script=self.script, method=method or self.method,
-                                ctx=self.ctx, distributed=self.distributed, progress=self.progress,
-                                meter=self.meter, model=self.preemption.tracked.get("model"), config=config or {},
-                                metrics=metrics or {}, notes=notes,
+        return write_run_record(lab=self.lab, script=self.script, method=method or self.method, ctx=self.ctx,
+                                distributed=self.distributed, progress=self.progress, meter=self.meter,
+                                model=self.preemption.tracked.get("model"),
+                                config=self.settings.config(**(config or {})),  # the flags as the script ran
+                                metrics=metrics or {}, notes=notes, epochs=self.settings.epochs,
+                                results_dir=self.settings.results_dir,
                                 checkpoint=None if self.checkpointer is None else self.checkpointer.path)

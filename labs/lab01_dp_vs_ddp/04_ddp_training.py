@@ -25,7 +25,7 @@ The Lab-01 handout's DDP options are flags: ``--gradient-as-bucket-view`` (gradi
 communication buckets: one copy less), ``--bucket-cap-mb`` (bucket size: fewer, larger all-reduces
 against earlier overlap), ``--broadcast-buffers`` (copy rank 0's BatchNorm statistics to every rank
 before each forward) and ``--find-unused-parameters`` (needed only when some parameters get no
-gradient; costs a graph traversal per step). ``--amp bf16|fp16`` runs the forward pass in mixed
+gradient; costs a graph traversal per step). ``--precision bf16|fp16`` runs the forward pass in mixed
 precision (``common.train.amp``).
 
 Pre-emption, as in Chapter 4's ``multi_gpu_ddp.py`` (``common.train.run.TrainingRun`` does it for both):
@@ -43,11 +43,11 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import Subset
+from torch.utils.data import DataLoader, Subset
 
 from common.train import amp
-from common.cli import add_common_args, positive_float, positive_int, script_parser
-from common.data.datasets import make_global_batch_loader, make_loader
+from common.cli import add_common_args, add_precision_arg, positive_float, positive_int, script_parser
+from common.data.datasets import GlobalBatchSampler, make_loader
 from common.runtime.device import seed_everything
 from common.runtime.distributed import ddp_buffer_sync
 from common.errors import run_main
@@ -74,7 +74,7 @@ def train(model, device, loader, optimizer, args, scaler, run) -> None:
             # only adds them up locally; the last micro-batch's backward all-reduces the sum.
             last = micro == args.accumulation_steps - 1
             with nullcontext() if last else model.no_sync():
-                with amp.autocast(device, args.amp):
+                with amp.autocast(device, args.precision):
                     # Divided by K: K backward passes then add up to the gradient of the mean.
                     loss = F.cross_entropy(model(x), y) / args.accumulation_steps
                 scaler.scale(loss).backward()
@@ -100,8 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--find-unused-parameters", action="store_true",
                        help="look for parameters that got no gradient every step; only for models that "
                             "skip layers (default: off)")
-    group.add_argument("--amp", choices=amp.PRECISIONS, default="fp32",
-                       help="forward-pass precision: fp32 (off), bf16, fp16 (GPU only) (default: %(default)s)")
+    add_precision_arg(group, "--amp")
     group.add_argument("--accumulation-steps", type=positive_int, default=1,
                        help="micro-batches of --batch-size per optimiser step; gradients are all-reduced "
                             "once per step (default: %(default)s)")
@@ -112,11 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    method = "ddp" if args.amp == "fp32" else f"ddp-{args.amp}"
+    method = "ddp" if args.precision == "fp32" else f"ddp-{args.precision}"
     with TrainingRun(args, lab=LAB, script=SCRIPT, method=method, distributed=True,
                      resume_settings=("model", "dataset", "seed", "batch_size", "accumulation_steps")) as run:
         device = run.device
-        args.amp = amp.check_precision(args.amp, device)
+        args.precision = amp.check_precision(args.precision, device)
         global_batch = args.batch_size * run.world_size * args.accumulation_steps
         splits = lab_data(args)
         seed_everything(args.seed)  # right before the build: every rank, and 02 and 03, start from the same weights
@@ -125,24 +124,26 @@ def main(argv: list[str] | None = None) -> int:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=args.gradient_as_bucket_view, bucket_cap_mb=args.bucket_cap_mb,
                     find_unused_parameters=args.find_unused_parameters, **ddp_buffer_sync(args.broadcast_buffers))
-        # The same global batches as 02 and 03; this rank takes every world_size-th sample of each.
-        train_loader = make_global_batch_loader(splits.train, global_batch, rank=run.rank, world_size=run.world_size,
-                                                seed=args.seed, num_workers=args.num_workers,
-                                                pin_memory=device.type == "cuda")
+        # The distributed sampler: the same global batches as 02 and 03 (a DistributedSampler that shuffles
+        # whole global batches), this rank taking every world_size-th sample of each.
+        sampler = GlobalBatchSampler(len(splits.train), global_batch, rank=run.rank, world_size=run.world_size,
+                                     seed=args.seed)
+        train_loader = DataLoader(splits.train, batch_sampler=sampler, num_workers=args.num_workers,
+                                  pin_memory=device.type == "cuda", persistent_workers=args.num_workers > 0)
         test_slice = Subset(splits.test, range(run.rank, len(splits.test), run.world_size))
         test_loader, _ = make_loader(test_slice, args.batch_size, shuffle=False, num_workers=args.num_workers)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                     weight_decay=args.weight_decay)
-        scaler = amp.grad_scaler(device, args.amp)
+        scaler = amp.grad_scaler(device, args.precision)
         run.print(f"ddp: {run.describe()} | model {args.model} | data {args.dataset} {tuple(splits.input_shape)} "
                   f"train={len(splits.train)} | global batch {global_batch} = {args.batch_size} x {run.world_size} "
-                  f"process(es) x {args.accumulation_steps} micro-batch(es) | precision {args.amp}")
+                  f"process(es) x {args.accumulation_steps} micro-batch(es) | precision {args.precision}")
 
         run.track(model=model, optimizer=optimizer, scaler=scaler)
         for epoch in run.epochs():
-            train_loader.batch_sampler.set_epoch(epoch)  # the epoch's order: the same in 02, 03 and 04, on every rank
+            sampler.set_epoch(epoch)  # the epoch's order: the same in 02, 03 and 04, on every rank
             train(model, device, train_loader, optimizer, args, scaler, run)
-            run.evaluated(*evaluate(model, test_loader, device, precision=args.amp, max_batches=args.max_steps,
+            run.evaluated(*evaluate(model, test_loader, device, precision=args.precision, max_batches=args.max_steps,
                                     across_ranks=True))  # each rank scored its slice: sums added over ranks
             state = run.checkpoint_state()  # model.module's weights, ...; every rank's random state (collective)
             if run.is_main:  # the replicas are identical: rank 0 alone writes the one file

@@ -56,7 +56,7 @@ PER_PROCESS_BATCH=$((GLOBAL_BATCH / NPROC))
 
 # auto is decided once, here, so that 03 and 04 get the same GPUs (below) or both run on the CPU.
 if [[ $DEVICE == auto ]]; then
-    DEVICE=$("$PYTHON" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
+    DEVICE=$("$PYTHON" -c 'from common.runtime.device import device_type; print(device_type("auto"))')
 fi
 # DDP's NPROC processes take cuda:0 .. cuda:NPROC-1 (one per LOCAL_RANK); DataParallel would take
 # every visible GPU unless told otherwise, so it is given exactly that set.

@@ -6,7 +6,7 @@ Usage:
     python -m line_profiler -rmt run.lprof                      # read the table
     kernprof -o sync.lprof -l mnist_classify.py --epochs=1 --launch-blocking   # GPU: each line's own GPU time
     python mnist_classify.py --epochs=3                         # the same run without the profiler
-    python mnist_classify.py --pipeline device --batch-size 256 --channels-last --amp bf16
+    python mnist_classify.py --pipeline device --batch-size 256 --channels-last --precision bf16
     python mnist_classify.py --pipeline device --cuda-graph     # GPU: the whole step replayed as one CUDA graph
     sbatch job.slurm                                            # on a cluster (kernprof, 3 epochs)
     (one process, one device: there is no torchrun form; Lab-01 is the multi-GPU lab)
@@ -44,8 +44,8 @@ from line_profiler import profile  # a no-op decorator unless the script runs un
 from common.train import amp, cuda_graphs
 from common.measure import floors
 from common.data import pipelines
-from common.cli import (PIPELINES, add_common_args, add_dataset_args, apply_dry_run, config_dict, positive_float,
-                        positive_int, script_parser)
+from common.cli import (add_common_args, add_dataset_args, add_precision_arg, apply_dry_run, config_dict, PIPELINES,
+                        positive_float, positive_int, script_parser)
 from common.runtime.device import (configure_threads, describe, resolve_device, seed_everything, set_launch_blocking,
                                    synchronize)
 from common.measure.energy import EnergyMeter
@@ -58,11 +58,11 @@ from common.units import format_bytes
 SCRIPT = "labs/lab02_profiling/mnist_classify.py"
 #: The floors' numbers that are metrics of their own in the record (the rest stay under ``floors``).
 FLOOR_METRICS = ("flop_floor_s", "launch_floor_s", "step_time_s", "regime", "kernels_per_step", "achieved_tflops",
-                 "fraction_of_peak")
+                 "mfu")
 #: The USC lab's starting point: what ``--method`` defaults to naming "baseline".
 USC_CONFIGURATION = {"pipeline": "pil", "num_workers": 1, "batch_size": 64, "pin_memory": False,
                       "persistent_workers": False, "prefetch_factor": None, "channels_last": False,
-                      "amp": "fp32", "compile": False, "cuda_graph": False}
+                      "precision": "fp32", "compile": False, "cuda_graph": False}
 
 
 @profile
@@ -78,7 +78,7 @@ def train(args, model, device, train_loader, optimizer, epoch, scaler, graph=Non
             if args.channels_last:
                 data = data.contiguous(memory_format=torch.channels_last)
             optimizer.zero_grad(set_to_none=True)
-            with amp.autocast(device, args.amp):
+            with amp.autocast(device, args.precision):
                 output = model(data)
                 loss = F.nll_loss(output, target)
             scaler.scale(loss).backward()
@@ -100,7 +100,7 @@ def training_step(args, model, device, optimizer, scaler, data, target):
     """train()'s eager step as a function (train() keeps its lines for the line profile): what
     --cuda-graph captures and the floors measure. Returns the loss."""
     optimizer.zero_grad(set_to_none=True)
-    with amp.autocast(device, args.amp):
+    with amp.autocast(device, args.precision):
         output = model(data)
         loss = F.nll_loss(output, target)
     scaler.scale(loss).backward()
@@ -135,7 +135,7 @@ def test(args, model, device, test_loader):
         data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
         if args.channels_last:
             data = data.contiguous(memory_format=torch.channels_last)
-        with amp.autocast(device, args.amp):
+        with amp.autocast(device, args.precision):
             output = model(data)
         loss_sum += F.nll_loss(output.float(), target, reduction="sum").item()
         correct += (output.argmax(dim=1) == target).sum().item()
@@ -159,7 +159,7 @@ def compile_and_warm_up(model, device, args):
     target = torch.zeros(args.batch_size, dtype=torch.long, device=device)
     synchronize(device)
     start = time.perf_counter()
-    with amp.autocast(device, args.amp):
+    with amp.autocast(device, args.precision):
         loss = F.nll_loss(compiled(data), target)
     loss.backward()
     synchronize(device)
@@ -174,7 +174,7 @@ def measure_floors(args, model, device, optimizer, scaler, graph, step_time_s):
     eager_model = getattr(model, "_orig_mod", model)  # FLOPs of a compiled model: count on the module it wraps
     step_floors = floors.measure_floors(
         lambda: training_step(args, model, device, optimizer, scaler, data, target), device,
-        precision=args.amp, step_time_s=step_time_s, in_graph=graph is not None,
+        precision=args.precision, step_time_s=step_time_s, in_graph=graph is not None,
         flop_step=(lambda: training_step(args, eager_model, device, optimizer, scaler, data, target))
         if args.compile else None,
         kernels_note="--compile on a CPU: its generated code calls no PyTorch operators to count"
@@ -212,8 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="batches each worker prepares ahead (default: PyTorch's, 2)")
     tuning.add_argument("--channels-last", action="store_true",
                         help="NHWC memory layout for the model and the images (default: off)")
-    tuning.add_argument("--amp", choices=amp.PRECISIONS, default="fp32",
-                        help="forward-pass precision: fp32 (off), bf16, fp16 (GPU only) (default: %(default)s)")
+    add_precision_arg(tuning, "--amp")
     tuning.add_argument("--compile", action="store_true",
                         help="torch.compile the model; compile time is measured and recorded separately (default: off)")
     tuning.add_argument("--cuda-graph", action="store_true",
@@ -237,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     seed_everything(args.seed)
     threads = configure_threads()
     device = resolve_device(args.device)
-    args.amp = amp.check_precision(args.amp, device)
+    args.precision = amp.check_precision(args.precision, device)
     method = args.method or default_method(args)
     notes = []
     if args.launch_blocking and device.type != "cuda":
@@ -265,13 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     model = MnistNet().to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    scaler = amp.grad_scaler(device, args.amp)
+    scaler = amp.grad_scaler(device, args.precision)
     blocker = cuda_graphs.capture_blocker(device, grad_scaling=scaler.is_enabled(), compiled=args.compile)
     optimizer = make_optimizer(args, model, device, capturable=args.cuda_graph and blocker is None)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
     print(f"device {describe(device)} | data {args.dataset} train={len(train_data)} test={len(test_data)} | "
           f"pipeline {args.pipeline} | workers {args.num_workers} | batch {args.batch_size} | "
-          f"precision {args.amp} | threads {threads} | line profiler {'on' if profile.enabled else 'off'}",
+          f"precision {args.precision} | threads {threads} | line profiler {'on' if profile.enabled else 'off'}",
           flush=True)
     compile_s = None
     if args.compile:

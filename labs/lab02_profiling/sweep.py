@@ -4,7 +4,7 @@
 Usage:
     python sweep.py                                   # the whole path on digits, 3 epochs per step
     python sweep.py --dataset mnist --data-dir ~/data --include-compile
-    python sweep.py --steps baseline,tensor,device --epochs 1 --max-steps 5    # a quick look
+    python sweep.py --stages baseline,tensor,device --epochs 1 --max-steps 5    # a quick look
     sbatch --gres=gpu:1 --cpus-per-task=8 --wrap "python sweep.py --dataset mnist --data-dir ~/data"
     (each step is one process on one device: there is no torchrun form)
 
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from common.cli import (add_common_args, add_dataset_args, apply_dry_run, command_flags, output_dir, positive_int,
-                        script_parser)
+from common.cli import (add_common_args, add_dataset_args, add_former_names, add_precision_arg, apply_dry_run,
+                        command_flags, output_dir, positive_int, script_parser)
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
 from labs.lab02_profiling import mnist_classify
@@ -82,7 +82,7 @@ def optimisation_path(args: argparse.Namespace) -> list[Step]:
              (("cuda_graph", True),)),
         Step("large-batch", f"batch {args.large_batch_size}", (("batch_size", args.large_batch_size),)),
         Step("channels-last", "NHWC memory layout for model and images", (("channels_last", True),)),
-        Step("amp", f"mixed precision ({args.amp})", (("amp", args.amp),)),
+        Step("amp", f"mixed precision ({args.precision})", (("precision", args.precision),)),
     ]
     if args.include_compile:
         steps.append(Step("compile", "torch.compile (compile time recorded separately)", (("compile", True),)))
@@ -160,9 +160,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
-    parser.add_argument("--steps", default=None,
-                        help="comma-separated steps to run; each still gets the flags of every earlier step "
-                             "of the path (default: all)")
+    add_former_names(parser, parser.add_argument(
+        "--stages", default=None, help="comma-separated stages of the path to run (baseline, pin-memory, ...); each "
+                                       "still gets the flags of every earlier stage (default: all)"), "--steps")
     parser.add_argument("--include-compile", action="store_true",
                         help="add the torch.compile step at the end; slow to compile on CPU (default: off)")
     add_dataset_args(parser)  # the data set of every step
@@ -170,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="batch of the large-batch step (default: %(default)s)")
     parser.add_argument("--prefetch-factor", type=positive_int, default=4,
                         help="prefetch of the persistent-workers step (default: %(default)s)")
-    parser.add_argument("--amp", choices=("bf16", "fp16"), default="bf16",
-                        help="precision of the amp step; fp16 needs a GPU (default: %(default)s)")
+    add_precision_arg(parser, "--amp", choices=("bf16", "fp16"), default="bf16",
+                      help="precision of the amp step; fp16 needs a GPU (default: %(default)s)")
     parser.add_argument("--log-interval", type=positive_int, default=10,
                         help="batches between loss lines (default: %(default)s)")
     parser.add_argument("--profile-dir", type=output_dir, default=None,
@@ -184,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = apply_dry_run(build_parser().parse_args(argv))
     path = optimisation_path(args)
     names = [step.name for step in path]
-    wanted = names if args.steps is None else [name.strip() for name in args.steps.split(",") if name.strip()]
+    wanted = names if args.stages is None else [name.strip() for name in args.stages.split(",") if name.strip()]
     unknown = [name for name in wanted if name not in names]
     if unknown or not wanted:
         hint = " (add --include-compile for the compile step)" if "compile" in unknown else ""

@@ -42,9 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from common.precision import set_fp32_math
 from common.train import amp
-from common.cli import (BENCHMARK_MODES as MODES, BENCHMARK_PRECISIONS as PRECISIONS, add_run_args, non_negative_int,
-                        output_dir, positive_float, positive_int, script_parser)
+from common.cli import (add_former_names, add_run_args, BENCHMARK_MODES as MODES, BENCHMARK_PRECISIONS as PRECISIONS,
+                        non_negative_int, output_dir, positive_float, positive_int, script_parser)
 from common.runtime.device import configure_threads, describe, resolve_device, seed_everything
 from common.runtime.distributed import DistContext, init_distributed, print0, teardown_distributed
 from common.measure.energy import EnergyMeter
@@ -69,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     sjtu_flags.add_argument("--folder", type=output_dir, default="results/lab03_csv", help="folder for the CSV files")
     sjtu_flags.add_argument("-w", "--warmup", type=non_negative_int, default=10,
                             help="iterations run but not timed: cuDNN autotuning, allocator growth, torch.compile")
-    sjtu_flags.add_argument("-n", "--num-iters", type=positive_int, default=20,
-                            help="timed iterations per model, mode and precision")
+    add_former_names(sjtu_flags, sjtu_flags.add_argument("-n", "--repeats", type=positive_int, default=20,
+                                                         help="timed iterations per model, mode and precision"),
+                     "--num-iters")
     sjtu_flags.add_argument("-b", "--batch-size", type=positive_int, default=12,
                             help="images per iteration on each process")
     sjtu_flags.add_argument("-g", "--num-gpus", type=positive_int, default=1,
@@ -80,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--models", default=", ".join(SJTU_MODELS),
                       help="comma-separated torchvision classification models; the default is the SJTU page's nine")
     what.add_argument("--modes", default=", ".join(MODES), help="train, inference or both")
-    what.add_argument("--precisions", default=", ".join(PRECISIONS), help="comma-separated, any of the default's")
+    add_former_names(what, what.add_argument("--precision", default=", ".join(PRECISIONS),
+                                             help="comma-separated, any of the default's"), "--precisions")
     what.add_argument("--image-size", type=positive_int, default=224,
                       help="side of the square input images; tiny runs use 32-64")
     what.add_argument("--channels-last", action="store_true", help="NHWC memory format (tensor cores prefer it)")
@@ -100,10 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.dry_run:
-        args.warmup, args.num_iters, args.check_steps = 1, 2, 2
+        args.warmup, args.repeats, args.check_steps = 1, 2, 2
     args.models = parse_list(args.models, zoo_models(), "models")
     args.modes = parse_list(args.modes, MODES, "modes")
-    args.precisions = parse_list(args.precisions, tuple(PRECISIONS), "precisions")
+    args.precision = parse_list(args.precision, tuple(PRECISIONS), "precisions")
     return args
 
 
@@ -158,7 +161,7 @@ def time_training(model, images, labels, precision, device, args) -> StepTimer:
     model.train()
     optimizer, scaler = make_optimizer(model, precision, device, args)
     timer = StepTimer(device, warmup_steps=args.warmup)
-    for _ in range(args.warmup + args.num_iters):
+    for _ in range(args.warmup + args.repeats):
         with timer.step(samples=len(images)):
             train_step(model, images, labels, optimizer, scaler, precision, device)
     return timer
@@ -168,7 +171,7 @@ def time_training(model, images, labels, precision, device, args) -> StepTimer:
 def time_inference(model, images, precision, device, args) -> StepTimer:
     model.eval()
     timer = StepTimer(device, warmup_steps=args.warmup)
-    for _ in range(args.warmup + args.num_iters):
+    for _ in range(args.warmup + args.repeats):
         with timer.step(samples=len(images)), forward_context(precision, device):
             model(images)
     return timer
@@ -262,7 +265,7 @@ def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: D
     out = Output(args, ctx)
     print0(f"lab03 precision benchmark | {describe(device)} | {ctx.world_size} process(es)"
            f"{' with DDP' if distributed else ''} | batch {args.batch_size} per process, "
-           f"{args.image_size}x{args.image_size} | warm-up {args.warmup}, timed {args.num_iters}")
+           f"{args.image_size}x{args.image_size} | warm-up {args.warmup}, timed {args.repeats}")
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     runnable = out.runnable(capability)  # a precision this device cannot run is skipped, saying why
 
@@ -272,12 +275,12 @@ def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: D
         generator = torch.Generator().manual_seed(args.seed)
         images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator).to(device)
         labels = torch.randint(0, NUM_CLASSES, (args.batch_size,), generator=generator).to(device)
-        amp.set_fp32_math("ieee")
+        set_fp32_math("ieee")
         reference, _, _ = check_losses(base, images, labels, "fp32", device, args)
         for precision in runnable:
             # PyTorch runs cuDNN convolutions on TF32 tensor cores (Ampere and newer) by default, so
             # "float32" on an A100 is TF32 unless switched off: the fp32 rows switch it off, tf32 rows on.
-            amp.set_fp32_math("tf32" if precision == "tf32" else "ieee")
+            set_fp32_math("tf32" if precision == "tf32" else "ieee")
             done: list[str] = []
             try:
                 losses, attempts, skipped = ((reference, len(reference), 0) if precision == "fp32"
@@ -287,7 +290,7 @@ def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: D
                     with EnergyMeter(device) as meter:
                         timer, memory, compilation = time_mode(mode, base, images, labels, precision, device, args,
                                                                distributed)
-                    energy = meter.result(samples=(args.warmup + args.num_iters) * args.batch_size * ctx.world_size)
+                    energy = meter.result(samples=(args.warmup + args.repeats) * args.batch_size * ctx.world_size)
                     out.measured(model_name, mode, precision, timer, memory, check, flops[model_name][mode],
                                  compilation, energy=energy)
                     done.append(mode)
@@ -296,7 +299,7 @@ def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: D
                     raise  # the other ranks would wait for this one forever: let the launcher stop them all
                 out.failed(model_name, [mode for mode in args.modes if mode not in done], precision, err)
         out.write_csvs()  # after every model, so a job that runs out of time keeps what it measured
-    amp.set_fp32_math("ieee")
+    set_fp32_math("ieee")
     return out.finish()
 
 

@@ -5,9 +5,8 @@ can use these without importing torch:
 
 - :func:`unsupported_reason`, which says why a precision of :data:`common.cli.PRECISIONS`
   cannot run on a device (the reason goes into the CSV summary and the record).
-- :func:`peak_tflops`: the datasheet peak of known GPUs per precision (``common.measure.gpu_peaks``), to
-  put an achieved TFLOP/s next to what the device could do, and :func:`launch_bound_line`, which says
-  when the runs are far below it.
+- :func:`launch_bound_line`, which says when the runs are far below the GPU's datasheet peak
+  (``common.precision``, where every lab gets its peaks and MFU).
 - :func:`compare_losses`: the correctness check of a precision against fp32, its threshold, and how
   many skipped GradScaler steps it waits through.
 - :func:`csv_name`, :func:`iterations_csv`, :func:`summary_csv`: the CSV layout of the SJTU page's
@@ -26,12 +25,11 @@ import math
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
-from common.train.amp import announce_bf16_emulation
+from common import precision as precisions
 from common.atomic import write_text_atomic
 from common.cli import BENCHMARK_PRECISIONS as PRECISIONS, config_dict
 from common.errors import UserError
-from common.measure.gpu_peaks import gpu_peaks
-from common.measure.gpu_peaks import peak_tflops as gpu_peak_tflops
+from common.train.amp import announce_bf16_emulation
 from common.results import fp32_math_info, make_record, provenance, write_record
 
 LAB = "lab03"
@@ -94,7 +92,7 @@ def unsupported_reason(precision: str, device_type: str, device_name: str = "",
             return ("amp-fp16 (float16 autocast + GradScaler) is the CUDA recipe; common.train.amp runs fp16 autocast "
                     "on CUDA only. On a CPU use amp-bf16, which needs no scaler")
         return None
-    if device_type == "cuda" and capability is not None and capability < (8, 0):
+    if device_type == "cuda" and precisions.gpu_support("bf16", capability) == "emulated":
         arch = f"sm_{capability[0]}{capability[1]}"
         name = f"{device_name} ({arch})" if device_name else arch
         if precision == "tf32":
@@ -104,40 +102,19 @@ def unsupported_reason(precision: str, device_type: str, device_name: str = "",
     return None
 
 
-# --------------------------------------------------------------------------------------------
-# Peak TFLOP/s: the datasheet table in common.measure.gpu_peaks (shared with Chapter 4's pytorch_basics.py),
-# read with this lab's precision names. half and amp-fp16 are both float16 tensor-core maths.
-
-#: This lab's precisions by their name in common.measure.gpu_peaks.
-_PEAK_PRECISION = {"fp64": "fp64", "fp32": "fp32", "tf32": "tf32", "half": "fp16", "amp-fp16": "fp16",
-                   "amp-bf16": "bf16"}
-
-
-def peak_tflops(device_type: str, device_name: str, precision: str) -> tuple[float | None, str]:
-    """``(peak TFLOP/s, where the figure comes from)`` of one device; ``None`` when not known."""
-    if device_type != "cuda":
-        return None, "no peak known for this CPU (it depends on cores, clock and vector units)"
-    gpu, _ = gpu_peaks(device_name)
-    if gpu is None:
-        return None, f"no datasheet figure for {device_name!r} in common/measure/gpu_peaks.py"
-    value, source = gpu_peak_tflops(device_name, _PEAK_PRECISION[precision]), f"{gpu} datasheet"
-    return (value, source) if value is not None else (None, f"{source} lists no {precision} figure")
-
-
 def launch_bound_line(rows: Sequence[Mapping[str, Any]], batch_size: int) -> str | None:
     """One line naming the results below :data:`LAUNCH_BOUND_FRACTION` of the GPU's peak, and the remedy.
 
-    ``rows`` are the summary rows; one without a ``fraction_of_peak`` (a CPU, a GPU not in the table)
-    says nothing: there is no peak to be far from.
+    ``rows`` are the summary rows; one without an ``mfu`` (a CPU, a GPU not in the table) says
+    nothing: there is no peak to be far from.
     """
-    known = [row for row in rows if row.get("fraction_of_peak") is not None]
-    low = sorted((row for row in known if row["fraction_of_peak"] < LAUNCH_BOUND_FRACTION),
-                 key=lambda row: row["fraction_of_peak"])
+    known = [row for row in rows if row.get("mfu") is not None]
+    low = sorted((row for row in known if row["mfu"] < LAUNCH_BOUND_FRACTION), key=lambda row: row["mfu"])
     if not low:
         return None
     worst = low[0]
     return (f"launch-bound: {len(low)} of {len(known)} results below {LAUNCH_BOUND_FRACTION:.0%} of the GPU's peak "
-            f"(lowest: {worst['model']} {worst['mode']} {worst['precision']}, {worst['fraction_of_peak']:.1%}); at "
+            f"(lowest: {worst['model']} {worst['mode']} {worst['precision']}, {worst['mfu']:.1%}); at "
             f"batch {batch_size} the GPU waits on many small kernel launches: raise -b (256 fills an H100 with "
             "ResNet-50), or cut the launches: --compile fuses kernels, and CUDA graphs (torch.compile "
             "mode='reduce-overhead') replay a whole step as one launch")
@@ -232,7 +209,7 @@ def iterations_csv(ms_by_model: Mapping[str, Sequence[float]]) -> str:
 
 
 SUMMARY_COLUMNS = ("mode", "precision", "model", "status", "ms_per_batch_median", "ms_per_batch_mean",
-                   "ms_per_batch_std", "samples_per_s", "achieved_tflops", "peak_tflops", "fraction_of_peak",
+                   "ms_per_batch_std", "samples_per_s", "achieved_tflops", "peak_tflops", "mfu",
                    "check_loss", "fp32_check_loss", "loss_relative_diff", "check_applied_steps",
                    "check_skipped_steps", "check_verdict", "diverged", "reason")
 
@@ -306,7 +283,7 @@ class Output:
         (the reason is the device's, not a model's) and as rows of the summary CSV.
         """
         runnable = []
-        for precision in self.args.precisions:
+        for precision in self.args.precision:
             reason = unsupported_reason(precision, self.device.type, self.device_name, capability)
             if reason is None:
                 runnable.append(precision)
@@ -336,9 +313,9 @@ class Output:
         world = self.ctx.world_size
         step_time = timer.summary()
         ms = {key: step_time[f"{key}_s"] * 1000 for key in ("median", "mean", "std", "min", "max")}
-        achieved = flops / (step_time["median_s"] * 1e12)  # per device: each process ran its own batch
-        peak, peak_source = peak_tflops(self.device.type, self.device_name, precision)
-        fraction = achieved / peak if peak else None  # None where no peak is known: peak_source says why
+        # Per device: each process ran its own batch. No MFU where no peak is known: mfu_reason says why.
+        speed = precisions.utilisation(flops / step_time["median_s"], self.device, precision)
+        achieved, peak, fraction = speed["achieved_tflops"], speed["peak_tflops"], speed["mfu"]
         metrics = {
             "ms_per_batch": ms,
             "ms_per_batch_samples": [t * 1000 for t in timer.times],
@@ -346,10 +323,7 @@ class Output:
             "global_batch_size": self.args.batch_size * world,
             "step_time": step_time,
             "flops_per_batch": flops,
-            "achieved_tflops": achieved,
-            "peak_tflops": peak,
-            "peak_tflops_source": peak_source,
-            "fraction_of_peak": fraction,
+            **speed,
             "launch_bound": None if fraction is None else fraction < LAUNCH_BOUND_FRACTION,
             "loss_check": check,
             "loss_diff_vs_fp32": check["abs_diff"],
@@ -382,7 +356,7 @@ class Output:
         self.rows.append({"mode": mode, "precision": precision, "model": model, "status": "ok",
                           "ms_per_batch_median": ms["median"], "ms_per_batch_mean": ms["mean"],
                           "ms_per_batch_std": ms["std"], "samples_per_s": metrics["samples_per_s"],
-                          "achieved_tflops": achieved, "peak_tflops": peak, "fraction_of_peak": fraction,
+                          "achieved_tflops": achieved, "peak_tflops": peak, "mfu": fraction,
                           "check_loss": check["loss"], "fp32_check_loss": check["fp32_loss"],
                           "loss_relative_diff": check["relative_diff"], "check_applied_steps": check["applied_steps"],
                           "check_skipped_steps": check["skipped_steps"], "check_verdict": check["verdict"],
@@ -408,7 +382,7 @@ class Output:
         """Write the CSVs, print the SJTU page's table; exit status 1 when something failed."""
         self.write_csvs()
         if self.ctx.is_main:
-            print(sjtu_table(self.rows, self.args.modes, self.args.precisions), flush=True)
+            print(sjtu_table(self.rows, self.args.modes, self.args.precision), flush=True)
             launch_bound = launch_bound_line(self.rows, self.args.batch_size)
             if launch_bound:
                 print(launch_bound, flush=True)

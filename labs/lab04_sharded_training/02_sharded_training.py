@@ -5,7 +5,7 @@ Usage:
     torchrun --standalone --nproc_per_node=4 labs/lab04_sharded_training/02_sharded_training.py --strategy fsdp
     torchrun --standalone --nproc_per_node=4 labs/lab04_sharded_training/02_sharded_training.py --strategy ddp
     torchrun --standalone --nproc_per_node=4 labs/lab04_sharded_training/02_sharded_training.py \\
-        --activation-checkpointing --mixed-precision bf16 --async-checkpoint
+        --activation-checkpointing --precision bf16 --async-checkpoint
     torchrun --standalone --nproc_per_node=2 labs/lab04_sharded_training/02_sharded_training.py --resume  # 4 -> 2
     torchrun --standalone --nproc_per_node=2 labs/lab04_sharded_training/02_sharded_training.py --device cpu \\
         --layers 4 --width 64 --context 64 --global-batch-size 16 --max-steps 10
@@ -14,8 +14,7 @@ Usage:
 
 What it teaches: the same training loop under two data-parallel strategies. ``--strategy ddp``
 keeps a full replica on every rank and all-reduces gradients; ``--strategy fsdp`` (FSDP2,
-``fully_shard`` on each transformer block, then on the root; see ``lab04_shared.apply_strategy``)
-keeps 1/N of every parameter, gradient and AdamW moment per rank, all-gathers a block just before
+``fully_shard`` on each transformer block, then on the root: :func:`wrap` below) keeps 1/N of every parameter, gradient and AdamW moment per rank, all-gathers a block just before
 it computes and reduce-scatters its gradients right after. The loop below is the same for both:
 with the same seed and global batch, the losses agree step by step (in fp32, to rounding).
 
@@ -24,7 +23,7 @@ number of ranks: each rank takes its share of every global batch and runs it in 
 ``--batch-size`` (gradient accumulation; gradients are reduced across ranks only after the last
 micro-batch). So 4 ranks and 1 rank take the same optimiser steps, which is what lets a run saved
 on 4 ranks continue on 2. ``--activation-checkpointing`` keeps only each block's input during the
-forward pass and recomputes the rest in backward; ``--mixed-precision bf16`` computes in bf16
+forward pass and recomputes the rest in backward; ``--precision bf16`` computes in bf16
 (FSDP2's ``MixedPrecisionPolicy``) while AdamW updates fp32 shards.
 
 Checkpoints use PyTorch Distributed Checkpoint (``common.checkpoint.sharded``): after every epoch
@@ -42,20 +41,25 @@ from contextlib import nullcontext
 import torch
 from torch.utils.data import DataLoader
 
-from common.cli import add_common_args, positive_float, positive_int, script_parser
-from common.data.datasets import GlobalBatchSampler, load_stdlib_text, make_global_batch_loader
+from common.cli import add_common_args, add_precision_arg, positive_float, positive_int, script_parser
+from common.data.datasets import GlobalBatchSampler, load_stdlib_text
 from common.runtime.distributed import gather_objects
 from common.errors import UserError, run_main
 from common.train.evaluation import evaluate
-from common.models import transformer_parameter_count
-from common.train.flags import add_training_args
+from common.models import DecoderOnlyTransformer, transformer_parameter_count
+from common.train.flags import add_distributed_checkpoint_args, add_training_args
 from common.train.run import TrainingRun
-from common.checkpoint.sharded import DistributedCheckpointer, add_distributed_checkpoint_args
-from common.units import format_bytes
+from common.checkpoint.sharded import DistributedCheckpointer
 from labs.lab04_sharded_training.lab04_shared import (
-    LAB, PRECISIONS, STRATEGIES, add_model_args, build_model, check_strategy, describe_throughput,
+    LAB, PRECISIONS, STRATEGIES, add_model_args, check_strategy, describe_held, describe_throughput,
     language_model_loss, shape_from_args, tensor_bytes, throughput, variant_name,
 )
+
+# After common's imports: common stops an older PyTorch in one line, before these would fail.
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 SCRIPT = "labs/lab04_sharded_training/02_sharded_training.py"
 
@@ -79,6 +83,25 @@ def train(model, loader, optimizer, args, run) -> None:
         run.log_loss(step_loss)
 
 
+def wrap(model, args, device):
+    """The strategy. DDP: a full replica per rank, gradients all-reduced in buckets during backward.
+    FSDP2: ``fully_shard`` each block (gather its rows before its forward, and again before its
+    backward unless ``--no-reshard-after-forward`` keeps it; reduce-scatter its gradients after),
+    then the root (embeddings, final norm, head). ``MixedPrecisionPolicy``: gather and compute in
+    bf16, reduce gradients in fp32; AdamW updates the fp32 shards."""
+    if args.compile:  # each block on its own, before wrapping (torchtitan's order): one graph for all
+        for block in model.blocks:
+            block.compile()
+    if args.strategy == "ddp":
+        return DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if args.precision == "bf16" else MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=args.reshard_after_forward)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
 def gradient_sync(model, enabled: bool):
     """DDP: ``no_sync()`` skips the all-reduce. FSDP2: ``set_requires_gradient_sync(False)`` skips the
     reduce-scatter (each block keeps its whole gradient until the last micro-batch), and
@@ -100,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ddp: a full replica per rank; fsdp: FSDP2, every tensor sharded (default: %(default)s)")
     group.add_argument("--activation-checkpointing", action="store_true",
                        help="keep only each block's input in the forward pass, recompute in backward (default: off)")
-    group.add_argument("--mixed-precision", choices=PRECISIONS, default="fp32",
-                       help="bf16: FSDP2 computes in bf16, AdamW updates fp32 shards (default: %(default)s)")
+    add_precision_arg(group, "--mixed-precision", choices=PRECISIONS,
+                      help="bf16: FSDP2 computes in bf16, AdamW updates fp32 shards (default: %(default)s)")
     group.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                        help="FSDP2 frees each gathered block after its forward and gathers it again for backward "
                             "(ZeRO-3); --no-reshard-after-forward keeps it until backward: one all-gather "
@@ -130,29 +153,27 @@ def main(argv: list[str] | None = None) -> int:
     shape = shape_from_args(args)
     args.checkpoint_dir = args.checkpoint_dir or args.results_dir / "checkpoints" / "02_sharded_training"
     checkpointer = DistributedCheckpointer(args.checkpoint_dir, async_save=args.async_checkpoint)
-    method = variant_name(args.strategy, args.mixed_precision, args.activation_checkpointing)
+    method = variant_name(args.strategy, args.precision, args.activation_checkpointing)
     with TrainingRun(args, lab=LAB, script=SCRIPT, method=method, distributed=True, checkpointer=checkpointer,
                      resume_settings=("layers", "width", "heads", "context", "global_batch_size", "seed", "lr",
                                       "weight_decay")) as run:
         device = run.device
-        check_strategy(args.strategy, args.mixed_precision, device, world_size=run.world_size, layers=shape.layers)
+        check_strategy(args.strategy, args.precision, device, world_size=run.world_size, layers=shape.layers)
         per_rank, remainder = divmod(args.global_batch_size, run.world_size * args.batch_size)
         if remainder or per_rank == 0:
             raise UserError(f"--global-batch-size {args.global_batch_size} must be a multiple of {run.world_size} "
                             f"rank(s) x --batch-size {args.batch_size}")
         args.accumulation_steps = per_rank
         splits = load_stdlib_text(shape.context, stride=args.window_stride)
-        # Every rank, every strategy and every world size start from the same weights (seeded build).
-        model = build_model(shape, args.strategy, device, precision=args.mixed_precision,
-                            activation_checkpointing=args.activation_checkpointing, seed=args.seed,
-                            reshard_after_forward=args.reshard_after_forward, compile_blocks=args.compile)
-        if args.strategy == "fsdp" and run.world_size == 1:
-            run.print("fsdp on 1 rank: nothing to shard across, so FSDP2's gathers and copies are pure overhead "
-                      "here; use --strategy ddp on one device, and FSDP2 when there are ranks to shard over")
+        torch.manual_seed(args.seed)  # every rank, strategy and world size start from the same weights
+        model = DecoderOnlyTransformer(shape)
+        model.activation_checkpointing = args.activation_checkpointing  # keep only each block's input
+        model = wrap(model, args, device)
         # The same global batches whatever the number of ranks; this rank takes every world_size-th sequence.
-        train_loader = make_global_batch_loader(splits.train, args.global_batch_size, rank=run.rank,
-                                                world_size=run.world_size, seed=args.seed,
-                                                num_workers=args.num_workers, pin_memory=device.type == "cuda")
+        sampler = GlobalBatchSampler(len(splits.train), args.global_batch_size, rank=run.rank,
+                                     world_size=run.world_size, seed=args.seed)
+        train_loader = DataLoader(splits.train, batch_sampler=sampler, num_workers=args.num_workers,
+                                  pin_memory=device.type == "cuda")
         validation = GlobalBatchSampler(len(splits.test), min(args.global_batch_size, len(splits.test)),
                                         rank=run.rank, world_size=run.world_size, shuffle=False)
         validation_loader = DataLoader(splits.test, batch_sampler=validation)
@@ -166,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         run.track(model=model, optimizer=optimizer)
         resumed_at_step = run.progress.steps or None  # optimiser steps the checkpoint had taken (None: fresh)
         for epoch in run.epochs():
-            train_loader.batch_sampler.set_epoch(epoch)  # the same global batches whatever the number of ranks
+            sampler.set_epoch(epoch)  # the same global batches whatever the number of ranks
             train(model, train_loader, optimizer, args, run)
             # Next-character loss and accuracy; every rank runs --eval-steps batches (FSDP2's forward is collective).
             run.evaluated(*evaluate(model, validation_loader, device, max_batches=args.eval_steps,
@@ -175,12 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         checkpointer.wait()  # an asynchronous save may still be writing: its timing belongs in the record
         held = gather_objects({**tensor_bytes(model, optimizer), "rank": run.rank})
         for entry in held:
-            run.print(f"rank {entry['rank']} holds {format_bytes(entry['total'])}: parameters "
-                      f"{format_bytes(entry['parameters'])}, gradients {format_bytes(entry['gradients'])}, "
-                      f"AdamW state {format_bytes(entry['optimizer'])}")
+            run.print(describe_held(entry))
         # How far from the hardware: the model's FLOPs per second against the GPU's dense peak.
         rate = run.meter.timer.summary()["samples_per_s"]
-        speed = throughput(shape, rate, device, args.mixed_precision, run.world_size)
+        speed = throughput(shape, rate, device, args.precision, run.world_size)
         run.print(describe_throughput(speed))
         run.finish(config={**splits.describe(), **shape.describe(), "accumulation_steps": args.accumulation_steps},
                    metrics={"tensor_bytes": held, "checkpoint_saves": checkpointer.timings,

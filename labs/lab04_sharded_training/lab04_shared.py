@@ -28,13 +28,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from common.train.amp import announce_bf16_emulation, fp32_math
+from common import precision as precisions
 from common.cli import positive_int
 from common.data.datasets import TEXT_VOCAB_SIZE
 from common.errors import UserError
-from common.measure.gpu_peaks import peak_tflops
+from common.runtime.distributed import print0
+from common.train.amp import announce_bf16_emulation
 from common.measure.memory import SavedActivations
 from common.models import DecoderOnlyTransformer, TransformerShape, transformer_parameter_count
+from common.units import format_bytes
 
 LAB = "lab04"
 STRATEGIES = ("ddp", "fsdp")
@@ -47,8 +49,6 @@ VARIANTS = {
     "fsdp+bf16": ("fsdp", "bf16", False),
     "fsdp+ac+bf16": ("fsdp", "bf16", True),
 }
-#: bf16 matrix units arrived with Ampere (A100, compute capability 8.0).
-BF16_MIN_CAPABILITY = (8, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,6 +92,9 @@ def byte_size(text: str) -> int:
 # Strategies
 
 
+_SAID_OVERHEAD: list[bool] = []
+
+
 def check_strategy(strategy: str, precision: str, device: torch.device, *, world_size: int,
                    layers: int) -> None:
     """Refuse, with one line each, what this device or this launch cannot run.
@@ -100,19 +103,29 @@ def check_strategy(strategy: str, precision: str, device: torch.device, *, world
     - FSDP2 with more ranks than blocks: each block is gathered whole for its forward and backward,
       so with more ranks than blocks the gathered block (1/layers of the model) outweighs each
       rank's shard (1/ranks): adding ranks no longer lowers the peak memory.
+    - bf16 with DDP: bf16 here is FSDP2's ``MixedPrecisionPolicy`` (DDP would need autocast: Lab-01).
+
+    FSDP2 on one rank runs (it is the lesson's reference) and says that it is pure overhead there.
     """
+    if strategy == "ddp" and precision != "fp32":
+        raise UserError("--precision bf16 is FSDP2's MixedPrecisionPolicy; use --strategy fsdp "
+                        "(DDP would need autocast, which Lab-01 shows)")
     if precision == "bf16" and device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
-        if capability < BF16_MIN_CAPABILITY:
-            raise UserError(f"--mixed-precision bf16 needs a GPU of compute capability 8.0 (Ampere) or newer; "
+        if precisions.gpu_support("bf16", capability) != "native":
+            raise UserError(f"--precision bf16 needs a GPU of compute capability 8.0 (Ampere) or newer; "
                             f"{torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}; "
-                            "use --mixed-precision fp32")
+                            "use --precision fp32")
     announce_bf16_emulation(precision, device)  # a CPU without bf16 units: one line, bf16 slower than fp32
     if strategy == "fsdp" and world_size > layers:
         raise UserError(f"--strategy fsdp on {world_size} ranks needs at least {world_size} blocks to shard, "
                         f"the model has --layers {layers}: each block is gathered whole, so with more ranks "
                         "than blocks the gathered block outweighs each rank's shard; use more --layers or "
                         "fewer ranks")
+    if strategy == "fsdp" and world_size == 1 and not _SAID_OVERHEAD:
+        _SAID_OVERHEAD.append(True)  # once per process: 01 and 03 check every variant
+        print0("fsdp on 1 rank: nothing to shard across, so FSDP2's gathers and copies are pure overhead here; "
+               "use --strategy ddp on one device, and FSDP2 when there are ranks to shard over")
 
 
 def apply_strategy(model: nn.Module, strategy: str, device: torch.device, *, precision: str = "fp32",
@@ -142,7 +155,7 @@ def apply_strategy(model: nn.Module, strategy: str, device: torch.device, *, pre
             block.compile()
     if strategy == "ddp":
         if precision != "fp32":
-            raise UserError("--mixed-precision bf16 is FSDP2's MixedPrecisionPolicy; use --strategy fsdp "
+            raise UserError("--precision bf16 is FSDP2's MixedPrecisionPolicy; use --strategy fsdp "
                             "(DDP would need autocast, which Lab-01 shows)")
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -193,39 +206,19 @@ def flops_per_token(shape: TransformerShape) -> int:
     return 6 * multiplying + 12 * shape.layers * shape.width * shape.context
 
 
-def matmul_precision(precision: str) -> str:
-    """The precision the matrix units run in: bf16, or fp32 matmuls as TF32 where PyTorch allows it."""
-    if precision == "bf16":
-        return "bf16"
-    return "tf32" if fp32_math()["matmul"] == "tf32" else "fp32"  # what common.train.amp says is in force
-
-
 def throughput(shape: TransformerShape, samples_per_s: float | None, device: torch.device, precision: str,
                devices: int) -> dict[str, Any]:
     """Tokens/s of the whole job and its model FLOPs utilisation (MFU): the model's FLOPs per second
-    ÷ (devices × the device's dense peak at the precision in force, from ``common.measure.gpu_peaks``)."""
+    over the devices' dense peak at the precision in force (``common.precision.utilisation``)."""
     tokens_per_s = samples_per_s * shape.context if samples_per_s else None
     per_token = flops_per_token(shape)
-    achieved = tokens_per_s * per_token / devices / 1e12 if tokens_per_s else None
-    in_force = matmul_precision(precision)
-    peak, reason = None, "no peak known for this CPU"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = peak_tflops(name, in_force)
-        reason = None if peak else f"no {in_force} peak for {name!r} in common/measure/gpu_peaks.py"
-    mfu = achieved / peak if achieved is not None and peak else None
-    if peak and achieved is None:
-        reason = "no step was timed (the run was no longer than its warm-up)"
-    return {"tokens_per_s": tokens_per_s, "flops_per_token": per_token, "achieved_tflops_per_device": achieved,
-            "peak_tflops": peak, "peak_precision": in_force, "mfu": mfu, "mfu_reason": reason}
+    speed = precisions.utilisation(tokens_per_s * per_token if tokens_per_s else None, device, precision, devices)
+    return {"tokens_per_s": tokens_per_s, "flops_per_token": per_token, **speed}
 
 
 def describe_throughput(speed: dict[str, Any]) -> str:
     tokens = f"{speed['tokens_per_s']:,.0f} tokens/s" if speed["tokens_per_s"] else "tokens/s n/a"
-    if speed["mfu"] is None:
-        return f"{tokens} | MFU n/a: {speed['mfu_reason']}"
-    return (f"{tokens} | {speed['achieved_tflops_per_device']:.1f} TFLOP/s per device = MFU {100 * speed['mfu']:.1f}% "
-            f"of {speed['peak_tflops']:g} ({speed['peak_precision']} dense peak)")
+    return f"{tokens} | {precisions.describe_utilisation(speed)}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,6 +233,13 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def nbytes(tensor: torch.Tensor) -> int:
     local = local_tensor(tensor)
     return local.numel() * local.element_size()
+
+
+def describe_held(entry: dict[str, Any]) -> str:
+    """One rank's :func:`tensor_bytes` (with its ``rank``) in one line."""
+    return (f"rank {entry['rank']} holds {format_bytes(entry['total'])}: parameters "
+            f"{format_bytes(entry['parameters'])}, gradients {format_bytes(entry['gradients'])}, AdamW state "
+            f"{format_bytes(entry['optimizer'])}")
 
 
 def tensor_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

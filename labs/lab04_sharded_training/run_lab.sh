@@ -78,7 +78,7 @@ step "4/7 FSDP2, $NPROC processes, asynchronous checkpoints"
 launch "$NPROC" "${TRAIN[@]}" --strategy fsdp --async-checkpoint --checkpoint-dir "$CHECKPOINTS/fsdp-async"
 
 step "5/7 FSDP2 + activation checkpointing + bf16, $NPROC processes"
-launch "$NPROC" "${TRAIN[@]}" --strategy fsdp --activation-checkpointing --mixed-precision bf16 \
+launch "$NPROC" "${TRAIN[@]}" --strategy fsdp --activation-checkpointing --precision bf16 \
     --checkpoint-dir "$CHECKPOINTS/fsdp-ac-bf16"
 
 step "6/7 step 3's checkpoint (saved on $NPROC ranks) continued for one more epoch on 1 process"

@@ -9,7 +9,7 @@ Usage:
     sbatch bandwidth_2node.sbatch   # rendered from sbatch/bandwidth_2node.sbatch.j2, see the README
 
 What it teaches: for every message size from 1 KiB up, each collective runs a few untimed warm-up
-times, then ``--iters`` timed times (the ranks meet at a barrier before each, the device is
+times, then ``--repeats`` timed times (the ranks meet at a barrier before each, the device is
 synchronised before the clock is read, and the slowest rank's time counts); the median gives the
 algorithm bandwidth ``algbw = S / t`` and the bus bandwidth ``busbw = algbw x 2(n-1)/n`` for
 all-reduce, ``x (n-1)/n`` for all-gather and reduce-scatter (nccl-tests' conventions, so the numbers
@@ -90,7 +90,7 @@ def make_operation(collective: str, size_bytes: int, ranks: int, rank: int, devi
 
 
 def time_collective(collective: str, size_bytes: int, args, ctx) -> dict:
-    """Warm up, check the result once, then time ``args.iters`` calls; the slowest rank's time counts."""
+    """Warm up, check the result once, then time ``args.repeats`` calls; the slowest rank's time counts."""
     device = ctx.device
     actual, refill, run, correct = make_operation(collective, size_bytes, ctx.world_size, ctx.rank, device)
     for _ in range(args.warmup):
@@ -101,7 +101,7 @@ def time_collective(collective: str, size_bytes: int, args, ctx) -> dict:
     synchronize(device)
     ok = correct()
     times = []
-    for _ in range(args.iters):
+    for _ in range(args.repeats):
         refill()
         dist.barrier()                 # the ranks start together; a late rank's wait is not the link's time
         synchronize(device)
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "64M on CPU)")
     group.add_argument("--step-factor", type=positive_int, default=2,
                        help="each size is the previous one times this (default: %(default)s)")
-    add_timing_args(group, warmup=5, repeats=20, what="calls per message size", repeats_flag="--iters")
+    add_timing_args(group, warmup=5, repeats=20, what="calls per message size", former=("--iters",))
     group = parser.add_argument_group("what to compare with")
     group.add_argument("--site", default=None,
                        help="site profile (slurm/sites/NAME.yaml) whose link peaks busbw is compared with; "
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     device_type = resolve_device(args.device, local_rank=detect_launch().local_rank).type
     max_bytes = args.max_bytes or (1024**3 if device_type == "cuda" else 64 * 1024**2)
     if args.dry_run:  # seconds: three small sizes, one warm-up and three timed calls each
-        max_bytes, args.iters, args.warmup = min(max_bytes, 16 * 1024), min(args.iters, 3), 1
+        max_bytes, args.repeats, args.warmup = min(max_bytes, 16 * 1024), min(args.repeats, 3), 1
         args.min_bytes = min(args.min_bytes, max_bytes)
     sizes = message_sizes(args.min_bytes, max_bytes, args.step_factor, device_type)
     args.site = args.site or os.environ.get("HPC_DL_LABS_SITE") or None
@@ -225,7 +225,7 @@ def benchmark(args, ctx, collectives: list[str], sizes: list[int], threads: int)
     nodes = len(set(hosts))
     reference = reference_for(args, ctx, nodes)
     print0(f"bandwidth: {ranks} rank(s) on {nodes} node(s), backend {ctx.backend}, {len(sizes)} sizes "
-           f"{format_bytes(sizes[0])}..{format_bytes(sizes[-1])}, {args.warmup} warm-up + {args.iters} timed calls each")
+           f"{format_bytes(sizes[0])}..{format_bytes(sizes[-1])}, {args.warmup} warm-up + {args.repeats} timed calls each")
     if reference is None:
         print0("reference: none (no link peak: pass --site or --peak-gbps); busbw is shown without a percentage")
     else:

@@ -4,7 +4,7 @@
 Usage:
     torchrun --standalone --nproc_per_node=4 labs/lab05_scaling/03_overlap.py --model resnet50 --batch-size 64
     torchrun --standalone --nproc_per_node=2 labs/lab05_scaling/03_overlap.py --device cpu --model resnet18 \\
-        --batch-size 8 --image-size 32 --steps 6
+        --batch-size 8 --image-size 32 --repeats 6
     srun --kill-on-bad-exit=1 python labs/lab05_scaling/03_overlap.py --model resnet50   # one task per GPU
     sbatch overlap.sbatch   # rendered from sbatch/overlap.sbatch.j2
 
@@ -37,7 +37,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.cli import add_common_args, apply_dry_run, config_dict, positive_float, positive_int, script_parser
+from common.cli import (add_common_args, add_former_names, apply_dry_run, config_dict, positive_float, positive_int,
+                        script_parser)
 from common.runtime.device import configure_threads, seed_everything, synchronize
 from common.runtime.distributed import all_reduce_max, init_distributed, print0, teardown_distributed
 from common.measure.energy import EnergyMeter, not_measured
@@ -108,7 +109,7 @@ def time_steps(model, optimizer, images, labels, args, device) -> tuple[list[flo
         train_step(model, optimizer, images, labels, sync=True)
         train_step(model, optimizer, images, labels, sync=False)
     times: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(args.steps):
+    for _ in range(args.repeats):
         for sync in (True, False):
             dist.barrier()
             synchronize(device)
@@ -135,7 +136,7 @@ def communication_alone(buckets: list[int], device: torch.device, args) -> float
     for flat in flats[: args.warmup_steps]:
         dist.all_reduce(flat)
     times = []
-    for _ in range(args.steps):
+    for _ in range(args.repeats):
         dist.barrier()
         synchronize(device)
         start = time.perf_counter()
@@ -153,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--bucket-cap-mb", default="1,25,100,1000",
                        help="bucket sizes to compare, MiB, comma-separated; 1000 is one bucket for most models "
                             "(default: %(default)s)")
-    group.add_argument("--steps", type=positive_int, default=10,
-                       help="timed steps per bucket size, each with and without sync (default: %(default)s)")
+    add_former_names(group, group.add_argument("--repeats", type=positive_int, default=10, help="timed steps per "
+                                               "bucket size, each with and without sync (default: %(default)s)"), "--steps")
     group.add_argument("--warmup-steps", type=positive_int, default=2,
                        help="untimed steps (of each kind) per bucket size (default: %(default)s)")
     group.add_argument("--lr", type=positive_float, default=0.01, help="SGD learning rate (default: %(default)s)")
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         if ranks == 1:
             return nothing_to_overlap(args, ctx, placement, parameter_bytes, buckets_mb, threads)
         print0(f"overlap: {ranks} rank(s), backend {ctx.backend} | {args.model}, {format_bytes(parameter_bytes)} of "
-               f"gradients | batch {args.batch_size} per rank, {size}px | {args.steps} timed steps "
+               f"gradients | batch {args.batch_size} per rank, {size}px | {args.repeats} timed steps "
                f"per setting | threads {threads}")
         print0(f"{'bucket_cap_mb':>13} {'buckets':>7} {'step (ms)':>10} {'no_sync (ms)':>13} {'exposed (ms)':>13} "
                f"{'alone (ms)':>11} {'hidden':>7}")
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 print0(f"{cap:>13g} {len(buckets):>7} {1e3 * row['step_s']:>10.1f} "
                        f"{1e3 * row['no_sync_step_s']:>13.1f} {exposed_text:>13} {1e3 * alone:>11.1f} {hidden_text:>7}")
                 del model, optimizer, replica
-        steps_run = len(buckets_mb) * (2 + 2 * (args.steps + args.warmup_steps))
+        steps_run = len(buckets_mb) * (2 + 2 * (args.repeats + args.warmup_steps))
         energy = meter.result(samples=steps_run * args.batch_size * ranks)
         if ctx.is_main:
             best = min(rows, key=lambda r: r["exposed_comm_s"])

@@ -48,12 +48,13 @@ from common.cli import (
 from common.errors import run_main
 from common.models import PlainCNN
 from common.runtime.compat import enable_flight_recorder
+from common.runtime.device import device_type
 from common.runtime.distributed import open_process, print0, print_rank, teardown_distributed
 from common.runtime.launch import detect_launch
 from labs.lab06_failures.lab06_shared import (
     DEFAULT_RUN_DIR, END_OF_RUN, FAULTS, FIRED_MARKER, GRADIENTS, RUN_META, FaultPlan, Ledger,
     block_until_parent_dies, diagnose, dump_flight_recorder, read_history, read_ledger, restart_count,
-    write_run_record,
+    write_inject_record,
 )
 
 SCRIPT = "labs/lab06_failures/01_inject.py"
@@ -106,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = min(args.steps, 4) if args.dry_run else args.steps
     launch = detect_launch()
     plan = FaultPlan(args.fault, args.rank, args.step, args.run_dir)
-    wants_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    plan.check(launch.world_size, args.steps, cuda=wants_cuda)  # one error line, nothing written yet
+    plan.check(launch.world_size, args.steps, cuda=device_type(args.device) == "cuda")  # one error line, nothing yet
     # The flight recorder keeps each rank's last 64 collectives; NCCL's watchdog dumps it on a timeout.
     enable_flight_recorder(64, dump_prefix=args.run_dir / "ledger" / "nccl-watchdog-rank")
     ctx = open_process(args.device, distributed=True, collective_timeout_s=args.collective_timeout)
@@ -222,7 +222,7 @@ def report_failure(args, ctx, error: RuntimeError, step: int, stacks) -> int:
 
 def write(args, ctx, status: str, step: int, loss: float, wall: float | None, extra: dict, ledger=None) -> None:
     if ctx.rank == 0 or "diagnosis" in extra:  # rank 0's result, or the record of the rank that diagnosed
-        write_run_record(args, SCRIPT, ctx.device, ctx.world_size, ctx.describe(), status,
+        write_inject_record(args, SCRIPT, ctx.device, ctx.world_size, ctx.describe(), status,
                          {"final_loss": loss, "steps_done": step, "restarts": restart_count(), "wall_s": wall,
                           **extra, **({"ledger": ledger} if ledger is not None else {})})
 

@@ -323,7 +323,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in cells)
 
 
-def write_run_record(args: Any, script: str, device: Any, world_size: int, distributed: dict[str, Any], status: str,
+def write_inject_record(args: Any, script: str, device: Any, world_size: int, distributed: dict[str, Any], status: str,
                      metrics: dict[str, Any]) -> None:
     """One record of a run of ``01_inject.py``: method ``uninterrupted`` or the fault's name."""
     from common.cli import config_dict

@@ -11,7 +11,7 @@ Usage:
     sbatch model_parallel_4gpu.sbatch  # rendered from sbatch/model_parallel_4gpu.sbatch.j2, see the README
 
 What it teaches: Lab-04's transformer cut across the ranks of a 1-D ``DeviceMesh`` with
-``parallelize_module`` (``lab07_shared.apply_tensor_parallel``): in attention each rank computes
+``parallelize_module`` (:func:`apply_tensor_parallel` below): in attention each rank computes
 its own heads, in the MLP its own slice of the hidden layer, and one all-reduce per sub-layer adds
 the partial results. Every rank sees the whole batch; parameters and most activations shrink by the
 degree, and the price is traffic on every layer, forward and backward. ``--sequence-parallel`` also
@@ -36,12 +36,56 @@ from common.runtime.distributed import gather_objects, init_distributed, print0,
 from common.runtime.launch import detect_launch
 from common.units import format_bytes
 from labs.lab07_model_parallel.lab07_shared import (
-    CollectiveTally, add_model_args, add_training_flags, apply_dry_run, apply_tensor_parallel,
-    batch_for_step, build_model, check_tensor_parallel, language_model_loss, predicted_tensor_parallel_traffic,
+    CollectiveTally, add_model_args, add_training_flags, apply_dry_run, batch_for_step, build_model, check_tensor_parallel, language_model_loss, predicted_tensor_parallel_traffic,
     shape_from_args, training_text, write_lab_record,
 )
 
+# After common's imports: common stops an older PyTorch in one line, before these would fail.
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel, parallelize_module,
+)
+
 SCRIPT = "labs/lab07_model_parallel/01_tensor_parallel.py"
+
+
+def apply_tensor_parallel(model, mesh, *, sequence_parallel: bool = False) -> None:
+    """Cut every block over the 1-D ``mesh`` (Megatron-LM's plan, written as DTensor styles).
+
+    Attention: ``q``, ``k``, ``v`` column-wise (each rank: its heads), ``proj`` row-wise (each rank's
+    partial sum, added up by one all-reduce). MLP: the first layer column-wise, the second row-wise:
+    one all-reduce. So forward costs two all-reduces per block, and backward two more (the gradient
+    of each replicated input). The embeddings, the final norm and the head stay whole on every rank.
+
+    ``sequence_parallel``: between the blocks' matrix multiplies, the norms (and the residual
+    stream) are cut along the sequence instead of repeated on every rank: each all-reduce becomes a
+    reduce-scatter (into sequence shards) and an all-gather (before the next column-wise layer),
+    the same bytes on the wire, and the norms' activations shrink by the degree.
+    """
+    between = Shard(1) if sequence_parallel else Replicate()  # the residual stream: cut along the sequence, or whole
+    for block in model.blocks:
+        plan = {
+            # x arrives once as a DTensor: q, k and v share it, so their input gradients are summed before one reduce.
+            "attention": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
+                                            use_local_output=False),
+            "attention.q": ColwiseParallel(), "attention.k": ColwiseParallel(), "attention.v": ColwiseParallel(),
+            "attention.proj": RowwiseParallel(output_layouts=between),
+            "mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
+                                      use_local_output=False),
+            "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel(output_layouts=between),
+        }
+        if sequence_parallel:
+            plan |= {"norm1": SequenceParallel(), "norm2": SequenceParallel()}
+        parallelize_module(block, mesh, plan)
+    if sequence_parallel:
+        # Enter the blocks cut along the sequence (a local slice, no traffic); leave them whole for the head.
+        parallelize_module(model, mesh, {
+            "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                           use_local_output=True),
+            f"blocks.{len(model.blocks) - 1}": PrepareModuleOutput(output_layouts=(Shard(1),),
+                                                                   desired_output_layouts=(Replicate(),)),
+        })
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,8 +111,6 @@ def main(argv: list[str] | None = None) -> int:
         data = training_text(shape.context)
         model = build_model(shape, args.seed, device)
         if ctx.world_size > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
             apply_tensor_parallel(model, init_device_mesh(device.type, (ctx.world_size,)),
                                   sequence_parallel=args.sequence_parallel)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)

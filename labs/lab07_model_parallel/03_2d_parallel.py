@@ -23,6 +23,7 @@ model without any parallelism: the reference.
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import torch
 
@@ -36,7 +37,7 @@ from common.runtime.distributed import all_reduce_mean, gather_objects, init_dis
 from common.runtime.launch import detect_launch
 from common.units import format_bytes
 from labs.lab07_model_parallel.lab07_shared import (
-    add_model_args, add_training_flags, apply_dry_run, apply_tensor_parallel, batch_for_step, build_model, check_mesh,
+    add_model_args, add_training_flags, apply_dry_run, batch_for_step, build_model, check_mesh,
     check_tensor_parallel, language_model_loss, parse_mesh, shape_from_args, training_text,
     write_lab_record,
 )
@@ -71,8 +72,8 @@ def parallelize(model, shape, mesh_shape: tuple[int, int], device: torch.device)
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("dp", "tp"))
-    if mesh_shape[1] > 1:
-        apply_tensor_parallel(model, mesh["tp"])
+    if mesh_shape[1] > 1:  # step 1's tensor-parallel plan, on the mesh's tp axis
+        importlib.import_module("labs.lab07_model_parallel.01_tensor_parallel").apply_tensor_parallel(model, mesh["tp"])
     if mesh_shape[0] > 1:
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"])

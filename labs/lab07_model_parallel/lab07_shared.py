@@ -10,7 +10,7 @@ against the one-process run of the same script step by step.
   cut column-wise as it is).
 - :func:`batch_for_step`: the global batch of step ``i``, a function of the seed and ``i`` alone,
   so a run resumed at step 10 sees what the uninterrupted run saw.
-- :func:`apply_tensor_parallel` and :func:`predicted_tensor_parallel_traffic`: the DTensor plan and
+- :func:`predicted_tensor_parallel_traffic`: what the DTensor plan (``01_tensor_parallel.apply_tensor_parallel``) and
   what it must move; :class:`CollectiveTally` counts what it did move.
 - :func:`pipeline_stage_module`, :class:`TimedStage` and :func:`bubble_formula`: the pipeline.
 - :func:`write_lab_record`: one record per run (``common.results``), written by rank 0.
@@ -170,48 +170,6 @@ def check_mesh(mesh: tuple[int, int], world_size: int) -> None:
 
 # --------------------------------------------------------------------------------------------
 # Tensor parallel (DTensor)
-
-
-def apply_tensor_parallel(model: DecoderOnlyTransformer, mesh: Any, *, sequence_parallel: bool = False) -> None:
-    """Cut every block over the 1-D ``mesh`` (Megatron-LM's plan, written as DTensor styles).
-
-    Attention: ``q``, ``k``, ``v`` column-wise (each rank: its heads), ``proj`` row-wise (each rank's
-    partial sum, added up by one all-reduce). MLP: the first layer column-wise, the second row-wise:
-    one all-reduce. So forward costs two all-reduces per block, and backward two more (the gradient
-    of each replicated input). The embeddings, the final norm and the head stay whole on every rank.
-
-    ``sequence_parallel``: between the blocks' matrix multiplies, the norms (and the residual
-    stream) are cut along the sequence instead of repeated on every rank: each all-reduce becomes a
-    reduce-scatter (into sequence shards) and an all-gather (before the next column-wise layer),
-    the same bytes on the wire, and the norms' activations shrink by the degree.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel, parallelize_module)
-
-    between = Shard(1) if sequence_parallel else Replicate()  # the residual stream: cut along the sequence, or whole
-    for block in model.blocks:
-        plan: dict[str, Any] = {
-            # x arrives once as a DTensor: q, k and v share it, so their input gradients are summed before one reduce.
-            "attention": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
-                                            use_local_output=False),
-            "attention.q": ColwiseParallel(), "attention.k": ColwiseParallel(), "attention.v": ColwiseParallel(),
-            "attention.proj": RowwiseParallel(output_layouts=between),
-            "mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),),
-                                      use_local_output=False),
-            "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel(output_layouts=between),
-        }
-        if sequence_parallel:
-            plan |= {"norm1": SequenceParallel(), "norm2": SequenceParallel()}
-        parallelize_module(block, mesh, plan)
-    if sequence_parallel:
-        # Enter the blocks cut along the sequence (a local slice, no traffic); leave them whole for the head.
-        parallelize_module(model, mesh, {
-            "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                           use_local_output=True),
-            f"blocks.{len(model.blocks) - 1}": PrepareModuleOutput(output_layouts=(Shard(1),),
-                                                                   desired_output_layouts=(Replicate(),)),
-        })
 
 
 #: Bytes each rank sends, per byte of a collective's full tensor, in the ring algorithms NCCL and Gloo use

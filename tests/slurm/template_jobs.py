@@ -121,7 +121,8 @@ def run_template_jobs(slurm_cluster, out_dir: Path, runs: Path, stand_in: Path) 
         key = entry["script"]  # <site>/<path of the template without .j2>
         script, relative = out_dir / key, key.split("/", 1)[1]
         results_dir = runs / key / "results"
-        env = {"RESULTS_DIR": str(results_dir), "CHECKPOINT_DIR": str(runs / key / "checkpoints")}
+        env = {"RESULTS_DIR": str(results_dir), "CHECKPOINT_DIR": str(runs / key / "checkpoints"),
+               "DATA_DIR": str(runs / key / "data")}  # what a job writes as data (Lab-08's) stays in the test's folder
         weight = processes_of(entry["job"], script.read_text())
         if entry["site"] != training_site(relative):
             env["PATH"] = f"{stand_in}:{slurm_cluster.job_env['PATH']}"

@@ -1,0 +1,302 @@
+#!/usr/bin/env python3
+"""Lab-08 step 2: train the same model from small files, tar shards or one array file; count what the reading costs.
+
+Usage:
+    python labs/lab08_data_at_scale/02_read_formats.py --format imagefolder
+    python labs/lab08_data_at_scale/02_read_formats.py --format webdataset --metadata-latency 1.0
+    python labs/lab08_data_at_scale/02_read_formats.py --format array --read-only --num-workers 1
+    python labs/lab08_data_at_scale/02_read_formats.py --format webdataset --decode device  # nvJPEG on a GPU
+    sbatch stage_and_train_2node.sbatch   # rendered from sbatch/stage_and_train_2node.sbatch.j2 (03 on staged shards)
+
+What it teaches: where an epoch's time goes when the data are many small files. Each epoch prints and
+records samples/s, the files the dataset's code opened, its stat-family calls, the bytes it read
+(counted in every DataLoader worker, summed at the epoch's end) and the share of step time the loop
+spent waiting for its batch. ``--metadata-latency MS`` waits that long before every real open, as a
+shared file system's metadata round trips would (1.0 ms is the documented Lustre-like figure, see the
+README's cost model): small files pay it once per image, shards once per thousand images. A cost model
+(:func:`predict_here`, :func:`predict_cluster`) predicts the epoch from what this machine's run costs per
+sample and per step, measured before the first epoch, and the structure of the format; the script prints
+predicted against measured, and the epoch time of N nodes on a Lustre-like file system.
+
+The model and batch are fixed for every format (``lab08_shared.build_model``, batch 64 of 64 x 64 grayscale
+JPEGs, SGD with momentum): only the input pipeline differs. ``--read-only`` runs the loader alone (no model),
+to see what the format itself can deliver. ``--decode device`` moves JPEG decoding out of the workers into
+the training process, on the training device: ``torchvision.io.decode_jpeg(..., device="cuda")`` on a GPU
+(the GPU proof's tier-2 check), libjpeg in the main process on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, RandomSampler
+
+from common.cli import add_common_args, non_negative_int, positive_float, positive_int, script_parser
+from common.errors import UserError, run_main
+from common.train.flags import add_training_args
+from common.train.run import TrainingRun
+from common.units import format_bytes
+from labs.lab08_data_at_scale.lab08_shared import (
+    COUNTER, FORMATS, LAB, LUSTRE_METADATA_RTT_MS, ArrayFile, EpochIO, ImageFolderFiles, ShardStream, build_model,
+    check_batch, collate_counted, decode_batch, default_data_dir, describe_dataset, set_metadata_latency,
+    to_model_input,
+)
+
+SCRIPT = "labs/lab08_data_at_scale/02_read_formats.py"
+#: The shared file system of the cost model: each default is a public measurement (README, "Cost model").
+#: Dell HPC Lustre Storage with Intel Omni-Path (Lustre 2.7): MDtest file stat, one thread about 2,000/s
+#: (0.5 ms a round trip), 240 threads more than 500,000/s; IOzone, one client reads about 1.3 GB/s.
+#: Dell Storage for HPC with Intel EE for Lustre (960 TB, 24 OSTs): reads peak near 10 GB/s.
+FS_DEFAULTS = {"metadata_rtt_ms": LUSTRE_METADATA_RTT_MS, "metadata_ops_per_s": 500_000.0,
+               "stream_gb_per_s": 1.3, "total_gb_per_s": 10.0}
+
+
+def make_loader(args, device: torch.device) -> tuple[DataLoader, dict]:
+    """The format's dataset and its loader; what it holds (samples, files)."""
+    decode_in_loader = args.decode == "loader"
+    init = partial(set_metadata_latency, args.metadata_latency)  # also in workers started with spawn
+    common = dict(num_workers=args.num_workers, worker_init_fn=init, pin_memory=device.type == "cuda")
+    if args.format == "webdataset":
+        # Whole batches from each worker; the shards are dealt out to the workers (ShardStream).
+        stream = ShardStream(args.data_dir / "shards", batch_size=args.batch_size, num_workers=args.num_workers,
+                             seed=args.seed, policy="uneven", buffer_size=args.shuffle_buffer,
+                             decode_in_loader=decode_in_loader)
+        return DataLoader(stream, batch_size=None, **common), {"samples": sum(s.samples for s in stream.shards),
+                                                               "files": len(stream.shards)}
+    dataset = (ImageFolderFiles if args.format == "imagefolder" else ArrayFile)(
+        args.data_dir, decode_in_loader=decode_in_loader)
+    sampler = RandomSampler(dataset, generator=torch.Generator())
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, collate_fn=collate_counted, **common)
+    return loader, {"samples": len(dataset), "files": len(dataset) if args.format == "imagefolder" else 1}
+
+
+def set_epoch(loader: DataLoader, seed: int, epoch: int) -> None:
+    """This epoch's order, the same in every run with this seed."""
+    if isinstance(loader.dataset, ShardStream):
+        loader.dataset.set_epoch(epoch)
+    else:
+        loader.sampler.generator.manual_seed(seed * 1000 + epoch)
+
+
+def expected_opens(args, held: dict, steps: int) -> int:
+    """The files an epoch opens, from the format alone: one per image, one per shard, one array per process."""
+    samples = min(held["samples"], steps * args.batch_size)
+    if args.format == "imagefolder":
+        return samples
+    if args.format == "webdataset":
+        return held["files"] if samples == held["samples"] else math.ceil(samples / held["shard_size"])
+    return max(1, args.num_workers)
+
+
+# --------------------------------------------------------------------------------------------
+# The cost model
+
+
+def calibrate(args, device: torch.device, model: torch.nn.Module) -> dict:
+    """What this machine pays, measured before the epochs: producing one sample of this format in one
+    process (open, read, decode, batch) without injected latency, and one training step on a batch."""
+    latency = COUNTER.latency_s
+    COUNTER.latency_s = 0.0
+    try:
+        probe_args = argparse.Namespace(**{**vars(args), "num_workers": 0})
+        loader, _ = make_loader(probe_args, device)
+        set_epoch(loader, args.seed, 10_000)  # another order than the epochs, so the page cache is not primed
+        wanted = args.calibration_samples
+        if args.format == "webdataset":  # whole shards: a shard's checksum and tar parsing belong to its samples
+            size = loader.dataset.shards[0].samples
+            wanted = max(wanted, size * max(1, round(wanted / size)))
+        produced, start = 0, time.perf_counter()
+        for images, labels, extras in loader:
+            check_batch(extras)
+            if args.decode == "device":
+                images = decode_batch(images, device)
+            produced += len(labels)
+            if produced >= wanted:
+                break
+        sample_s = (time.perf_counter() - start) / max(produced, 1)
+    finally:
+        COUNTER.latency_s = latency
+    step_s = 0.0
+    if not args.read_only:
+        probe = build_model().to(device)
+        probe.load_state_dict(model.state_dict())
+        optimizer = torch.optim.SGD(probe.parameters(), lr=args.lr, momentum=0.9)
+        images = torch.randint(0, 255, (args.batch_size, 1, 64, 64), dtype=torch.uint8)
+        labels = torch.randint(0, 10, (args.batch_size,))
+        times = []
+        for _ in range(2 + 5):  # two warm-up steps, five timed; the median
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(probe(to_model_input(images, device)), labels.to(device)).backward()
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        step_s = statistics.median(times[2:])
+    return {"sample_s": sample_s, "samples_timed": produced, "step_s": step_s,
+            "method": "one process, no injected latency, before the first epoch; step: median of 5 after 2"}
+
+
+def predict_here(*, samples: int, opens: int, workers: int, batch: int, sample_s: float, step_s: float,
+                 open_wait_s: float) -> dict:
+    """This machine's epoch: the loader's work (every sample's cost, every open's injected wait) shared by the
+    workers, against the training's; with workers they overlap and the slower sets the pace (plus the first
+    batch, made before training can start); without workers one process does both, one after the other."""
+    load_s = samples * sample_s + opens * open_wait_s
+    train_s = math.ceil(samples / batch) * step_s
+    if workers == 0:
+        return {"epoch_s": load_s + train_s, "load_s": load_s, "train_s": train_s, "bound": "sum (no workers)"}
+    first_batch_s = load_s / samples * batch if samples else 0.0
+    producer_s = load_s / workers
+    return {"epoch_s": max(producer_s, train_s) + first_batch_s, "load_s": producer_s, "train_s": train_s,
+            "bound": "loader" if producer_s > train_s else "training"}
+
+
+def predict_cluster(*, samples: int, opens: int, stats: int, data_bytes: int, nodes: int, workers: int, batch: int,
+                    sample_s: float, step_s: float, fs: dict) -> dict:
+    """N nodes, each with ``workers`` loader processes, read 1/N of the epoch from one shared file system.
+
+    Every open costs two metadata round trips (open and close) and every stat one, of ``metadata_rtt_ms``
+    each, but the metadata servers serve at most ``metadata_ops_per_s`` for all nodes together; every process
+    reads at ``stream_gb_per_s``, all together at most ``total_gb_per_s``; decoding costs what it cost here.
+    The epoch lasts as long as the slower of one node's loader and its training (this machine's step time)."""
+    workers = max(1, workers)
+    round_trips = 2 * opens + stats
+    metadata_s = max(round_trips / nodes * fs["metadata_rtt_ms"] / 1e3 / workers,
+                     round_trips / fs["metadata_ops_per_s"])
+    bandwidth_s = max(data_bytes / nodes / workers / (fs["stream_gb_per_s"] * 1e9), data_bytes / (fs["total_gb_per_s"] * 1e9))
+    cpu_s = samples / nodes * sample_s / workers
+    train_s = math.ceil(samples / nodes / batch) * step_s
+    parts = {"metadata": metadata_s, "bandwidth": bandwidth_s, "decode": cpu_s}
+    load_s = sum(parts.values())
+    return {"nodes": nodes, "epoch_s": max(load_s, train_s), **{f"{k}_s": v for k, v in parts.items()},
+            "train_s": train_s, "bound": max(parts, key=parts.get) if load_s > train_s else "training"}
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = script_parser(__doc__)
+    group = parser.add_argument_group("what to read")
+    group.add_argument("--format", choices=FORMATS, default="webdataset",
+                       help="imagefolder: a file per image; webdataset: tar shards; array: one memory-mapped file "
+                            "(default: %(default)s)")
+    group.add_argument("--metadata-latency", type=float, default=0.0, metavar="MS",
+                       help="wait this long before every real open, as a shared file system's metadata server "
+                            "would; 1.0 is the README's Lustre-like figure (default: %(default)s: this disk as it is)")
+    group.add_argument("--read-only", action="store_true",
+                       help="run the loader alone, no model: what the format delivers (default: off)")
+    group.add_argument("--decode", choices=("loader", "device"), default="loader",
+                       help="loader: the workers decode JPEGs on their CPUs; device: the training process decodes "
+                            "whole batches on --device (nvJPEG on a GPU) (default: %(default)s)")
+    group.add_argument("--shuffle-buffer", type=positive_int, default=256,
+                       help="webdataset: samples in the shuffle buffer (default: %(default)s)")
+    group.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (default: %(default)s)")
+    group.add_argument("--calibration-samples", type=positive_int, default=512,
+                       help="samples the cost model times before the first epoch (default: %(default)s)")
+    model = parser.add_argument_group("the shared file system of the cost model (defaults: README, 'Cost model')")
+    model.add_argument("--fs-metadata-rtt-ms", type=positive_float, default=FS_DEFAULTS["metadata_rtt_ms"],
+                       help="one round trip to the metadata servers (default: %(default)s)")
+    model.add_argument("--fs-metadata-ops-per-s", type=positive_float, default=FS_DEFAULTS["metadata_ops_per_s"],
+                       help="round trips the metadata servers serve per second, all clients (default: %(default)s)")
+    model.add_argument("--fs-stream-gb-per-s", type=positive_float, default=FS_DEFAULTS["stream_gb_per_s"],
+                       help="GB/s one reading process gets (default: %(default)s)")
+    model.add_argument("--fs-total-gb-per-s", type=positive_float, default=FS_DEFAULTS["total_gb_per_s"],
+                       help="GB/s the file system delivers to all clients (default: %(default)s)")
+    model.add_argument("--nodes", type=positive_int, nargs="+", default=[1, 4, 16, 64],
+                       help="node counts to predict the epoch for (default: 1 4 16 64)")
+    add_training_args(parser)
+    add_common_args(parser, epochs=1, batch_size=64)
+    parser.set_defaults(data_dir=default_data_dir())
+    for action in parser._actions:
+        if action.dest == "data_dir":
+            action.help = "the data set 01_make_dataset.py wrote (default: data/lab08 in the repository)"
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.metadata_latency < 0:
+        raise UserError(f"--metadata-latency must be >= 0 ms, got {args.metadata_latency}")
+    description = describe_dataset(args.data_dir)
+    set_metadata_latency(args.metadata_latency)
+    fs = {"metadata_rtt_ms": args.fs_metadata_rtt_ms, "metadata_ops_per_s": args.fs_metadata_ops_per_s,
+          "stream_gb_per_s": args.fs_stream_gb_per_s, "total_gb_per_s": args.fs_total_gb_per_s}
+    method = args.format + ("+latency" if args.metadata_latency else "") + ("+read-only" if args.read_only else "") \
+        + ("+decode-on-device" if args.decode == "device" else "")
+    with TrainingRun(args, lab=LAB, script=SCRIPT, method=method) as run:
+        device = run.device
+        loader, held = make_loader(args, device)
+        held["shard_size"] = description["shard_size"]
+        torch.manual_seed(args.seed)
+        model = build_model().to(device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        run.track(model=model, optimizer=optimizer)
+        cost = calibrate(args, device, model)
+        run.print(f"{method}: {held['samples']:,} samples in {held['files']:,} file(s) | {run.describe()} | "
+                  f"{args.num_workers} loader worker(s), batch {args.batch_size} | one sample costs "
+                  f"{cost['sample_s'] * 1e6:.0f} us to produce here, one step {cost['step_s'] * 1e3:.1f} ms")
+        io, epochs = EpochIO(), []
+        for epoch in run.epochs():
+            set_epoch(loader, args.seed, epoch)
+            io.start_epoch()
+            waited_before, samples = run.meter.waited_s, 0
+            model.train()
+            for step, (images, labels, extras) in enumerate(run.steps(loader)):
+                check_batch(extras)
+                io.saw(extras["io"])  # this worker's counts so far
+                samples += len(labels)
+                if args.decode == "device":
+                    images = decode_batch(images, device)
+                if args.read_only:
+                    if step % args.log_interval == 0:
+                        run.print(f"epoch {epoch} step {step + 1}: {samples:,} samples read")
+                    continue
+                optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(to_model_input(images, device)), labels.to(device))
+                loss.backward()
+                optimizer.step()
+                run.log_loss(loss)
+            counted, epoch_s = io.totals(), run.meter.last_epoch_s
+            steps = math.ceil(samples / args.batch_size)
+            predicted = predict_here(samples=samples, opens=expected_opens(args, held, steps), workers=args.num_workers,
+                                     batch=args.batch_size, sample_s=cost["sample_s"],
+                                     step_s=cost["step_s"], open_wait_s=args.metadata_latency / 1e3)
+            waited = run.meter.waited_s - waited_before
+            epochs.append({"epoch": epoch, "samples": samples, "epoch_s": epoch_s, "samples_per_s": samples / epoch_s,
+                           "opens": counted["opens"], "stats": counted["stats"], "bytes": counted["bytes"],
+                           "injected_wait_s": counted["injected_wait_s"], "processes": counted["processes"],
+                           "expected_opens": expected_opens(args, held, steps), "data_wait_s": waited,
+                           "data_wait_share": waited / epoch_s, "predicted_epoch_s": predicted["epoch_s"],
+                           "predicted_bound": predicted["bound"]})
+            run.print(f"epoch {epoch}: {samples:,} samples in {epoch_s:.2f} s = {samples / epoch_s:,.0f} samples/s | "
+                      f"opened {counted['opens']:,} file(s), {counted['stats']:,} stat call(s), read "
+                      f"{format_bytes(counted['bytes'])} | waiting for data {waited / epoch_s:.0%} of step time | "
+                      f"predicted {predicted['epoch_s']:.2f} s ({predicted['bound']}), measured ÷ predicted "
+                      f"{epoch_s / predicted['epoch_s']:.2f}")
+        last = epochs[-1]
+        whole = held["samples"]
+        scale = whole / max(last["samples"], 1)  # the counts of a whole epoch, from the last one
+        cluster = [predict_cluster(samples=whole, opens=round(last["expected_opens"] * scale), stats=0,
+                                   data_bytes=round(last["bytes"] * scale), nodes=nodes, workers=args.num_workers,
+                                   batch=args.batch_size, sample_s=cost["sample_s"], step_s=cost["step_s"], fs=fs)
+                   for nodes in args.nodes]
+        run.print(f"on a Lustre-like file system ({fs['metadata_rtt_ms']} ms a metadata round trip, "
+                  f"{fs['stream_gb_per_s']} GB/s a stream), one epoch of {whole:,} samples, {max(1, args.num_workers)} "
+                  "worker(s) per node: " + "; ".join(f"{row['nodes']} node(s) {row['epoch_s']:.1f} s ({row['bound']})"
+                                                    for row in cluster))
+        run.finish(config={"dataset": description, "file_system_model": fs},
+                   metrics={"epochs_io": epochs, "cost": cost, "cluster_prediction": cluster,
+                            "data_wait_share": sum(e["data_wait_s"] for e in epochs) / sum(e["epoch_s"] for e in epochs)})
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,599 @@
+"""What the Lab-08 scripts share: the data set's layout on disk, the I/O each reader makes (counted,
+with an optional wait per open), the readers of the three formats, and the lab's fixed model.
+
+``01_make_dataset.py`` writes one data set in three formats under one folder::
+
+    DATA/dataset.json                       what was written: counts, bytes, the source, the seed
+    DATA/imagefolder/train/<class>/<id>.jpg one small file per image (torchvision's ImageFolder layout)
+    DATA/shards/shard-000000.tar ...        tar shards in WebDataset's layout: <id>.jpg + <id>.cls per sample
+    DATA/shards/manifest.csv                one row per sample: id, label, shard, member, offset, size, crc32
+    DATA/shards/shards.json                 one entry per shard: samples, bytes, sha256
+    DATA/shards/SHA256SUMS                  the same checksums in the format ``sha256sum -c`` reads
+    DATA/array/images.u8, index.npy         every JPEG back to back in one file (a numpy memmap), and
+                                            (id, offset, size, label) per sample
+
+``02_read_formats.py`` reads each format with the same model and batch; ``03_shards_exactly_once.py``
+reads the shards over ranks x workers with :class:`ShardStream`, which keeps its position.
+
+Counting (:class:`IOCounter`): each process (the main one and every DataLoader worker) counts the
+files its dataset code opens, the stat-family calls it makes and the bytes it reads. The dataset code
+opens files only through :func:`read_file` (``os.open`` + ``os.read`` + ``os.close``: exactly one
+``openat`` and no hidden ``fstat``, which ``strace -f -c`` confirms in the tests) and stats only
+through :func:`stat_file`. Every batch carries its worker's counts so far; :class:`EpochIO` sums
+them over the workers at the end of an epoch.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import random
+import tarfile
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+# Imported here, before any DataLoader worker is forked: a worker would otherwise import torchvision itself,
+# seconds of CPU in every worker of every epoch.
+from torchvision.io import ImageReadMode, decode_jpeg
+
+from common.errors import UserError
+
+LAB = "lab08"
+FORMATS = ("imagefolder", "webdataset", "array")
+IMAGE_SIZE = 64
+NUM_CLASSES = 10
+#: How uneven shard counts are made even across ranks x workers (03_shards_exactly_once.py).
+POLICIES = ("pad", "drop", "uneven")
+BAD_SAMPLE_ACTIONS = ("skip", "fail")
+#: The documented Lustre-like cost of opening one small file, in ms: an open and a close, each one round trip
+#: to the metadata server of 0.5 ms (MDtest's single-thread file-stat rate of about 2,000 per second on the
+#: Dell HPC Lustre Storage with Intel Omni-Path, Lustre 2.7). The README's "Cost model" section explains it.
+LUSTRE_METADATA_RTT_MS = 0.5
+LUSTRE_LIKE_OPEN_MS = 2 * LUSTRE_METADATA_RTT_MS
+
+
+def default_data_dir() -> Path:
+    """``data/lab08`` in the repository (ignored by git), wherever the script is started from."""
+    return Path(__file__).resolve().parents[2] / "data" / "lab08"
+
+
+# --------------------------------------------------------------------------------------------
+# The model: the same for every format, so only the input pipeline differs
+
+
+def build_model() -> nn.Module:
+    """A small CNN for 64 x 64 grayscale digits (about 15 k parameters): three strided convolutions, then a
+    linear layer. Light enough that the input pipeline matters on a CPU, heavy enough that one loader
+    worker reading shards keeps it fed."""
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 4, stride=2, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 32, 3, stride=2, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, NUM_CLASSES),
+    )
+
+
+def to_model_input(images: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """uint8 (B, 1, 64, 64) from the loader -> float in [0, 1] on ``device``: a quarter of the bytes cross
+    to the device, and the conversion runs there."""
+    return images.to(device, non_blocking=True).float().div_(255)
+
+
+# --------------------------------------------------------------------------------------------
+# Counted I/O
+
+
+@dataclass
+class IOCounter:
+    """What this process's dataset code did: files opened, stat-family calls, bytes read, and the wait it
+    added before each open (``--metadata-latency``). A forked worker starts again from zero."""
+
+    latency_s: float = 0.0
+    opens: int = 0
+    stats: int = 0
+    bytes: int = 0
+    waited_s: float = 0.0
+    pid: int = field(default_factory=os.getpid)
+
+    def fresh(self) -> "IOCounter":
+        if self.pid != os.getpid():  # a DataLoader worker inherited the parent's counts: start from zero
+            self.opens = self.stats = self.bytes = 0
+            self.waited_s = 0.0
+            self.pid = os.getpid()
+        return self
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"pid": self.pid, "opens": self.opens, "stats": self.stats, "bytes": self.bytes,
+                "waited_s": self.waited_s}
+
+
+COUNTER = IOCounter()
+
+
+def set_metadata_latency(ms: float, worker_id: int | None = None) -> None:
+    """The wait before each open, in ms; also a DataLoader ``worker_init_fn`` (``partial(set_metadata_latency,
+    ms)``), so workers started with ``spawn`` (macOS) wait too."""
+    COUNTER.latency_s = ms / 1000.0
+
+
+def _wait() -> None:
+    if COUNTER.latency_s > 0:
+        start = time.perf_counter()
+        time.sleep(COUNTER.latency_s)  # the round trips a shared file system's metadata server would cost
+        COUNTER.waited_s += time.perf_counter() - start
+
+
+def read_file(path: str | os.PathLike[str]) -> bytes:
+    """A whole file: one open (after the injected wait), reads until the end, one close."""
+    counter = COUNTER.fresh()
+    _wait()
+    fd = os.open(path, os.O_RDONLY)
+    counter.opens += 1
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    counter.bytes += len(data)
+    return data
+
+
+def stat_file(path: str | os.PathLike[str]) -> os.stat_result:
+    COUNTER.fresh().stats += 1
+    return os.stat(path)
+
+
+def list_folder(path: str | os.PathLike[str]) -> list[os.DirEntry]:
+    """The entries of a folder (``getdents``: a metadata call on a shared file system too, counted as a stat)."""
+    COUNTER.fresh().stats += 1
+    with os.scandir(path) as entries:
+        return sorted(entries, key=lambda entry: entry.name)
+
+
+class EpochIO:
+    """Sums the counts every worker attached to its batches: each worker's latest snapshot, less what that
+    process had counted before the epoch began (the main process, when it reads with no workers, counts on)."""
+
+    def __init__(self) -> None:
+        self.before: dict[int, dict[str, Any]] = {}
+        self.latest: dict[int, dict[str, Any]] = {}
+
+    def start_epoch(self) -> None:
+        self.before = {**self.before, **self.latest, os.getpid(): COUNTER.fresh().snapshot()}
+        self.latest = {}
+
+    def saw(self, io_counts: dict[str, Any]) -> None:
+        self.latest[io_counts["pid"]] = io_counts
+
+    def totals(self) -> dict[str, Any]:
+        total = {"opens": 0, "stats": 0, "bytes": 0, "injected_wait_s": 0.0, "processes": len(self.latest)}
+        for pid, now in self.latest.items():
+            then = self.before.get(pid, {})
+            for key, name in (("opens", "opens"), ("stats", "stats"), ("bytes", "bytes"),
+                              ("waited_s", "injected_wait_s")):
+                total[name] += now[key] - then.get(key, 0)
+        return total
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding
+
+
+def decode(jpeg: bytes) -> torch.Tensor:
+    """One JPEG -> uint8 (1, 64, 64) with libjpeg (torchvision.io); raises ValueError on a broken file."""
+    try:
+        image = decode_jpeg(torch.frombuffer(bytearray(jpeg), dtype=torch.uint8), mode=ImageReadMode.GRAY)
+    except RuntimeError as err:
+        raise ValueError(str(err).splitlines()[0]) from None
+    if image.shape != (1, IMAGE_SIZE, IMAGE_SIZE):
+        raise ValueError(f"decoded to shape {tuple(image.shape)}, expected (1, {IMAGE_SIZE}, {IMAGE_SIZE})")
+    return image
+
+
+def decode_batch(jpegs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Raw JPEG bytes (one uint8 tensor each) decoded where ``device`` is: nvJPEG on a GPU, libjpeg on a CPU."""
+    images = decode_jpeg(jpegs, mode=ImageReadMode.GRAY, device=device)
+    return torch.stack(images)
+
+
+# --------------------------------------------------------------------------------------------
+# The data set on disk
+
+
+def describe_dataset(root: Path) -> dict[str, Any]:
+    path = Path(root) / "dataset.json"
+    if not path.is_file():
+        raise UserError(f"no data set in {root} (no dataset.json): make one with "
+                        f"python labs/lab08_data_at_scale/01_make_dataset.py --data-dir {root}")
+    return json.loads(path.read_text())
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    samples: int
+    bytes: int
+    sha256: str
+    members: tuple[dict[str, Any], ...]  # manifest rows of this shard, in the tar's order
+
+
+def read_shard_table(shard_dir: Path) -> list[ShardInfo]:
+    """The shards and their manifest rows, as 01_make_dataset.py wrote them."""
+    shard_dir = Path(shard_dir)
+    table, manifest = shard_dir / "shards.json", shard_dir / "manifest.csv"
+    if not table.is_file() or not manifest.is_file():
+        raise UserError(f"{shard_dir} has no shards.json and manifest.csv: make the data set with "
+                        "python labs/lab08_data_at_scale/01_make_dataset.py")
+    rows: dict[str, list[dict[str, Any]]] = {}
+    with open(manifest, newline="") as handle:
+        for row in csv.DictReader(handle):
+            rows.setdefault(row["shard"], []).append(
+                {"id": int(row["id"]), "label": int(row["label"]), "member": row["member"],
+                 "offset": int(row["offset"]), "size": int(row["size"]), "crc32": int(row["crc32"])})
+    return [ShardInfo(entry["name"], entry["samples"], entry["bytes"], entry["sha256"],
+                      tuple(rows.get(entry["name"], ()))) for entry in json.loads(table.read_text())["shards"]]
+
+
+# --------------------------------------------------------------------------------------------
+# Map-style readers: a folder of small files, and one array file
+
+
+def attach_io(images: torch.Tensor, labels: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A batch as the loop receives it: images, labels, and what came with them (ids, weights, this worker's
+    counts so far)."""
+    return images, labels, {"ids": ids, "weights": torch.ones(len(ids)), "io": COUNTER.fresh().snapshot()}
+
+
+class ImageFolderFiles(Dataset):
+    """``imagefolder/train/<class>/<id>.jpg``: one open per image (the folder listing is made once, here)."""
+
+    def __init__(self, root: Path, *, decode_in_loader: bool = True) -> None:
+        train = Path(root) / "imagefolder" / "train"
+        if not train.is_dir():
+            raise UserError(f"{train} is missing: make the data set with labs/lab08_data_at_scale/01_make_dataset.py")
+        self.decode_in_loader = decode_in_loader
+        self.samples: list[tuple[str, int, int]] = []
+        for class_dir in list_folder(train):
+            if class_dir.is_dir():
+                for entry in list_folder(class_dir.path):
+                    self.samples.append((entry.path, int(class_dir.name), int(Path(entry.name).stem)))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Any, int, int]:
+        path, label, sample_id = self.samples[index]
+        data = read_file(path)
+        return (decode(data) if self.decode_in_loader else data), label, sample_id
+
+
+class ArrayFile(Dataset):
+    """``array/images.u8``: every JPEG back to back in one file, memory-mapped as a numpy uint8 array once per
+    process; a sample is a slice at the offset ``index.npy`` gives, so no file is opened per image."""
+
+    def __init__(self, root: Path, *, decode_in_loader: bool = True) -> None:
+        self.folder = Path(root) / "array"
+        if not (self.folder / "index.npy").is_file():
+            raise UserError(f"{self.folder} is missing: make the data set with "
+                            "labs/lab08_data_at_scale/01_make_dataset.py")
+        self.index = np.load(self.folder / "index.npy")  # (N, 4): id, offset, size, label
+        self.decode_in_loader = decode_in_loader
+        self._images: np.ndarray | None = None
+        self._pid = -1
+
+    def _array(self) -> np.ndarray:
+        if self._images is None or self._pid != os.getpid():  # each worker maps the file itself
+            _wait()
+            self._images = np.memmap(self.folder / "images.u8", dtype=np.uint8, mode="r")
+            COUNTER.fresh().opens += 1
+            self._pid = os.getpid()
+        return self._images
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, index: int) -> tuple[Any, int, int]:
+        sample_id, offset, size, label = (int(v) for v in self.index[index])
+        data = self._array()[offset:offset + size].tobytes()
+        COUNTER.bytes += size
+        return (decode(data) if self.decode_in_loader else data), label, sample_id
+
+
+def collate_counted(samples: list[tuple[Any, int, int]]) -> tuple[Any, torch.Tensor, dict]:
+    """Runs in the worker: stacks the images (or keeps the raw JPEGs) and attaches the worker's counts."""
+    images = [sample[0] for sample in samples]
+    if isinstance(images[0], bytes):
+        images = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in images]
+    else:
+        images = torch.stack(images)
+    return attach_io(images, torch.tensor([s[1] for s in samples]), torch.tensor([s[2] for s in samples]))
+
+
+# --------------------------------------------------------------------------------------------
+# The shard reader that keeps its position
+
+
+class BadSample(Exception):
+    """A sample that cannot be used, named by its shard and member."""
+
+    def __init__(self, shard: str, member: str, reason: str) -> None:
+        super().__init__(f"{shard}: {member}: {reason}")
+        self.shard, self.member, self.reason = shard, member, reason
+
+
+def split_samples(data: bytes, samples: list[dict[str, Any]]) -> None:
+    """A tar shard's members grouped into samples by key, in the tar's order, with WebDataset's own tar
+    reader (``webdataset.tariterators``), appended to ``samples`` as they come (a tar cut short keeps what
+    came before the cut): ``{"__key__": "000042", "jpg": b"...", "cls": b"3"}``."""
+    from webdataset.tariterators import group_by_keys, tar_file_iterator
+
+    members = ({**member, "__url__": None} for member in tar_file_iterator(io.BytesIO(data), handler=_reraise))
+    samples.extend(group_by_keys(members, handler=_reraise))
+
+
+def _reraise(error: Exception) -> bool:
+    raise error
+
+
+def check_shard(info: ShardInfo, data: bytes) -> tuple[list[dict[str, Any]], list[BadSample]]:
+    """The good samples of one shard read whole, and a :class:`BadSample` for every bad one: a truncated
+    shard (fewer bytes than the manifest), a checksum mismatch (found member by member with each member's
+    CRC-32), a sample missing its ``.jpg`` or ``.cls``. A JPEG that does not decode is found later, when it is."""
+    import hashlib
+
+    bad: list[BadSample] = []
+    damaged: set[str] = set()
+    if len(data) < info.bytes:
+        cut = [row for row in info.members if row["offset"] + row["size"] > len(data)]
+        first = cut[0]["member"] if cut else "(tar end)"
+        bad.append(BadSample(info.name, first, f"truncated shard: {len(data)} of {info.bytes} bytes; "
+                                               f"{len(cut)} member(s) cut off from here"))
+        damaged |= {row["member"] for row in cut}
+    elif hashlib.sha256(data).hexdigest() != info.sha256:
+        for row in info.members:
+            if zlib.crc32(data[row["offset"]:row["offset"] + row["size"]]) != row["crc32"]:
+                bad.append(BadSample(info.name, row["member"], "checksum mismatch (sha256 of the shard, "
+                                                               "CRC-32 of this member)"))
+                damaged.add(row["member"])
+        if not damaged:
+            bad.append(BadSample(info.name, "(tar headers)", "checksum mismatch outside the members' data"))
+    samples: list[dict[str, Any]] = []
+    try:
+        split_samples(data, samples)
+    except Exception as err:  # a tar cut short or broken: keep what was read before the break
+        if not bad:
+            bad.append(BadSample(info.name, "(tar)", f"unreadable tar: {err}"))
+    good = []
+    for sample in samples:
+        key = sample.get("__key__", "?")
+        missing = [ext for ext in ("jpg", "cls") if ext not in sample]
+        if missing:
+            bad.append(BadSample(info.name, f"{key}.{missing[0]}", "missing member"))
+        elif f"{key}.jpg" in damaged or f"{key}.cls" in damaged:
+            continue
+        else:
+            good.append(sample)
+    return good, bad
+
+
+class ShardStream(IterableDataset):
+    """WebDataset shards read over ranks x workers, each sample once per epoch, resumable mid-epoch.
+
+    - **Who reads what.** The epoch's shard order is a permutation seeded by ``(seed, epoch)``; the
+      ``world_size x workers`` reader slots (slot = rank x workers + worker) deal the shards out in that order,
+      slot ``s`` taking shards ``s, s + slots, ...``. Every shard goes to exactly one slot.
+    - **Uneven counts** (``policy``): the slots may hold different numbers of samples. ``uneven`` leaves them
+      so (every sample once; ranks take different numbers of steps); ``pad`` fills every slot up to the
+      largest with weight-0 blanks (id -1: every real sample still once, equal steps); ``drop`` stops every
+      slot at the smallest (equal steps; what is left is not read this epoch, counted).
+    - **Shuffle at two levels**: the shard order, then a buffer of ``buffer_size`` samples from which each
+      sample is drawn at random (``random.Random`` seeded by seed, epoch and slot).
+    - **Position**: :meth:`state_dict` is where this worker stands (shard, member, the buffer's samples as
+      pointers, the generator's state); torchdata's ``StatefulDataLoader`` collects it from every worker
+      with each batch, and :meth:`load_state_dict` continues from it.
+    - **Bad data**: ``on_bad_sample="skip"`` leaves a bad sample out and counts it; ``"fail"`` stops the run
+      with one line naming the shard and the member.
+
+    Yields whole batches ``(images uint8 (B,1,64,64), labels, extras)``: use ``batch_size=None`` in the loader.
+    """
+
+    def __init__(self, shard_dir: Path, *, batch_size: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
+                 seed: int = 0, policy: str = "uneven", buffer_size: int = 256, on_bad_sample: str = "fail",
+                 decode_in_loader: bool = True) -> None:
+        self.shard_dir = Path(shard_dir)
+        self.shards = read_shard_table(self.shard_dir)
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.workers = max(1, num_workers)
+        self.seed, self.policy, self.buffer_size = seed, policy, buffer_size
+        self.on_bad_sample, self.decode_in_loader = on_bad_sample, decode_in_loader
+        self.epoch = 1
+        self._resume: dict[str, Any] | None = None
+        self._state: dict[str, Any] | None = None
+
+    # ---------------------------------------------------------------- the plan of an epoch
+    @property
+    def slots(self) -> int:
+        return self.world_size * self.workers
+
+    def shard_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.shards)))
+        random.Random(f"{self.seed}-{epoch}-shards").shuffle(order)
+        return order
+
+    def plan(self, epoch: int) -> list[list[int]]:
+        """The shards of every slot this epoch (indices into ``self.shards``)."""
+        order = self.shard_order(epoch)
+        return [order[slot::self.slots] for slot in range(self.slots)]
+
+    def slot_samples(self, epoch: int) -> list[int]:
+        return [sum(self.shards[i].samples for i in shards) for shards in self.plan(epoch)]
+
+    def target(self, epoch: int, slot: int) -> int | None:
+        """Samples this slot yields this epoch: every slot the same under pad and drop, its own under uneven."""
+        counts = self.slot_samples(epoch)
+        return {"pad": max(counts), "drop": min(counts)}.get(self.policy)
+
+    def describe(self, epoch: int) -> dict[str, Any]:
+        counts = self.slot_samples(epoch)
+        total = sum(counts)
+        used = {"pad": max(counts) * len(counts), "drop": min(counts) * len(counts)}.get(self.policy, total)
+        return {"policy": self.policy, "shards": len(self.shards), "slots": self.slots, "samples": total,
+                "slot_samples_min": min(counts), "slot_samples_max": max(counts),
+                "padded": max(0, used - total), "dropped": max(0, total - used)}
+
+    def __len__(self) -> int:
+        """Batches this rank's loader yields in an epoch (each worker batches its own samples)."""
+        own = range(self.rank * self.workers, (self.rank + 1) * self.workers)
+        counts = self.slot_samples(self.epoch)
+        target = {"pad": max(counts), "drop": min(counts)}.get(self.policy)
+        return sum(-(-(counts[slot] if target is None else target) // self.batch_size) for slot in own)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    # ---------------------------------------------------------------- position
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._state) if self._state is not None else {"epoch": self.epoch, "fresh": True}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume = None if state.get("fresh") else dict(state)
+        self.epoch = state["epoch"]
+
+    # ---------------------------------------------------------------- reading
+    def _read(self, index: int, bad_samples: list[dict[str, str]]) -> list[dict[str, Any]]:
+        info = self.shards[index]
+        try:
+            data = read_file(self.shard_dir / info.name)
+        except FileNotFoundError:
+            data = b""
+        good, bad = check_shard(info, data)
+        for sample in good:
+            sample["__shard__"] = info.name
+        for problem in bad:
+            self._bad(problem, bad_samples)
+        return good
+
+    def _bad(self, problem: BadSample, bad_samples: list[dict[str, str]]) -> None:
+        if self.on_bad_sample == "fail":
+            raise problem
+        bad_samples.append({"shard": problem.shard, "member": problem.member, "reason": problem.reason})
+
+    def __iter__(self) -> Iterator[tuple[Any, torch.Tensor, dict[str, Any]]]:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        slot = self.rank * self.workers + worker
+        bad_samples: list[dict[str, str]] = []
+        try:
+            yield from self._batches(slot, bad_samples)
+        except BadSample as problem:  # --on-bad-sample fail: the loop raises it as one line (see check_batch)
+            yield _empty(), torch.zeros(0, dtype=torch.long), {"error": str(problem), "io": COUNTER.fresh().snapshot()}
+
+    def _batches(self, slot: int, bad_samples: list[dict[str, str]]) -> Iterator[tuple[Any, torch.Tensor, dict]]:
+        state, self._resume = self._resume, None
+        epoch = state["epoch"] if state else self.epoch
+        shards = self.plan(epoch)[slot]
+        target = self.target(epoch, slot)
+        rng = random.Random(f"{self.seed}-{epoch}-slot{slot}")
+        position, member, emitted, skipped_before = 0, 0, 0, 0
+        buffer: list[tuple[int, int, dict[str, Any]]] = []  # (position in `shards`, member index, sample)
+        cache: dict[int, list[dict[str, Any]]] = {}
+        if state:
+            position, member, emitted = state["position"], state["member"], state["emitted"]
+            skipped_before = state["skipped"]
+            rng.setstate(_tuples(state["rng"]))
+            for pos, index in state["buffer"]:  # the buffer's samples are pointers: read their shards again
+                if pos not in cache:
+                    cache[pos] = self._read(shards[pos], bad_samples)
+                buffer.append((pos, index, cache[pos][index]))
+            bad_samples.clear()  # counted before the stop already
+
+        def samples() -> Iterator[tuple[int, int, dict[str, Any]]]:
+            nonlocal position, member
+            while position < len(shards):
+                good = cache.pop(position, None)
+                if good is None:
+                    good = self._read(shards[position], bad_samples)
+                cache.clear()
+                while member < len(good):
+                    member += 1
+                    yield position, member - 1, good[member - 1]
+                position, member = position + 1, 0
+
+        def drawn() -> Iterator[tuple[int, int, dict[str, Any]] | None]:
+            for entry in samples():  # first level: shards in this epoch's order; second: the buffer
+                buffer.append(entry)
+                if len(buffer) >= self.buffer_size:
+                    yield buffer.pop(rng.randrange(len(buffer)))
+            while buffer:
+                yield buffer.pop(rng.randrange(len(buffer)))
+            while True:  # this slot is out of samples: blanks (pad), or nothing more
+                yield None
+
+        batch: list[tuple[torch.Tensor | bytes, int, int, float]] = []
+        for entry in drawn():
+            if target is not None and emitted >= target:
+                break
+            if entry is None:  # this slot has no sample left: uneven stops; pad and drop fill up to the target
+                if target is None:
+                    break
+                batch.append((_blank(self.decode_in_loader), 0, -1, 0.0))
+            else:
+                _, _, sample = entry
+                try:
+                    image = decode(sample["jpg"]) if self.decode_in_loader else sample["jpg"]
+                    label = int(sample["cls"].decode())
+                except (ValueError, UnicodeDecodeError) as err:
+                    self._bad(BadSample(sample["__shard__"], f"{sample['__key__']}.jpg", f"corrupt JPEG ({err})"),
+                              bad_samples)
+                    continue
+                batch.append((image, label, int(sample["__key__"]), 1.0))
+            emitted += 1
+            if len(batch) == self.batch_size:
+                yield self._batch(batch, epoch, slot, position, member, emitted, buffer, rng, bad_samples,
+                                  skipped_before)
+                batch = []
+        if batch:
+            yield self._batch(batch, epoch, slot, position, member, emitted, buffer, rng, bad_samples, skipped_before)
+
+    def _batch(self, batch, epoch, slot, position, member, emitted, buffer, rng, bad_samples, skipped_before):
+        # Where this worker stands after this batch: what StatefulDataLoader keeps with it.
+        self._state = {"epoch": epoch, "slot": slot, "position": position, "member": member, "emitted": emitted,
+                       "buffer": [[pos, index] for pos, index, _ in buffer], "rng": rng.getstate(),
+                       "skipped": skipped_before + len(bad_samples)}
+        images = [item[0] for item in batch]
+        images = (torch.stack(images) if self.decode_in_loader
+                  else [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in images])
+        return images, torch.tensor([item[1] for item in batch]), {
+            "ids": torch.tensor([item[2] for item in batch]), "weights": torch.tensor([item[3] for item in batch]),
+            "io": COUNTER.fresh().snapshot(), "slot": slot, "skipped": skipped_before + len(bad_samples),
+            "bad": list(bad_samples[-20:])}
+
+
+def _tuples(value: Any) -> Any:
+    """``random.Random.getstate()`` after a round trip through a checkpoint (lists back to tuples)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _blank(decoded: bool) -> torch.Tensor | bytes:
+    return torch.zeros(1, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8) if decoded else b""
+
+
+def _empty() -> torch.Tensor:
+    return torch.zeros(0, 1, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8)
+
+
+def check_batch(extras: dict[str, Any]) -> None:
+    """A worker that met bad data under ``--on-bad-sample fail`` sends its one line instead of a batch."""
+    if "error" in extras:
+        raise UserError(f"bad data: {extras['error']} (--on-bad-sample skip leaves such samples out and counts them)")
