@@ -606,3 +606,39 @@ def test_lab05_report_draws_each_training_run_once_in_its_own_colour(tmp_path: P
     columns = set(page.tables["summary-table"][0]["cells"])
     assert not columns & {"speed-up vs baseline", "scaling efficiency"}
     assert "DDP is expected" not in page.sections["summary"]
+
+
+def test_records_with_junk_in_any_value_still_get_their_row_and_their_lab_sections(tmp_path: Path) -> None:
+    """Every committed reference record, with one value in five of its metrics and config replaced by junk (text,
+    null, a list, an object, a bool, NaN): the report is still written, every run has its row, and the sections of
+    Labs 01-07 are built (a section that raised would be a warning naming it)."""
+    import random
+
+    from common.results import load_records
+
+    junk = ["x", None, [], {}, -1, True, [1, "a", None], {"a": 1}, float("nan")]
+    rng = random.Random(7)
+
+    def spoil(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: rng.choice(junk) if rng.random() < 0.2 else spoil(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [rng.choice(junk) if rng.random() < 0.2 else spoil(v) for v in value]
+        return value
+
+    folder = tmp_path / "results"
+    folder.mkdir()
+    records = load_records(REPO / "reference-results").records
+    for index, record in enumerate(records):
+        spoiled = {key: value for key, value in record.items() if key != "_path"}
+        spoiled.update(metrics=spoil(record["metrics"]), config=spoil(record["config"]))
+        (folder / f"{index}.json").write_text(json.dumps(spoiled), encoding="utf-8")
+
+    outcome = build_report(folder, tmp_path / "report.html", plots=False)
+
+    page = read_page(tmp_path / "report.html")
+    assert outcome.skipped == [] and len(page.tables["summary-table"]) == len(records)
+    assert {row["run_id"] for row in page.tables["summary-table"]} == {r["run_id"] for r in records}
+    failed = [w for w in outcome.warnings if "could not be built" in w]
+    assert not [w for w in failed if any(f" of lab0{n}:" in w for n in range(1, 8))], failed
+    assert {"dataparallel-vs-ddp", "lab-02-the-optimisation-path", "lab-03-precision-benchmark"} <= set(page.sections)

@@ -75,7 +75,8 @@ def bandwidth_section(runs: pd.DataFrame, plots: bool) -> Section | None:
         where = f"{machine} · {ranks} ranks on {nodes} node{'s' if nodes > 1 else ''}"
         reference, name = group["reference"].median(), texts(group, "metrics.reference.name").dropna()
         source = texts(group, "metrics.reference.source").dropna()
-        described = (f"reference {name.iloc[0]} {reference:.3g} GB/s ({source.iloc[0] if len(source) else None})"
+        described = (f"reference {name.iloc[0] if len(name) else None} {reference:.3g} GB/s "
+                     f"({source.iloc[0] if len(source) else None})"
                      if reference > 0 else "no reference peak recorded")
         tables.append(_bandwidth_table(group, reference, f"{where}: median busbw per message size; {described}"))
         notes += [f"{where}: {t}" for t in dict.fromkeys(texts(group, "metrics.transport.summary").dropna())]
@@ -167,19 +168,22 @@ def _accuracy_figure(points: pd.DataFrame, title: str) -> Figure | None:
     batch) is drawn once, labelled with both modes. Strong scaling is solid, weak dashed."""
     from common.report.plots import axes, plain, png_figure
 
-    points = points[points["metrics.evaluations"].map(lambda v: isinstance(v, list) and len(v) >= 2)]
-    lines = points.sort_values(["processes", "mode"]).groupby("training_run_id", sort=False).agg(
-        modes=("mode", list), processes=("processes", "first"), evaluations=("metrics.evaluations", "first"))
+    evaluations = entries(points, "metrics.evaluations")
+    evaluations = evaluations.assign(x=numbers(evaluations, "elapsed_s"), y=100 * numbers(evaluations, "accuracy"))
+    evaluations = evaluations.dropna(subset=["x", "y"]).sort_values("x", kind="stable")
+    drawn = points[points.index.isin(evaluations["_run"].value_counts().loc[lambda n: n >= 2].index)]
+    lines = drawn.assign(label=drawn.index).sort_values(["processes", "mode"]).groupby("training_run_id", sort=False) \
+        .agg(modes=("mode", list), processes=("processes", "first"), first=("label", "first"))
     if lines.empty:
         return None
     fig, ax = axes(8, 4)
     labels = []
     for index, line in enumerate(lines.itertuples()):
-        evaluations = sorted(line.evaluations, key=lambda p: p["elapsed_s"])
         labels.append(f"{' and '.join(dict.fromkeys(line.modes))}, {line.processes} process"
                       f"{'es' if line.processes != 1 else ''}")
-        ax.plot([p["elapsed_s"] for p in evaluations], [100 * p["accuracy"] for p in evaluations], marker=".",
-                color=PALETTE[index % len(PALETTE)], linestyle="-" if "strong" in line.modes else "--", label=labels[-1])
+        curve = evaluations[evaluations["_run"] == line.first]
+        ax.plot(curve["x"], curve["y"], marker=".", color=PALETTE[index % len(PALETTE)],
+                linestyle="-" if "strong" in line.modes else "--", label=labels[-1])
     target = points["target"].median()
     if pd.notna(target):
         ax.axhline(100 * target, color="black", linestyle=":", linewidth=1, label=f"target {target:.0%}")
