@@ -29,7 +29,8 @@ WHEN = {
     "2-D (FSDP x TP)": "the largest models: tensor parallel inside a node, FSDP2 across nodes; the checkpoint "
                        "reshards onto any other mesh",
 }
-KINDS = {"tp": "TP (tensor parallel)", "tp+sp": "TP (tensor parallel)", "pp-": "PP (pipeline)", "2d-": "2-D (FSDP x TP)"}
+#: The strategy of a method: the method itself (tp, tp+sp) or its prefix (pp-gpipe, 2d-2x2).
+KINDS = {"tp": "TP (tensor parallel)", "tp+sp": "TP (tensor parallel)", "pp": "PP (pipeline)", "2d": "2-D (FSDP x TP)"}
 KEY = ("script", "config.layers", "config.width", "config.heads", "config.context", "config.batch_size", "config.seed",
        "config.lr")
 
@@ -105,7 +106,7 @@ def _decision(rows: pd.DataFrame, all_runs: pd.DataFrame) -> pd.DataFrame:
         table.append({"strategy": name, "runs": len(group), "parameters": group["held"].min(),
                       "share": (group["held"] / group["whole"]).min(), "tokens_per_s": numbers(group, "metrics.tokens_per_s").max()})
     for name in dict.fromkeys(KINDS.values()):
-        group = rows[rows["method"].map(lambda m: next((k for p, k in KINDS.items() if m == p or p.endswith("-") and m.startswith(p)), None)) == name]
+        group = rows[rows["method"].map(lambda method: KINDS.get(method, KINDS.get(method.split("-")[0]))) == name]
         table.append({"strategy": name, "runs": len(group), "parameters": group["parameters"].min(),
                       "share": group["share"].min(), "comm": group["comm"].min(), "bubble": group["bubble"].min(),
                       "tokens_per_s": group["tokens_per_s"].max()})
