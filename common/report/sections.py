@@ -27,8 +27,9 @@ MISSING = "—"
 #: The page's templates (templates/): autoescaped whatever the file's name, since record fields are untrusted text.
 TEMPLATES = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates"),
                                autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+# A cell's classes without Styler's own ("data row3 col4"): those a Cell's style gave it (num, warn, ...).
 TEMPLATES.filters["own_classes"] = lambda classes: " ".join(c for c in classes.split()
-                                                            if not re.fullmatch(r"data|row\d+|col\d+", c))
+                                                            if c != "data" and c[:3] not in ("row", "col"))
 
 
 @dataclass
