@@ -642,3 +642,17 @@ def test_records_with_junk_in_any_value_still_get_their_row_and_their_lab_sectio
     failed = [w for w in outcome.warnings if "could not be built" in w]
     assert not [w for w in failed if any(f" of lab0{n}:" in w for n in range(1, 8))], failed
     assert {"dataparallel-vs-ddp", "lab-02-the-optimisation-path", "lab-03-precision-benchmark"} <= set(page.sections)
+
+
+def test_every_run_keeps_its_row_past_pandas_styler_limit(tmp_path: Path) -> None:
+    """pandas' Styler trims a table past ``styler.render.max_elements`` cells (262,144 by default, a summary of
+    about 13,000 runs); the report lifts the limit for its own tables. Here the limit is 40 cells."""
+    import pandas as pd
+
+    folder = tmp_path / "results"
+    records = lab01_folder(folder)
+    with pd.option_context("styler.render.max_elements", 40):
+        page = report(folder, "--no-plots")
+    assert len(page.tables["summary-table"]) * len(page.tables["summary-table"][0]["cells"]) > 40
+    assert {row["run_id"] for row in page.tables["summary-table"]} == {r["run_id"] for r in records}
+    assert {row["run_id"] for row in page.tables["provenance-table"]} == {r["run_id"] for r in records}

@@ -67,7 +67,9 @@ class Table:
 
     def html(self) -> markupsafe.Markup:
         titles = [[cell.title for cell in row] for row in self.rows]
-        return markupsafe.Markup(self.styler().to_html(table_id=self.id, row_ids=self.row_ids, titles=titles))
+        # Styler trims a table past styler.render.max_elements cells (262,144): every run keeps its row here.
+        with pd.option_context("styler.render.max_elements", len(self.rows) * len(self.columns) + 1):
+            return markupsafe.Markup(self.styler().to_html(table_id=self.id, row_ids=self.row_ids, titles=titles))
 
 
 @dataclass
