@@ -7,7 +7,10 @@ everywhere; a script passes
 its own defaults; a script that does not train (a benchmark) takes ``add_run_args(parser)``, the
 ``--device --seed --dry-run --results-dir`` part. Both also accept (and ignore) the ``--local-rank``
 that ``torch.distributed.launch`` passes. Argument types reject bad values with one clear argparse
-error line.
+error line. A path flag takes one of the path types (:func:`input_dir`, :func:`input_file`,
+:func:`output_dir`, :func:`output_file`; :func:`input_path` where either kind is right): a file where
+a folder belongs, a folder where a file belongs, or a place that cannot be written is that one line
+too, before anything is written.
 
 The names that some flags choose between live here too, once: Lab-02's input pipelines and data sets
 (``--pipeline``, ``--dataset``: :func:`add_dataset_args`), and Lab-03's precisions and modes
@@ -83,8 +86,33 @@ def _usable_place(path: Path, *, folder: bool) -> Path:
         with tempfile.TemporaryFile(dir=ancestor):
             pass
     except OSError as err:
-        raise argparse.ArgumentTypeError(f"cannot write under {ancestor} ({err.strerror or err})") from None
+        raise argparse.ArgumentTypeError(f"cannot write {path}: nothing can be created in {ancestor} "
+                                         f"({err.strerror or err})") from None
     return path
+
+
+def input_dir(text: str) -> Path:
+    """argparse type: a folder the run reads. A file there is an error line; a folder that does not
+    exist is left to the script, which says what belongs in it (a data set, records)."""
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a file, expected a folder")
+    return path
+
+
+def input_file(text: str) -> Path:
+    """argparse type: a file the run reads. A folder there is an error line; a missing file is left to
+    the script, which says where it comes from."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a folder, expected a file")
+    return path
+
+
+def input_path(text: str) -> Path:
+    """argparse type: a file or a folder the run reads, either being right (``render_sbatch.py``'s
+    templates: one file, or with ``--all-sites`` folders of them); the script checks which it got."""
+    return Path(text).expanduser()
 
 
 def output_dir(text: str) -> Path:
@@ -176,7 +204,7 @@ def add_common_args(
                        help="samples per step on each process (default: %(default)s)")
     group.add_argument("--max-steps", type=positive_int, default=None,
                        help="stop each epoch after this many steps, for tiny runs (default: whole epoch)")
-    group.add_argument("--data-dir", type=Path, default=Path(data_dir),
+    group.add_argument("--data-dir", type=input_dir, default=Path(data_dir),
                        help="folder holding downloaded data sets (default: %(default)s)")
     workers = default_num_workers() if num_workers is None else num_workers
     group.add_argument("--num-workers", type=non_negative_int, default=workers,
@@ -218,14 +246,16 @@ def add_precision_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
                             *former)
 
 
-def add_collective_timeout_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+def add_collective_timeout_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
+                               default: float | None = None) -> None:
     """``--collective-timeout SECONDS``: how long a collective may wait for its peers before the process
-    group raises an error (Gloo's "Timed out waiting ... ms", NCCL's watchdog). Unset, the group keeps
-    its usual timeout (``common.runtime.distributed.init_distributed``), so a hang is an error only after
-    10 minutes; a few seconds turn a hang in a tiny run into an error in bounded time."""
-    parser.add_argument("--collective-timeout", type=positive_float, default=None, metavar="SECONDS",
-                        help="seconds a collective waits for the other ranks before it fails "
-                             "(default: the process group's own, 600 s)")
+    group raises an error (Gloo's "Timed out waiting ... ms", NCCL's watchdog), applied once every rank
+    is in the group. ``default`` is the script's own (Lab-06's, whose hangs are on purpose); ``None``
+    keeps the group's usual timeout (``common.runtime.distributed.init_distributed``), so a hang is an
+    error only after 10 minutes; a few seconds turn a hang in a tiny run into an error in bounded time."""
+    usual = "the process group's own, 600 s" if default is None else f"{default:g}"
+    parser.add_argument("--collective-timeout", type=positive_float, default=default, metavar="SECONDS",
+                        help=f"seconds a collective waits for the other ranks before it fails (default: {usual})")
 
 
 def add_timing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, warmup: int, repeats: int,

@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common.cli import script_parser
+from common.cli import input_dir, output_dir, script_parser
 from common.errors import UserError, run_main
 
 #: name -> (torchvision class, the folder it keeps under --data-dir, approximate download size)
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     parser.add_argument("datasets", nargs="+", choices=sorted(DATASETS), metavar="DATASET",
                         help=f"data sets to fetch: {', '.join(sorted(DATASETS))}")
-    parser.add_argument("--data-dir", type=Path, default=default_data_dir(),
+    parser.add_argument("--data-dir", type=input_dir, default=default_data_dir(),
                         help="folder to put them in; the sbatch jobs read $DATA_DIR, else ~/data, and the "
                              "training scripts take it as --data-dir (default: %(default)s)")
     parser.add_argument("--check", action="store_true",
@@ -99,7 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.check:  # --check only reads (a shared, read-only copy is fine); a download writes there
+        try:
+            output_dir(str(args.data_dir))
+        except argparse.ArgumentTypeError as err:
+            parser.error(f"argument --data-dir: {err}")
     data_dir = args.data_dir.expanduser().resolve()
     missing = []
     for name in dict.fromkeys(args.datasets):

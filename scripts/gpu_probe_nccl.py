@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import common  # noqa: F401 - a PyTorch older than the course's floor stops here, in one line
+from common.cli import output_file, script_parser
 
 RANK = """
 import datetime, json, os, sys, time
@@ -102,11 +103,15 @@ def watchdog() -> dict:
                          "last_lines": output.strip().splitlines()[-6:]}}
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = script_parser(__doc__)
     parser.add_argument("probe", choices=("recorder", "watchdog"), help="what to find out")
-    parser.add_argument("facts", type=Path, help="the JSON file the findings are merged into")
-    args = parser.parse_args(argv)
+    parser.add_argument("facts", type=output_file, help="the JSON file the findings are merged into")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
     path = args.facts
     facts = json.loads(path.read_text()) if path.is_file() else {}
     facts.update(recorder() if args.probe == "recorder" else watchdog())

@@ -27,6 +27,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
+from common.cli import input_dir, one_line_errors, output_dir
+
 try:
     from scripts import gpu_proof_checks as proof
 except ImportError:  # run as a file without the repository on the path: the module beside it
@@ -58,18 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
                              "OUT/summary.json, else the newest committed reference-results/*/gpu-proof/summary.json")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: the rehearsal, the same checks' CPU paths with tiny settings (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=Path("results/gpu_proof"),
+    parser.add_argument("--out", type=output_dir, default=Path("results/gpu_proof"),
                         help="where each check's folder and the summary go (default: %(default)s)")
-    parser.add_argument("--bundle", type=Path, default=None,
+    parser.add_argument("--bundle", type=output_dir, default=None,
                         help="also copy summary.json, summary.md, proof.log and proof.tar.gz (records and logs) "
                              "here after every check: few files, as a lease's $OUT takes them (default: none)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="checks that measure nothing run this many at a time; a speed check always runs "
                              "alone (default: 4 on a GPU machine with 8 or more cores, else 1)")
-    parser.add_argument("--examples", type=Path, default=Path(".examples"),
+    parser.add_argument("--examples", type=input_dir, default=Path(".examples"),
                         help="a checkout of pytorch/examples, for the Chapter 4 comparison (default: %(default)s)")
     parser.add_argument("--list", action="store_true", help="print the checks with their tiers and exit")
-    return parser
+    return one_line_errors(parser)
 
 
 class Proof:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from common.cli import one_line_errors, output_dir
 from common.results import load_records
 
 ALLOCATOR = "cuda_max_memory_allocated"
@@ -1277,14 +1278,19 @@ def _idx_count(path: Path) -> int | None:
         return None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="helpers of the GPU proof")
+def build_parser() -> argparse.ArgumentParser:
+    parser = one_line_errors(argparse.ArgumentParser(description="helpers of the GPU proof"))
     sub = parser.add_subparsers(dest="command", required=True)
     standin = sub.add_parser("mnist-standin", help="write MNIST-format data made from scikit-learn's digits")
-    standin.add_argument("root", type=Path, help="folder that gets MNIST/raw/")
+    standin.add_argument("root", type=output_dir, help="folder that gets MNIST/raw/")
     standin.add_argument("--train", type=int, default=60_000, help="training images (default: %(default)s)")
     standin.add_argument("--test", type=int, default=10_000, help="test images (default: %(default)s)")
-    args = parser.parse_args(argv)
+    one_line_errors(standin)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     print(f"MNIST-format stand-in: {write_mnist_standin(args.root, args.train, args.test)}")
     return 0
 

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from common.cli import one_line_errors, output_dir, output_file
+from common.cli import input_path, one_line_errors, output_dir, output_file
 from common.errors import UserError, run_main
 from common.slurm.jobs import JOB_KEYS, PLACEHOLDER, TEMPLATE_SUFFIX, parse_settings, read_template
 from common.slurm.rendering import COMMITTED_RENDERINGS, render, render_all, write_committed, write_script
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Render a course sbatch template (Jinja2) for one cluster's site profile.",
         epilog="Template contract and site profile format: slurm/sites/README.md",
     )
-    parser.add_argument("templates", nargs="*", type=Path, metavar="TEMPLATE",
+    parser.add_argument("templates", nargs="*", type=input_path, metavar="TEMPLATE",
                         help="a *.sbatch.j2 template; with --all-sites, templates or folders (default: none)")
     parser.add_argument("--site", help="site profile name, see --list-sites (default: none)")
     parser.add_argument("-o", "--output", type=output_file,
@@ -108,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("choose a site with --site NAME (see --list-sites)")
     if len(args.templates) != 1:
         raise UserError("give exactly one TEMPLATE (or use --all-sites OUT_DIR with folders)")
+    if args.templates[0].is_dir():
+        raise UserError(f"{args.templates[0]} is a folder: give one template file (folders: --all-sites OUT_DIR)")
     render_one(args.templates[0], args.site, settings, args.output)
     return 0
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Sequence
 
 from common.atomic import write_text_atomic
+from common.cli import input_dir, input_file, one_line_errors
 from common.errors import UserError, run_main
 from common.results import load_records
 
@@ -143,15 +144,19 @@ def docs_with_markers() -> list[Path]:
             and ("<!-- results-table:" in p.read_text() or "<!-- gpu-proof:" in p.read_text())]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--records", type=Path, default=REPO / "reference-results",
+def build_parser() -> argparse.ArgumentParser:
+    parser = one_line_errors(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--records", type=input_dir, default=REPO / "reference-results",
                         help="folder of committed reference records (default: reference-results/)")
-    parser.add_argument("docs", nargs="*", type=Path,
+    parser.add_argument("docs", nargs="*", type=input_file,
                         help="Markdown files to update (default: every README and doc with a marker)")
     parser.add_argument("--check", action="store_true",
                         help="change nothing; exit 1 if a table differs from what the records give")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     records_dir = args.records.resolve()
     if not records_dir.is_dir():
         raise UserError(f"reference records folder not found: {records_dir}")

@@ -189,7 +189,7 @@ def test_bad_input_one_line_and_nothing_written(argv, message, tmp_path, capsys)
     ("--results-dir", "a-file/sub", "is a file, not a folder"),
     ("--checkpoint", "a-file/ckpt.pt", "is a file, not a folder"),
     ("--checkpoint", "a-folder", "is a folder, expected a file path"),
-    ("--results-dir", "/proc/no-such-place", "cannot write under /proc"),
+    ("--results-dir", "/proc/no-such-place", "cannot write /proc/no-such-place"),
 ])
 def test_unusable_output_location_is_one_line_before_training(flag, place, message, tmp_path, capsys):
     """A file where a folder is needed (or the reverse), or a place nobody can write: found at start."""

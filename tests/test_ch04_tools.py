@@ -48,7 +48,7 @@ def test_basics_times_matmul_per_dtype_and_writes_record(tmp_path, capsys):
         assert row["size"] == 96 and row["flops"] == 2 * 96**3
         assert row["tflops"] == pytest.approx(2 * 96**3 / row["median_s"] / 1e12)
         assert row["tflops_best"] >= row["tflops"] > 0
-        assert row["peak_tflops"] is None and row["fraction_of_peak"] is None
+        assert row["peak_tflops"] is None and row["mfu"] is None
         assert row["timing"]["steps_timed"] == 3 and row["timing"]["warmup_steps"] == 1
         printed = re.search(rf"^{row['dtype']}\s+([\d.]+)", out, re.M)
         assert float(printed.group(1)) == pytest.approx(1000 * row["median_s"], abs=1e-3)
@@ -219,7 +219,7 @@ def test_basics_on_a_gpu_reports_peak_fraction(tmp_path):
     rows = record["metrics"]["matmul"]
     assert record["config"]["resolved_device"].startswith("cuda") and rows
     if load_script(BASICS).peak_for(torch.cuda.get_device_name())[0]:
-        assert all(0 < row["fraction_of_peak"] < 1.2 for row in rows)
+        assert all(0 < row["mfu"] < 1.2 for row in rows)
 
 
 # --- amp_training.py -------------------------------------------------------------------------------

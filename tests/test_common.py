@@ -436,22 +436,34 @@ def test_models_by_name():
     assert parameter_digest(a) != parameter_digest(b)
 
 
-def test_step_timer_drops_warmup_and_summarises():
-    import time
-
+def test_step_timer_drops_warmup_and_summarises(monkeypatch):
+    """The timer reads the clock once before and once after each step (after synchronising): on a clock
+    the test moves by hand, each step takes exactly what the test says, so what is dropped, what is
+    kept and what is summed is exact on any machine, however loaded."""
     import torch
 
+    import common.measure.timing as timing
     from common.measure.timing import StepTimer, peak_memory, summarize
 
+    now = [100.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
     timer = StepTimer(torch.device("cpu"), warmup_steps=2)
-    for i in range(6):
-        with timer.step(samples=10):
-            time.sleep(0.05 if i < 2 else 0.01)
+    durations = [5.0, 3.0, 0.25, 0.5, 0.125, 1.0]  # two slow warm-up steps, then the timed ones
+    for step_s, waited_s in zip(durations, [0.0] * 5 + [0.5]):
+        with timer.step(samples=10, waited_s=waited_s):
+            now[0] += step_s
     summary = timer.summary()
     assert summary["steps_timed"] == 4 and summary["warmup_steps"] == 2
-    assert 0.009 < summary["median_s"] < 0.03  # the slow warm-up steps are not in it
-    assert 300 < summary["samples_per_s"] < 1100
-    assert "dropped" in summary["method"]
+    assert timer.times == [0.25, 0.5, 0.125, 1.5]  # in order, the wait for the last batch counted in its step
+    assert summary["median_s"] == 0.375 and summary["min_s"] == 0.125 and summary["max_s"] == 1.5
+    assert summary["total_s"] == 2.375 and summary["samples_per_s"] == 40 / 2.375
+    assert "first 2 step(s) dropped" in summary["method"] and "waiting for the batch included" in summary["method"]
+    short = StepTimer(torch.device("cpu"), warmup_steps=2)  # no longer than its warm-up: nothing timed
+    for _ in range(2):
+        with short.step(samples=10):
+            now[0] += 1.0
+    assert short.summary()["steps_timed"] == 0 and short.summary()["samples_per_s"] is None
+    monkeypatch.undo()
     stats = summarize([1.0, 2.0, 3.0, 4.0])
     assert stats["median_s"] == 2.5 and stats["p10_s"] == pytest.approx(1.3) and stats["min_s"] == 1.0
     mem = peak_memory(torch.device("cpu"))

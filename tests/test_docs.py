@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import re
+import subprocess
 from pathlib import Path
 
 from helpers import REPO, run_main
@@ -70,3 +73,194 @@ def test_every_results_table_in_the_docs_is_headed_by_the_machine_its_records_ca
             assert sorted(headings) == sorted(labels[lab]), f"{doc.relative_to(REPO)} ({lab})"
             checked += 1
     assert checked >= 5
+
+
+# --- every repository path, module name and script flag the docs quote exists -------------------------
+
+#: Top-level folders of this repository: a quoted path that starts with one is a path of this repository.
+REPO_FOLDERS = ("chapters", "labs", "common", "scripts", "docs", "slurm", "tests", "bench", "environments",
+                "reference-results", ".ci")
+#: A name in a path that stands for any name (``labs/labNN.py``, ``slurm/sites/NAME.yaml``, ``<lab>``).
+PLACEHOLDER = re.compile(r"NN|XX|[<>{}$…]|\.\.\.|(?:^|/)[A-Z][A-Z0-9_]*(?:[./]|$)")
+PATH = re.compile(r"(?<![\w./$-])((?:%s)/[\w./*-]*[\w*/])" % "|".join(re.escape(f) for f in REPO_FOLDERS))
+RELATIVE = re.compile(r"(?<![\w./$-])((?:[\w-]+/)+[\w.-]+\.(?:py|sh|j2))(?![\w/])")
+MODULE = re.compile(r"(?<![\w.])(common(?:\.\w+)+)")
+#: One of this repository's scripts (its path, or in its own folder its name) and its arguments up to
+#: the end of the command (a comment, a pipe, ``&&``, ``;``, ``&``, a redirection).
+COMMAND = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w-]+\.(?:py|sh))((?:[ \t]+(?![#|&;>])\S+)*)")
+
+
+@functools.lru_cache(maxsize=None)
+def tracked() -> tuple[str, ...]:
+    """The repository's files (committed, or new and not ignored), relative to its root."""
+    return tuple(subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                                capture_output=True, text=True, check=True).stdout.split())
+
+
+@functools.lru_cache(maxsize=None)
+def documents() -> tuple[tuple[Path, str, bool], ...]:
+    """Every Markdown file and every docstring of a Python file: ``(file, text, is Markdown)``."""
+    found = []
+    for name in tracked():
+        path = REPO / name
+        if not path.is_file():
+            continue
+        if name.endswith(".md"):
+            found.append((path, path.read_text(), True))
+        elif name.endswith(".py"):
+            tree = ast.parse(path.read_text())
+            nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                            ast.ClassDef)))]
+            found += [(path, doc, False) for doc in map(ast.get_docstring, nodes) if doc]
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=None)
+def tracked_kinds() -> tuple[frozenset[str], frozenset[str]]:
+    """The suffixes of the repository's files, and the names of its folders."""
+    return (frozenset(Path(f).suffix for f in tracked()),
+            frozenset(part for f in tracked() for part in Path(f).parts[:-1]))
+
+
+def missing_path(token: str, where: Path) -> bool:
+    """A path the docs quote that is neither in the repository nor something a run makes: a path of a
+    top-level folder of the repository, or one relative to the document's folder (or to any folder:
+    ``sbatch/inject.sbatch.j2`` in a lab's README)."""
+    files, (suffixes, folders) = tracked(), tracked_kinds()
+    token = token.rstrip(".")
+    suffix = Path(token).suffix
+    if PLACEHOLDER.search(token) or (suffix and suffix not in suffixes):
+        return False  # a placeholder, or a kind of file only a run makes (a .sif image, a .out log)
+    if "*" in token:
+        return not any(REPO.glob(token))
+    if (REPO / token).exists() or (where.parent / token).exists():
+        return False
+    if token.split("/")[0] not in folders:
+        return False  # another project's path (pytorch/examples' mnist/main.py)
+    return not any(f.endswith("/" + token) for f in files)
+
+
+def module_defines(path: Path, names: list[str]) -> bool:
+    """``path`` (a module of ``common``) defines ``names[0]`` at the top, and ``names[1]`` in it, if any."""
+    body = ast.parse(path.read_text()).body
+    for name in names:
+        defined = {}
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined[node.name] = getattr(node, "body", [])
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                    defined.update({n.id: [] for n in ast.walk(target) if isinstance(n, ast.Name)})
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                defined.update({(alias.asname or alias.name).split(".")[0]: [] for alias in node.names})
+        if name not in defined:
+            return False
+        body = defined[name]
+        if not body:  # a variable or an import: what it holds is not read here
+            return True
+    return True
+
+
+def missing_module_name(dotted: str) -> bool:
+    """``common.a.b.name.attr``: the longest prefix that is a module or package of ``common`` must define
+    what follows it (a function, class, constant; a class's method)."""
+    parts = dotted.rstrip(".").split(".")
+    for cut in range(len(parts), 0, -1):
+        base = REPO.joinpath(*parts[:cut])
+        module = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+        if module.is_file():
+            rest = parts[cut:]
+            return bool(rest) and not module_defines(module, rest[:2])
+    return True
+
+
+def test_every_repository_path_and_module_name_in_the_docs_exists():
+    """Checked against the files, and for ``common.*`` names against the modules' own definitions. Test
+    files' docstrings may name what must not exist (the checks' own examples): only their paths count."""
+    stale = set()
+    for where, text, _ in documents():
+        stale.update(f"{where.relative_to(REPO)}: {token}" for token in PATH.findall(text) + RELATIVE.findall(text)
+                     if missing_path(token, where))
+        if "tests" not in where.relative_to(REPO).parts:
+            stale.update(f"{where.relative_to(REPO)}: {dotted}" for dotted in MODULE.findall(text)
+                         if missing_module_name(dotted))
+    assert not stale, "the docs name what is not in the repository:\n" + "\n".join(sorted(stale))
+
+
+@functools.lru_cache(maxsize=None)
+def script_flags() -> dict[str, frozenset[str]]:
+    """Every script's flags, by its path, from the parser its ``main`` parses with; ``gpu_proof.sh``
+    passes its arguments to ``gpu_proof.py``."""
+    from test_script_paths import SCRIPTS, parsers, script_parser_of
+
+    flags = {relpath: frozenset(option for _, parser in parsers(script_parser_of(relpath))
+                                for action in parser._actions for option in action.option_strings)
+             for relpath in SCRIPTS}
+    flags["scripts/gpu_proof.sh"] = flags["scripts/gpu_proof.py"]
+    return flags
+
+
+def code(text: str, markdown: bool) -> list[str]:
+    """The code in ``text``: fenced blocks and `spans` of Markdown; indented lines and ``spans`` of a
+    docstring. A line that ends in a backslash goes on in the next."""
+    text = re.sub(r"\\\\?\n[ \t]*", " ", text)  # "\" (written "\\" in a docstring) at the end of a line
+    if markdown:
+        blocks = re.findall(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M)
+        spans = re.findall(r"`([^`\n]+)`", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M))
+    else:
+        blocks = re.findall(r"^(?: {4}|\t).*$", text, re.M)
+        spans = re.findall(r"``([^`]+)``", text)
+    return [line for block in blocks for line in block.splitlines()] + spans
+
+
+def commands(text: str, markdown: bool = True):
+    """``(script token, the flags given to it)`` for each command line in the code of ``text``."""
+    for line in code(text, markdown):
+        for script, rest in COMMAND.findall(line):
+            arguments = rest.split()
+            if "--" in arguments:  # what follows "--" goes to another program (Lab-05's training)
+                arguments = arguments[:arguments.index("--")]
+            yield script, {arg.split("=")[0] for arg in arguments if re.fullmatch(r"--?[A-Za-z][\w-]*(=.*)?", arg)}
+
+
+def script_of(token: str, where: Path) -> str | None:
+    """The script a command names: a path from the root, from the document's folder, or a name that
+    only one script has."""
+    flags = script_flags()
+    for candidate in (REPO / token, where.parent / token):
+        relative = str(candidate.resolve().relative_to(REPO)) if candidate.resolve().is_relative_to(REPO) else None
+        if relative in flags:
+            return relative
+    named = [relpath for relpath in flags if Path(relpath).name == token]
+    return named[0] if len(named) == 1 else None
+
+
+def test_every_flag_the_docs_give_a_script_of_this_repository_exists():
+    """Each command line in the docs' code that runs one of this repository's scripts passes only flags
+    its parser has (the parser itself, so a renamed flag fails here, not in a student's terminal).
+    torchrun's, srun's and sbatch's own flags, before the script's path, are not checked."""
+    unknown, checked = set(), 0
+    for where, text, markdown in documents():
+        for token, given in commands(text, markdown):
+            script = script_of(token, where)
+            if script is not None:
+                checked += len(given)
+                unknown.update(f"{where.relative_to(REPO)}: {token} {flag}" for flag in given - script_flags()[script])
+    assert not unknown, "flags the docs give scripts that their parsers do not have:\n" + "\n".join(sorted(unknown))
+    assert checked > 200, checked
+
+
+def test_the_doc_checks_find_what_they_forbid():
+    """The negative control: a stale path, module name and flag, each in the shape the docs quote them."""
+    readme = REPO / "labs" / "lab06_failures" / "README.md"
+    assert missing_path("labs/lab06_failures/sbatch/inject_2node.sbatch.j2", readme)
+    assert missing_path("sbatch/overlap.sbatch.j2", REPO / "labs" / "lab05_scaling" / "03_overlap.py")
+    assert not missing_path("sbatch/inject.sbatch.j2", readme)
+    assert missing_module_name("common.precision_names") and missing_module_name("common.cli.no_such_type")
+    assert not missing_module_name("common.train.run.TrainingRun.finish")
+    assert missing_module_name("common.train.run.TrainingRun.no_such_method")
+    block = ("```bash\ntorchrun --nproc_per_node=2 labs/lab06_failures/01_inject.py --device cpu \\\n"
+             "    --fault skip-collective --collective-timout 5   # a typo\n```\n")
+    assert list(commands(block)) == [("labs/lab06_failures/01_inject.py",
+                                      {"--device", "--fault", "--collective-timout"})]
+    assert "--collective-timout" not in script_flags()["labs/lab06_failures/01_inject.py"]

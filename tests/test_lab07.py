@@ -8,10 +8,14 @@ the bubble sweep, then 4 for the 2-D mesh and its checkpoint. The one-process re
 Tolerances: losses step by step ``RTOL = 1e-5`` relative. Tensor parallel adds partial sums in
 another order, a pipeline averages micro-batch losses, FSDP2 averages row gradients: float32 sums
 in another order, about 1e-7 each; each comparison also checks that the loss moved by far more than
-the tolerance. The bubble: within 0.10 (absolute) of ``(p - 1) / (m + p - 1)``, measured on a
-workload (width 512, micro-batches of 4 x 32 tokens, one block per stage) whose compute per
-micro-batch dwarfs the cost of passing activations between the two processes; each rank's idle
-fraction is its median over 3 timed steps, so one step the loaded machine disturbed does not decide.
+the tolerance. The bubble, measured on a workload (width 512, micro-batches of 4 x 32 tokens, four
+blocks per stage) whose compute per micro-batch dwarfs the cost of passing activations between the
+two processes, over the 2 timed steps of each run, is held to what holds on any machine, however
+busy: the job's idle share (both ranks' time outside their stage's compute, over both ranks' wall
+time, one run's two sums) is at least the formula's ``(p - 1) / (m + p - 1)`` less a slack, because
+the schedule makes each rank wait at least one micro-batch of the other's work, and a rank the
+machine holds up only makes the other wait longer; with one micro-batch, when the stages run one
+after the other, it is a half, within the same slack; and it is smaller with 8 micro-batches than with 1.
 """
 
 from __future__ import annotations
@@ -135,15 +139,34 @@ def test_every_pipeline_schedule_matches_the_one_process_run_step_by_step(runs, 
     _assert_same_losses(parallel, _record(runs, "pp_ref"))
 
 
-def test_the_measured_bubble_is_near_the_formula_for_every_number_of_microbatches(runs):
+#: How far from the formula the measurement itself may put the idle share: the clocks of the two ranks
+#: start and stop at barriers they leave a little apart, and a stage's timed compute holds some of the
+#: schedule's own work. Measured with these four runs three times on a 2-core machine that four other
+#: sessions loaded too (load average 10-18): from 0.052 below the formula (2 micro-batches, below every
+#: time) to 0.034 above it (8), and 0.507-0.512 with one micro-batch; the quiet reference records read
+#: 0.01 to 0.05 above. About twice the most below. (A stage whose backward went untimed read 0.85 with
+#: one micro-batch.)
+BUBBLE_SLACK = 0.10
+
+
+def test_the_measured_bubble_is_at_least_the_formula_and_shrinks_with_more_microbatches(runs):
     measured = {}
     for m in MICROBATCHES:
         metrics = _record(runs, f"bubble_{m}")["metrics"]
         assert metrics["bubble_formula"] == pytest.approx(1 / (m + 1))
-        assert metrics["steps_timed"] == 2 and len(metrics["per_rank"]) == 2
-        measured[m] = metrics["bubble_measured"]
+        per_rank = metrics["per_rank"]
+        assert metrics["steps_timed"] == 2 and [rank["rank"] for rank in per_rank] == [0, 1]
+        for rank in per_rank:
+            assert len(rank["bubble_per_step"]) == 2 and 0 < rank["compute_s"] < rank["wall_s"], rank
+        measured[m] = 1 - sum(rank["compute_s"] for rank in per_rank) / sum(rank["wall_s"] for rank in per_rank)
     print("bubble measured vs formula:", {m: (round(b, 3), round(1 / (m + 1), 3)) for m, b in measured.items()})
-    assert all(abs(measured[m] - 1 / (m + 1)) <= 0.10 for m in MICROBATCHES), measured
+    # Never much less than the formula: each rank waits at least one micro-batch of the other's work,
+    # and a rank the machine holds up only makes the other wait longer.
+    assert all(measured[m] >= 1 / (m + 1) - BUBBLE_SLACK for m in MICROBATCHES), measured
+    # One micro-batch runs the two stages one after the other: half the job's time is idle, plus half of
+    # what is neither stage's compute (passing the activation, the schedule), which a busy machine
+    # dilutes rather than grows: it holds a rank up mostly where it spends its time, in its compute.
+    assert abs(measured[1] - 0.5) <= BUBBLE_SLACK, measured
     assert measured[1] > measured[8]  # more micro-batches, less idle
 
 

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
-from common.cli import one_line_errors, output_file
+from common.cli import input_dir, one_line_errors, output_file
 from common.report import build_report
 from common.report.render import DEFAULT_REPORT_NAME
 
@@ -20,7 +20,7 @@ __all__ = ["beside_records", "build_parser", "parse_args", "main"]
 def build_parser() -> argparse.ArgumentParser:
     parser = one_line_errors(argparse.ArgumentParser(
         description="Turn a folder of result records into one self-contained HTML report and a CSV summary."))
-    parser.add_argument("--results-dir", type=Path, default=Path("results"),
+    parser.add_argument("--results-dir", type=input_dir, default=Path("results"),
                         help="folder of result records, searched recursively (default: %(default)s)")
     parser.add_argument("--lab", default=None,
                         help="only this lab's (or chapter's) records, e.g. lab04 or ch04; the report is then "

@@ -19,7 +19,7 @@ The format, field by field: ``slurm/sites/README.md``.
 ``load_site(path)`` reads one file, ``load_sites(folder)`` every ``*.yaml`` in a folder,
 ``find_site(name)`` one profile of ``slurm/sites/`` by name and ``site_names()`` lists them. A
 profile that is not valid raises :class:`common.errors.UserError` with one line naming the file and
-the field (``slurm/sites/x.yaml: partitions.gpu: a partition with GPUs needs cpus_per_gpu``);
+the field (``slurm/sites/NAME.yaml: partitions.gpu: a partition with GPUs needs cpus_per_gpu``);
 a script's ``run_main`` prints it as ``error: ...`` and exits 2.
 
 Link peaks (``partitions.<name>.links``) are bandwidth in GB/s (10^9 bytes per second) in one

@@ -42,6 +42,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     group.add_argument("--record-steps", type=non_negative_int, default=200,
                        help="how many of the first optimiser steps keep their loss in the record "
                             "(metrics.loss_at_step) (default: %(default)s)")
+    group.add_argument("--tensorboard", type=output_dir, default=None, metavar="DIR",
+                       help="write TensorBoard event files here from rank 0: train/loss per step, test/loss and "
+                            "test/accuracy per evaluation (tensorboard --logdir DIR) (default: none)")
     add_determinism_arg(group)
     return group
 
@@ -60,6 +63,10 @@ def add_checkpoint_args(parser: argparse.ArgumentParser, *, always: bool = False
                             f"(default: {default_text})")
     group.add_argument("--resume", action="store_true",
                        help="continue from --checkpoint when it exists (default: start fresh)")
+    group.add_argument("--step-budget", type=positive_int, default=None, metavar="STEPS",
+                       help="optimiser steps this process may take; then it saves the checkpoint and exits 0 as "
+                            "on a pre-emption signal, and --resume goes on (one link of a job chain) "
+                            "(default: no budget)")
     add_determinism_arg(group)
     return parser
 
@@ -94,6 +101,8 @@ def settle(args: argparse.Namespace, script: str, *, distributed: bool) -> Path 
         args.checkpoint = output_file(str(Path(args.results_dir) / "checkpoints" / f"{Path(script).stem}.pt"))
     if args.resume and args.checkpoint is None:
         raise UserError("--resume needs --checkpoint PATH (the file to continue from)")
+    if getattr(args, "step_budget", None) is not None and args.checkpoint is None:
+        raise UserError("--step-budget needs --checkpoint PATH (where the next run goes on from)")
     return args.checkpoint
 
 
@@ -113,6 +122,8 @@ class RunSettings:
     resume: bool
     results_dir: Path
     checkpoint: Path | None
+    step_budget: int | None    # --step-budget: steps this process may take before it saves and stops
+    tensorboard: Path | None   # --tensorboard: where rank 0 writes the curves
     flags: argparse.Namespace  # every flag, for the record and the checkpoint: what the run was asked to do
 
     @classmethod
@@ -121,7 +132,8 @@ class RunSettings:
                    max_steps=args.max_steps, log_interval=args.log_interval, warmup_steps=args.warmup_steps,
                    record_steps=args.record_steps, num_workers=getattr(args, "num_workers", None),
                    resume=bool(getattr(args, "resume", False)), results_dir=Path(args.results_dir),
-                   checkpoint=getattr(args, "checkpoint", None), flags=args)
+                   checkpoint=getattr(args, "checkpoint", None), step_budget=getattr(args, "step_budget", None),
+                   tensorboard=getattr(args, "tensorboard", None), flags=args)
 
     def config(self, **derived: Any) -> dict[str, Any]:
         """Every flag as the script holds it now (a script may settle some after the run starts), plus ``derived``."""

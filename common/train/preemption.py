@@ -1,5 +1,9 @@
 """Surviving the end of an allocation: stop on a signal, save, and resume where the run stopped.
 
+A run may also stop by itself after ``--step-budget`` optimiser steps, exactly as on the signal (save,
+exit 0): one link of a chain of jobs that each continue the run (Lab-09), with a length a test can
+choose, where a time limit's signal comes only to the minute.
+
 :class:`StopSignal` catches ``SIGUSR1`` (what ``#SBATCH --signal=B:USR1@120`` sends before the time
 limit) and ``SIGTERM`` (what ``scancel`` and pre-emption send). :class:`Preemption` is the policy a
 :class:`~common.train.run.TrainingRun` follows: with a checkpoint, a signal only sets a flag; before
@@ -118,9 +122,11 @@ def unwrap(model: Any) -> Any:
 class Preemption:
     """The stop flag, the checkpoint and the resume of one run (every method is called on every rank)."""
 
-    def __init__(self, checkpointer: Checkpointer | None, *, resume: bool) -> None:
+    def __init__(self, checkpointer: Checkpointer | None, *, resume: bool, budget: int | None = None) -> None:
         self.checkpointer, self.wants_resume = checkpointer, resume
         self.signal = StopSignal()
+        self.budget = budget  # --step-budget: optimiser steps this process may take, then it stops as on the signal
+        self.steps_taken = 0
         self.tracked: dict[str, Any] = {}
 
     def __enter__(self) -> "Preemption":
@@ -145,9 +151,16 @@ class Preemption:
         between the CPUs (:func:`~common.runtime.distributed.any_rank_on_host`): no wait for the GPU."""
         if self.checkpointer is None:
             return
-        stop = self.signal.requested is not None
+        stop = self.signal.requested is not None or (self.budget is not None and self.steps_taken >= self.budget)
         if any_rank_on_host(stop) if across_ranks else stop:
             raise Preempted(step)
+        self.steps_taken += 1
+
+    def why_stopped(self) -> str:
+        """What stopped the run: the signal, else the step budget."""
+        if self.signal.requested is not None:
+            return f"received {self.signal.name}"
+        return f"step budget of {self.budget} step(s) reached"
 
     def resume(self, objects: dict[str, Any], *, settings: dict[str, Any], rank: int, world_size: int,
                device: torch.device) -> tuple[int, int, Progress] | None:

@@ -36,6 +36,7 @@ The run delegates each of its jobs to one collaborator:
   kept on the device, averaged over ranks per epoch, the held-out history);
 - **measuring**: :class:`common.train.meter.RunMeter` (step time, data waiting, energy, memory,
   placement);
+- **the curves**: :class:`common.train.progress.Curves` (``--tensorboard DIR``: TensorBoard event files);
 - **the record**: :func:`common.train.record.write_run_record` (rank 0 writes it).
 """
 
@@ -51,7 +52,7 @@ from common.runtime.distributed import every_rank_arrives, open_process, print0,
 from common.train.flags import RunSettings, settle
 from common.train.meter import RunMeter
 from common.train.preemption import Checkpointer, Preempted, Preemption, TorchCheckpointer
-from common.train.progress import LossLog, Progress
+from common.train.progress import Curves, LossLog, Progress
 from common.train.record import write_run_record
 
 __all__ = ["TrainingRun"]
@@ -68,7 +69,7 @@ class TrainingRun:
         path = settle(args, script, distributed=distributed)  # --dry-run, --resume, where the checkpoint goes
         self.settings = RunSettings.from_args(args)  # what the run's parts read, once; args itself goes to the record
         self.checkpointer = checkpointer or (TorchCheckpointer(path) if path is not None else None)
-        self.preemption = Preemption(self.checkpointer, resume=self.settings.resume)
+        self.preemption = Preemption(self.checkpointer, resume=self.settings.resume, budget=self.settings.step_budget)
         self.progress = Progress()
         self.losses = LossLog(self.settings.record_steps)
         self.epoch, self.start_step, self._epoch_open = 1, 0, False
@@ -77,6 +78,7 @@ class TrainingRun:
         self.ctx = open_process(self.settings.device, distributed=self.distributed,
                                 deterministic=self.settings.deterministic)
         self.device = self.ctx.device
+        self.curves = Curves(self.settings.tensorboard, is_main=self.is_main)  # --tensorboard
         self.meter = RunMeter(self.device, warmup_steps=self.settings.warmup_steps)
         if self.distributed:  # each rank's cores, its GPU's NUMA node, DataLoader workers against cores
             self.meter.place(self.settings.num_workers)
@@ -87,11 +89,12 @@ class TrainingRun:
         try:
             if isinstance(error, Preempted):  # saved here; the exception goes on (run_main exits 0 on it)
                 self.save_checkpoint(self.epoch, error.step)
-                self.print(f"received {self.preemption.signal.name}: saved {self.checkpointer.path} at epoch "
+                self.print(f"{self.preemption.why_stopped()}: saved {self.checkpointer.path} at epoch "
                            f"{self.epoch} step {error.step}; exiting so the job can be requeued (resume with --resume)")
             return False
         finally:
             try:
+                self.curves.close()
                 self.preemption.__exit__()
             finally:
                 teardown_distributed(self.ctx)
@@ -171,7 +174,9 @@ class TrainingRun:
             self.print(self.progress.line(epoch, self.meter.rate(), job=self.world_size > 1))
 
     def _close_epoch(self, *, ended: bool) -> None:
+        logged = len(self.progress.epoch_losses)
         self.losses.reduce_into(self.progress, self.device, across_ranks=self.distributed)
+        self.curves.losses(self.progress.steps, self.progress.epoch_losses[logged:])
         if ended and self._epoch_open:
             self.progress.close_epoch()
             self._epoch_open = False
@@ -215,6 +220,7 @@ class TrainingRun:
         """The held-out loss and accuracy after this epoch (kept with the training time so far)."""
         epoch = self.epoch if self._epoch_open else len(self.progress.train_loss)  # after the loop: the last
         self.progress.evaluated(epoch, test_loss, test_accuracy)
+        self.curves.evaluated(self.progress.steps, test_loss, test_accuracy)
 
     # ---------------------------------------------------------------------------------- the record
     def finish(self, *, config: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,

@@ -32,7 +32,8 @@ Pre-emption, as in Chapter 4's ``multi_gpu_ddp.py`` (``common.train.run.Training
 on SIGUSR1 (``#SBATCH --signal=B:USR1@120``) or SIGTERM all ranks agree to stop at the next step,
 rank 0 saves ``--checkpoint`` (default ``RESULTS_DIR/checkpoints/04_ddp_training.pt``) atomically,
 and the job exits 0; ``--resume`` continues from that step with the same data order. Diff this file
-against ``03_dataparallel_training.py``: the difference is DDP.
+against ``03_dataparallel_training.py``: the difference is DDP, and what DDP makes possible beside it
+(``--accumulation-steps`` under ``no_sync()``, ``--amp``, the checkpoint and ``--resume``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Kept apart so that the benchmark script shows the measuring, and so that the report and the tests
 can use these without importing torch:
 
-- :func:`unsupported_reason`, which says why a precision of :data:`common.cli.PRECISIONS`
+- :func:`unsupported_reason`, which says why a precision of :data:`common.cli.BENCHMARK_PRECISIONS`
   cannot run on a device (the reason goes into the CSV summary and the record).
 - :func:`launch_bound_line`, which says when the runs are far below the GPU's datasheet peak
   (``common.precision``, where every lab gets its peaks and MFU).

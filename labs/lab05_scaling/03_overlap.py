@@ -6,7 +6,7 @@ Usage:
     torchrun --standalone --nproc_per_node=2 labs/lab05_scaling/03_overlap.py --device cpu --model resnet18 \\
         --batch-size 8 --image-size 32 --repeats 6
     srun --kill-on-bad-exit=1 python labs/lab05_scaling/03_overlap.py --model resnet50   # one task per GPU
-    sbatch overlap.sbatch   # rendered from sbatch/overlap.sbatch.j2
+    # sbatch: no template of its own; in sbatch/bandwidth_1node.sbatch.j2 put this script in the srun line
 
 What it teaches: DDP starts all-reducing a bucket of gradients (``bucket_cap_mb`` MiB) as soon as
 backward has produced all of them, while backward goes on computing the next ones. For each bucket

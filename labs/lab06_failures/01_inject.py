@@ -10,18 +10,19 @@ Usage:
     TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc_per_node=2 labs/lab06_failures/01_inject.py \\
         --fault shape-mismatch --rank 1 --step 3        # the desync named at once instead of an abort
     srun --kill-on-bad-exit=1 python labs/lab06_failures/01_inject.py --fault crash-rank --rank 1 --step 7
-    sbatch inject_2node.sbatch   # rendered from sbatch/inject_2node.sbatch.j2, see the README
+    sbatch inject.sbatch         # rendered from sbatch/inject.sbatch.j2, see the README
 
 What it teaches: a data-parallel run (a small CNN of ``common.models`` on synthetic images) whose
 step is visible: forward, backward, then ONE all-reduce that carries the gradients, the loss and a
 "my loss is not finite" flag per rank, then the optimiser step. Rank ``--rank`` misbehaves once at
 ``--step`` (``--fault``, listed in ``--help``); a restarted or requeued run finds the marker the fault
 left in ``--run-dir`` and goes on without it, resuming from the last checkpoint (rank 0 writes one
-every ``--checkpoint-every`` steps). A hang becomes an error after ``--collective-timeout`` seconds;
-the rank that gets it reads every rank's ledger (the collective each rank entered last, written
-before entering it) and prints one line naming the rank that is behind or called something else,
-and the step. A NaN on any rank reaches every rank in the same all-reduce, so all stop at the same
-step (none is left waiting) and the last good checkpoint is the one on disk.
+every ``--checkpoint-every`` steps). A hang becomes an error after ``--collective-timeout`` seconds
+(30 by default); the rank that gets it reads every rank's ledger (the collective each rank entered
+last, written before entering it) and prints one line naming the rank that is behind or called
+something else, the step, and the timeout that fired. A NaN on any rank reaches every rank in the
+same all-reduce, so all stop at the same step (none is left waiting) and the last good checkpoint
+is the one on disk.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from common.checkpoint.single_file import load_checkpoint, save_checkpoint
 from common.cli import (
-    add_collective_timeout_arg, add_run_args, config_dict, non_negative_int, positive_int, script_parser,
+    add_collective_timeout_arg, add_run_args, config_dict, non_negative_int, output_dir, positive_int, script_parser,
 )
 from common.errors import run_main
 from common.models import PlainCNN
@@ -54,11 +55,14 @@ from common.runtime.launch import detect_launch
 from labs.lab06_failures.lab06_shared import (
     DEFAULT_RUN_DIR, END_OF_RUN, FAULTS, FIRED_MARKER, GRADIENTS, RUN_META, FaultPlan, Ledger,
     block_until_parent_dies, diagnose, dump_flight_recorder, read_history, read_ledger, restart_count,
-    write_inject_record,
+    timeout_fired, write_inject_record,
 )
 
 SCRIPT = "labs/lab06_failures/01_inject.py"
 IMAGE_SIZE, CLASSES = 8, 4
+#: Every fault here ends, diagnosed, within a minute and a half (not the group's usual 600 s), with time
+#: to look at a live hang (02_diagnose.py); it starts once every rank is in (common.runtime.distributed).
+COLLECTIVE_TIMEOUT_S = 30.0
 
 
 class SyntheticSteps(Dataset):
@@ -147,6 +151,7 @@ def train(args, ctx, plan: FaultPlan) -> int:
     fault = "no fault" if args.fault == "none" else f"fault {args.fault} on rank {args.rank} at step {args.step}"
     print0(f"{ctx.line(distributed=True)} | {fault} | {numel} elements all-reduced per step | "
            f"run folder {args.run_dir}")
+    print0(f"a collective that waits {args.collective_timeout:g} s for the other ranks fails (--collective-timeout)")
 
     dataset = SyntheticSteps(args.steps, args.batch_size, args.seed, ctx.rank, plan)
     loader = DataLoader(dataset, batch_size=None, num_workers=args.num_workers,
@@ -167,7 +172,7 @@ def train(args, ctx, plan: FaultPlan) -> int:
                 loss = loss * float("nan")
             loss.backward()
             loss_value, not_finite = reduce_step(model, loss, ctx, plan, ledger, step,
-                                                 slow_s=(args.collective_timeout or 600.0) + 2.0)
+                                                 slow_s=args.collective_timeout + 2.0)
             if not_finite:  # every rank learns it from the same all-reduce: all stop here, together
                 stopped = {"step": step, "ranks": not_finite, "checkpoint_step": last_checkpoint(args, step)}
                 print0(f"step {step}: loss not finite on rank(s) {not_finite}; every rank stops at this step; "
@@ -206,15 +211,18 @@ def report_failure(args, ctx, error: RuntimeError, step: int, stacks) -> int:
                                                                "culprits": [ctx.rank], "culprit_step": step})
         return 1
     meta = json.loads((args.run_dir / RUN_META).read_text())
-    verdict = diagnose(read_ledger(args.run_dir), ctx.world_size, meta["steps"], meta["gradient_numel"],
+    ledger = read_ledger(args.run_dir)
+    verdict = diagnose(ledger, ctx.world_size, meta["steps"], meta["gradient_numel"],
                        history=read_history(args.run_dir))
     waiting = [r for r in range(ctx.world_size) if r not in verdict.ranks]
+    waited, fired, why = timeout_fired(ledger.get(ctx.rank), message, args.collective_timeout)
     print_rank(f"error at step {step}: {message[:160]}", file=sys.stderr)
     dump_flight_recorder(args.run_dir, ctx.rank, ctx.backend)  # what 02_diagnose.py shows after the fact
     if waiting and ctx.rank == min(waiting):
-        print_rank(f"diagnosis: {verdict.line}")
+        print_rank(f"diagnosis: {verdict.line}{why}")
         write(args, ctx, "failed", step, float("nan"), None,
-              {"diagnosis": verdict.line, "culprits": verdict.ranks, "culprit_step": verdict.step, "error": message},
+              {"diagnosis": verdict.line, "culprits": verdict.ranks, "culprit_step": verdict.step, "error": message,
+               "timeout_fired_s": args.collective_timeout if fired else None, "waited_s": waited},
               ledger=verdict.rows)
     stacks.close()
     return 1
@@ -235,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--rank", type=non_negative_int, default=1,
                        help="the rank that misbehaves (default: %(default)s)")
     group.add_argument("--step", type=positive_int, default=3, help="the step at which it does (default: %(default)s)")
-    add_collective_timeout_arg(group)
+    add_collective_timeout_arg(group, default=COLLECTIVE_TIMEOUT_S)
     group = parser.add_argument_group("the run")
     group.add_argument("--steps", type=positive_int, default=10, help="optimiser steps (default: %(default)s)")
     group.add_argument("--batch-size", type=positive_int, default=16,
@@ -249,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="steps between loss lines (default: %(default)s)")
     group.add_argument("--checkpoint-every", type=positive_int, default=5,
                        help="rank 0 saves model and optimiser every this many steps (default: %(default)s)")
-    group.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR,
+    group.add_argument("--run-dir", type=output_dir, default=DEFAULT_RUN_DIR,
                        help="checkpoint, fault marker and ledger; a restarted run resumes from it "
                             "(default: %(default)s)")
     group.add_argument("--resume", action="store_true",

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.cli import add_run_args, config_dict, positive_int, script_parser
+from common.cli import add_run_args, config_dict, input_dir, positive_int, script_parser
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
 from labs.lab06_failures.lab06_shared import (
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     group = parser.add_argument_group("which job")
-    group.add_argument("--run-dir", type=Path, default=None,
+    group.add_argument("--run-dir", type=input_dir, default=None,
                        help="the --run-dir of 01_inject.py: its ledger and run.json (default: none)")
     group.add_argument("--pid", type=positive_int, default=None,
                        help="a process of the job on this node, e.g. its torchrun (default: from the ledger)")

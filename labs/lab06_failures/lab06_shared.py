@@ -130,6 +130,17 @@ class Ledger:
             history.write(json.dumps(entry) + "\n")
 
 
+def timeout_fired(entry: Mapping[str, Any] | None, message: str, timeout_s: float) -> tuple[float, bool, str]:
+    """Did the collective timeout end this rank's wait? ``entry`` is its ledger entry, written just
+    before it entered its last collective. A wait as long as the timeout is the timeout firing, whatever
+    the error says (a peer that timed out a moment earlier closed its connection: "Connection closed by
+    peer"). Returns the seconds waited, whether it fired, and what the diagnosis line adds then."""
+    waited = time.time() - entry["time"] if entry else 0.0
+    fired = "timed out" in message.lower() or waited >= timeout_s
+    return waited, fired, (f" [the {timeout_s:g} s collective timeout fired: rank {entry['rank'] if entry else '?'} "
+                           f"waited {waited:.1f} s; --collective-timeout SECONDS changes it]") if fired else ""
+
+
 def dump_flight_recorder(run_dir: Path, rank: int, backend: str | None) -> Path | None:
     """Write this rank's flight recorder (its last collectives, kept by PyTorch when the recorder was
     enabled before the group started: ``common.runtime.compat.enable_flight_recorder``) beside the

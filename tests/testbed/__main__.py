@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="the cluster's directory (default: %(default)s)")
     parser.add_argument("--nodes", type=int, default=2, choices=range(1, MAX_NODES + 1), metavar="N",
                         help=f"emulated compute nodes n1..nN, 1 to {MAX_NODES} [start] (default: %(default)s)")
+    parser.add_argument("--no-accounting", dest="accounting", action="store_false",
+                        help="no slurmdbd and MariaDB: sacct does not answer [start] (default: accounting on)")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep D/log after stopping [stop] (default: delete everything)")
     claims = parser.add_argument_group("what the nodes claim [start] (default: enough for every site profile "
@@ -57,6 +59,7 @@ def resources_from(args: argparse.Namespace) -> node_resources.NodeResources:
             gpus=tuple(check_node_list(args.gpus)) if args.gpus is not None else claims.gpus,
             features=split(args.features) if args.features is not None else claims.features,
             reservations=split(args.reservations) if args.reservations is not None else claims.reservations,
+            accounts=claims.accounts,
             cpus=args.cpus if args.cpus is not None else claims.cpus,
             mem_mb=args.mem_mb if args.mem_mb is not None else claims.mem_mb)
     except ValueError as err:
@@ -83,7 +86,7 @@ def status(testbed: Testbed) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    testbed = Testbed(args.dir, nodes=args.nodes)
+    testbed = Testbed(args.dir, nodes=args.nodes, accounting=args.accounting)
     try:
         if args.command == "start":
             testbed.start(resources_from(args))

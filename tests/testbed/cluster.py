@@ -80,16 +80,18 @@ class SlurmTestCluster:
 
     def __init__(self, directory: Path | None = None, nodes: int = 2,
                  resources: node_resources.NodeResources | None = None,
-                 job_env: Mapping[str, str] | None = None, log_dir: Path | None = None) -> None:
+                 job_env: Mapping[str, str] | None = None, log_dir: Path | None = None,
+                 accounting: bool = True) -> None:
         """``resources``: what the nodes claim (default: enough for every site profile); ``job_env``
         is added to every submission's environment (sbatch exports it to the job); ``log_dir``
-        receives job logs unless a submission names its own ``--output``."""
+        receives job logs unless a submission names its own ``--output``; ``accounting``: slurmdbd and
+        MariaDB, so that ``sacct`` answers (see :mod:`testbed.daemons`)."""
         self.directory = directory or Path(tempfile.mkdtemp(prefix="hpc-dl-labs-slurm-"))
         self.nodes = nodes
         self.resources = resources
         self.job_env = dict(job_env or {})
         self.log_dir = log_dir or self.directory.with_name(self.directory.name + "-logs")
-        self.testbed = Testbed(self.directory, nodes)
+        self.testbed = Testbed(self.directory, nodes, accounting=accounting)
         self.left_behind: list[RunningCluster] = []  # clusters of ended runs that start() stopped
         self.start_seconds: float | None = None
         self.stop_seconds: float | None = None

@@ -11,8 +11,15 @@ hand. A run that is killed (SIGKILL, SIGTERM, a CI timeout) cannot stop its clus
 :meth:`Testbed.start` finds such a cluster by reading ``/proc/*/environ``, sees that its owner is
 gone, and stops it with its jobs. A cluster started by hand stays until ``stop``.
 
-Written for Debian 12's Slurm 22.05 and munge 0.5. Needs root (slurmd runs jobs as any user, the
-fake GPUs are device nodes, ``/etc/hosts`` gets the node names).
+Accounting, as on a real cluster (``sacct``, ``sstat``, ``jobacct_gather/linux``; submitit and Lab-09
+read it): a MariaDB server of the cluster's own (its data directory under the cluster's directory, on
+the block's last port, 127.0.0.1 only) and ``slurmdbd`` on the port before it, started after munged
+and stopped after slurmctld. A fresh MariaDB data directory takes 4-15 s to create
+(``mariadb-install-db``), so it is made once per MariaDB version under ``/var/cache`` and copied
+(a fraction of a second). ``accounting=False`` leaves both out (``accounting_storage/none``).
+
+Written for Debian 12's Slurm 22.05, munge 0.5 and MariaDB 10.11. Needs root (slurmd runs jobs as any
+user, the fake GPUs are device nodes, ``/etc/hosts`` gets the node names).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import signal
 import socket
 import stat
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +43,17 @@ MARKER = ".hpc-dl-labs-testbed"            # a directory holding this file is a 
 DIR_VARIABLE = "HPC_DL_LABS_TESTBED_DIR"    # in every daemon's environment: its cluster's directory
 OWNER_VARIABLE = "HPC_DL_LABS_TESTBED_OWNER"  # "<pid>:<start time>" of the run that owns it, or ""
 FIRST_PORT, PORT_BLOCK, PORT_BLOCKS = 16817, 8, 100  # slurmctld on a block's first port, slurmds after it
+SLURMDBD_PORT, MARIADB_PORT = 6, 7  # their offsets in the block (after at most MAX_NODES slurmds)
 HOSTS_TAG = "# added by hpc-dl-labs slurm testbed"
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
+ACCOUNTING_PACKAGES = ("slurmdbd", "mariadb-server")
 MAX_NODES = 4
+#: Where the pristine MariaDB data directory is kept between clusters, one per MariaDB version.
+MARIADB_CACHE = Path(os.environ.get("HPC_DL_LABS_TESTBED_CACHE", "/var/cache/hpc-dl-labs-testbed"))
+#: A throwaway database: no doublewrite, no fsync, small buffers (the cluster's few jobs need little).
+MARIADB_OPTIONS = ("--no-defaults", "--user=root", "--skip-name-resolve", "--skip-log-bin",
+                   "--innodb-buffer-pool-size=16M", "--innodb-log-file-size=4M", "--innodb-doublewrite=0",
+                   "--innodb-flush-method=nosync", "--innodb-flush-log-at-trx-commit=0")
 
 
 class ClusterError(RuntimeError):
@@ -171,11 +187,17 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def free_port_block(nodes: int) -> int:
-    """The first port of a block whose ports (slurmctld, then one per slurmd) are all free."""
+def block_ports(first: int, nodes: int, accounting: bool = True) -> list[int]:
+    """The ports a cluster takes from its block: slurmctld, one per slurmd, then slurmdbd and MariaDB."""
+    extra = [first + SLURMDBD_PORT, first + MARIADB_PORT] if accounting else []
+    return [*range(first, first + 1 + nodes), *extra]
+
+
+def free_port_block(nodes: int, accounting: bool = True) -> int:
+    """The first port of a block whose ports (:func:`block_ports`) are all free."""
     for block in range(PORT_BLOCKS):
         first = FIRST_PORT + block * PORT_BLOCK
-        if all(_port_free(port) for port in range(first, first + 1 + nodes)):
+        if all(_port_free(port) for port in block_ports(first, nodes, accounting)):
             return first
     raise ClusterError(f"no free block of {nodes + 1} ports from {FIRST_PORT} to {first + PORT_BLOCK}")
 
@@ -210,18 +232,20 @@ def remove_host_entries(directory: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # Installing Slurm
 
-def install_packages() -> None:
-    missing = [cmd for cmd in ("munged", "slurmctld", "slurmd", "sbatch") if shutil.which(cmd) is None]
+def install_packages(accounting: bool = True) -> None:
+    commands = ("munged", "slurmctld", "slurmd", "sbatch") + (("slurmdbd", "mariadbd") if accounting else ())
+    missing = [cmd for cmd in commands if shutil.which(cmd, path=f"{os.environ.get('PATH', '')}:/usr/sbin") is None]
     if not missing:
         return
     if os.geteuid() != 0:
         raise ClusterError(f"Slurm is not installed (missing: {' '.join(missing)}) and installing it needs root")
     if shutil.which("apt-get") is None:
         raise ClusterError(f"Slurm is not installed (missing: {' '.join(missing)}) and there is no apt-get")
-    say(f"installing {' '.join(PACKAGES)} with apt-get (missing: {' '.join(missing)})")
+    packages = PACKAGES + (ACCOUNTING_PACKAGES if accounting else ())
+    say(f"installing {' '.join(packages)} with apt-get (missing: {' '.join(missing)})")
     began = time.monotonic()
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]):
+    for command in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *packages]):
         done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
         if done.returncode != 0:
             tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-10:])
@@ -235,11 +259,12 @@ def install_packages() -> None:
 class Testbed:
     """The test cluster living in ``directory``, with emulated nodes n1..nN."""
 
-    def __init__(self, directory: Path = DEFAULT_DIR, nodes: int = 2) -> None:
+    def __init__(self, directory: Path = DEFAULT_DIR, nodes: int = 2, accounting: bool = True) -> None:
         if not 1 <= nodes <= MAX_NODES:
             raise ClusterError(f"nodes must be 1 to {MAX_NODES}, got {nodes}")
         self.directory = Path(directory).absolute()
         self.nodes = nodes
+        self.accounting = accounting
 
     @property
     def node_names(self) -> list[str]:
@@ -294,16 +319,16 @@ class Testbed:
                 shutil.rmtree(self.directory)
             elif any(self.directory.iterdir()):
                 raise ClusterError(f"{self.directory} exists and is not a test cluster directory; choose another")
-        install_packages()
+        install_packages(self.accounting)
         began = time.monotonic()
         self.directory.mkdir(parents=True, exist_ok=True)
         self.directory.chmod(0o711)  # munged insists that everyone may traverse its socket's directory
         (self.directory / MARKER).touch()
-        port = free_port_block(self.nodes)
+        port = free_port_block(self.nodes, self.accounting)
         self.write_config(resources, port)
         add_host_entries(self.directory, self.node_names)
         try:
-            self.start_daemons(owner_token(owner) if owner else "")
+            self.start_daemons(owner_token(owner) if owner else "", port, resources.accounts)
             self.wait_for_idle_nodes(30)
             for name in resources.reservations:
                 created = self.slurm("scontrol", "create", "reservation", f"ReservationName={name}", "Users=root",
@@ -316,15 +341,16 @@ class Testbed:
             self.stop()
             raise ClusterError(f"the test cluster did not start: {err}{logs}") from None
         partitions = " ".join(resources.partitions)
-        say(f"{self.nodes} node(s) idle in {time.monotonic() - began:.1f} s on ports {port}-{port + self.nodes}: "
-            f"partitions {partitions}")
+        ports = block_ports(port, self.nodes, self.accounting)
+        say(f"{self.nodes} node(s) idle in {time.monotonic() - began:.1f} s on ports {','.join(map(str, ports))}: "
+            f"partitions {partitions}; accounting: {'slurmdbd + MariaDB' if self.accounting else 'none'}")
         say(f"GPUs per node: {','.join(f'{m}:{n}' for m, n in resources.gpus)}; features: "
             f"{','.join(resources.features) or 'none'}; reservations: {','.join(resources.reservations) or 'none'}")
         return left_behind
 
     def write_config(self, resources: NodeResources, port: int) -> None:
         directory, host = self.directory, socket.gethostname().split(".")[0]
-        for sub in ("log", "state", "spool", "tmp", "dev", "pids"):
+        for sub in ("log", "state", "spool", "tmp", "dev", "pids", "run"):
             (directory / sub).mkdir()
         # Fake GPUs: character devices with NVIDIA's major number 195 and nothing behind them. Slurm
         # needs device files in gres.conf to set CUDA_VISIBLE_DEVICES (regular files leave it empty).
@@ -371,8 +397,7 @@ SlurmctldLogFile={directory}/log/slurmctld.log
 SlurmdLogFile={directory}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+{self.accounting_config(port)}
 JobCompType=jobcomp/filetxt
 JobCompLoc={directory}/log/jobcomp.txt
 SchedulerType=sched/backfill
@@ -395,9 +420,45 @@ RealMemory={resources.mem_mb} Gres={gpus}{features} State=UNKNOWN
 {partitions}
 """)
 
+    def accounting_config(self, port: int) -> str:
+        """slurm.conf's accounting lines (and, with accounting, slurmdbd.conf beside it)."""
+        if not self.accounting:
+            return "JobAcctGatherType=jobacct_gather/none\nAccountingStorageType=accounting_storage/none"
+        directory = self.directory
+        dbd_conf = directory / "slurmdbd.conf"
+        dbd_conf.write_text(f"""\
+# slurmdbd of the hpc-dl-labs test cluster: job records into its own MariaDB ({directory}/mariadb).
+AuthType=auth/munge
+AuthInfo=socket={directory}/munge.sock
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort={port + SLURMDBD_PORT}
+SlurmUser=root
+LogFile={directory}/log/slurmdbd.log
+PidFile={directory}/slurmdbd.pid
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort={port + MARIADB_PORT}
+StorageUser=root
+StorageLoc=slurm_acct_db
+""")
+        dbd_conf.chmod(0o600)  # slurmdbd refuses a configuration others may read (it may hold a password)
+        # jobacct_gather/linux samples each task's CPU time and memory (sacct's TotalCPU, MaxRSS; sstat);
+        # gres/gpu in the TRES makes sacct's AllocTRES show the GPUs a job held (GPU-hours).
+        return f"""\
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=task=10
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort={port + SLURMDBD_PORT}
+# For slurmdbd, Slurm's clients take munged's socket from here, not from AuthInfo.
+AccountingStoragePass={directory}/munge.sock
+AccountingStorageTRES=gres/gpu"""
+
     def _launch(self, name: str, command: list[str], owner: str) -> int:
         """Start a daemon in its own session, output to its log; record its pid under ``name``."""
-        env = {**os.environ, DIR_VARIABLE: str(self.directory), OWNER_VARIABLE: owner}
+        env = {**os.environ, DIR_VARIABLE: str(self.directory), OWNER_VARIABLE: owner,
+               "SLURM_CONF": str(self.slurm_conf)}  # slurmdbd reads slurmdbd.conf beside it
         with open(self.directory / "log" / f"{name}.out", "ab") as log:
             process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                        env=env, start_new_session=True)
@@ -405,7 +466,7 @@ RealMemory={resources.mem_mb} Gres={gpus}{features} State=UNKNOWN
         (self.directory / "pids" / name).write_text(f"{process.pid}\n")
         return process.pid
 
-    def start_daemons(self, owner: str) -> None:
+    def start_daemons(self, owner: str, port: int, accounts: tuple[str, ...] = ()) -> None:
         directory = self.directory
         key = directory / "munge.key"
         key.write_bytes(os.urandom(1024))
@@ -420,9 +481,73 @@ RealMemory={resources.mem_mb} Gres={gpus}{features} State=UNKNOWN
             if time.monotonic() > deadline or not is_running(munged):
                 raise ClusterError("munged did not start")
             time.sleep(0.05)
+        if self.accounting:
+            self.start_accounting(owner, port)
+            self.add_accounts(accounts)
         self._launch("slurmctld", ["slurmctld", "-D", "-f", str(self.slurm_conf)], owner)
         for node in self.node_names:
             self._launch(f"slurmd-{node}", ["slurmd", "-D", "-f", str(self.slurm_conf), "-N", node], owner)
+
+    def start_accounting(self, owner: str, port: int) -> None:
+        """MariaDB (a copy of the cached data directory), then slurmdbd, with the cluster registered.
+
+        The first cluster on a machine registers it (``sacctmgr add cluster``: slurmdbd creates its
+        tables, ~5 s), then stops both and keeps a copy of that database in the cache; the next
+        clusters start from the copy, tables and all."""
+        directory, cached = self.directory, accounting_cache()
+        fresh = not (cached / "slurm_acct_db").is_dir()
+        shutil.copytree(pristine_mariadb_datadir() if fresh else cached, directory / "mariadb", symlinks=True)
+        self._start_database(owner, port)
+        if not fresh:
+            return
+        added = self.slurm("sacctmgr", "--immediate", "add", "cluster", "hpcdllabs")
+        if added.returncode != 0:
+            raise ClusterError(f"sacctmgr add cluster failed: {(added.stderr or added.stdout).strip()}")
+        pids = self.daemon_pids()
+        for name in ("slurmdbd", "mariadbd"):  # a clean shutdown: every table written out
+            terminate({pids[name]}, 20)
+        building = Path(tempfile.mkdtemp(prefix=".building-", dir=MARIADB_CACHE))
+        shutil.copytree(directory / "mariadb", building / "data", symlinks=True)
+        try:
+            (building / "data").rename(cached)
+        except OSError:  # another cluster kept its copy first
+            pass
+        shutil.rmtree(building, ignore_errors=True)
+        say(f"kept the registered accounting database in {cached}")
+        self._start_database(owner, port)
+
+    def add_accounts(self, accounts: tuple[str, ...]) -> None:
+        """The sites' accounts, with root in each: with accounting, a job's --account must name an account
+        its user belongs to, or Slurm drops it (the job runs without SLURM_JOB_ACCOUNT)."""
+        if not accounts:
+            return
+        for command in (["sacctmgr", "--immediate", "add", "account", ",".join(accounts)],
+                        ["sacctmgr", "--immediate", "add", "user", "root", f"account={','.join(accounts)}"]):
+            done = self.slurm(*command)
+            if done.returncode != 0 and "Nothing new added" not in done.stdout + done.stderr:
+                raise ClusterError(f"{' '.join(command)} failed: {(done.stderr or done.stdout).strip()}")
+
+    def _start_database(self, owner: str, port: int) -> None:
+        directory = self.directory
+        mariadb = self._launch("mariadbd", [mariadbd(), *MARIADB_OPTIONS, f"--datadir={directory}/mariadb",
+                                            "--bind-address=127.0.0.1", f"--port={port + MARIADB_PORT}",
+                                            f"--socket={directory}/run/mariadb.sock",
+                                            f"--pid-file={directory}/run/mariadb.pid",
+                                            f"--log-error={directory}/log/mariadb.log"], owner)
+        ping = ["mariadb-admin", "--no-defaults", f"--socket={directory}/run/mariadb.sock", "--user=root", "ping"]
+        self._wait_until(lambda: subprocess.run(ping, capture_output=True, check=False).returncode == 0,
+                         mariadb, "MariaDB", 30)
+        dbd = self._launch("slurmdbd", ["slurmdbd", "-D"], owner)
+        self._wait_until(lambda: not _port_free(port + SLURMDBD_PORT), dbd, "slurmdbd", 30)
+
+    def _wait_until(self, ready, pid: int, name: str, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not ready():
+            if not is_running(pid):
+                raise ClusterError(f"{name} ended at start")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{name} not ready within {seconds:.0f} s")
+            time.sleep(0.05)
 
     def wait_for_idle_nodes(self, seconds: float) -> None:
         """Poll until every node is idle (they register within about a second)."""
@@ -461,11 +586,14 @@ RealMemory={resources.mem_mb} Gres={gpus}{features} State=UNKNOWN
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
-        slurm = {pid for name, pid in pids.items() if name != "munged" and is_running(pid)}
+        # slurmctld hands its last job records to slurmdbd as it stops, slurmdbd writes them to MariaDB.
+        last = ("slurmdbd", "mariadbd", "munged")
+        slurm = {pid for name, pid in pids.items() if name not in last and is_running(pid)}
         terminate(slurm, 20)
         terminate({pid for pid in also if is_running(pid)}, 10)
-        if is_running(pids.get("munged", 0)):
-            terminate({pids["munged"]}, 10)
+        for name in last:
+            if is_running(pids.get(name, 0)):
+                terminate({pids[name]}, 10)
         remove_host_entries(self.directory)
         if keep_logs:  # the marker stays, so the next start in this directory may clear it
             for path in self.directory.iterdir():
@@ -492,6 +620,46 @@ RealMemory={resources.mem_mb} Gres={gpus}{features} State=UNKNOWN
                 terminate(jobs, 10)
             stopped.append(cluster)
         return stopped
+
+
+def mariadbd() -> str:
+    return shutil.which("mariadbd") or "/usr/sbin/mariadbd"
+
+
+def _version(command: list[str]) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    match = re.search(r"(?:Ver |slurm-wlm )(\S+)", done.stdout)
+    return match[1] if match else "unknown"
+
+
+def accounting_cache() -> Path:
+    """Where the database of a registered test cluster is kept, per MariaDB and Slurm version."""
+    return MARIADB_CACHE / f"accounting-mariadb-{_version([mariadbd(), '--version'])}-slurm-{_version(['slurmctld', '-V'])}"
+
+
+def pristine_mariadb_datadir() -> Path:
+    """A fresh MariaDB data directory (root without a password over TCP from 127.0.0.1), made once per
+    MariaDB version under :data:`MARIADB_CACHE`, where clusters copy it from. Made in a temporary
+    directory beside it and renamed, so two clusters starting at once never see half of one."""
+    target = MARIADB_CACHE / f"mariadb-{_version([mariadbd(), '--version'])}"
+    if (target / "mysql").is_dir():
+        return target
+    MARIADB_CACHE.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=".building-", dir=MARIADB_CACHE))
+    say(f"creating a pristine MariaDB data directory in {target} (once per MariaDB version)")
+    done = subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={building}/data",
+                           "--auth-root-authentication-method=normal", "--skip-test-db", *MARIADB_OPTIONS[1:]],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        shutil.rmtree(building, ignore_errors=True)
+        tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-5:])
+        raise ClusterError(f"mariadb-install-db failed: {tail}")
+    try:
+        (building / "data").rename(target)
+    except OSError:  # another cluster made it first
+        pass
+    shutil.rmtree(building, ignore_errors=True)
+    return target
 
 
 def check_node_list(text: str) -> list[tuple[str, int]]:

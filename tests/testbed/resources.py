@@ -22,6 +22,7 @@ class NodeResources:
     gpus: tuple[tuple[str, int], ...]    # (model, count per node), e.g. (("a100", 8), ("v100", 16))
     features: tuple[str, ...] = ()
     reservations: tuple[str, ...] = ()
+    accounts: tuple[str, ...] = ()       # accounts jobs may name (--account), for root (with accounting)
     cpus: int = 64
     mem_mb: int = 512_000
 
@@ -41,6 +42,7 @@ def for_sites(sites: dict[str, Site] | None = None) -> NodeResources:
     gpus: dict[str, int] = {}
     features: list[str] = []
     reservations: list[str] = []
+    accounts: list[str] = []
     cpus = mem_mb = 1
     untyped_gpus = 0
     for site in sorted(sites.values(), key=lambda site: site.name != "generic"):  # generic's 'cpu' first
@@ -62,8 +64,11 @@ def for_sites(sites: dict[str, Site] | None = None) -> NodeResources:
                     features.append(name)
         if site.reservation and site.reservation not in reservations:
             reservations.append(site.reservation)
+        if getattr(site, "account", None) and site.account not in accounts:
+            accounts.append(site.account)
     if untyped_gpus and sum(gpus.values()) < untyped_gpus:  # --gres=gpu:N takes GPUs of any model
         first = next(iter(gpus), "a100")
         gpus[first] = max(gpus.get(first, 0), untyped_gpus)
     return NodeResources(partitions=tuple(partitions), gpus=tuple(gpus.items()) or (("a100", 4),),
-                         features=tuple(features), reservations=tuple(reservations), cpus=cpus, mem_mb=mem_mb)
+                         features=tuple(features), reservations=tuple(reservations), accounts=tuple(accounts),
+                         cpus=cpus, mem_mb=mem_mb)

@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Run a sweep (a grid and/or random choices over a training script's flags) as ONE Slurm job array, or here.
+
+Usage:
+    python labs/lab09_many_jobs/01_sweep.py labs/lab09_many_jobs/sweeps/tiny.toml --plan    # the runs, nothing else
+    python labs/lab09_many_jobs/01_sweep.py labs/lab09_many_jobs/sweeps/tiny.toml --local   # one after another, here
+    python labs/lab09_many_jobs/01_sweep.py labs/lab09_many_jobs/sweeps/tiny.toml --parallel 2 --site lanta
+    python labs/lab09_many_jobs/02_status.py --sweep-dir results/lab09/tiny                # then: how is it going?
+    (the array's tasks run `01_sweep.py SWEEP --task $SLURM_ARRAY_TASK_ID`: sbatch/sweep_array.sbatch.j2)
+
+What it teaches: a sweep of N runs is one ``sbatch --array=0-(N-1)%K`` submission, not N jobs: one
+line in the queue, at most K tasks running at once, and each task finds its configuration from
+``SLURM_ARRAY_TASK_ID``. The sweep file is expanded into tasks in a fixed order (so an index always
+means the same run) and every task's command line is checked by the training script's own parser
+before anything is submitted. Each task writes only into its own folder (record, checkpoint,
+TensorBoard curves), so tasks never collide, and a task that is run again resumes from its checkpoint.
+
+Bad input is one ``error:`` line and exit status 2, before anything is written or submitted: an
+unknown flag or a bad value (the script's parser says which), an empty grid, more tasks than the
+cluster's ``MaxArraySize`` (``scontrol show config``), a sweep folder that holds another sweep.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from common.cli import input_file, output_dir, positive_int, script_parser
+from common.errors import UserError, run_main
+from common.slurm.rendering import read_template, render, write_script
+from common.slurm.sites import find_site
+from labs.lab09_many_jobs.lab09_shared import (ARRAY_TEMPLATE, check_with_script, display, max_array_size,
+                                               prepare_folder, read_plan, run_task, slurm, submitted_job_id,
+                                               write_plan)
+
+
+def build_parser():
+    parser = script_parser(__doc__)
+    parser.add_argument("sweep_file", type=input_file, help="the sweep: .toml or .yaml (see sweeps/tiny.toml)")
+    parser.add_argument("--sweep-dir", type=output_dir, default=None,
+                        help="the sweep's folder: plan, logs, one folder per task (default: results/lab09/<sweep name>)")
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--plan", action="store_true", help="print the runs and the sbatch command; submit nothing "
+                     "(default: submit)")
+    how.add_argument("--local", action="store_true", help="run the tasks here, one after another (default: submit)")
+    how.add_argument("--task", type=int, default=None, metavar="INDEX",
+                     help="run one task of the sweep (what each array task does, with $SLURM_ARRAY_TASK_ID)")
+    slurm_flags = parser.add_argument_group("the job array (Slurm)")
+    slurm_flags.add_argument("--parallel", type=positive_int, default=4,
+                             help="at most this many tasks run at once: --array=0-N%%K (default: %(default)s)")
+    slurm_flags.add_argument("--site", default="generic",
+                             help="the site profile the array job is rendered for (slurm/sites/) (default: %(default)s)")
+    slurm_flags.add_argument("--time", default=None,
+                             help="each task's time limit, e.g. 00:10:00 or 1 (minutes) (default: the template's)")
+    slurm_flags.add_argument("--hold", action="store_true",
+                             help="submit the array held: nothing starts until `scontrol release JOBID` (default: off)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="--local: where every run trains (default: %(default)s)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="every run trains one epoch of two steps (its own --dry-run) (default: off)")
+    parser.epilog = "Flags after -- are added to every run (an array task adds its job's --device and --num-workers)."
+    return parser
+
+
+def submit_array(plan, args) -> str:
+    """The lesson: the whole sweep as one job array, at most --parallel tasks at once."""
+    site = find_site(args.site)
+    text, _job = render(read_template(ARRAY_TEMPLATE), site)
+    script = write_script(plan.folder / "sweep_array.sbatch", text)
+    last = len(plan.tasks) - 1
+    command = ["sbatch", "--parsable", f"--array=0-{last}%{args.parallel}",   # one job, N tasks, K at a time
+               f"--job-name=sweep-{plan.sweep_id}", f"--output={plan.folder}/logs/%A_%a.out",
+               *(["--time", args.time] if args.time else []), *(["--hold"] if args.hold else []),
+               str(script), *run_flags(args)]
+    began = time.perf_counter()
+    job_id = submitted_job_id(slurm(*command, env={"SWEEP_DIR": str(plan.folder), "SWEEP_FILE": str(plan.copy)}))
+    plan.add_submission("sbatch-array", job_id, range(len(plan.tasks)), seconds=time.perf_counter() - began,
+                        command=command)
+    print(f"submitted the sweep as array job {job_id}: {len(plan.tasks)} tasks, at most {args.parallel} at once "
+          f"({time.perf_counter() - began:.2f} s){' HELD: scontrol release ' + job_id if args.hold else ''}")
+    print(f"follow it: python labs/lab09_many_jobs/02_status.py --sweep-dir {plan.folder}")
+    return job_id
+
+
+def run_flags(args) -> list[str]:
+    return [*(["--dry-run"] if args.dry_run else []), *args.extra]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = build_parser().parse_args(argv[:cut])
+    args.extra = argv[cut + 1:]
+    folder = (args.sweep_dir or Path("results") / "lab09" / args.sweep_file.stem).resolve()  # tasks run elsewhere
+    if args.task is not None:  # inside an array task: planned at submission (submitted by hand: planned here)
+        plan = prepare_folder(folder, args.sweep_file, planning_now=True)
+        write_plan(plan)  # the same text from every task, each file written whole
+        return run_task(plan, args.task, run_flags(args), replace_process=True)
+
+    plan = prepare_folder(folder, args.sweep_file)
+    if not (args.plan or args.local):
+        if plan.submissions():
+            raise UserError(f"{folder} was submitted already (job {plan.submissions()[-1]['job_id']}): follow it or "
+                            f"resubmit what failed with 02_status.py --sweep-dir {folder} [--resubmit]")
+        limit = max_array_size()  # array indices run from 0 to MaxArraySize - 1
+        if len(plan.tasks) > limit:
+            raise UserError(f"the sweep has {len(plan.tasks)} tasks, more than this cluster's MaxArraySize of {limit} "
+                            "(scontrol show config): split it into several sweep files")
+    seconds = check_with_script(plan.script, plan.tasks)  # the script's own parser: before anything is written
+    print(f"{len(plan.tasks)} task(s) of {display(plan.script)}, flags checked by its parser in {seconds:.1f} s:")
+    for task in plan.tasks[:10]:
+        print(f"  {task.index:>3}: {' '.join(task.argv())}")
+    if len(plan.tasks) > 10:
+        print(f"  ... and {len(plan.tasks) - 10} more (all in {folder}/plan.yaml)")
+    if args.plan:
+        print(f"would submit: sbatch --array=0-{len(plan.tasks) - 1}%{args.parallel} (site {args.site})")
+        return 0
+    if args.local:
+        write_plan(plan)
+        plan.add_submission("local", "local", range(len(plan.tasks)))
+        failed = [task.index for task in plan.tasks
+                  if run_task(plan, task.index, ["--device", args.device, *run_flags(args)]) != 0]
+        print(f"ran {len(plan.tasks)} task(s) here; failed: {failed or 'none'}")
+        return 1 if failed else 0
+    write_plan(plan)
+    submit_array(plan, args)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,133 @@
+"""Lab-09 without Slurm: sweep files become a fixed list of tasks, bad input is one line with nothing
+written, and a sweep run here (one task after another) leaves each task's record and TensorBoard
+curves in its own folder, the curves equal to the record's numbers, ranked in the report.
+
+The job array, the resubmission, the chain, the pipeline and submitit run on the Slurm test cluster
+(tests/slurm/test_lab09_many_jobs.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, load_script, run_main, run_script
+
+LAB = "labs/lab09_many_jobs"
+SWEEP = f"{LAB}/01_sweep.py"
+STATUS = f"{LAB}/02_status.py"
+shared = load_script(f"{LAB}/lab09_shared.py")
+SWEEPS = REPO / LAB / "sweeps"
+
+
+def test_a_sweep_file_expands_into_the_same_tasks_every_time_in_toml_and_yaml(tmp_path):
+    tasks = shared.expand(shared.read_sweep_file(SWEEPS / "random.yaml"), SWEEPS / "random.yaml")
+    assert len(tasks) == 2 * 3 * 2  # batch sizes x random draws x seeds
+    assert [t.index for t in tasks] == list(range(12))
+    again = shared.expand(shared.read_sweep_file(SWEEPS / "random.yaml"), SWEEPS / "random.yaml")
+    assert [t.argv() for t in again] == [t.argv() for t in tasks]  # the draws come from the sweep's seed
+    assert {t.flags["batch-size"] for t in tasks[:6]} == {32} and {t.flags["batch-size"] for t in tasks[6:]} == {64}
+    assert all(0.1 <= t.flags["lr"] <= 2.0 for t in tasks)
+    assert [t.seed for t in tasks[:2]] == [1, 2] and tasks[0].flags == tasks[1].flags  # one config, two seeds
+    # The same sweep written as TOML is the same sweep (same id, same tasks).
+    toml = tmp_path / "random.toml"
+    toml.write_text('script = "chapters/ch04_deep_learning/mnist_training.py"\nseed = 7\nseeds = [1, 2]\n'
+                    '[fixed]\ndataset = "digits"\nepochs = 3\n[grid]\nbatch-size = [32, 64]\n'
+                    '[random]\nsamples = 3\nlr = {log-uniform = [0.1, 2.0]}\ngamma = [0.7, 0.9]\n')
+    from_toml = shared.read_sweep_file(toml)
+    assert shared.sweep_id(from_toml) == shared.sweep_id(shared.read_sweep_file(SWEEPS / "random.yaml"))
+    assert [t.argv() for t in shared.expand(from_toml, toml)] == [t.argv() for t in tasks]
+    assert tasks[0].argv()[:4] == ["--dataset", "digits", "--epochs", "3"] and tasks[0].argv()[-2:] == ["--seed", "1"]
+    assert shared.compress([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert shared.expand_indices("[0-2,5,7-8%4]") == [0, 1, 2, 5, 7, 8]
+
+
+def write_sweep(folder: Path, text: str) -> Path:
+    path = folder / "bad.toml"
+    path.write_text('script = "chapters/ch04_deep_learning/mnist_training.py"\n' + text)
+    return path
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ('[grid]\nlrr = [0.1, 1.0]\n',
+     r"error: task 0 \(--lrr 0.1 --seed 1\): chapters/ch04_deep_learning/mnist_training.py says: "
+     r"unrecognized arguments: --lrr 0.1"),
+    ('[grid]\nlr = []\n', "error: .*bad.toml: the grid's 'lr' has no values .*: the sweep would have no run"),
+    ('[fixed]\nepochs = 1\n', "error: .*bad.toml: the grid is empty and there is no \\[random\\] table"),
+    ('[grid]\nresults-dir = ["a", "b"]\n', "error: .*sets results-dir, which each task sets itself"),
+    ('speed = 3\n[grid]\nlr = [1]\n', "error: .*bad.toml: unknown key\\(s\\) speed"),
+])
+def test_bad_sweep_input_is_one_line_and_exit_2_with_nothing_written(tmp_path, body, message):
+    sweep_dir = tmp_path / "sweep"
+    done = run_script(SWEEP, str(write_sweep(tmp_path, body)), "--sweep-dir", str(sweep_dir), "--local")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert __import__("re").match(message, done.stderr), done.stderr
+    assert not sweep_dir.exists()
+
+
+def test_a_sweep_folder_of_another_sweep_is_refused_before_anything_is_written(tmp_path, capsys):
+    folder = tmp_path / "sweep"
+    plan = shared.prepare_folder(folder, SWEEPS / "tiny.toml")
+    shared.write_plan(plan)
+    before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+    assert run_main(SWEEP, [str(SWEEPS / "faults.toml"), "--sweep-dir", str(folder), "--plan"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {folder} holds another sweep ({plan.sweep_id}, from ") and err.count("\n") == 1
+    assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert run_main(SWEEP, [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(other), "--plan"]) == 2
+    assert "is not a sweep folder (no plan.yaml)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_local_sweep_writes_each_task_into_its_own_folder_with_curves_that_match_its_record(tmp_path, capsys):
+    folder = tmp_path / "tiny"
+    done = run_script(SWEEP, str(SWEEPS / "tiny.toml"), "--local", "--sweep-dir", str(folder), "--device", "cpu",
+                      "--", "--epochs", "1", "--max-steps", "3", "--num-workers", "0")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    from common.results import load_records
+
+    for index, lr in enumerate([0.3, 1.0]):
+        task_dir = folder / "tasks" / f"{index:03d}"
+        (record,) = load_records(task_dir).records  # its record, in its own folder
+        assert record["config"]["lr"] == lr and record["config"]["seed"] == 1
+        assert record["config"]["results_dir"] == str(task_dir)
+        assert (task_dir / "checkpoint.pt").is_file()
+        losses, accuracy = shared.read_curves(task_dir / "tensorboard")  # TensorBoard's own reader
+        steps = record["metrics"]["steps"]
+        assert steps == 3 and [step for step, _ in losses] == [1, 2, 3]
+        # TensorBoard keeps float32: the record's losses, rounded the same way, step by step.
+        import numpy as np
+
+        assert [np.float32(v) for _, v in losses] == [np.float32(v) for v in record["metrics"]["loss_at_step"]]
+        assert accuracy == [(3, pytest.approx(record["metrics"]["eval_history"][0]["test_accuracy"], rel=1e-6))]
+
+    assert run_main(STATUS, ["--sweep-dir", str(folder), "--record"]) == 0
+    table = capsys.readouterr().out
+    assert "2 task(s): 2 COMPLETED" in table
+    sweep_records = [r for r in load_records(folder, recursive=False).records if r["lab"] == "lab09"]
+    (sweep,) = sweep_records
+    assert sweep["method"] == "sweep-local" and sweep["metrics"]["failed"] == []
+    by_index = {t["index"]: t for t in sweep["metrics"]["tasks"]}
+    assert by_index[0]["best_accuracy"] == load_records(folder / "tasks" / "000").records[0]["metrics"]["test_accuracy"]
+    assert all(t["core_hours"] > 0 and t["gpu_hours"] == 0 for t in by_index.values())
+
+    # The report ranks the tasks by accuracy and by cost.
+    from common.report.labs import lab_sections
+    from common.report.runs import runs_frame
+
+    sections, problems = lab_sections(runs_frame(sweep_records), folder, plots=False)
+    assert problems == []
+    (section,) = [s for s in sections if s.title.startswith("Lab 09: sweep")]
+    by_accuracy, by_cost = section.tables
+    accuracies = [by_index[int(row[1].text)]["best_accuracy"] for row in by_accuracy.rows]
+    assert accuracies == sorted(accuracies, reverse=True)
+    costs = [by_index[int(row[1].text)]["core_hours"] for row in by_cost.rows]
+    assert costs == sorted(costs)
+    assert "Every task completed." in section.paragraphs
+    assert json.loads(json.dumps(sweep))  # the record is plain JSON
