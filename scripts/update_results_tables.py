@@ -45,28 +45,22 @@ def _markdown(columns: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(map(escape, row)) + " |" for row in rows)]
 
 
-def _cell_text(cell) -> str:
-    return cell if isinstance(cell, str) else cell.text
-
-
 def summary_table(subset, doc: Path) -> list[str]:
     """The report's summary columns for these runs, minus columns no run has a value in."""
     from common.report.core import SUMMARY_COLUMNS
-    from common.report.sections import MISSING
+    from common.report.sections import table_from_frame
 
     # One machine: the heading above the table names it, a column repeating it adds nothing.
     single_machine = subset["machine"].nunique() <= 1
-    columns = [(name, make) for name, make in SUMMARY_COLUMNS
-               if name in DOC_COLUMNS and not (name == "machine" and single_machine)]
-    runs = subset.to_dict("records")
-    cells = [[_cell_text(make(run)) for _, make in columns] for run in runs]
-    keep = [i for i in range(len(columns)) if any(row[i] != MISSING for row in cells)]
+    table = table_from_frame(subset, {name: spec for name, spec in SUMMARY_COLUMNS.items()
+                                      if name in DOC_COLUMNS and not (name == "machine" and single_machine)},
+                             drop_empty=True)
     rows = []
-    for run, row in zip(runs, cells):
+    for run, row in zip(subset.to_dict("records"), table.rows):
         path = Path(run["record"]["_path"]).resolve()
         link = Path(*([".."] * len(doc.parent.relative_to(REPO).parts))) / path.relative_to(REPO)
-        rows.append([row[i] for i in keep] + [f"[{path.stem[-8:]}]({link.as_posix()})"])
-    return _markdown([columns[i][0] for i in keep] + ["record"], rows)
+        rows.append([cell.text for cell in row] + [f"[{path.stem[-8:]}]({link.as_posix()})"])
+    return _markdown(table.columns + ["record"], rows)
 
 
 def lab_section_tables(lab: str, subset, runs, records_dir: Path) -> list[str]:
@@ -84,7 +78,7 @@ def lab_section_tables(lab: str, subset, runs, records_dir: Path) -> list[str]:
             for table in section.tables:
                 title = f"{section.title}: {table.caption}" if table.caption else section.title
                 lines += ["", f"**{title}**", "",
-                          *_markdown(table.columns, [[_cell_text(c) for c in row] for row in table.rows])]
+                          *_markdown(table.columns, [[cell.text for cell in row] for row in table.rows])]
     return lines
 
 

@@ -13,6 +13,7 @@ import csv
 import json
 import math
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -581,8 +582,12 @@ def _scaling_point(folder: Path, mode: str, processes: int, rate: float, trainin
 
 def test_lab05_report_draws_each_training_run_once_in_its_own_colour(tmp_path: Path) -> None:
     """The one-process run is the point of both curves: one line, labelled with both modes; every
-    line has a colour of its own; the summary carries no empty baseline columns."""
-    from common.report.labs.lab05 import _accuracy_figure, _scaling_rows, accuracy_curves
+    line has a colour of its own (tab10's first three, read back from the PNG on the page); the summary
+    carries no empty baseline columns."""
+    import io
+
+    import numpy as np
+    from matplotlib.image import imread
 
     folder = tmp_path / "results"
     _scaling_point(folder, "strong", 1, 3500.0, "one", [0.8, 0.93])
@@ -590,18 +595,64 @@ def test_lab05_report_draws_each_training_run_once_in_its_own_colour(tmp_path: P
     _scaling_point(folder, "strong", 2, 3000.0, "strong-two", [0.75, 0.9])
     _scaling_point(folder, "weak", 2, 4600.0, "weak-two", [0.7, 0.91])
 
-    page = report(folder, "--no-plots")  # the figure alone below: drawing every plot costs 2 s
+    page = report(folder)
 
-    runs = runs_frame([json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))])
-    rows = _scaling_rows(runs)
-    lines = accuracy_curves(rows)
-    assert [line["label"] for line in lines] == ["strong and weak, 1 process", "strong, 2 processes",
-                                                 "weak, 2 processes"]
-    assert len({line["color"] for line in lines}) == 3
-    figure = _accuracy_figure(rows, "vm")
-    assert figure.alt == ("Validation accuracy against time for vm: "
-                          "strong and weak, 1 process; strong, 2 processes; weak, 2 processes")
+    html = (tmp_path / "results-report.html").read_text(encoding="utf-8")
+    (src, alt), = re.findall(r'<img src="([^"]+)" alt="(Validation accuracy against time[^"]*)"', html)
+    assert alt.endswith(": strong and weak, 1 process; strong, 2 processes; weak, 2 processes")
+    pixels = (imread(io.BytesIO(base64.b64decode(src.split(",", 1)[1])), format="png")[..., :3] * 255).round()
+    for red, green, blue in ((31, 119, 180), (255, 127, 14), (44, 160, 44)):  # tab:blue, tab:orange, tab:green
+        assert (np.abs(pixels - (red, green, blue)).max(axis=-1) < 8).sum() > 20
     columns = set(page.tables["summary-table"][0]["cells"])
     assert not columns & {"speed-up vs baseline", "scaling efficiency"}
     assert "DDP is expected" not in page.sections["summary"]
 
+
+def test_records_with_junk_in_any_value_still_get_their_row_and_their_lab_sections(tmp_path: Path) -> None:
+    """Every committed reference record, with one value in five of its metrics and config replaced by junk (text,
+    null, a list, an object, a bool, NaN): the report is still written, every run has its row, and the sections of
+    Labs 01-07 are built (a section that raised would be a warning naming it)."""
+    import random
+
+    from common.results import load_records
+
+    junk = ["x", None, [], {}, -1, True, [1, "a", None], {"a": 1}, float("nan")]
+    rng = random.Random(7)
+
+    def spoil(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: rng.choice(junk) if rng.random() < 0.2 else spoil(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [rng.choice(junk) if rng.random() < 0.2 else spoil(v) for v in value]
+        return value
+
+    folder = tmp_path / "results"
+    folder.mkdir()
+    records = load_records(REPO / "reference-results").records
+    for index, record in enumerate(records):
+        spoiled = {key: value for key, value in record.items() if key != "_path"}
+        spoiled.update(metrics=spoil(record["metrics"]), config=spoil(record["config"]))
+        (folder / f"{index}.json").write_text(json.dumps(spoiled), encoding="utf-8")
+
+    outcome = build_report(folder, tmp_path / "report.html", plots=False)
+
+    page = read_page(tmp_path / "report.html")
+    assert outcome.skipped == [] and len(page.tables["summary-table"]) == len(records)
+    assert {row["run_id"] for row in page.tables["summary-table"]} == {r["run_id"] for r in records}
+    failed = [w for w in outcome.warnings if "could not be built" in w]
+    assert not [w for w in failed if any(f" of lab0{n}:" in w for n in range(1, 8))], failed
+    assert {"dataparallel-vs-ddp", "lab-02-the-optimisation-path", "lab-03-precision-benchmark"} <= set(page.sections)
+
+
+def test_every_run_keeps_its_row_past_pandas_styler_limit(tmp_path: Path) -> None:
+    """pandas' Styler trims a table past ``styler.render.max_elements`` cells (262,144 by default, a summary of
+    about 13,000 runs); the report lifts the limit for its own tables. Here the limit is 40 cells."""
+    import pandas as pd
+
+    folder = tmp_path / "results"
+    records = lab01_folder(folder)
+    with pd.option_context("styler.render.max_elements", 40):
+        page = report(folder, "--no-plots")
+    assert len(page.tables["summary-table"]) * len(page.tables["summary-table"][0]["cells"]) > 40
+    assert {row["run_id"] for row in page.tables["summary-table"]} == {r["run_id"] for r in records}
+    assert {row["run_id"] for row in page.tables["provenance-table"]} == {r["run_id"] for r in records}

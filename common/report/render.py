@@ -7,7 +7,6 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import jinja2
 
@@ -18,12 +17,10 @@ from common.report.runs import configurations_frame, csv_frame, runs_frame
 from common.report.labs import lab_sections
 from common.results import load_records
 
-if TYPE_CHECKING:
-    from common.report.sections import Section
-
-TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
-TEMPLATE = "report.html.j2"
 DEFAULT_REPORT_NAME = "comparison_report.html"
+#: Autoescaped whatever the file's name: record fields are untrusted text (the tables: sections.TEMPLATES, the same).
+PAGE = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates"),
+                          autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 
 
 @dataclass
@@ -38,50 +35,19 @@ class ReportOutcome:
     labs: list[str] = field(default_factory=list)  # the labs (and chapters) whose runs the report shows
 
 
-def _environment() -> jinja2.Environment:
-    # autoescape=True for every template whatever its file name: record fields are untrusted text.
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES_DIR), autoescape=True,
-                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-
-
-def relative_name(path: Path, results_dir: Path) -> str:
-    """A skipped file's name as the user knows it: relative to the results folder when inside it."""
-    try:
-        return str(path.relative_to(results_dir))
-    except ValueError:
-        return str(path)
-
-
-def _unique_ids(sections: list[Section]) -> None:
-    seen: set[str] = set()
-    for section in sections:
-        base, n = section.id, 1
-        while section.id in seen:
-            n += 1
-            section.id = f"{base}-{n}"
-        seen.add(section.id)
-
-
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def build_report(
-    results_dir: str | os.PathLike[str],
-    output_report: str | os.PathLike[str] | None = None,
-    csv_path: str | os.PathLike[str] | None = None,
-    *,
-    plots: bool = True,
-    title: str | None = None,
-    lab: str | None = None,
-) -> ReportOutcome:
+def build_report(results_dir: str | os.PathLike[str], output_report: str | os.PathLike[str] | None = None,
+                 csv_path: str | os.PathLike[str] | None = None, *, plots: bool = True, title: str | None = None,
+                 lab: str | None = None) -> ReportOutcome:
     """Read every record under ``results_dir`` and write an HTML report and a CSV summary.
 
-    ``output_report`` defaults to ``<results_dir>/comparison_report.html`` and ``csv_path`` to the
-    report's path with ``.csv``. ``lab`` keeps only that lab's records (``"lab04"``, ``"ch04"``).
-    Files that are not readable records are skipped and named, here on
-    stderr and in the report. Raises :class:`UserError` when the folder is missing or holds no
-    readable record.
+    ``output_report`` defaults to ``<results_dir>/comparison_report.html`` and ``csv_path`` to the report's path
+    with ``.csv``. ``lab`` keeps only that lab's records (``"lab04"``, ``"ch04"``). Files that are not readable
+    records are skipped and named, here on stderr and in the report. Raises :class:`UserError` when the folder is
+    missing or holds no readable record.
     """
     folder = Path(results_dir)
     if not folder.is_dir():
@@ -94,48 +60,44 @@ def build_report(
         raise UserError(f"the report and the CSV would both be {report_path}; give --csv another name")
 
     loaded = load_records(folder)
-    skipped = [(relative_name(path, folder), reason) for path, reason in loaded.errors]
+    # A skipped file's name as the user knows it: relative to the results folder when inside it.
+    skipped = [(str(path.relative_to(folder) if path.is_relative_to(folder) else path), reason)
+               for path, reason in loaded.errors]
     for name, reason in skipped:
         print(f"warning: skipped {name}: {reason}", file=sys.stderr)
-    if lab is not None:
+    records = loaded.records if lab is None else [record for record in loaded.records if record.get("lab") == lab]
+    if lab is not None and not records and loaded.records:
         found = sorted({str(record.get("lab")) for record in loaded.records})
-        loaded.records[:] = [record for record in loaded.records if record.get("lab") == lab]
-        if not loaded.records:
-            raise UserError(f"no result records of {lab} in {folder} (its records are of: "
-                            f"{', '.join(found) or 'no lab'})")
-    if not loaded.records:
+        raise UserError(f"no result records of {lab} in {folder} (its records are of: {', '.join(found)})")
+    if not records:
         if skipped:
             raise UserError(f"none of the {_plural(len(skipped), 'file')} in {folder} is a readable result record")
         raise UserError(f"no result records (*.json) in {folder}: run a lab script with --results-dir {folder} first")
 
-    runs = runs_frame(loaded.records, folder)
+    runs = runs_frame(records, folder)
     configs = configurations_frame(runs)
-    extra_sections, section_problems = lab_sections(runs, folder, plots)
-    for problem in section_problems:
+    extra_sections, problems = lab_sections(runs, folder, plots)
+    for problem in problems:
         print(f"warning: {problem.subject}: {problem.message}", file=sys.stderr)
+    warned = core.warnings_section(skipped, runs, problems)  # its items: every warning, one line each
+    sections = [warned, core.summary_section(runs), core.configurations_section(configs),
+                core.plots_section(configs) if plots else None, *extra_sections, core.energy_section(runs),
+                core.other_metrics_section(runs), core.provenance_section(runs)]
+    sections = [section for section in sections if section is not None]
+    seen: set[str] = set()
+    for section in sections:  # one id each, for the page's links
+        base, n = section.id, 1
+        while section.id in seen:
+            n += 1
+            section.id = f"{base}-{n}"
+        seen.add(section.id)
 
-    warned = core.warnings_section(skipped, runs, section_problems)  # its items: every warning, one line each
-    sections = [warned, core.summary_section(runs)]
-    sections.append(core.configurations_section(configs))
-    sections.append(core.plots_section(configs) if plots else None)
-    sections += extra_sections
-    sections += [core.energy_section(runs), core.other_metrics_section(runs), core.provenance_section(runs)]
-    sections = [s for s in sections if s is not None]
-    _unique_ids(sections)
-
-    machines = runs["machine"].nunique()
-    labs = runs["lab"].nunique()
-    facts = [f"{_plural(len(runs), 'run')} from {_plural(labs, 'lab')} on {_plural(machines, 'machine')}",
-             _plural(len(skipped), "file") + " skipped", _plural(len(warned.items), "warning")]
-    if not plots:
-        facts.append("plots not generated (--no-plots)")
-    html = _environment().get_template(TEMPLATE).render(
-        title=title or f"Results comparison: {folder.resolve().name}",
-        generated=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        results_dir=str(folder.resolve()),
-        facts=facts,
-        sections=sections,
-    )
+    facts = [f"{_plural(len(runs), 'run')} from {_plural(runs['lab'].nunique(), 'lab')} on "
+             f"{_plural(runs['machine'].nunique(), 'machine')}", _plural(len(skipped), "file") + " skipped",
+             _plural(len(warned.items), "warning"), *([] if plots else ["plots not generated (--no-plots)"])]
+    html = PAGE.get_template("report.html.j2").render(
+        title=title or f"Results comparison: {folder.resolve().name}", facts=facts, sections=sections,
+        generated=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), results_dir=str(folder.resolve()))
     try:
         write_text_atomic(csv_frame(runs).to_csv(index=False), csv_out)
         write_text_atomic(html, report_path)

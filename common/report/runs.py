@@ -1,13 +1,16 @@
-"""Result records -> a table of runs: one row per run, with the numbers the report compares.
+"""Result records -> one tidy table of runs: each record read once, here, into one row.
 
-Every value is read defensively. A record from an older script, another lab or a crashed run may
-lack a key or hold a value of the wrong type; the run must still be listed (its cell shows "—"), so
-nothing here indexes a record directly.
+Every value of a record becomes a column named by its path in the schema (``docs/results-schema.md``):
+``metrics.samples_per_s``, ``config.precision``, ``provenance.versions.torch``; a list stays whole under its
+path (``metrics.sizes``). The columns the summary compares get short names and a type: numbers are floats,
+NaN where a record lacks the value or holds text, a bool or infinity; names are text, ``None`` when missing.
+A record from an older script, another lab or a crashed run thus still gets its row, and no section reads a
+record by hand: it takes a number with :func:`numbers`, a name with :func:`texts`, and the objects of a list
+(one row each) with :func:`entries`.
 
-Scaling efficiency follows the Lab-01 handout's table:
-``throughput(N devices) / (N x baseline throughput)``, where the baseline is the median throughput
-of the single-device ``baseline`` runs of the same lab, model and device type on the same
-machine. Runs from different machines are never compared.
+Scaling efficiency follows the Lab-01 handout's table: ``throughput(N devices) / (N x baseline throughput)``,
+where the baseline is the median throughput of the single-device ``baseline`` runs of the same lab, model and
+device type on the same machine. Runs from different machines are never compared.
 """
 
 from __future__ import annotations
@@ -26,10 +29,14 @@ BASELINE_METHOD = "baseline"
 COMPARISON_KEYS = ("lab", "model", "device_type", "machine")
 #: One configuration is one line of the Lab-01 handout's table; its repeats are combined with the median.
 CONFIGURATION_KEYS = (*COMPARISON_KEYS, "method", "world_size", "devices")
-#: Metric keys the summary table shows as columns (other scalar metrics get a table of their own).
+#: Names of the runs table and the record key each is read from.
+TEXT_COLUMNS = {"run_id": "run_id", "lab": "lab", "method": "method", "status": "status", "script": "script",
+                "created": "created", "model": "config.model", "device_type": "provenance.device.type",
+                "device_name": "provenance.device.name", "hostname": "provenance.hostname",
+                "git_commit": "provenance.git.commit"}
+#: Metrics the summary shows as columns, read from ``metrics.<name>`` (other metrics get a table of their own).
 SUMMARY_METRICS = ("samples_per_s", "time_per_epoch_s", "global_batch_size", "world_size", "devices", "memory",
                    "final_loss", "test_accuracy", "achieved_tflops", "mfu")
-
 MEMORY_SOURCES = {
     "cuda_max_memory_allocated": "CUDA peak allocated",
     "process_max_rss": "process peak RSS",
@@ -41,156 +48,126 @@ MEMORY_SOURCES = {
 def get(mapping: Any, *keys: str) -> Any:
     """``mapping[k1][k2]...``, or ``None`` as soon as a level is missing or is not a mapping."""
     for key in keys:
-        if not isinstance(mapping, Mapping):
-            return None
-        mapping = mapping.get(key)
+        mapping = mapping.get(key) if isinstance(mapping, Mapping) else None
     return mapping
 
 
 def number(value: Any) -> float | None:
     """A finite int or float as ``float``; anything else (text, bool, NaN, missing) as ``None``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
 
 
 def text(value: Any) -> str | None:
-    """A short display string for a name-like value; ``None`` when missing or empty."""
-    if value is None or isinstance(value, (dict, list)):
+    """A short display string for a name-like value; ``None`` when missing, empty, NaN or a list or object."""
+    if value is None or isinstance(value, (dict, list)) or value != value:
         return None
-    value = str(value).strip()
-    return value or None
+    return str(value).strip() or None
 
 
-def memory_entries(metrics: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    """The objects of ``metrics.memory`` (one per device), tolerating a single object or junk."""
-    entries = metrics.get("memory")
-    if isinstance(entries, Mapping):  # one device written as an object instead of a list of one
-        entries = [entries]
-    if not isinstance(entries, list):
-        return []
-    return [entry for entry in entries if isinstance(entry, Mapping)]
+def _column(frame: pd.DataFrame, key: str) -> pd.Series:
+    return frame[key] if key in frame else pd.Series(None, index=frame.index, dtype=object)
 
 
-def memory_per_device(metrics: Mapping[str, Any], key: str = "peak_bytes") -> list[tuple[str, float]]:
-    """``[(device, bytes), ...]`` from ``metrics.memory`` in the order the script wrote them.
-
-    ``key`` is ``peak_bytes`` (the allocator's peak, or the peak RSS on CPU) or ``device_used_bytes``
-    (what the GPU had in use, as the driver counts it: context and NCCL buffers included).
-    """
-    result = []
-    for index, entry in enumerate(memory_entries(metrics)):
-        value = number(get(entry, key))
-        if value is not None:
-            result.append((text(get(entry, "device")) or f"device {index}", value))
-    return result
+def numbers(frame: pd.DataFrame, key: str) -> pd.Series:
+    """``frame[key]`` as floats (NaN where missing or not a finite number); all NaN when no row has the key."""
+    return _column(frame, key).map(lambda v: math.nan if number(v) is None else number(v)).astype("float64")
 
 
-def sources_of(metrics: Mapping[str, Any], key: str = "source") -> str:
-    """The memory sources a record names under ``key``, in words."""
-    sources = {text(entry.get(key)) for entry in memory_entries(metrics)}
-    return ", ".join(MEMORY_SOURCES.get(s, s) for s in sorted(sources - {None}))
+def texts(frame: pd.DataFrame, key: str) -> pd.Series:
+    """``frame[key]`` as text (``None`` where missing, empty, or a list or object)."""
+    return _column(frame, key).map(text).astype(object)
 
 
-def machine_of(prov: Mapping[str, Any]) -> str:
-    """Which machine a run's numbers belong to (``common.runtime.machine.machine_label``): the host, or on
-    Slurm the cluster, plus the device name, and for a CPU its CPUs and whether bf16 is native.
-
-    On a cluster a baseline job and a DDP job rarely land on the same node, but nodes with the same
-    device name in one cluster are the same hardware, so they compare. Off-cluster, two hosts with
-    the same CPU name are still different machines, and so are two "vm · AMD EPYC" of which only one
-    has bf16 instructions.
-    """
-    return machine_label(prov)
+def flags(frame: pd.DataFrame, key: str) -> pd.Series:
+    """``frame[key]`` as booleans: True only where the record holds ``true``."""
+    return _column(frame, key).map(lambda v: v is True).astype(bool)
 
 
-def run_row(record: Mapping[str, Any], results_dir: Path | None = None) -> dict[str, Any]:
-    """One run's row of the table (missing values are ``None``)."""
-    metrics = record.get("metrics") if isinstance(record.get("metrics"), Mapping) else {}
-    config = record.get("config") if isinstance(record.get("config"), Mapping) else {}
-    prov = record.get("provenance") if isinstance(record.get("provenance"), Mapping) else {}
-    memory = memory_per_device(metrics)
-    world_size = number(metrics.get("world_size"))
-    if world_size is None:
-        world_size = number(prov.get("world_size"))
-    # N in the efficiency is processes or devices, whichever is more: DataParallel is one process
-    # driving several GPUs (its record says so in `devices` or lists one memory entry per GPU), and
-    # two Gloo processes sharing one CPU are still two workers.
-    devices = max(int(world_size or 1), int(number(metrics.get("devices")) or 1),
-                  len({device for device, _ in memory}))
-    path = Path(record.get("_path", "")) if record.get("_path") else None
-    if path is not None and results_dir is not None and path.is_relative_to(results_dir):
-        path = path.relative_to(results_dir)
-    command = prov.get("command")
-    notes = record.get("notes")
-    dirty = get(prov, "git", "dirty")
-    slurm_job = text(get(prov, "slurm", "SLURM_JOB_ID"))
-    array_task = text(get(prov, "slurm", "SLURM_ARRAY_TASK_ID"))
-    return {
-        "run_id": text(record.get("run_id")),
-        "lab": text(record.get("lab")),
-        "method": text(record.get("method")),
-        "status": text(record.get("status")),
-        "model": text(config.get("model")),
-        "device_type": text(get(prov, "device", "type")),
-        "device_name": text(get(prov, "device", "name")),
-        "hostname": text(prov.get("hostname")),
-        "machine": machine_of(prov),
-        "machine_detail": describe_machine(prov),
-        "world_size": world_size,
-        "devices": devices,
-        "global_batch_size": number(metrics.get("global_batch_size")),
-        "time_per_epoch_s": number(metrics.get("time_per_epoch_s")),
-        "samples_per_s": number(metrics.get("samples_per_s")),
-        # How far from the hardware: the achieved TFLOP/s and its fraction of the GPU's datasheet
-        # peak for the precision in force (Lab-03 and Lab-04 record them).
-        "achieved_tflops": number(metrics.get("achieved_tflops")),
-        "mfu": number(metrics.get("mfu")),
-        # A run no longer than its warm-up timed nothing: its throughput is "n/a", not missing.
-        "not_timed": get(metrics, "step_time", "steps_timed") == 0,
-        "peak_memory_bytes": max((peak for _, peak in memory), default=None),
-        "memory_per_device": memory,
-        "memory_source": sources_of(metrics),
-        "device_memory_per_device": memory_per_device(metrics, "device_used_bytes"),
-        "device_memory_source": sources_of(metrics, "device_used_source"),
-        "final_loss": number(metrics.get("final_loss")),
-        "test_accuracy": number(metrics.get("test_accuracy")),
-        "created": text(record.get("created")),
-        "script": text(record.get("script")),
-        "file": str(path) if path is not None else None,
-        "notes": [str(note) for note in notes if note] if isinstance(notes, list) else [],
-        "slurm_job_id": f"{slurm_job}_{array_task}" if slurm_job and array_task else slurm_job,
-        "git_commit": text(get(prov, "git", "commit")),
-        "git_dirty": dirty if isinstance(dirty, bool) else None,
-        "command": [str(part) for part in command] if isinstance(command, list) else text(command),
-        "record": record,
-    }
+def flatten(value: dict[str, Any], prefix: str = "", into: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: objects (JSON's, so dicts) are opened, lists and values stay whole."""
+    into = {} if into is None else into
+    for name, item in value.items():
+        if isinstance(item, dict):
+            flatten(item, f"{prefix}{name}.", into)
+        else:
+            into[f"{prefix}{name}"] = item
+    return into
+
+
+def entries(frame: pd.DataFrame, key: str, *keep: str) -> pd.DataFrame:
+    """One row per object in the list under ``key`` of each row (``metrics.sizes``), its keys flattened, with
+    ``_run`` (the row it came from), ``_position`` (its place in the list) and that row's ``keep`` columns.
+    Anything that is not a list of objects adds no row."""
+    rows = [{"_run": label, "_position": position, **flatten(item)}
+            for label, value in _column(frame, key).items() if isinstance(value, list)
+            for position, item in enumerate(value) if isinstance(item, dict)]
+    found = pd.DataFrame(rows, columns=None if rows else ["_run", "_position"], dtype=object)
+    return found.join(frame.reindex(columns=list(keep)), on="_run") if keep else found
+
+
+def _per_device(memory: pd.DataFrame, key: str, index: pd.Index) -> pd.Series:
+    """``[(device, bytes), ...]`` per run from its ``metrics.memory``, in the order the script wrote them."""
+    values = numbers(memory, key)
+    names = texts(memory, "device").fillna("device " + memory["_position"].astype(str))
+    pairs = pd.Series(list(zip(names, values)), index=memory.index, dtype=object)[values.notna()]
+    found = pairs.groupby(memory["_run"][values.notna()]).agg(list) if len(pairs) else pd.Series(dtype=object)
+    return pd.Series([found.get(label, []) for label in index], index=index, dtype=object)
+
+
+def _sources(memory: pd.DataFrame, key: str, index: pd.Index) -> pd.Series:
+    """The memory sources each run names under ``key``, in words."""
+    words = texts(memory, key).map(lambda s: MEMORY_SOURCES.get(s, s)).dropna()
+    found = words.groupby(memory["_run"][words.index]).agg(lambda s: ", ".join(sorted(set(s))))
+    return pd.Series([found.get(label, "") for label in index], index=index, dtype=object)
 
 
 def _key(frame: pd.DataFrame, columns: Iterable[str]) -> pd.Series:
     """One string per row naming its group; missing values become "" so they group together."""
-    parts = [frame[c].map(lambda v: "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v))
-             for c in columns]
-    key = parts[0]
-    for part in parts[1:]:
-        key = key + "\x1f" + part
-    return key
+    return frame[list(columns)].apply(lambda row: "\x1f".join(text(v) or "" for v in row), axis=1)
 
 
 def runs_frame(records: Iterable[Mapping[str, Any]], results_dir: Path | None = None) -> pd.DataFrame:
-    """The table of runs, sorted by comparison group, with baseline, speed-up and efficiency columns.
+    """The table of runs, sorted by comparison group: the typed columns first, then every record key.
 
-    Added columns: ``comparison`` and ``configuration`` (group keys), ``baseline_samples_per_s``
-    (median of the group's single-device baseline runs), ``speedup`` (throughput / baseline, for
-    every other method) and ``scaling_efficiency`` (throughput / (devices x baseline), for runs on
-    more than one device).
+    Added columns: ``machine`` (``common.runtime.machine.machine_label``), ``devices`` (processes or devices,
+    whichever is more), ``memory_per_device``, ``comparison`` and ``configuration`` (group keys),
+    ``baseline_samples_per_s`` (median of the group's single-device baseline runs), ``speedup`` (throughput /
+    baseline, for every other method) and ``scaling_efficiency`` (throughput / (devices x baseline)).
     """
-    # dtype=object keeps a missing name as None (pandas 3 would turn it into NaN in a string column).
-    runs = pd.DataFrame([run_row(r, results_dir) for r in records], dtype=object)
-    for column in ("world_size", "global_batch_size", "time_per_epoch_s", "samples_per_s", "achieved_tflops",
-                   "mfu", "peak_memory_bytes", "final_loss", "test_accuracy"):
-        runs[column] = pd.to_numeric(runs[column], errors="coerce").astype("float64")
-    runs["devices"] = runs["devices"].astype("int64")
+    records = list(records)
+    flat = pd.DataFrame([flatten(record) for record in records], dtype=object)
+    runs = pd.DataFrame({name: texts(flat, key) for name, key in TEXT_COLUMNS.items()})
+    for name in ("samples_per_s", "time_per_epoch_s", "global_batch_size", "final_loss", "test_accuracy",
+                 "achieved_tflops", "mfu"):
+        runs[name] = numbers(flat, f"metrics.{name}")
+    runs["world_size"] = numbers(flat, "metrics.world_size").fillna(numbers(flat, "provenance.world_size"))
+    provenances = [record.get("provenance") if isinstance(record.get("provenance"), Mapping) else {}
+                   for record in records]
+    runs["machine"] = [machine_label(prov) for prov in provenances]
+    runs["machine_detail"] = [describe_machine(prov) for prov in provenances]
+    memory = entries(flat, "metrics.memory")
+    runs["memory_per_device"] = _per_device(memory, "peak_bytes", runs.index)
+    runs["memory_source"] = _sources(memory, "source", runs.index)
+    runs["device_memory_per_device"] = _per_device(memory, "device_used_bytes", runs.index)
+    runs["device_memory_source"] = _sources(memory, "device_used_source", runs.index)
+    runs["peak_memory_bytes"] = runs["memory_per_device"].map(lambda m: max((p for _, p in m), default=math.nan))
+    # N in the efficiency is processes or devices, whichever is more: DataParallel is one process driving
+    # several GPUs (its record says so in `devices` or lists one memory entry per GPU), and two Gloo
+    # processes sharing one CPU are still two workers.
+    distinct = runs["memory_per_device"].map(lambda m: len({device for device, _ in m}))
+    runs["devices"] = pd.concat([runs["world_size"], numbers(flat, "metrics.devices"), distinct], axis=1) \
+        .max(axis=1).fillna(1).clip(lower=1).astype("int64")
+    # A run no longer than its warm-up timed nothing: its throughput is "n/a", not missing.
+    runs["not_timed"] = _column(flat, "metrics.step_time.steps_timed").map(lambda v: v == 0)
+    runs["notes"] = _column(flat, "notes").map(lambda v: [str(n) for n in v if n] if isinstance(v, list) else [])
+    runs["file"] = [_file(record, results_dir) for record in records]
+    runs["slurm_job_id"] = [f"{job}_{task}" if job and task else job for job, task in
+                            zip(texts(flat, "provenance.slurm.SLURM_JOB_ID"), texts(flat, "provenance.slurm.SLURM_ARRAY_TASK_ID"))]
+    runs["git_dirty"] = _column(flat, "provenance.git.dirty").map(lambda v: v if isinstance(v, bool) else None)
+    runs["command"] = _column(flat, "provenance.command").map(
+        lambda v: [str(part) for part in v] if isinstance(v, list) else text(v))
+    runs["record"] = records
     runs["comparison"] = _key(runs, COMPARISON_KEYS)
     runs["configuration"] = _key(runs, CONFIGURATION_KEYS)
 
@@ -203,63 +180,51 @@ def runs_frame(records: Iterable[Mapping[str, Any]], results_dir: Path | None = 
     runs["scaling_efficiency"] = (runs["speedup"] / runs["devices"]).where(compared & (runs["devices"] > 1))
 
     # Baseline first, then the other methods by name: the order of the Lab-01 handout's table.
-    runs["_method_order"] = (runs["method"] != BASELINE_METHOD).astype(int)
-    order = ["lab", "model", "device_type", "machine", "devices", "_method_order", "method", "created", "run_id"]
-    runs = runs.sort_values(order, na_position="last", kind="stable").drop(columns="_method_order")
-    return runs.reset_index(drop=True)
+    runs["_order"] = (runs["method"] != BASELINE_METHOD).astype(int)
+    runs = pd.concat([runs, flat.drop(columns=[c for c in flat if c in runs or c == "_path"])], axis=1)
+    order = ["lab", "model", "device_type", "machine", "devices", "_order", "method", "created", "run_id"]
+    runs = runs.sort_values(order, na_position="last", kind="stable").drop(columns="_order")
+    return runs.reset_index(drop=True).copy()  # one block per type: sections add columns to it
+
+
+def _file(record: Mapping[str, Any], results_dir: Path | None) -> str | None:
+    path = Path(record["_path"]) if record.get("_path") else None
+    if path is not None and results_dir is not None and path.is_relative_to(results_dir):
+        path = path.relative_to(results_dir)
+    return str(path) if path is not None else None
+
+
+def _median_per_device(memories: pd.Series) -> list[tuple[str, float]]:
+    """The median peak of each device position over the repeats, so that the imbalance between a DataParallel
+    job's first GPU and the others survives the combining; each position named by the first run that has it."""
+    at = [[memory[i] for memory in memories if len(memory) > i] for i in range(max(map(len, memories), default=0))]
+    return [(pairs[0][0], statistics.median(peak for _, peak in pairs)) for pairs in at]
 
 
 def configurations_frame(runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per configuration (successful runs only): repeats combined with the median.
-
-    ``memory_per_device`` is the median peak of each device position over the repeats, so the
-    imbalance between a DataParallel job's first GPU and the others survives the combining.
-    """
-    ok = runs[runs["status"] == "ok"]
-    rows = []
-    for _, group in ok.groupby("configuration", sort=False):
-        first = group.iloc[0]
-        per_position: dict[int, list[float]] = {}
-        names: dict[int, str] = {}
-        for memory in group["memory_per_device"]:
-            for position, (device, peak) in enumerate(memory):
-                per_position.setdefault(position, []).append(peak)
-                names.setdefault(position, device)
-        rows.append({
-            **{key: first[key] for key in CONFIGURATION_KEYS},
-            "runs": len(group),
-            "global_batch_size": group["global_batch_size"].median(),
-            "time_per_epoch_s": group["time_per_epoch_s"].median(),
-            "samples_per_s": group["samples_per_s"].median(),
-            "samples_per_s_min": group["samples_per_s"].min(),
-            "samples_per_s_max": group["samples_per_s"].max(),
-            "memory_per_device": [(names[p], statistics.median(peaks)) for p, peaks in sorted(per_position.items())],
-            "memory_source": first["memory_source"],
-            "speedup": group["speedup"].median(),
-            "scaling_efficiency": group["scaling_efficiency"].median(),
-            "final_loss": group["final_loss"].median(),
-        })
-    return pd.DataFrame(rows, columns=[*CONFIGURATION_KEYS, "runs", "global_batch_size", "time_per_epoch_s",
-                                       "samples_per_s", "samples_per_s_min", "samples_per_s_max",
-                                       "memory_per_device", "memory_source", "speedup",
-                                       "scaling_efficiency", "final_loss"])
+    """One row per configuration (successful runs only): repeats combined with the median."""
+    groups = runs[runs["status"] == "ok"].groupby("configuration", sort=False)
+    median = ("global_batch_size", "time_per_epoch_s", "samples_per_s", "speedup", "scaling_efficiency", "final_loss")
+    configs = groups.agg(**{key: (key, "first") for key in (*CONFIGURATION_KEYS, "memory_source")},
+                         runs=("run_id", "size"), **{key: (key, "median") for key in median},
+                         samples_per_s_min=("samples_per_s", "min"), samples_per_s_max=("samples_per_s", "max"),
+                         memory_per_device=("memory_per_device", _median_per_device))
+    return configs.reset_index(drop=True)
 
 
 def csv_frame(runs: pd.DataFrame) -> pd.DataFrame:
     """The summary as plain columns for a spreadsheet: raw numbers (seconds, bytes), one row per run."""
-    out = runs[["run_id", "lab", "method", "status", "model", "device_type", "device_name", "hostname",
-                "machine", "world_size", "devices", "global_batch_size", "time_per_epoch_s",
-                "samples_per_s", "peak_memory_bytes"]].copy()
+    out = runs[["run_id", "lab", "method", "status", "model", "device_type", "device_name", "hostname", "machine",
+                "world_size", "devices", "global_batch_size", "time_per_epoch_s", "samples_per_s",
+                "peak_memory_bytes"]].copy()
     for column in ("world_size", "global_batch_size", "peak_memory_bytes"):  # counts, not 64.0
         out[column] = out[column].round().astype("Int64")
-    out["peak_memory_per_device"] = runs["memory_per_device"].map(
-        lambda memory: ";".join(f"{device}={int(peak)}" for device, peak in memory))
-    out["memory_source"] = runs["memory_source"]
-    out["device_memory_per_device"] = runs["device_memory_per_device"].map(
-        lambda memory: ";".join(f"{device}={int(used)}" for device, used in memory))
-    out["device_memory_source"] = runs["device_memory_source"]
+    for column, source in (("peak_memory_per_device", "memory_source"),
+                           ("device_memory_per_device", "device_memory_source")):
+        out[column] = runs[column if column != "peak_memory_per_device" else "memory_per_device"].map(
+            lambda memory: ";".join(f"{device}={int(peak)}" for device, peak in memory))
+        out[source] = runs[source]
     for column in ("baseline_samples_per_s", "speedup", "scaling_efficiency", "achieved_tflops", "mfu",
-                   "final_loss", "test_accuracy",
-                   "slurm_job_id", "git_commit", "created", "file"):
+                   "final_loss", "test_accuracy", "slurm_job_id", "git_commit", "created", "file"):
         out[column] = runs[column]
     return out

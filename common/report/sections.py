@@ -1,23 +1,10 @@
-"""What a report is made of, and the registry where labs add sections of their own.
+"""What a report is made of, how a table shows its values, and the registry where labs add sections.
 
-A report is a list of :class:`Section` objects. A section holds only data (paragraphs, bullet
-items, tables of :class:`Cell`, figures as PNG bytes); the jinja2 template turns it into HTML with
-autoescaping on, so a run named ``<script>`` shows as text and no section can inject markup.
-
-A lab adds a section with :func:`register_section`::
-
-    from common.report.sections import Section, SectionContext, register_section, table_from_frame
-
-    @register_section("lab03")
-    def precision_section(ctx: SectionContext) -> Section | None:
-        runs = ctx.runs                       # this lab's runs, one row per run (see runs.py)
-        if runs.empty:
-            return None                       # nothing to say: no section
-        return Section("Mixed precision", paragraphs=["..."], tables=[table_from_frame(...)])
-
-The builder is called only when the results folder holds records of that lab. Sections that ship
-with the tool live in ``common/report/labs/<lab>.py`` and are imported automatically; a lab's own
-entry script can also register one before it calls the report.
+A report is a list of :class:`Section` objects holding data only: paragraphs, bullet items, figures as PNG
+bytes and :class:`Table` objects (rows of :class:`Cell`: text, hover text, style). A table is laid out by
+pandas' Styler through the page's own template, autoescaped like the page, so a run named ``<script>``
+shows as text and no section can inject markup. How a lab adds a section: ``common/report/__init__.py``; the
+registry here never imports the sections that use it (``common.report.labs`` does).
 """
 
 from __future__ import annotations
@@ -25,14 +12,24 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
+import jinja2
+import markupsafe
 import pandas as pd
+from pandas.io.formats.style import Styler
 
 from common.units import byte_unit, format_bytes
 
 MISSING = "—"
+#: The page's templates (templates/): autoescaped whatever the file's name, since record fields are untrusted text.
+TEMPLATES = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates"),
+                               autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+# A cell's classes without Styler's own ("data row3 col4"): those a Cell's style gave it (num, warn, ...).
+TEMPLATES.filters["own_classes"] = lambda classes: " ".join(c for c in classes.split()
+                                                            if c != "data" and c[:3] not in ("row", "col"))
 
 
 @dataclass
@@ -44,15 +41,35 @@ class Cell:
     style: str = ""
 
 
+class _Layout(Styler):
+    """pandas' Styler with the page's table template: autoescaped, the run id on each row, hover texts."""
+
+    env = TEMPLATES
+    template_html = TEMPLATES.get_template("table.html.j2")
+
+
 @dataclass
 class Table:
-    """A table; ``row_ids`` (run ids) become ``data-run-id`` attributes so tests can find rows."""
+    """A table; ``row_ids`` (run ids) become ``data-run-id`` attributes so a reader's tools can find rows."""
 
     columns: list[str]
     rows: list[list[Cell]]
     id: str | None = None
     caption: str | None = None
     row_ids: list[str] | None = None
+
+    def styler(self) -> Styler:
+        """The table as a pandas Styler of its texts, each cell's style as its CSS class."""
+        texts = pd.DataFrame([[cell.text for cell in row] for row in self.rows], columns=range(len(self.columns)))
+        styles = pd.DataFrame([[cell.style for cell in row] for row in self.rows], columns=texts.columns)
+        return _Layout(texts, caption=self.caption, cell_ids=False).hide(axis="index") \
+            .relabel_index(self.columns, axis=1).set_td_classes(styles)
+
+    def html(self) -> markupsafe.Markup:
+        titles = [[cell.title for cell in row] for row in self.rows]
+        # Styler trims a table past styler.render.max_elements cells (262,144): every run keeps its row here.
+        with pd.option_context("styler.render.max_elements", len(self.rows) * len(self.columns) + 1):
+            return markupsafe.Markup(self.styler().to_html(table_id=self.id, row_ids=self.row_ids, titles=titles))
 
 
 @dataclass
@@ -84,10 +101,10 @@ class Section:
 class SectionContext:
     """What a section builder gets: the runs it is about, every run, and where they came from.
 
-    ``runs`` has one row per run with the columns of :func:`common.report.runs.run_row` (``method``,
-    ``model``, ``machine``, ``devices``, ``samples_per_s``, ``memory_per_device``, ... and ``record``,
-    the whole record for anything else) plus those :func:`~common.report.runs.runs_frame` adds
-    (``speedup``, ``scaling_efficiency``, ``comparison``).
+    ``runs`` has one row per run (:func:`common.report.runs.runs_frame`): the typed columns (``method``,
+    ``model``, ``machine``, ``devices``, ``samples_per_s``, ``memory_per_device``, ``speedup``,
+    ``scaling_efficiency``, ...), then every key of the record under its schema path (``metrics.sizes``,
+    ``config.precision``), and ``record``, the whole record.
     """
 
     runs: pd.DataFrame
@@ -96,14 +113,13 @@ class SectionContext:
     plots: bool = True
 
 
-#: A row of the runs table as table renderers and checks see it: column name -> value.
+#: A row of a table as renderers and checks see it: column name -> value.
 Row = Mapping[str, Any]
 SectionBuilder = Callable[[SectionContext], "Section | Iterable[Section] | None"]
 #: lab -> {builder name -> builder}; keyed by name so importing a module twice adds nothing twice.
 _LAB_SECTIONS: dict[str, dict[str, SectionBuilder]] = {}
-#: Labs whose runs compare strategies on the same devices rather than device counts: when every run of
-#: a report is from these, the summary leaves out the speed-up and scaling-efficiency columns (a lab's
-#: section module adds its lab).
+#: Labs whose runs compare strategies on the same devices rather than device counts: when every run of a
+#: report is from these, the summary leaves out the speed-up and scaling-efficiency columns.
 LABS_WITHOUT_SCALING: set[str] = set()
 
 
@@ -125,48 +141,31 @@ def slug(title: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-") or "section"
 
 
-# --- formatting: every missing or unusable value shows as MISSING --------------------------------
+# --- formats: every value shown through fmt, a missing one as MISSING ---------------------------------------
 
 def is_missing(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value)) or value == ""
+    return value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)) or value == ""
 
 
-def fmt_text(value: Any) -> str:
-    return MISSING if is_missing(value) else str(value)
+#: The formats of the page by name; any other format string (``"{:.3g}"``) or function works too.
+FORMATS: dict[str, Union[str, Callable[[Any], str]]] = {
+    "text": "{}", "int": "{:,.0f}", "num": "{:.4g}", "%": "{:.0%}", "%1": "{:.1%}", "x": "{:.2f}×",
+    "s": lambda v: f"{v:.3g} s" if v < 10 else f"{v:,.1f} s",  # seconds
+    "rate": lambda v: f"{v:.3g}" if v < 100 else f"{v:,.0f}",  # samples/s and the like
+    "bytes": format_bytes,  # binary units (1 GiB = 1024³ bytes), as nvidia-smi and free -h show them
+}
 
 
-def fmt_int(value: Any) -> str:
-    return MISSING if is_missing(value) else f"{int(value):,}"
-
-
-def fmt_number(value: Any, digits: int = 4) -> str:
-    """``digits`` significant digits: losses, ratios, metrics of unknown scale."""
-    return MISSING if is_missing(value) else f"{value:.{digits}g}"
-
-
-def fmt_seconds(value: Any) -> str:
+def fmt(value: Any, spec: str | Callable[[Any], str] = "text") -> str:
+    """``value`` as the page shows it with ``spec`` (a name in :data:`FORMATS`, a format string or a function):
+    MISSING when missing, and as plain text when the format does not take it (text where a number belongs)."""
     if is_missing(value):
         return MISSING
-    return f"{value:.3g} s" if value < 10 else f"{value:,.1f} s"
-
-
-def fmt_rate(value: Any) -> str:
-    if is_missing(value):
-        return MISSING
-    return f"{value:.3g}" if value < 100 else f"{value:,.0f}"
-
-
-def fmt_percent(value: Any, digits: int = 0) -> str:
-    return MISSING if is_missing(value) else f"{value:.{digits}%}"
-
-
-def fmt_ratio(value: Any) -> str:
-    return MISSING if is_missing(value) else f"{value:.2f}×"
-
-
-def fmt_bytes(value: Any) -> str:
-    """Binary units (1 GiB = 1024³ bytes), as ``nvidia-smi`` and ``free -h`` show them."""
-    return MISSING if is_missing(value) else format_bytes(value)
+    spec = FORMATS.get(spec, spec) if isinstance(spec, str) else spec
+    try:
+        return spec.format(value) if isinstance(spec, str) else spec(value)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def fmt_memory(memory: Sequence[tuple[str, float]], source: str = "") -> Cell:
@@ -174,61 +173,53 @@ def fmt_memory(memory: Sequence[tuple[str, float]], source: str = "") -> Cell:
     if not memory:
         return Cell(MISSING)
     unit, scale = byte_unit(max(peak for _, peak in memory))
-    if unit == "B":
-        shown = " / ".join(str(int(peak)) for _, peak in memory) + " B"
-    else:
-        shown = " / ".join(f"{peak / scale:.1f}" for _, peak in memory) + f" {unit}"
-    title = ", ".join(f"{device}: {fmt_bytes(peak)}" for device, peak in memory)
+    shown = " / ".join(str(int(peak)) if unit == "B" else f"{peak / scale:.1f}" for _, peak in memory) + f" {unit}"
+    title = ", ".join(f"{device}: {format_bytes(peak)}" for device, peak in memory)
     return Cell(shown, title=f"{title} ({source})" if source else title, style="num")
 
 
-def num(text: str) -> Cell:
-    """A right-aligned cell."""
-    return Cell(text, style="num")
+# The helpers sections used before columns were specs; kept so that a section written against them still works.
+fmt_text, fmt_int, fmt_seconds, fmt_rate, fmt_ratio, fmt_bytes = (partial(fmt, spec=name) for name in (
+    "text", "int", "s", "rate", "x", "bytes"))
+fmt_number = lambda value, digits=4: fmt(value, f"{{:.{digits}g}}")  # noqa: E731
+fmt_percent = lambda value, digits=0: fmt(value, f"{{:.{digits}%}}")  # noqa: E731
+num = partial(Cell, style="num")
+text_column = lambda header, key=None: (header, key or header)  # noqa: E731
+number_column = lambda header, key, format, *args: (header, lambda row: num(format(row[key], *args)))  # noqa: E731
+
+#: What a column shows (see table_from_frame): a key, ``(key, format)``, ``(key, format, hover key)``, or a
+#: function of the row returning text or a Cell.
+ColumnSpec = Union[str, tuple, Callable[[Row], "str | Cell"]]
+Column = tuple[str, ColumnSpec]
 
 
-#: A table column: its header, and what a row shows under it (text or a :class:`Cell`).
-Column = tuple[str, Callable[[Row], "str | Cell"]]
+def _cell(row: Row, spec: ColumnSpec) -> Cell:
+    if callable(spec):
+        shown = spec(row)
+        return shown if isinstance(shown, Cell) else Cell(shown)
+    key, format, hover = (spec, "text", None) if isinstance(spec, str) else (*spec, None)[:3]
+    title = None if hover is None or is_missing(row.get(hover)) else str(row[hover])
+    return Cell(fmt(row.get(key), format), title=title, style="" if format == "text" else "num")
 
 
-def text_column(header: str, key: str | None = None) -> Column:
-    """A column showing ``row[key]`` as text (``key`` defaults to the header)."""
-    key = key or header
-    return header, lambda row: fmt_text(row[key])
+def table_from_frame(frame: pd.DataFrame, columns: Mapping[str, ColumnSpec] | Sequence[Column], *,
+                     id: str | None = None, caption: str | None = None, row_id_column: str | None = "run_id",
+                     drop_empty: bool = False) -> Table:
+    """A :class:`Table` with one row per row of ``frame``; ``columns`` maps each header to what it shows:
 
+    - ``"key"``: ``frame[key]`` as text (a key no row has shows MISSING);
+    - ``("key", format)``: the value through :func:`fmt`, right-aligned: ``("world_size", "int")``,
+      ``("share", "%1")``, ``("loss", "{:.6g}")``; ``("key", format, "other key")`` adds that value on hover;
+    - a function of the row (a dict), returning text or a :class:`Cell`, for anything else.
 
-def number_column(header: str, key: str, fmt: Callable[..., str], *args: Any) -> Column:
-    """A right-aligned column showing ``fmt(row[key], *args)``, e.g. ``fmt_percent`` with 1 digit."""
-    return header, lambda row: num(fmt(row[key], *args))
-
-
-def table_from_frame(
-    frame: pd.DataFrame,
-    columns: Sequence[Column],
-    *,
-    id: str | None = None,
-    caption: str | None = None,
-    row_id_column: str | None = "run_id",
-    drop_empty: bool = False,
-) -> Table:
-    """A :class:`Table` with one row per row of ``frame``; each column is ``(header, row -> text or Cell)``.
-
-    ``drop_empty`` leaves out every column in which no row has a value (every cell ``—``): a lab
-    whose records have no such number gets no column of dashes.
+    A list of ``(header, spec)`` pairs works too. ``drop_empty`` leaves out every column in which no row has
+    a value (every cell MISSING): a lab whose records have no such number gets no column of dashes.
     """
-    rows = []
-    # Plain dicts, not iterrows(): ten times faster, and a renderer reads row["column"] either way.
-    for row in frame.to_dict("records"):
-        cells = []
-        for _, render in columns:
-            value = render(row)
-            cells.append(value if isinstance(value, Cell) else Cell(value))
-        rows.append(cells)
-    headers = [header for header, _ in columns]
+    items = list(columns.items() if isinstance(columns, Mapping) else columns)
+    rows = [[_cell(row, spec) for _, spec in items] for row in frame.to_dict("records")]
+    headers = [header for header, _ in items]
     if drop_empty and rows:
         keep = [i for i in range(len(headers)) if any(row[i].text not in (MISSING, "") for row in rows)]
         headers, rows = [headers[i] for i in keep], [[row[i] for i in keep] for row in rows]
-    row_ids = None
-    if row_id_column and row_id_column in frame.columns:
-        row_ids = [fmt_text(value) for value in frame[row_id_column]]
+    row_ids = [fmt(value) for value in frame[row_id_column]] if row_id_column in frame.columns else None
     return Table(columns=headers, rows=rows, id=id, caption=caption, row_ids=row_ids)

@@ -1,10 +1,6 @@
-"""Lab-specific report sections: one module per lab, each registering with ``@register_section(lab)``.
-
-Every module in this folder is imported when a report is built, so adding ``lab04.py`` here is all a
-lab needs to do for its section to appear whenever its records are in the results folder. A module
-reads records only (``ctx.runs``, and ``record`` for anything else): it must not import the lab's
-scripts or torch. Names a lab's scripts and its section both need (Lab-03's precisions, say) live
-once in ``common``.
+"""The sections of each lab, one module per lab registering with ``@register_section(lab)`` (how to write one:
+``common/report/__init__.py``). Every module here is imported when a report is built. A module reads records only,
+through ``ctx.runs``: it never imports the lab's scripts or torch; a name both need lives once in ``common``.
 
 Reports and the README tables call :func:`lab_sections` (or :func:`load_builtin_lab_sections` and then
 ``common.report.sections.lab_section_builders``); the registry in ``sections`` never imports this folder.
@@ -25,18 +21,14 @@ __all__ = ["load_builtin_lab_sections", "lab_sections"]
 
 
 def load_builtin_lab_sections() -> list[tuple[str, str]]:
-    """Import every module in ``common/report/labs/`` so their ``@register_section`` calls run.
-
-    Returns ``(module, error)`` for each module that failed to import: one lab's broken section
-    must not cost every other lab its report.
-    """
+    """Import every module in this folder so their ``@register_section`` calls run; returns ``(module, error)`` for
+    each that failed to import: one lab's broken section must not cost every other lab its report."""
     failed = []
     for module in pkgutil.iter_modules(__path__):
-        name = f"{__name__}.{module.name}"
         try:
-            importlib.import_module(name)
+            importlib.import_module(f"{__name__}.{module.name}")
         except Exception as err:
-            failed.append((name, f"{type(err).__name__}: {err}"))
+            failed.append((f"{__name__}.{module.name}", f"{type(err).__name__}: {err}"))
     return failed
 
 
@@ -48,14 +40,11 @@ def lab_sections(runs: pd.DataFrame, results_dir: Path, plots: bool) -> tuple[li
     for lab in sorted(runs["lab"].dropna().unique()):
         lab_runs = runs[runs["lab"] == lab].reset_index(drop=True)
         for builder in lab_section_builders(lab):
-            context = SectionContext(runs=lab_runs, all_runs=runs, results_dir=results_dir, plots=plots)
             try:
-                result = builder(context)
+                result = builder(SectionContext(runs=lab_runs, all_runs=runs, results_dir=results_dir, plots=plots))
             except Exception as err:  # one lab's section must not cost the whole report
                 problems.append(Finding(f"section {builder.__name__} of {lab}",
                                         f"could not be built: {type(err).__name__}: {err}"))
                 continue
-            if isinstance(result, Section):
-                result = [result]
-            sections.extend(result or [])
+            sections.extend([result] if isinstance(result, Section) else result or [])
     return sections, problems

@@ -1,31 +1,21 @@
 """Lab 01 (DataParallel vs DistributedDataParallel): memory balance and loss agreement.
 
-Two things the summary table does not show directly: how unevenly DataParallel loads its first
-device, and whether the three methods, given the same seed and global batch, trained the same thing.
+Two things the summary table does not show directly: how unevenly DataParallel loads its first device, and
+whether the three methods, given the same seed and global batch, trained the same thing.
 """
 
 from __future__ import annotations
 
+import statistics
+
 import pandas as pd
 
 from common.report.checks import DDP_MIN_EFFICIENCY, is_ddp
-from common.report.runs import BASELINE_METHOD, get
-from common.report.sections import (
-    Section, SectionContext, fmt_bytes, fmt_int, fmt_number, fmt_ratio, num, number_column, register_section,
-    table_from_frame, text_column,
-)
-
-
-def _balance(memory: list[tuple[str, float]]) -> dict[str, float]:
-    first = memory[0][1]
-    others = [peak for _, peak in memory[1:]]
-    mean_others = sum(others) / len(others)
-    return {"first": first, "others": mean_others, "ratio": first / mean_others if mean_others else float("nan")}
-
+from common.report.runs import BASELINE_METHOD, number
+from common.report.sections import Section, SectionContext, register_section, table_from_frame
 
 #: Which run a row is: the first columns of both tables.
-_RUN_COLUMNS = [text_column("run", "run_id"), text_column("method"), text_column("machine"),
-                number_column("devices", "devices", fmt_int)]
+RUN_COLUMNS = {"run": "run_id", "method": "method", "machine": "machine", "devices": ("devices", "int")}
 
 
 def _cpu_ddp_notes(runs: pd.DataFrame) -> list[str]:
@@ -33,13 +23,11 @@ def _cpu_ddp_notes(runs: pd.DataFrame) -> list[str]:
     notes = []
     for run in runs.to_dict("records"):
         efficiency = run["scaling_efficiency"]
-        if not (is_ddp(run["method"]) and run["device_type"] == "cpu" and pd.notna(efficiency)
-                and efficiency < DDP_MIN_EFFICIENCY):
+        if not (is_ddp(run["method"]) and run["device_type"] == "cpu" and efficiency < DDP_MIN_EFFICIENCY):
             continue
-        device = get(run["record"], "provenance", "device") or {}
-        cores, threads = device.get("cpu_count"), device.get("threads")
-        shared = (f"its {fmt_int(run['devices'])} processes ({threads} thread(s) each) shared this machine's "
-                  f"{cores} cores" if cores and threads else f"its {fmt_int(run['devices'])} processes shared one machine")
+        cores, threads = (number(run.get(f"provenance.device.{key}")) for key in ("cpu_count", "threads"))
+        shared = (f"its {run['devices']} processes ({threads:.0f} thread(s) each) shared this machine's {cores:.0f} "
+                  "cores" if cores and threads else f"its {run['devices']} processes shared one machine")
         notes.append(
             f"DDP on CPU ({run['run_id']}): a scaling efficiency of {efficiency:.0%} is expected here and is not a "
             f"failure of DDP. On a GPU node each process owns a GPU, and the course expects at least "
@@ -53,33 +41,22 @@ def _cpu_ddp_notes(runs: pd.DataFrame) -> list[str]:
 
 @register_section("lab01")
 def dp_vs_ddp(ctx: SectionContext) -> Section | None:
-    runs = ctx.runs
-    tables = []
-
-    multi = runs[runs["memory_per_device"].map(len) > 1].copy()
-    if not multi.empty:
-        balance = pd.DataFrame([_balance(m) for m in multi["memory_per_device"]], index=multi.index)
-        multi = multi.join(balance)
-        tables.append(table_from_frame(multi, [
-            *_RUN_COLUMNS,
-            number_column("first device peak", "first", fmt_bytes),
-            number_column("other devices (mean)", "others", fmt_bytes),
-            number_column("first ÷ others", "ratio", fmt_ratio),
-        ], caption="Peak memory of the first device against the others, for runs that recorded several devices"))
-
-    trained = runs[runs["final_loss"].notna() & (runs["status"] == "ok")].copy()
-    if not trained.empty:
-        baseline_loss = trained[trained["method"] == BASELINE_METHOD].groupby("comparison")["final_loss"].median()
-        trained["loss_vs_baseline"] = trained["final_loss"] - trained["comparison"].map(baseline_loss)
-        trained["steps"] = [get(record, "metrics", "steps") for record in trained["record"]]
-        tables.append(table_from_frame(trained, [
-            *_RUN_COLUMNS,
-            number_column("global batch", "global_batch_size", fmt_int),
-            ("steps", lambda r: num(fmt_int(r["steps"]) if isinstance(r["steps"], int) else "—")),
-            number_column("final loss", "final_loss", fmt_number),
-            number_column("minus baseline", "loss_vs_baseline", fmt_number, 2),
-        ], caption="Final training loss: with the same seed, data and global batch the methods should agree"))
-
+    runs, tables = ctx.runs, []
+    multi = runs[runs["memory_per_device"].map(len) > 1]
+    if len(multi):
+        first = multi["memory_per_device"].map(lambda memory: memory[0][1])
+        others = multi["memory_per_device"].map(lambda memory: statistics.mean(peak for _, peak in memory[1:]))
+        tables.append(table_from_frame(multi.assign(first=first, others=others, ratio=first / others.where(others > 0)), {
+            **RUN_COLUMNS, "first device peak": ("first", "bytes"), "other devices (mean)": ("others", "bytes"),
+            "first ÷ others": ("ratio", "x"),
+        }, caption="Peak memory of the first device against the others, for runs that recorded several devices"))
+    trained = runs[runs["final_loss"].notna() & (runs["status"] == "ok")]
+    if len(trained):
+        baseline = trained[trained["method"] == BASELINE_METHOD].groupby("comparison")["final_loss"].median()
+        tables.append(table_from_frame(trained.assign(vs=trained["final_loss"] - trained["comparison"].map(baseline)), {
+            **RUN_COLUMNS, "global batch": ("global_batch_size", "int"), "steps": ("metrics.steps", "int"),
+            "final loss": ("final_loss", "num"), "minus baseline": ("vs", "{:.2g}"),
+        }, caption="Final training loss: with the same seed, data and global batch the methods should agree"))
     if not tables:
         return None
     return Section("DataParallel vs DDP", paragraphs=[*_cpu_ddp_notes(runs),

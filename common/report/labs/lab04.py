@@ -1,30 +1,18 @@
-"""Lab 04 (sharded data parallel): memory per rank, DDP against FSDP2, checkpoint stalls, the largest model.
-
-``labs/lab04_sharded_training`` writes three kinds of record:
-
-- ``01_memory_budget.py`` (method ``memory``): ``metrics.budget``, one entry per variant with the
-  ``predicted`` and ``measured`` bytes per rank of ``parameters``, ``gradients``, ``optimizer``,
-  ``activations``, their sum over the first three (``states``) and the ``total``;
-- ``02_sharded_training.py`` (methods ``ddp``, ``fsdp``, ``fsdp+ac``, ``fsdp+bf16`` ...): the
-  training metrics every script writes, plus ``metrics.checkpoint_saves`` (per save: ``mode``,
-  ``stall_s``, ``complete_s``) and ``metrics.tensor_bytes`` (per rank);
-- ``03_largest_model.py`` (method ``largest-model``): ``metrics.largest``, per variant the largest
-  model that fitted within ``metrics.budget_bytes`` per rank and its size against DDP's.
-
-Each gets a table here (and the training runs a plot of their loss curves).
+"""Lab 04 (sharded data parallel): memory per rank (``01_memory_budget.py``, method ``memory``), DDP against FSDP2
+with their checkpoint stalls and loss curves (``02_sharded_training.py``) and the largest model that fits
+(``03_largest_model.py``, method ``largest-model``).
 """
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import pandas as pd
 
-from common.report.runs import get, number
+from common.report.runs import entries, flags, numbers, texts
 from common.report.sections import (
-    LABS_WITHOUT_SCALING, Cell, Section, SectionContext, fmt_bytes, fmt_int, fmt_number, fmt_percent, fmt_ratio,
-    fmt_seconds, fmt_text, num, register_section, table_from_frame,
+    LABS_WITHOUT_SCALING, Cell, Figure, Row, Section, SectionContext, fmt, is_missing, register_section,
+    table_from_frame,
 )
 
 PARTS = ("parameters", "gradients", "optimizer", "activations")
@@ -34,154 +22,84 @@ STRATEGIES = ("ddp", "fsdp")
 LABS_WITHOUT_SCALING.add("lab04")
 #: Line style and marker per curve of the loss plot, so that curves lying on one another stay visible.
 _STYLES = [("-", "s"), (":", "^"), ("-.", "v"), ("-", "D"), (":", "x"), ("-.", "+")]
+WHERE = {"ranks": ("world_size", "int"), "model (layers × width)": "shape", "machine": "machine"}
 
 
-def _config(record: dict, key: str) -> Any:
-    return get(record, "config", key)
+def _shape(frame: pd.DataFrame, prefix: str = "config.") -> list[str | None]:
+    layers, width = numbers(frame, f"{prefix}layers"), numbers(frame, f"{prefix}width")
+    return [None if pd.isna(l) or pd.isna(w) else f"{l:.0f} × {w:.0f}" for l, w in zip(layers, width)]
 
 
-def _shape(record: dict) -> str | None:
-    layers, width = number(_config(record, "layers")), number(_config(record, "width"))
-    return f"{int(layers)} × {int(width)}" if layers is not None and width is not None else None
-
-
-def _memory_rows(runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per variant of every ``memory`` record, predicted and measured side by side."""
-    rows = []
-    for run in runs[runs["method"] == "memory"].to_dict("records"):
-        budget = get(run["record"], "metrics", "budget")
-        for entry in budget if isinstance(budget, list) else []:
-            if not isinstance(entry, dict):
-                continue
-            predicted, measured = entry.get("predicted") or {}, entry.get("measured") or {}
-            row = {"run_id": run["run_id"], "machine": run["machine"], "variant": entry.get("variant"),
-                   "world_size": number(entry.get("world_size")), "shape": _shape(run["record"]),
-                   "batch": number(_config(run["record"], "batch_size"))}
-            for part in (*PARTS, "states", "total"):
-                row[f"predicted_{part}"] = number(predicted.get(part))
-                row[f"measured_{part}"] = number(measured.get(part))
-            rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def _both(row: dict, part: str) -> str:
+def _both(row: Row, part: str) -> Cell:
     """``measured (predicted)`` in one cell, or the prediction alone when nothing was measured."""
-    predicted, measured = row[f"predicted_{part}"], row[f"measured_{part}"]
-    if measured is None or pd.isna(measured):
-        return f"({fmt_bytes(predicted)})"
-    return f"{fmt_bytes(measured)} ({fmt_bytes(predicted)})"
+    predicted, measured = fmt(row.get(f"predicted.{part}"), "bytes"), row.get(f"measured.{part}")
+    return Cell(f"({predicted})" if is_missing(measured) else f"{fmt(measured, 'bytes')} ({predicted})", style="num")
 
 
-def _memory_table(rows: pd.DataFrame) -> Any:
-    def ratio(row: dict) -> str:
-        measured, predicted = row["measured_states"], row["predicted_states"]
-        return fmt_number(measured / predicted, 3) if measured and predicted else "—"
-
-    return table_from_frame(rows, [
-        ("variant", lambda r: fmt_text(r["variant"])),
-        ("ranks", lambda r: num(fmt_int(r["world_size"]))),
-        ("model (layers × width)", lambda r: fmt_text(r["shape"])),
-        ("machine", lambda r: fmt_text(r["machine"])),
-        *[(part if part != "optimizer" else "AdamW state", lambda r, p=part: num(_both(r, p))) for part in PARTS],
-        ("total", lambda r: num(_both(r, "total"))),
-        ("measured ÷ predicted (parameters + gradients + AdamW)", lambda r: num(ratio(r))),
-    ], id="lab04-memory", caption="Memory per rank, measured from the tensors (predicted by the formula in brackets); activations "
-               "are what autograd saved for backward for one micro-batch")
-
-
-def _training_rows(runs: pd.DataFrame) -> pd.DataFrame:
-    rows = []
-    for run in runs.to_dict("records"):
-        method, record = run["method"] or "", run["record"]
-        if not method.split("+")[0] in STRATEGIES or run["status"] != "ok":
-            continue
-        saves = get(record, "metrics", "checkpoint_saves")
-        saves = [s for s in saves if isinstance(s, dict)] if isinstance(saves, list) else []
-        held = get(record, "metrics", "tensor_bytes")
-        held = [number(get(entry, "total")) for entry in held] if isinstance(held, list) else []
-        losses = get(record, "metrics", "loss_at_step")
-        rows.append({
-            "run_id": run["run_id"], "machine": run["machine"], "method": method, "world_size": run["world_size"],
-            "shape": _shape(record), "global_batch": run["global_batch_size"], "final_loss": run["final_loss"],
-            "losses": [number(x) for x in losses] if isinstance(losses, list) else [],
-            "samples_per_s": run["samples_per_s"], "peak": run["peak_memory_bytes"],
-            "held": max((h for h in held if h is not None), default=None),
-            "mode": "async" if _config(record, "async_checkpoint") else "sync",
-            "saves": len(saves),
-            "stall": statistics.median(s["stall_s"] for s in saves if number(s.get("stall_s")) is not None)
-            if any(number(s.get("stall_s")) is not None for s in saves) else None,
-            "complete": statistics.median(s["complete_s"] for s in saves if number(s.get("complete_s")) is not None)
-            if any(number(s.get("complete_s")) is not None for s in saves) else None,
-            "parameters": number(get(record, "metrics", "parameters")),
-            "resumed_at": number(get(record, "metrics", "resumed_at_step")),
-            "tokens_per_s": number(get(record, "metrics", "tokens_per_s")),
-            "mfu": number(get(record, "metrics", "mfu")), "mfu_reason": get(record, "metrics", "mfu_reason"),
-            "key": (run["machine"], _shape(record), run["global_batch_size"], _config(record, "seed"),
-                    _config(record, "lr")),
-        })
-    return pd.DataFrame(rows)
+def _training(runs: pd.DataFrame) -> pd.DataFrame:
+    """The ``ddp`` and ``fsdp...`` runs that finished, with their checkpoint saves, tensors held and loss curve."""
+    runs = runs[runs["method"].fillna("").str.split("+").str[0].isin(STRATEGIES) & (runs["status"] == "ok")]
+    saves = entries(runs, "metrics.checkpoint_saves").assign(
+        stall=lambda s: numbers(s, "stall_s"), complete=lambda s: numbers(s, "complete_s"))
+    saves = saves.groupby("_run").agg(saves=("_position", "size"), stall=("stall", "median"),
+                                       complete=("complete", "median"))
+    held = entries(runs, "metrics.tensor_bytes").pipe(lambda e: numbers(e, "total").groupby(e["_run"]).max())
+    return runs.join(saves).assign(
+        saves=lambda t: t["saves"].fillna(0), held=held, shape=_shape(runs),
+        losses=runs.get("metrics.loss_at_step", pd.Series(index=runs.index, dtype=object)).map(
+            lambda v: [x if isinstance(x, (int, float)) and not isinstance(x, bool) else None for x in v]
+            if isinstance(v, list) else []),
+        mode=flags(runs, "config.async_checkpoint").map({True: "async", False: "sync"}),
+        resumed_at=numbers(runs, "metrics.resumed_at_step").where(lambda v: v > 0),
+        key=list(zip(runs["machine"], _shape(runs), *(texts(runs, key) for key in (
+            "global_batch_size", "config.seed", "config.lr")))))
 
 
-def _loss_difference(training: pd.DataFrame) -> pd.Series:
+def _loss_difference(training: pd.DataFrame) -> list[float | None]:
     """Largest relative difference, step by step, from a DDP run of the same model, batch and seed."""
     differences = []
     for row in training.to_dict("records"):
-        peers = training[(training["method"] == "ddp") & training["key"].map(lambda k: k == row["key"])]
-        best = None
-        for ddp in peers["losses"]:
-            steps = min(len(ddp), len(row["losses"]))
-            pairs = [(a, b) for a, b in zip(row["losses"][:steps], ddp[:steps]) if a is not None and b]
-            if pairs and row["method"] != "ddp":
-                worst = max(abs(a - b) / abs(b) for a, b in pairs)
-                best = worst if best is None else min(best, worst)
-        differences.append(best)
-    return pd.Series(differences, index=training.index, dtype="object")
+        worst = [max(abs(a - b) / abs(b) for a, b in pairs) for ddp in training.loc[
+                 (training["method"] == "ddp") & training["key"].map(row["key"].__eq__), "losses"]
+                 if (pairs := [(a, b) for a, b in zip(row["losses"], ddp) if a is not None and b])]
+        differences.append(min(worst) if worst and row["method"] != "ddp" else None)
+    return differences
 
 
-def _resumed_at(row: dict) -> int | None:
-    value = row["resumed_at"]
-    return None if value is None or pd.isna(value) or not value else int(value)
+def _label(row: Row) -> str:
+    resumed = "" if is_missing(row["resumed_at"]) else f" · resumed at step {row['resumed_at']:.0f}"
+    return f"{row['method']} · {fmt(row['world_size'], 'int')} ranks · {row['mode']}{resumed}"
 
 
-def _curve_label(row: dict) -> str:
-    resumed = f" · resumed at step {_resumed_at(row)}" if _resumed_at(row) else ""
-    return f"{row['method']} · {fmt_int(row['world_size'])} ranks · {row['mode']}{resumed}"
-
-
-def _loss_figure(training: pd.DataFrame) -> Any:
-    """Loss per step (top) and each run's relative difference from its DDP twin (bottom): runs that
-    compute the same thing draw one curve on top of another, so the lower panel shows them apart."""
-    from matplotlib.figure import Figure as MplFigure
-
+def _loss_figure(training: pd.DataFrame) -> Figure:
+    """Loss per step (top) and each run's relative difference from its DDP twin (bottom): runs that compute the
+    same thing draw one curve on top of another, so the lower panel shows them apart."""
     from common.report.plots import plain, png_figure
+    from matplotlib.figure import Figure as MplFigure
 
     rows = training.to_dict("records")[:12]
     fig = MplFigure(figsize=(8, 5.4))
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
-    others = iter(_STYLES * 2)
-    resumed = []
+    others, resumed = iter(_STYLES * 2), []
     for row in rows:
-        steps = [i + 1 for i, x in enumerate(row["losses"]) if x is not None]
-        values = [x for x in row["losses"] if x is not None]
+        points = [(i + 1, x) for i, x in enumerate(row["losses"]) if x is not None]
         linestyle, marker = ("--", "o") if row["method"] == "ddp" else next(others)
-        top.plot(steps, values, label=plain(_curve_label(row)), linestyle=linestyle, marker=marker, markersize=4,
-                 markevery=max(1, len(steps) // 10), markerfacecolor="none", alpha=0.85)
-        if _resumed_at(row):
-            resumed.append(_curve_label(row))
-            top.axvline(_resumed_at(row) + 0.5, color="grey", linewidth=0.8, linestyle=":")
+        style = dict(linestyle=linestyle, marker=marker, markersize=4, markerfacecolor="none")
+        top.plot(*zip(*points), label=plain(_label(row)), markevery=max(1, len(points) // 10), alpha=0.85, **style)
+        if not is_missing(row["resumed_at"]):
+            resumed.append(_label(row))
+            top.axvline(row["resumed_at"] + 0.5, color="grey", linewidth=0.8, linestyle=":")
         ddp = next((r for r in rows if r["method"] == "ddp" and r["key"] == row["key"]), None)
         if ddp is not None and row is not ddp:
             pairs = [(i + 1, abs(a - b) / abs(b)) for i, (a, b) in enumerate(zip(row["losses"], ddp["losses"]))
                      if a is not None and b]
-            bottom.plot([p[0] for p in pairs], [p[1] for p in pairs], linestyle=linestyle, marker=marker,
-                        markersize=4, markerfacecolor="none")
+            bottom.plot([p[0] for p in pairs], [p[1] for p in pairs], **style)
     top.set_ylabel("training loss (mean over ranks)")
-    top.grid(alpha=0.3)
     top.legend(fontsize="small", loc="upper right")
     bottom.set_yscale("symlog", linthresh=1e-7)
-    bottom.set_xlabel("optimiser step")
-    bottom.set_ylabel("|loss − DDP's| / DDP's")
-    bottom.grid(alpha=0.3)
+    bottom.set(xlabel="optimiser step", ylabel="|loss − DDP's| / DDP's")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
     caption = ("With the same seed and global batch, DDP (dashed, circles) and FSDP2 (other line styles and "
                "markers) follow the same curve, drawn on top of one another; below, each run's relative "
                "difference from the DDP run of the same model and batch, step by step (0 where they agree exactly).")
@@ -192,90 +110,64 @@ def _loss_figure(training: pd.DataFrame) -> Any:
                       caption=caption)
 
 
-def _largest_rows(runs: pd.DataFrame) -> pd.DataFrame:
-    rows = []
-    for run in runs[runs["method"] == "largest-model"].to_dict("records"):
-        metrics = get(run["record"], "metrics") or {}
-        for entry in metrics.get("largest") or []:
-            if not isinstance(entry, dict):
-                continue
-            largest = entry.get("largest") if isinstance(entry.get("largest"), dict) else {}
-            rows.append({"run_id": run["run_id"], "machine": run["machine"], "variant": entry.get("variant"),
-                         "world_size": number(metrics.get("world_size")), "budget": number(metrics.get("budget_bytes")),
-                         "grow": _config(run["record"], "grow"), "layers": number(largest.get("layers")),
-                         "width": number(largest.get("width")), "parameters": number(largest.get("parameters")),
-                         "bytes": number(largest.get("bytes")), "times_ddp": number(entry.get("times_ddp")),
-                         "lower_bound": bool(entry.get("limited_by_doublings")),
-                         "measured_by": metrics.get("measured_by")})
-    return pd.DataFrame(rows)
+def _mfu(row: Row) -> Cell:
+    reason = row.get("metrics.mfu_reason")
+    if is_missing(row.get("metrics.mfu")):
+        return Cell("n/a", title=reason if isinstance(reason, str) else "not recorded", style="num")
+    return Cell(fmt(row["metrics.mfu"], "%1"), title=reason if isinstance(reason, str) and reason else None, style="num")
 
 
 @register_section("lab04")
 def sharded_training(ctx: SectionContext) -> Section | None:
-    runs = ctx.runs
-    tables, figures, paragraphs = [], [], []
-    memory = _memory_rows(runs)
+    runs, tables, figures, paragraphs = ctx.runs, [], [], []
+    memory_runs = runs[runs["method"] == "memory"]
+    memory = entries(memory_runs.assign(shape=_shape(memory_runs)), "metrics.budget", "run_id", "machine", "shape")
     if not memory.empty:
-        tables.append(_memory_table(memory))
+        ratio = numbers(memory, "measured.states") / numbers(memory, "predicted.states").where(lambda v: v > 0)
+        tables.append(table_from_frame(memory.assign(ratio=ratio.where(ratio > 0)), {
+            "variant": "variant", **WHERE, **{part if part != "optimizer" else "AdamW state":
+                                              lambda r, p=part: _both(r, p) for part in (*PARTS, "total")},
+            "measured ÷ predicted (parameters + gradients + AdamW)": ("ratio", "{:.3g}"),
+        }, id="lab04-memory", caption="Memory per rank, measured from the tensors (predicted by the formula in "
+                                      "brackets); activations are what autograd saved for backward for one micro-batch"))
         paragraphs.append("DDP keeps 16 bytes per parameter on every rank (fp32 weights and gradients, AdamW's two "
                           "moments); FSDP2 keeps 1/N of them. Activation checkpointing keeps only each block's input; "
                           "bf16 halves most activations. On CPU the process's resident memory also holds PyTorch "
                           "itself, so the per-part numbers come from the tensors.")
-    training = _training_rows(runs)
+    training = _training(runs)
     if not training.empty:
         training["vs_ddp"] = _loss_difference(training)
-        tables.append(table_from_frame(training, [
-            ("method", lambda r: fmt_text(r["method"])),
-            ("ranks", lambda r: num(fmt_int(r["world_size"]))),
-            ("model (layers × width)", lambda r: fmt_text(r["shape"])),
-            ("machine", lambda r: fmt_text(r["machine"])),
-            ("global batch", lambda r: num(fmt_int(r["global_batch"]))),
-            ("checkpoint", lambda r: fmt_text(r["mode"])),
-            ("steps", lambda r: num(fmt_int(len(r["losses"])))),
-            ("final loss", lambda r: num(fmt_number(r["final_loss"]))),
-            ("largest step difference from DDP", lambda r: num(fmt_number(r["vs_ddp"], 2))),
-            ("held per rank (tensors)", lambda r: num(fmt_bytes(r["held"]))),
-            ("peak per rank", lambda r: num(fmt_bytes(r["peak"]))),
-            ("samples/s", lambda r: num(fmt_number(r["samples_per_s"], 3))),
-            ("tokens/s", lambda r: num(fmt_number(r["tokens_per_s"], 3))),
-            ("MFU", lambda r: Cell(fmt_percent(r["mfu"], 1), title=r["mfu_reason"] or None, style="num")
-             if r["mfu"] is not None and not pd.isna(r["mfu"]) else Cell(
-                 "n/a", title=r["mfu_reason"] if isinstance(r["mfu_reason"], str) else "not recorded", style="num")),
-        ], id="lab04-training", caption="DDP against FSDP2: the same seed and global batch should give the same losses step by step "
-                   "(relative difference from the DDP run of the same model and batch). MFU: the model's FLOPs per second "
-                   "(6 N + 12 L H Q T per token) over the device's dense peak for the precision in force; "
-                   "hover n/a for why there is none"))
-        if ctx.plots and any(training["losses"].map(len)):
+        tables.append(table_from_frame(training, {
+            "method": "method", **WHERE, "global batch": ("global_batch_size", "int"), "checkpoint": "mode",
+            "steps": lambda r: Cell(fmt(len(r["losses"]), "int"), style="num"), "final loss": ("final_loss", "num"),
+            "largest step difference from DDP": ("vs_ddp", "{:.2g}"), "held per rank (tensors)": ("held", "bytes"),
+            "peak per rank": ("peak_memory_bytes", "bytes"), "samples/s": ("samples_per_s", "{:.3g}"),
+            "tokens/s": ("metrics.tokens_per_s", "{:.3g}"), "MFU": _mfu,
+        }, id="lab04-training", caption="DDP against FSDP2: the same seed and global batch should give the same losses "
+           "step by step (relative difference from the DDP run of the same model and batch). MFU: the model's FLOPs "
+           "per second (6 N + 12 L H Q T per token) over the device's dense peak for the precision in force; hover "
+           "n/a for why there is none"))
+        if ctx.plots and training["losses"].map(len).any():
             figures.append(_loss_figure(training))
-        saved = training[training["saves"] > 0]
-        if not saved.empty:
-            tables.append(table_from_frame(saved, [
-                ("method", lambda r: fmt_text(r["method"])),
-                ("ranks", lambda r: num(fmt_int(r["world_size"]))),
-                ("model (layers × width)", lambda r: fmt_text(r["shape"])),
-                ("parameters", lambda r: num(fmt_int(r["parameters"]))),
-                ("machine", lambda r: fmt_text(r["machine"])),
-                ("checkpoint", lambda r: fmt_text(r["mode"])),
-                ("saves", lambda r: num(fmt_int(r["saves"]))),
-                ("loop stalled (median)", lambda r: num(fmt_seconds(r["stall"]))),
-                ("files complete after (median)", lambda r: num(fmt_seconds(r["complete"]))),
-            ], id="lab04-checkpoints", caption="Distributed checkpoints: how long each save stopped the training loop, synchronous "
-                       "(dcp.save) against asynchronous (dcp.async_save writes in the background)"))
-    largest = _largest_rows(runs)
+        if (training["saves"] > 0).any():
+            tables.append(table_from_frame(training[training["saves"] > 0], {
+                "method": "method", "ranks": ("world_size", "int"), "model (layers × width)": "shape",
+                "parameters": ("metrics.parameters", "int"), "machine": "machine", "checkpoint": "mode",
+                "saves": ("saves", "int"), "loop stalled (median)": ("stall", "s"),
+                "files complete after (median)": ("complete", "s"),
+            }, id="lab04-checkpoints", caption="Distributed checkpoints: how long each save stopped the training "
+               "loop, synchronous (dcp.save) against asynchronous (dcp.async_save writes in the background)"))
+    largest = entries(runs[runs["method"] == "largest-model"], "metrics.largest", "run_id", "machine",
+                      "metrics.world_size", "metrics.budget_bytes")
     if not largest.empty:
-        tables.append(table_from_frame(largest, [
-            ("variant", lambda r: fmt_text(r["variant"])),
-            ("ranks", lambda r: num(fmt_int(r["world_size"]))),
-            ("budget per rank", lambda r: num(fmt_bytes(r["budget"]))),
-            ("machine", lambda r: fmt_text(r["machine"])),
-            ("largest model (layers × width)", lambda r: fmt_text(
-                f"{int(r['layers'])} × {int(r['width'])}" if r["layers"] is not None and not pd.isna(r["layers"])
-                else None)),
-            ("parameters", lambda r: num(fmt_int(r["parameters"]))),
-            ("used per rank", lambda r: num(fmt_bytes(r["bytes"]))),
-            ("× DDP's largest", lambda r: num(fmt_ratio(r["times_ddp"]) + ("+" if r["lower_bound"] else ""))),
-        ], id="lab04-largest", caption="The largest model (doubling depth or width) that trains one step within the budget per rank "
-                   "(+: still fitted at the last doubling allowed)"))
+        tables.append(table_from_frame(largest.assign(shape=_shape(largest, "largest.")), {
+            "variant": "variant", "ranks": ("metrics.world_size", "int"), "budget per rank": ("metrics.budget_bytes", "bytes"),
+            "machine": "machine", "largest model (layers × width)": "shape", "parameters": ("largest.parameters", "int"),
+            "used per rank": ("largest.bytes", "bytes"),
+            "× DDP's largest": lambda r: Cell(fmt(r.get("times_ddp"), "x") + ("+" if r.get("limited_by_doublings") is True
+                                                                               else ""), style="num"),
+        }, id="lab04-largest", caption="The largest model (doubling depth or width) that trains one step within the "
+                                       "budget per rank (+: still fitted at the last doubling allowed)"))
     if not tables:
         return None
     return Section("Lab 04: sharded data parallel (FSDP2)", paragraphs=paragraphs, figures=figures, tables=tables)

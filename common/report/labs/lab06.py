@@ -1,83 +1,51 @@
-"""Lab 06 (when distributed training breaks): what each injected fault ended in, the doctor's verdicts,
-and the preflight checks.
-
-The records (``labs/lab06_failures/``):
-
-- ``01_inject.py``: method ``uninterrupted`` or the fault's name (``skip-collective``, ``crash-rank`` ...),
-  status ``ok`` (finished: ``metrics.final_loss``, ``steps_done``, ``restarts``) or ``failed`` (a hang or
-  desync named in ``metrics.diagnosis`` with ``culprits`` and ``culprit_step``; a NaN stop in
-  ``metrics.nan_stop``);
-- ``02_diagnose.py``: method ``diagnosis``, ``metrics.verdict``, ``culprits``, ``step``, ``ranks``;
-- ``04_preflight.py``: method ``preflight``, ``metrics.verdict``, ``problems``, ``transport``.
+"""Lab 06 (when distributed training breaks): what each injected fault ended in (``01_inject.py``), the doctor's
+verdicts (``02_diagnose.py``) and the preflight checks (``04_preflight.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import pandas as pd
-
-from common.report.runs import get, number
+from common.report.runs import number
 from common.report.sections import (
-    LABS_WITHOUT_SCALING, Cell, Section, SectionContext, Table, fmt_int, fmt_number, fmt_seconds, fmt_text,
-    register_section,
+    LABS_WITHOUT_SCALING, Cell, Row, Section, SectionContext, fmt, is_missing, register_section, table_from_frame,
 )
 
 LABS_WITHOUT_SCALING.add("lab06")
 
 
-def _outcome(record: dict[str, Any]) -> str:
+def _outcome(run: Row) -> str:
     """What the run ended in, in a few words."""
-    metrics = record.get("metrics", {})
-    if record.get("status") == "ok":
-        restarts = int(number(metrics.get("restarts")) or 0)
+    if run["status"] == "ok":
+        restarts = int(number(run.get("metrics.restarts")) or 0)
         return "finished" + (f" after {restarts} restart(s)" if restarts else "")
-    if isinstance(metrics.get("nan_stop"), dict):
-        stop = metrics["nan_stop"]
-        return (f"every rank stopped at step {stop.get('step')} (NaN on rank(s) {stop.get('ranks')}); "
-                f"last good checkpoint: step {stop.get('checkpoint_step')}")
-    return str(metrics.get("diagnosis") or "failed")
-
-
-def fault_table(runs: pd.DataFrame) -> Table | None:
-    rows, ids = [], []
-    for run in runs[runs["script"] == "labs/lab06_failures/01_inject.py"].to_dict("records"):
-        record = run["record"]
-        config = record.get("config", {})
-        rows.append([Cell(fmt_text(run["method"])), Cell(fmt_int(run["world_size"]), style="num"),
-                     Cell("-" if run["method"] == "uninterrupted" else f"{config.get('rank')} / {config.get('step')}"),
-                     Cell(_outcome(record)),
-                     Cell(fmt_number(get(record, "metrics", "final_loss"), 6), style="num"),
-                     Cell(fmt_seconds(get(record, "metrics", "wall_s")), style="num")])
-        ids.append(run["run_id"])
-    if not rows:
-        return None
-    return Table(["fault", "ranks", "rank / step", "ended in", "final loss", "training time"], rows, id="lab06-faults",
-                 caption="Each run of 01_inject.py: a restarted run that finished must show the uninterrupted run's "
-                         "final loss.", row_ids=ids)
-
-
-def verdict_table(runs: pd.DataFrame, method: str, caption: str) -> Table | None:
-    chosen = runs[runs["method"] == method].to_dict("records")
-    if not chosen:
-        return None
-    rows = [[Cell(fmt_text(run["machine"])), Cell(fmt_int(run["world_size"]), style="num"),
-             Cell(fmt_text(get(run["record"], "metrics", "verdict")), style="" if run["status"] == "ok" else "warn")]
-            for run in chosen]
-    return Table(["machine", "ranks", "verdict"], rows, id=f"lab06-{method}", caption=caption,
-                 row_ids=[run["run_id"] for run in chosen])
+    if not is_missing(run.get("metrics.nan_stop.step")):
+        return (f"every rank stopped at step {run['metrics.nan_stop.step']} (NaN on rank(s) "
+                f"{run.get('metrics.nan_stop.ranks')}); last good checkpoint: step {run.get('metrics.nan_stop.checkpoint_step')}")
+    diagnosis = run.get("metrics.diagnosis")
+    return "failed" if is_missing(diagnosis) else str(diagnosis)
 
 
 @register_section("lab06")
-def lab06_sections(ctx: SectionContext) -> list[Section]:
-    tables = [table for table in (
-        fault_table(ctx.runs),
-        verdict_table(ctx.runs, "diagnosis", "The hang doctor (02_diagnose.py): its verdict on a live or dead run."),
-        verdict_table(ctx.runs, "preflight", "The preflight checklist (04_preflight.py), one line per allocation."),
-    ) if table is not None]
+def lab06_sections(ctx: SectionContext) -> Section | None:
+    runs, tables = ctx.runs, []
+    faults = runs[runs["script"] == "labs/lab06_failures/01_inject.py"]
+    if len(faults):
+        tables.append(table_from_frame(faults, {
+            "fault": "method", "ranks": ("world_size", "int"),
+            "rank / step": lambda r: "-" if r["method"] == "uninterrupted" else
+            f"{fmt(r.get('config.rank'))} / {fmt(r.get('config.step'))}",
+            "ended in": _outcome, "final loss": ("metrics.final_loss", "{:.6g}"), "training time": ("metrics.wall_s", "s"),
+        }, id="lab06-faults", caption="Each run of 01_inject.py: a restarted run that finished must show the "
+                                      "uninterrupted run's final loss."))
+    for method, caption in (("diagnosis", "The hang doctor (02_diagnose.py): its verdict on a live or dead run."),
+                            ("preflight", "The preflight checklist (04_preflight.py), one line per allocation.")):
+        if (runs["method"] == method).any():
+            tables.append(table_from_frame(runs[runs["method"] == method], {
+                "machine": "machine", "ranks": ("world_size", "int"),
+                "verdict": lambda r: Cell(fmt(r.get("metrics.verdict")), style="" if r["status"] == "ok" else "warn"),
+            }, id=f"lab06-{method}", caption=caption))
     if not tables:
-        return []
-    return [Section("Lab 06: when distributed training breaks", paragraphs=[
+        return None
+    return Section("Lab 06: when distributed training breaks", paragraphs=[
         "Each fault fires once on one rank at one step. A hang or desync must end after the collective timeout in "
         "one line naming that rank and step; a crash or a NaN must end in recovery from the last checkpoint with the "
-        "uninterrupted run's final loss."], tables=tables)]
+        "uninterrupted run's final loss."], tables=tables)
