@@ -237,7 +237,7 @@ def test_training_records_carry_tokens_per_second_and_no_made_up_peak_on_cpu(run
         assert metrics["tokens_per_s"] == pytest.approx(metrics["samples_per_s"] * 32)
         assert metrics["flops_per_token"] == flops_per_token(TransformerShape(4, 32, 4, 32, 128))
         assert metrics["mfu"] is None and metrics["peak_tflops"] is None
-        assert metrics["mfu_reason"] == "no peak known for this CPU"
+        assert metrics["mfu_reason"].startswith("no peak known for a CPU")
     assert _training(runs, "resume1")["metrics"]["resumed_at_step"] == 10
     assert _training(runs, "fsdp4")["metrics"]["resumed_at_step"] is None
 
@@ -399,7 +399,7 @@ def test_report_section_shows_memory_losses_checkpoint_stalls_and_the_largest_mo
     assert "relative difference from the DDP run" in caption
     assert "fsdp · 1 ranks · sync · resumed at step 10" in caption and "fsdp · 2 ranks · sync · resumed at step 10" in caption
     assert "fsdp · 4 ranks" not in caption  # the uninterrupted runs are not called resumed
-    assert "no peak known for this CPU" in html
+    assert "no peak known for a CPU" in html
 
     load_builtin_lab_sections()
     frame = runs_frame(load_records(folder).records)
