@@ -32,6 +32,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from common.errors import UserError
+from common.runtime.compat import new_tf32_api
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -83,18 +84,13 @@ def announce_bf16_emulation(precision: str, device: torch.device, cpuinfo: str |
     return note
 
 
-def _new_tf32_api() -> bool:
-    """PyTorch 2.9 and later set TF32 per back end with ``fp32_precision``; mixing it with the old flags fails."""
-    return hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
-
-
 def fp32_math() -> dict[str, str]:
     """The float32 maths in force on CUDA: ``{"matmul": "ieee"|"tf32", "cudnn_conv": "ieee"|"tf32"}``.
 
     With the new API a back end set to ``none`` inherits its parent's setting; when nothing is set
     anywhere, PyTorch's defaults apply (matmuls IEEE, cuDNN convolutions TF32).
     """
-    if not _new_tf32_api():
+    if not new_tf32_api():
         return {"matmul": "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee",
                 "cudnn_conv": "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"}
 
@@ -119,7 +115,7 @@ def set_fp32_math(mode: str) -> None:
     # Setting only the new API leaves the old readers raising "a mix of the legacy and new APIs".
     torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
     torch.backends.cudnn.allow_tf32 = mode == "tf32"
-    if _new_tf32_api():  # then spell every level out, so both APIs read the same mode (conv and RNN agree)
+    if new_tf32_api():  # then spell every level out, so both APIs read the same mode (conv and RNN agree)
         torch.backends.cuda.matmul.fp32_precision = mode
         torch.backends.cudnn.conv.fp32_precision = mode
         torch.backends.cudnn.rnn.fp32_precision = mode
