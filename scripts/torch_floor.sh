@@ -42,7 +42,8 @@ constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 python3 -m uv export --quiet --frozen --no-hashes --no-annotate --no-header --no-emit-project --all-groups \
     --format requirements-txt | grep -vE '^(torch|torchvision|numpy|nvidia-|triton|cuda-)' > "$constraints"
-# No --compile-bytecode: the runs below write the bytecode of what they import (a fraction of torch).
+# uv compiles the bytecode at install (pyproject.toml's compile-bytecode), once, rather than each of the
+# runs' processes compiling what it imports at the same time as the others.
 python3 -m uv pip install --quiet --python "$venv/bin/python" --constraint "$constraints" \
     "torch==$TORCH" "torchvision==$TORCHVISION" "numpy==$NUMPY" -e . pytest pytest-timeout
 echo "torch_floor: $venv ready in $(( $(date +%s) - start )) s" >&2

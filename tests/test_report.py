@@ -605,3 +605,13 @@ def test_lab05_report_draws_each_training_run_once_in_its_own_colour(tmp_path: P
     assert not columns & {"speed-up vs baseline", "scaling efficiency"}
     assert "DDP is expected" not in page.sections["summary"]
 
+
+
+def test_a_summary_of_runs_from_two_pytorch_releases_says_so(tmp_path: Path) -> None:
+    from common.report.core import summary_section
+
+    records = [write_run(tmp_path, method=method) for method in ("baseline", "dp", "ddp")]
+    assert not [n for n in summary_section(runs_frame(records)).notes if "PyTorch releases" in n]
+    records[2]["provenance"]["versions"]["torch"] = "2.8.0+cu128"  # one run on the course's floor
+    (note,) = [n for n in summary_section(runs_frame(records)).notes if "PyTorch releases" in n]
+    assert "2 PyTorch releases (2.5.1: 2 runs, 2.8.0+cu128: 1 run)" in note

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from collections import Counter
 from typing import Any
 
 import pandas as pd
@@ -117,6 +118,12 @@ def summary_section(runs: pd.DataFrame) -> Section:
                      "to see which.")
     for run in runs.to_dict("records"):
         notes += [f"Note from run {run['run_id']} ({run['lab']} {run['method']}): {note}" for note in run["notes"]]
+    releases = Counter(fmt_text(get(record, "provenance", "versions", "torch")) for record in runs["record"])
+    if len(releases) > 1:  # a comparison across PyTorch releases measures the releases too
+        notes.append(f"These runs used {len(releases)} PyTorch releases ("
+                     + ", ".join(f"{release}: {count} run{'s' if count != 1 else ''}"
+                                 for release, count in sorted(releases.items()))
+                     + "): part of a difference between them may be the release. Each run's is in the provenance table.")
     lacking = missing_baselines(runs) if scaling else []
     if lacking:
         notes.append(f"No '{BASELINE_METHOD}' run to compute an efficiency for: " + "; ".join(lacking) + ".")
