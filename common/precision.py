@@ -82,11 +82,6 @@ def math_of(name: str, tf32_in_force: bool = False) -> str:
 # What fp32 means on a GPU
 
 
-def _new_tf32_api(torch: Any) -> bool:
-    """PyTorch 2.9 and later set TF32 per back end with ``fp32_precision``; mixing it with the old flags fails."""
-    return hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
-
-
 def fp32_math() -> dict[str, str]:
     """The float32 maths in force on CUDA: ``{"matmul": "ieee"|"tf32", "cudnn_conv": "ieee"|"tf32"}``.
 
@@ -95,7 +90,9 @@ def fp32_math() -> dict[str, str]:
     """
     import torch
 
-    if not _new_tf32_api(torch):
+    from common.runtime.compat import new_tf32_api
+
+    if not new_tf32_api():
         return {"matmul": "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee",
                 "cudnn_conv": "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"}
 
@@ -115,6 +112,8 @@ def set_fp32_math(mode: str) -> None:
     """
     import torch
 
+    from common.runtime.compat import new_tf32_api
+
     if mode not in FP32_MATH:
         raise ValueError(f"fp32 maths is one of {FP32_MATH}, not {mode!r}")
     # The old flags first: PyTorch carries them over to the new API, so code that still reads them
@@ -122,7 +121,7 @@ def set_fp32_math(mode: str) -> None:
     # Setting only the new API leaves the old readers raising "a mix of the legacy and new APIs".
     torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
     torch.backends.cudnn.allow_tf32 = mode == "tf32"
-    if _new_tf32_api(torch):  # then spell every level out, so both APIs read the same mode (conv and RNN agree)
+    if new_tf32_api():  # then spell every level out, so both APIs read the same mode (conv and RNN agree)
         torch.backends.cuda.matmul.fp32_precision = mode
         torch.backends.cudnn.conv.fp32_precision = mode
         torch.backends.cudnn.rnn.fp32_precision = mode

@@ -79,10 +79,12 @@ def recorder() -> dict:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    from common.runtime.compat import FLIGHT_RECORDER_BUFFER_VARIABLES
+    from common.runtime.compat import FLIGHT_RECORDER_BUFFER_VARIABLES, paths
 
+    # paths(): which spelling of each release difference this PyTorch gets (compat.GPU_ONLY lists them).
     facts: dict = {"torch": torch.__version__, "set_timeout": hasattr(dist, "set_timeout"),
-                   "_set_pg_timeout": hasattr(distributed_c10d, "_set_pg_timeout"), "dumps": {}}
+                   "_set_pg_timeout": hasattr(distributed_c10d, "_set_pg_timeout"), "dumps": {},
+                   "compat": paths()}
     clean = {k: v for k, v in os.environ.items() if k not in FLIGHT_RECORDER_BUFFER_VARIABLES}
     for variable in FLIGHT_RECORDER_BUFFER_VARIABLES:
         status, output, _ = child("recorder", {**clean, variable: "64"}, 120)

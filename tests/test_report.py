@@ -656,3 +656,13 @@ def test_every_run_keeps_its_row_past_pandas_styler_limit(tmp_path: Path) -> Non
     assert len(page.tables["summary-table"]) * len(page.tables["summary-table"][0]["cells"]) > 40
     assert {row["run_id"] for row in page.tables["summary-table"]} == {r["run_id"] for r in records}
     assert {row["run_id"] for row in page.tables["provenance-table"]} == {r["run_id"] for r in records}
+
+
+def test_a_summary_of_runs_from_two_pytorch_releases_says_so(tmp_path: Path) -> None:
+    from common.report.core import summary_section
+
+    records = [write_run(tmp_path, method=method) for method in ("baseline", "dp", "ddp")]
+    assert not [n for n in summary_section(runs_frame(records)).notes if "PyTorch releases" in n]
+    records[2]["provenance"]["versions"]["torch"] = "2.8.0+cu128"  # one run on the course's floor
+    (note,) = [n for n in summary_section(runs_frame(records)).notes if "PyTorch releases" in n]
+    assert "2 PyTorch releases (2.5.1: 2 runs, 2.8.0+cu128: 1 run)" in note

@@ -92,6 +92,11 @@ def summary_section(runs: pd.DataFrame) -> Section:
     notes += [f"Note from run {run_id} ({lab} {method}): {note}"
               for run_id, lab, method, run_notes in runs[["run_id", "lab", "method", "notes"]].itertuples(index=False)
               for note in run_notes]
+    releases = texts(runs, "provenance.versions.torch").fillna("unknown").value_counts().sort_index()
+    if len(releases) > 1:  # a comparison across PyTorch releases measures the releases too
+        notes.append(f"These runs used {len(releases)} PyTorch releases ("
+                     + ", ".join(f"{release}: {count} run{'s' if count != 1 else ''}" for release, count in releases.items())
+                     + "): part of a difference between them may be the release. Each run's is in the provenance table.")
     lacking = missing_baselines(runs) if scaling else []
     if lacking:
         notes.append(f"No '{BASELINE_METHOD}' run to compute an efficiency for: " + "; ".join(lacking) + ".")

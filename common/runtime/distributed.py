@@ -29,14 +29,15 @@ import torch
 import torch.distributed as dist
 
 from common.errors import UserError
-from common.runtime.compat import set_collective_timeout
+from common.runtime.compat import clear_dtensor_caches, set_collective_timeout
 from common.runtime.device import (configure_threads, describe, resolve_device, set_device, sharing_gpus,
                                    use_deterministic_algorithms)
 from common.runtime.launch import LaunchInfo, detect_launch, free_port, gpus_bound_per_task, local_world_size, rank_tag
 
 __all__ = [
-    "DistContext", "backend_for", "init_distributed", "open_process", "teardown_distributed", "ddp_buffer_sync",
-    "print0", "print_rank", "all_reduce_sum", "all_reduce_mean", "all_reduce_max", "any_rank", "any_rank_on_host", "every_rank_arrives",
+    "DistContext", "backend_for", "init_distributed", "open_process", "teardown_distributed",
+    "print0", "print_rank", "all_reduce_sum", "all_reduce_mean", "all_reduce_max", "any_rank", "any_rank_on_host",
+    "every_rank_arrives",
     "gather_objects",
     "MODULES_BINDING_THE_WORLD_GROUP",
 ]
@@ -213,40 +214,11 @@ def teardown_distributed(ctx: DistContext | None) -> None:
 def _forget_dtensor_caches() -> None:
     """Empty DTensor's global caches (FSDP2 fills them): their keys and plans hold device meshes, and
     a mesh holds its process groups, so a group would outlive ``destroy_process_group`` with its
-    threads. (The model itself holds the mesh too; it goes when the script's ``main`` returns.)"""
+    threads. (The model itself holds the mesh too; it goes when the script's ``main`` returns.)
+    Where those caches are differs between releases: ``common.runtime.compat.clear_dtensor_caches``."""
     if "torch.distributed.tensor" not in sys.modules:  # never used: nothing cached
         return
-    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
-
-    # What torch.distributed.tensor.debug._clear_sharding_prop_cache does, without importing that
-    # module: it imports dynamo, seconds of CPU at the end of every rank for caches FSDP2 alone fills.
-    propagate = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
-    clear_fast_path = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if hasattr(propagate, "cache_clear") and clear_fast_path is not None:
-        propagate.cache_clear()
-        clear_fast_path()
-    else:  # a release that keeps these caches elsewhere
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-        _clear_sharding_prop_cache()
-    _redistribute.clear_redistribute_planner_cache()
-    _redistribute._gen_transform_infos.cache_clear()
-    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
-
-
-def ddp_buffer_sync(enabled: bool) -> dict[str, bool]:
-    """DDP's "copy rank 0's buffers to every rank before each forward" option, as this PyTorch names it.
-
-    Recent PyTorch renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (same meaning) and
-    warns about the old name; older releases know only the old one.
-    """
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return {"forward_sync_buffers": enabled}
-    return {"broadcast_buffers": enabled}
+    clear_dtensor_caches()
 
 
 def _global_rank() -> int:

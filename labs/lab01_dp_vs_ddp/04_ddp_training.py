@@ -50,7 +50,7 @@ from common.train import amp
 from common.cli import add_common_args, add_precision_arg, positive_float, positive_int, script_parser
 from common.data.datasets import GlobalBatchSampler, make_loader
 from common.runtime.device import seed_everything
-from common.runtime.distributed import ddp_buffer_sync
+from common.runtime.compat import ddp_buffer_sync
 from common.errors import run_main
 from common.train.evaluation import evaluate
 from common.models import build_model

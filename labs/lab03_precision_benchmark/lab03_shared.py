@@ -31,6 +31,7 @@ from common.cli import BENCHMARK_PRECISIONS as PRECISIONS, config_dict
 from common.errors import UserError
 from common.train.amp import announce_bf16_emulation
 from common.results import fp32_math_info, make_record, provenance, write_record
+from common.runtime.compat import RECOMPILE_LIMIT_HIT
 
 LAB = "lab03"
 SCRIPT = "labs/lab03_precision_benchmark/benchmark_models.py"
@@ -166,10 +167,6 @@ def compare_losses(losses: Sequence[float], reference: Sequence[float], toleranc
 
 # --------------------------------------------------------------------------------------------
 # --compile: did it really compile?
-
-#: How dynamo names giving up on a function after too many recompilations (older releases: cache_size_limit).
-RECOMPILE_LIMIT_HIT = re.compile(r"(recompile|cache.size).{0,3}limit", re.IGNORECASE)
-
 
 def compile_outcome(counters: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
     """Did the configuration just timed run compiled? From dynamo's counters (``torch._dynamo.utils.counters``,

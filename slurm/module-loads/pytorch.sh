@@ -29,6 +29,11 @@
 #
 # Without any Python that has PyTorch it says so; inside a Slurm job it then returns 1, so the job
 # stops with that one line (the generic site's jobs source this file: slurm/sites/generic.yaml).
+#
+# Which PyTorch module: PyTorch 2.8 or newer (the course's floor, run in CI by scripts/torch_floor.sh;
+# the newest release tested is 2.15.0). With an older one every script stops at start with one line
+# naming the release it found and the floor (exit status 2); vendor builds count as their release
+# (NGC's 2.8.0a0+... is a 2.8).
 
 _pt_note() { echo "pytorch.sh: $*" >&2; }
 

@@ -1,0 +1,223 @@
+"""The course's PyTorch floor and ``common.runtime.compat``, the one module that knows what differs between releases.
+
+These tests run twice in CI: with the locked (newest) PyTorch in the suite, and with the floor's in
+``.venv-floor/`` (``scripts/torch_floor.sh``), so each difference is exercised on both sides of it.
+They ask the real PyTorch of the environment; none may depend on which release that is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+import textwrap
+import tomllib
+import warnings
+
+import pytest
+
+import common
+from helpers import REPO, script_env
+
+FLOOR = common.MINIMUM_VERSIONS["torch"]
+FLOOR_TEXT = ".".join(map(str, FLOOR))
+
+
+def load(relpath: str):
+    spec = importlib.util.spec_from_file_location(f"compat_test_{relpath.replace('/', '_')[:-3]}", REPO / relpath)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def release() -> tuple[int, ...]:
+    import torch
+
+    return common._release(torch.__version__)[:2]
+
+
+# --------------------------------------------------------------------------------------------
+# The floor: one line below it, vendor builds read as their release, stated everywhere
+
+
+def test_below_the_floor_is_one_line_and_a_vendor_build_reads_as_its_release(monkeypatch):
+    below = f"{FLOOR[0]}.{FLOOR[1] - 1}.1+cu126"
+    versions = {"torch": f"{FLOOR_TEXT}.0a0+5228986c39", "torchvision": "0.23.0a0+428a54c"}  # as NGC names them
+    monkeypatch.setattr(common, "installed_version", versions.get)
+    assert common.version_problem() is None
+    versions["torch"] = below
+    assert common.version_problem() == f"torch {below} found, {FLOOR_TEXT} or newer needed"
+    versions["torch"] = "2.15.0"  # no upper cap: a newer module is never refused
+    assert common.version_problem() is None
+
+
+def test_a_lesson_below_the_floor_stops_at_start_in_one_line(tmp_path):
+    """A real script, with a torch that reports the release before the floor: one line, exit 2, nothing run."""
+    below = f"{FLOOR[0]}.{FLOOR[1] - 1}.1"
+    (tmp_path / "torch").mkdir()
+    # Imports of torch before common's check succeed (as they would with a real 2.7); what they hold is empty.
+    (tmp_path / "torch" / "__init__.py").write_text(textwrap.dedent(f"""
+        import importlib.abc, importlib.machinery, sys
+        __version__ = {below!r}
+        class Empty(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+            def find_spec(self, name, path, target=None):
+                if name.startswith("torch."):
+                    return importlib.machinery.ModuleSpec(name, self, is_package=True)
+            def create_module(self, spec):
+                return None
+            def exec_module(self, module):
+                module.__getattr__ = lambda attr: type(attr, (), {{}})
+        sys.meta_path.insert(0, Empty())
+        def __getattr__(attr):
+            return type(attr, (), {{}})
+        """))
+    (tmp_path / f"torch-{below}.dist-info").mkdir()
+    (tmp_path / f"torch-{below}.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\n"
+                                                                   f"Version: {below}\n")
+    env = script_env(PYTHONPATH=f"{tmp_path}:{REPO}")
+    done = subprocess.run([sys.executable, "labs/lab07_model_parallel/02_pipeline_parallel.py", "--device", "cpu"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: torch {below} found, {FLOOR_TEXT} or newer needed"), line
+
+
+def test_the_floor_is_the_release_ci_runs_and_every_install_file_states_it():
+    floor_script = (REPO / "scripts" / "torch_floor.sh").read_text()
+    torch_pin = re.search(r"^TORCH=(\S+)$", floor_script, re.M).group(1)
+    assert common._release(torch_pin)[:2] == FLOOR
+    vision_pin = re.search(r"^TORCHVISION=(\S+)$", floor_script, re.M).group(1)
+    assert common._release(vision_pin)[:2] == common.MINIMUM_VERSIONS["torchvision"]
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"torch>={FLOOR_TEXT}" in dependencies and not any("torch<" in d for d in dependencies)  # no cap
+    # The newest release tested is the lock's torch (the suite's environment).
+    lock = tomllib.loads((REPO / "uv.lock").read_text())
+    newest = max((p["version"] for p in lock["package"] if p["name"] == "torch"), key=common._release)
+    stated = {path: (REPO / path).read_text() for path in
+              ("README.md", "pyproject.toml", "environments/ml-gpu.yaml", "environments/ml-cpu.yaml",
+               "slurm/module-loads/pytorch.sh")}
+    for path, text in stated.items():
+        assert f"PyTorch {FLOOR_TEXT}" in text and newest in text, \
+            f"{path} does not state the floor (PyTorch {FLOOR_TEXT}) and the newest release tested ({newest})"
+
+
+def test_every_lesson_script_has_a_shortest_run_at_the_floor():
+    runs = load("scripts/torch_floor.py").RUNS
+    lessons = sorted(str(p.relative_to(REPO)) for p in [*REPO.glob("chapters/*/*.py"), *REPO.glob("labs/*/*.py")]
+                     if 'if __name__ == "__main__"' in p.read_text())
+    assert sorted({run.script for run in runs.values()}) == lessons
+    assert all(not run.folder or list(runs).index(run.folder) < list(runs).index(name) for name, run in runs.items())
+
+
+# --------------------------------------------------------------------------------------------
+# The differences, each asked of this PyTorch
+
+
+@pytest.fixture
+def one_rank_group():
+    from common.runtime.distributed import init_distributed, teardown_distributed
+
+    ctx = init_distributed("cpu", force_process_group=True)
+    try:
+        yield ctx
+    finally:
+        teardown_distributed(ctx)
+
+
+def test_ddp_gets_the_buffer_option_under_the_name_this_release_takes(one_rank_group):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from common.runtime.compat import ddp_buffer_sync
+
+    option = ddp_buffer_sync(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the old name warns where the new one exists
+        model = DistributedDataParallel(torch.nn.Linear(2, 2), **option)
+    assert (model.broadcast_buffers if hasattr(model, "broadcast_buffers") else
+            model.forward_sync_buffers) is False
+    other = {"broadcast_buffers": False} if "forward_sync_buffers" in option else {"forward_sync_buffers": False}
+    with pytest.raises((TypeError, Warning)), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DistributedDataParallel(torch.nn.Linear(2, 2), **other)
+
+
+def test_dtensor_caches_are_emptied_wherever_this_release_keeps_them(one_rank_group):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from common.runtime.compat import clear_dtensor_caches
+
+    propagate = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    fast_path_stats = getattr(torch._C, "_get_DTensor_sharding_propagator_cache_stats", lambda: (0, 0))
+
+    def cached() -> int:  # Python's entries, plus the C++ fast path's lookups (2.15 answers from it alone)
+        return propagate.cache_info().currsize + sum(fast_path_stats())
+
+    mesh = init_device_mesh("cpu", (1,))
+    (distribute_tensor(torch.ones(4, 4), mesh, [Shard(0)]) * 2).sum()
+    assert cached() > 0
+    cleared = clear_dtensor_caches()
+    assert "sharding propagation" in cleared and cached() == 0, cleared
+
+
+#: Two Gloo ranks: both join, then rank 0 calls an all-reduce that rank 1 never joins. With the
+#: group's start-up timeout (60 s) it would wait a minute; set_collective_timeout makes it 2 s.
+STALLED = textwrap.dedent("""
+    import datetime, sys, time
+    import torch, torch.distributed as dist
+    from common.runtime.compat import set_collective_timeout
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    dist.barrier()
+    call = set_collective_timeout(2.0)
+    if rank == 1:
+        time.sleep(12)
+    else:
+        began = time.perf_counter()
+        try:
+            dist.all_reduce(torch.ones(1))
+            print("CALL", call, "FINISHED")
+        except RuntimeError:
+            print("CALL", call, "FAILED AFTER", round(time.perf_counter() - began, 1), flush=True)
+    """)
+
+
+def test_a_short_collective_timeout_fails_a_stalled_collective_in_seconds():
+    from common.runtime.launch import free_port
+
+    port, env = str(free_port()), script_env(OMP_NUM_THREADS="1")
+    ranks = [subprocess.Popen([sys.executable, "-c", STALLED, str(rank), port], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    out = [rank.communicate(timeout=180)[0] for rank in ranks][0]
+    found = re.search(r"CALL (\S+) FAILED AFTER ([\d.]+)", out)
+    assert found, out[-2000:]
+    expected = "set_timeout" if hasattr(__import__("torch.distributed").distributed, "set_timeout") else \
+        "_set_pg_timeout"
+    assert found.group(1) == expected
+    assert 1.5 <= float(found.group(2)) < 30, out  # the short timeout, not the group's minute
+
+
+def test_what_the_gpu_must_prove_is_listed_with_a_release_this_one_agrees_with():
+    import torch
+    import torch.distributed as dist
+
+    from common.runtime.compat import GPU_ONLY, new_tf32_api, paths
+
+    checks = {check.name for check in load("scripts/gpu_proof_checks.py").CHECKS}
+    assert {difference.check for difference in GPU_ONLY} <= checks
+    needs = {difference.name.split(":")[0]: difference.needs for difference in GPU_ONLY}
+    # What a CPU can see of each: the call or attribute exists from the release the list names.
+    assert new_tf32_api() == (release() >= needs["TF32 per back end"])
+    assert hasattr(dist, "set_timeout") == (release() >= needs["a short timeout on an NCCL group that exists"])
+    if dist.is_nccl_available():  # a CUDA build (PyPI's Linux wheels are)
+        from torch._C import _distributed_c10d
+
+        assert hasattr(_distributed_c10d, "_dump_nccl_trace_json") == (release() >= needs["NCCL flight recorder"])
+    found = paths()
+    assert found["torch"] == torch.__version__
+    assert found["tf32_api"] == ("fp32_precision" if new_tf32_api() else "allow_tf32")
