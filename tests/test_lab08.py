@@ -171,8 +171,9 @@ def test_injected_latency_is_waited_once_per_open_and_predicted(reads):
     assert slow["epoch_s"] >= 3 * 0.040  # 6 waits of 40 ms shared by 2 workers
     # The prediction printed and recorded is the model's, from this run's calibration and the format's opens.
     cost = reads["webdataset+latency"]["record"]["metrics"]["cost"]
+    assert cost["open_wait_s"] >= 0.040 and reads["webdataset"]["record"]["metrics"]["cost"]["open_wait_s"] == 0
     again = model.predict_here(samples=SAMPLES, opens=6, workers=2, batch=32, sample_s=cost["sample_s"],
-                               step_s=cost["step_s"], open_wait_s=0.040)
+                               step_s=cost["step_s"], open_wait_s=cost["open_wait_s"])
     assert slow["predicted_epoch_s"] == pytest.approx(again["epoch_s"])
     assert again["epoch_s"] - model.predict_here(samples=SAMPLES, opens=6, workers=2, batch=32,
                                                  sample_s=cost["sample_s"], step_s=cost["step_s"],
@@ -218,8 +219,8 @@ def test_counted_opens_and_stats_agree_with_strace(data, tmp_path):
              if line.split() and line.split()[-1].isidentifier() and line.split()[0][0].isdigit()}
     (record,) = _records(tmp_path / "r")
     (epoch,) = record["metrics"]["epochs_io"]
-    calibration_opens = record["metrics"]["cost"]["samples_timed"]  # one file per sample there too
-    assert calls.get("openat", 0) == epoch["opens"] + calibration_opens == SAMPLES + 16, summary.read_text()
+    calibration_opens = 16 + record["metrics"]["cost"]["samples_timed"]  # a file per sample there too, warm-up batch too
+    assert calls.get("openat", 0) == epoch["opens"] + calibration_opens == SAMPLES + 32, summary.read_text()
     stat_calls = sum(n for name, n in calls.items() if "stat" in name)
     assert stat_calls == epoch["stats"] == 0, summary.read_text()
 

@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     set_metadata_latency(args.metadata_latency)
     fs = file_system(args)
     method = args.format + ("+latency" if args.metadata_latency else "") + ("+read-only" if args.read_only else "") \
-        + ("+decode-on-device" if args.decode == "device" else "")
+        + ("+decode-on-device" if args.decode == "device" else "") \
+        + ("+tar-reader" if args.format == "webdataset" and args.shard_reader == "webdataset" else "")
     with TrainingRun(args, lab=LAB, script=SCRIPT, method=method) as run:
         device = run.device
         loader_for = partial(make_loader, args.format, args.data_dir, batch_size=args.batch_size, seed=args.seed,
@@ -136,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
                              metadata_latency_ms=args.metadata_latency, shard_reader=args.shard_reader,
                              pin_memory=device.type == "cuda")
         loader, held = loader_for(num_workers=args.num_workers)
-        held["shard_size"] = description["shard_size"]
         torch.manual_seed(args.seed)
         model = build_model().to(device)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -170,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             counted, epoch_s = io.totals(), run.meter.last_epoch_s
             opens = expected_opens(args.format, held, samples, args.num_workers)
             predicted = predict_here(samples=samples, opens=opens, workers=args.num_workers, batch=args.batch_size,
-                                     sample_s=cost["sample_s"], step_s=cost["step_s"],
-                                     open_wait_s=args.metadata_latency / 1e3)
+                                     sample_s=cost["sample_s"], step_s=cost["step_s"], open_wait_s=cost["open_wait_s"])
             waited = run.meter.waited_s - waited_before
             epochs.append({"epoch": epoch, "samples": samples, "epoch_s": epoch_s, "samples_per_s": samples / epoch_s,
                            "opens": counted["opens"], "stats": counted["stats"], "bytes": counted["bytes"],

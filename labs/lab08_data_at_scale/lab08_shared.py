@@ -735,16 +735,23 @@ def expected_opens(fmt: str, held: dict[str, int], samples: int, num_workers: in
     if fmt == "imagefolder":
         return samples
     if fmt == "webdataset":
-        return held["files"] if samples >= held["samples"] else math.ceil(samples / held["shard_size"])
+        return held["files"] if samples >= held["samples"] else math.ceil(samples * held["files"] / held["samples"])
     return max(1, num_workers)
 
 
 def calibrate(make: Any, *, fmt: str, samples: int, decode_device: torch.device | None, model: nn.Module,
               lr: float, batch_size: int, device: torch.device, read_only: bool) -> dict[str, Any]:
     """What this machine pays, measured before the epochs: producing one sample of this format in this process
-    (``make()``: a loader without workers; open, read, checksum, decode, batch) without injected latency, and one
-    training step on a batch (median of 5 after 2 warm-up steps)."""
+    (``make()``: a loader without workers; open, read, checksum, decode, batch) without injected latency, after
+    one batch that is not timed (the decoder's first call loads its library); what one injected wait before an
+    open lasts here (a sleep lasts longer than it asks, the more so on a busy machine); and one training step on a
+    batch (median of 5 after 2 warm-up steps)."""
     latency = COUNTER.latency_s
+    waits = [0.0]
+    while latency > 0 and (len(waits) < 6 or sum(waits) < 0.2):
+        start = time.perf_counter()
+        time.sleep(latency)
+        waits.append(time.perf_counter() - start)
     COUNTER.latency_s = 0.0
     try:
         loader = make()
@@ -752,11 +759,14 @@ def calibrate(make: Any, *, fmt: str, samples: int, decode_device: torch.device 
         if fmt == "webdataset":  # whole shards: a shard's checksum and its index belong to its samples
             size = loader.dataset.shards[0].samples
             samples = max(samples, size * max(1, round(samples / size)))
-        produced, start = 0, time.perf_counter()
+        produced, start = -1, 0.0
         for images, labels, extras in loader:
             check_batch(extras)
             if decode_device is not None:
                 images = decode_batch(images, decode_device)
+            if produced < 0:  # the warm-up batch: the clock starts after it
+                produced, start = 0, time.perf_counter()
+                continue
             produced += len(labels)
             if produced >= samples:
                 break
@@ -780,8 +790,9 @@ def calibrate(make: Any, *, fmt: str, samples: int, decode_device: torch.device 
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
         step_s = statistics.median(times[2:])
-    return {"sample_s": sample_s, "samples_timed": produced, "step_s": step_s,
-            "method": "one process, no injected latency, before the first epoch; step: median of 5 after 2"}
+    return {"sample_s": sample_s, "samples_timed": produced, "step_s": step_s, "open_wait_s": statistics.mean(waits[1:] or waits),
+            "method": "one process, no injected latency, before the first epoch, after one batch; the wait: the mean "
+                      "of at least 5 sleeps, 0.2 s in all; step: median of 5 after 2"}
 
 
 # --------------------------------------------------------------------------------------------
