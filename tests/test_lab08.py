@@ -132,10 +132,11 @@ def test_shards_are_webdatasets_without_pax_headers_and_both_readers_find_the_sa
 
 @pytest.fixture(scope="module")
 def reads(data, tmp_path_factory) -> dict[str, dict]:
-    """One read-only epoch of each format with 2 workers; the shards also with a wait of 40 ms per open (and
-    WebDataset's tar reader instead of the manifest's offsets)."""
+    """One read-only epoch of each format with 2 workers; the shards (with WebDataset's tar reader instead of the
+    manifest's offsets) and the array also with a wait of 40 ms per open."""
     out = tmp_path_factory.mktemp("reads")
-    runs = {"imagefolder": [], "array": [], "webdataset": [], "webdataset+latency": ["--metadata-latency", "40", "--shard-reader", "webdataset"]}
+    runs = {"imagefolder": [], "array": [], "webdataset": [], "webdataset+latency": ["--metadata-latency", "40", "--shard-reader", "webdataset"],
+            "array+latency": ["--metadata-latency", "40"]}
     records = {}
     for name, extra in runs.items():
         fmt = name.split("+")[0]
@@ -168,6 +169,8 @@ def test_injected_latency_is_waited_once_per_open_and_predicted(reads):
     (slow,) = reads["webdataset+latency"]["record"]["metrics"]["epochs_io"]
     assert plain["injected_wait_s"] == 0
     assert slow["opens"] == 6 and slow["injected_wait_s"] >= 6 * 0.040  # a sleep lasts at least what it asks
+    (mapped,) = reads["array+latency"]["record"]["metrics"]["epochs_io"]
+    assert mapped["opens"] == 2 and mapped["injected_wait_s"] >= 2 * 0.040  # counted in the worker that waited
     assert slow["epoch_s"] >= 3 * 0.040  # 6 waits of 40 ms shared by 2 workers
     # The prediction printed and recorded is the model's, from this run's calibration and the format's opens.
     cost = reads["webdataset+latency"]["record"]["metrics"]["cost"]
@@ -438,3 +441,38 @@ def test_a_bad_flag_is_one_error_line_and_exit_2(script, argv, message, tmp_path
 def test_a_missing_data_set_says_how_to_make_one(tmp_path, capsys):
     assert run_main(READ, ["--data-dir", str(tmp_path / "none"), "--results-dir", str(tmp_path / "r")]) == 2
     assert "01_make_dataset.py" in capsys.readouterr().err
+
+
+# -- run_lab.sh ----------------------------------------------------------------------------------------------
+
+
+def test_run_lab_runs_every_step_with_flags_the_scripts_accept_and_ends_with_the_report(tmp_path):
+    """``run_lab.sh`` with a stand-in for python that writes down each command: every step in order, each script's
+    own parser accepts its flags, one scratch data set for all of them (removed at the end), and the last line is
+    the report's path. The steps themselves run for real in the tests above; a whole run_lab.sh is 15 processes
+    that each import torch (about a minute of CPU), which the lab's share of the suite cannot afford."""
+    calls = tmp_path / "calls"
+    stand_in = tmp_path / "python"
+    stand_in.write_text(f'#!/bin/sh\nfor arg in "$@"; do printf "%s\\n" "$arg"; done >> {calls}\necho "--end--" >> {calls}\n')
+    stand_in.chmod(0o755)
+    done = subprocess.run(["bash", str(REPO / LAB / "run_lab.sh"), str(tmp_path / "results")], cwd=tmp_path,
+                          env=script_env(PYTHON=str(stand_in), TMPDIR=str(tmp_path)), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == f"report: {tmp_path / 'results' / 'comparison_report.html'}"
+    commands = [command.strip("\n").split("\n") for command in calls.read_text().split("--end--\n") if command]
+    scripts = [next(Path(arg).name for arg in command if arg.endswith(".py")) for command in commands]
+    assert scripts == ["01_make_dataset.py", *["02_read_formats.py"] * 12, "03_shards_exactly_once.py",
+                       "compare_results.py"]
+    parsed = []
+    for command in commands[:-1]:
+        at = next(i for i, arg in enumerate(command) if arg.endswith(".py"))
+        parsed.append(load_script(f"{LAB}/{Path(command[at]).name}").build_parser().parse_args(command[at + 1:]))
+    reads = {(a.format, a.read_only, a.metadata_latency) for a in parsed[1:13]}
+    assert reads == {(f, r, ms) for f in ("imagefolder", "webdataset", "array") for r in (True, False) for ms in (0, 1.0)}
+    scratch = parsed[0].data_dir.parent  # made by run_lab.sh under TMPDIR, removed when it ends
+    assert {a.data_dir for a in parsed} == {scratch / "lab08"} and scratch.parent == tmp_path and not scratch.exists()
+    assert {str(a.results_dir) for a in parsed} == {str(tmp_path / "results")}
+    assert commands[13][:4] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert commands[14][-4:] == ["--results-dir", str(tmp_path / "results"), "--output-report",
+                                 str(tmp_path / "results" / "comparison_report.html")]

@@ -372,9 +372,10 @@ class ArrayFile(Dataset):
 
     def _array(self) -> np.ndarray:
         if self._images is None or self._pid != os.getpid():  # each worker maps the file itself
+            counter = COUNTER.fresh()  # before the wait: a worker's wait is counted in the worker's counts
             _wait()
             self._images = np.memmap(self.folder / "images.u8", dtype=np.uint8, mode="r")
-            COUNTER.fresh().opens += 1
+            counter.opens += 1
             self._pid = os.getpid()
         return self._images
 
