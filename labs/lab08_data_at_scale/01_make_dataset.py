@@ -14,7 +14,8 @@ all users share. As tar shards in WebDataset's layout (``<id>.jpg`` + ``<id>.cls
 with ``webdataset.ShardWriter``) a thousand images are one file read front to back. As one array file
 (a numpy memmap of every JPEG back to back, with an index of offsets) the whole set is one file read
 at the offsets a sampler asks for. The writer records a SHA-256 per shard (``SHA256SUMS``, what
-``sha256sum -c`` reads after a copy) and a manifest: sample id, shard, member, byte offset, size, CRC-32.
+``sha256sum -c`` reads after a copy) and a manifest, a row per tar member: sample id, label, shard, member,
+byte offset, size, CRC-32. Every member gets the same integer modification time: no PAX header (README).
 
 The images: scikit-learn's bundled 1,797 handwritten digits (8 x 8, offline), each drawn many times at
 64 x 64 through a random affine transform (rotation, scale, shear, shift) and Gaussian noise, then
