@@ -4,7 +4,9 @@
 #   bash scripts/gpu_proof_prepare.sh [PYTHON_VERSION]    # default 3.12, the GPU machine's Python
 #
 # - .whl/: wheels (x86_64 Linux, CPython PYTHON_VERSION) of the course's dependencies that a GPU
-#   image often lacks: line_profiler (Lab-02) and py-spy (Lab-06's doctor), at the versions of uv.lock.
+#   image often lacks: line_profiler (Lab-02), py-spy (Lab-06's doctor), webdataset with braceexpand
+#   and torchdata (Lab-08), at the versions of uv.lock (no dependencies: webdataset's numpy and PyYAML
+#   are the image's).
 #   scripts/gpu_proof.sh installs them into a private folder before any check.
 # - .examples/: pytorch/examples (a shallow clone), whose mnist/main.py the Chapter 4 speed target
 #   is measured against. Both folders are ignored by git; a device lease carries them (carry: .whl,
@@ -17,7 +19,7 @@ locked() {  # the version uv.lock pins for a package
     awk -v name="$1" '$0 == "name = \"" name "\"" {getline; gsub(/version = |"/, ""); print; exit}' uv.lock
 }
 mkdir -p .whl
-for package in line-profiler py-spy; do
+for package in line-profiler py-spy webdataset braceexpand torchdata; do
     pin=$(locked "$package")
     [[ -n $pin ]] || { echo "error: uv.lock pins no $package" >&2; exit 1; }
     python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "$version" --implementation cp \

@@ -8,7 +8,7 @@
 #   bash scripts/reference_runs.sh cpu-2core lab01 lab05   # only these parts
 #   REFERENCE_DEVICE=cuda bash scripts/reference_runs.sh h100-1gpu ch04 lab03   # a GPU machine
 #
-# Parts: ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06 lab07. Each part runs into a scratch folder; only when
+# Parts: ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06 lab07 lab08. Each part runs into a scratch folder; only when
 # every command of the part succeeded do its records replace reference-results/MACHINE/PART/
 # (a failed part leaves the committed records as they were, and the script exits non-zero).
 #
@@ -29,7 +29,7 @@ MACHINE=${1:-cpu-2core}
 shift || true
 PARTS=("$@")
 if (( ${#PARTS[@]} == 0 )); then
-    PARTS=(ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06 lab07)
+    PARTS=(ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06 lab07 lab08)
 fi
 if [[ -x .venv/bin/python ]]; then PYTHON=${PYTHON:-$repo_root/.venv/bin/python}; else PYTHON=${PYTHON:-python}; fi
 DEVICE=${REFERENCE_DEVICE:-cpu}
@@ -129,6 +129,22 @@ run_lab07() {
     fi
 }
 
+run_lab08() {  # 50,000 images (made once, into LAB08_DATA), one loader worker as the README's commands, whole epochs
+    local lab=labs/lab08_data_at_scale data=${LAB08_DATA:-data/lab08} format
+    if [[ ! -f $data/dataset.json ]]; then
+        "$PYTHON" "$lab/01_make_dataset.py" --data-dir "$data" --results-dir "$1/../made"
+    fi
+    local read=("$lab/02_read_formats.py" --device "$DEVICE" --data-dir "$data" --num-workers 1 --log-interval 1000
+                --results-dir "$1")
+    for format in imagefolder webdataset array; do
+        "$PYTHON" "${read[@]}" --format "$format" --read-only
+        "$PYTHON" "${read[@]}" --format "$format" --read-only --metadata-latency 1.0
+        "$PYTHON" "${read[@]}" --format "$format" --metadata-latency 1.0
+    done
+    # The shards' tar headers parsed by WebDataset's reader instead of found at the manifest's offsets.
+    "$PYTHON" "${read[@]}" --format webdataset --read-only --metadata-latency 1.0 --shard-reader webdataset
+}
+
 run_part() {  # PART RECORDS_DIR
     case $1 in
         ch04) run_ch04 "$2" ;;
@@ -140,13 +156,15 @@ run_part() {  # PART RECORDS_DIR
         lab05) run_lab05 "$2" ;;
         lab06) run_lab06 "$2" ;;
         lab07) run_lab07 "$2" ;;
+        lab08) run_lab08 "$2" ;;
     esac
 }
 
 for part in "${PARTS[@]}"; do
     case $part in
-        ch04 | ch16 | lab01 | lab02 | lab03 | lab04 | lab05 | lab06 | lab07) ;;
-        *) echo "error: unknown part '$part' (parts: ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06 lab07)" >&2; exit 2 ;;
+        ch04 | ch16 | lab01 | lab02 | lab03 | lab04 | lab05 | lab06 | lab07 | lab08) ;;
+        *) echo "error: unknown part '$part' (parts: ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06 lab07 lab08)" >&2
+           exit 2 ;;
     esac
 done
 

@@ -48,8 +48,13 @@ def data(tmp_path_factory) -> Path:
 
 
 def _shard_rows(data: Path) -> list[dict]:
+    """The manifest's rows: one per tar member (``.cls``, then ``.jpg``, for each sample)."""
     with open(data / "shards" / "manifest.csv", newline="") as handle:
         return list(csv.DictReader(handle))
+
+
+def _jpeg_rows(data: Path) -> list[dict]:
+    return [row for row in _shard_rows(data) if row["member"].endswith(".jpg")]
 
 
 # -- 1. three formats of one data set -----------------------------------------------------------------------
@@ -63,7 +68,7 @@ def test_three_formats_hold_the_same_jpegs_and_the_manifest_finds_each_in_its_sh
     assert description["samples"] == SAMPLES and set(description["formats"]) == {"imagefolder", "webdataset", "array"}
     files = sorted((data / "imagefolder" / "train").glob("*/*.jpg"))
     assert len(files) == SAMPLES
-    rows = _shard_rows(data)
+    rows = _jpeg_rows(data)
     assert sorted(int(row["id"]) for row in rows) == list(range(SAMPLES))
     assert Counter(row["shard"] for row in rows) == {f"shard-{i:06d}.tar": SHARD_SIZE for i in range(5)} | \
         {"shard-000005.tar": SAMPLES - 5 * SHARD_SIZE}
@@ -80,6 +85,8 @@ def test_three_formats_hold_the_same_jpegs_and_the_manifest_finds_each_in_its_sh
         assert array[offset:offset + size].tobytes() == jpeg
         with Image.open(path) as image:  # a real JPEG of 64 x 64 grayscale
             assert (image.format, image.size, image.mode) == ("JPEG", (64, 64), "L")
+    labels = {int(row["id"]): row["label"] for row in _shard_rows(data) if row["member"].endswith(".cls")}
+    assert labels == {sample_id: row["label"] for sample_id, row in by_id.items()}  # a row for every member
     # The checksums are what sha256sum -c reads after a copy.
     check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=data / "shards", capture_output=True, text=True)
     assert check.returncode == 0 and check.stdout.count(": OK") == 6, check.stdout + check.stderr
@@ -93,14 +100,43 @@ def test_the_writer_refuses_a_folder_that_exists_and_writes_nothing(data, capsys
     assert sorted(p.name for p in data.parent.iterdir()) == before
 
 
+def test_shards_are_webdatasets_without_pax_headers_and_both_readers_find_the_same_samples(data, tmp_path):
+    """WebDataset's own pipeline reads the shards; no member carries a PAX header (ShardWriter's float mtime
+    would add one per member, and parsing them cost more than decoding); the manifest's offsets (``index``) give
+    exactly the samples WebDataset's tar reader finds; and one seed writes byte-identical shards."""
+    import webdataset as wds
+
+    from labs.lab08_data_at_scale.lab08_shared import check_shard, read_shard_table
+
+    shards = read_shard_table(data / "shards")
+    first = str(data / "shards" / shards[0].name)
+    keys = [sample["__key__"] for sample in wds.WebDataset(first, shardshuffle=False)]
+    assert keys == [f"{int(row['id']):06d}" for row in shards[0].members if row["member"].endswith(".jpg")]
+    for info in shards:
+        raw = (data / "shards" / info.name).read_bytes()
+        with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+            members = tar.getmembers()
+        assert all(m.pax_headers == {} and isinstance(m.mtime, int) for m in members)
+        assert [m.offset_data for m in members] == [row["offset"] for row in info.members]
+        (indexed, no_problems), (parsed, none_either) = (check_shard(info, raw, r) for r in ("index", "webdataset"))
+        assert no_problems == none_either == [] and len(indexed) == info.samples
+        assert [{k: s[k] for k in ("__key__", "jpg", "cls")} for s in parsed] == indexed
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run_main(MAKE, ["--samples", str(SAMPLES), "--shard-size", str(SHARD_SIZE), "--formats", "webdataset",
+                               "--data-dir", str(tmp_path / "again"), "--results-dir", str(tmp_path / "made")]) == 0
+    assert (tmp_path / "again" / "shards" / "SHA256SUMS").read_text() == (data / "shards" / "SHA256SUMS").read_text()
+
+
 # -- 2. reading, counted -----------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def reads(data, tmp_path_factory) -> dict[str, dict]:
-    """One read-only epoch of each format with 2 workers; the shards also with a wait of 40 ms per open."""
+    """One read-only epoch of each format with 2 workers; the shards (with WebDataset's tar reader instead of the
+    manifest's offsets) and the array also with a wait of 40 ms per open."""
     out = tmp_path_factory.mktemp("reads")
-    runs = {"imagefolder": [], "array": [], "webdataset": [], "webdataset+latency": ["--metadata-latency", "40"]}
+    runs = {"imagefolder": [], "array": [], "webdataset": [], "webdataset+latency": ["--metadata-latency", "40", "--shard-reader", "webdataset"],
+            "array+latency": ["--metadata-latency", "40"]}
     records = {}
     for name, extra in runs.items():
         fmt = name.split("+")[0]
@@ -133,11 +169,14 @@ def test_injected_latency_is_waited_once_per_open_and_predicted(reads):
     (slow,) = reads["webdataset+latency"]["record"]["metrics"]["epochs_io"]
     assert plain["injected_wait_s"] == 0
     assert slow["opens"] == 6 and slow["injected_wait_s"] >= 6 * 0.040  # a sleep lasts at least what it asks
+    (mapped,) = reads["array+latency"]["record"]["metrics"]["epochs_io"]
+    assert mapped["opens"] == 2 and mapped["injected_wait_s"] >= 2 * 0.040  # counted in the worker that waited
     assert slow["epoch_s"] >= 3 * 0.040  # 6 waits of 40 ms shared by 2 workers
     # The prediction printed and recorded is the model's, from this run's calibration and the format's opens.
     cost = reads["webdataset+latency"]["record"]["metrics"]["cost"]
+    assert cost["open_wait_s"] >= 0.040 and reads["webdataset"]["record"]["metrics"]["cost"]["open_wait_s"] == 0
     again = model.predict_here(samples=SAMPLES, opens=6, workers=2, batch=32, sample_s=cost["sample_s"],
-                               step_s=cost["step_s"], open_wait_s=0.040)
+                               step_s=cost["step_s"], open_wait_s=cost["open_wait_s"])
     assert slow["predicted_epoch_s"] == pytest.approx(again["epoch_s"])
     assert again["epoch_s"] - model.predict_here(samples=SAMPLES, opens=6, workers=2, batch=32,
                                                  sample_s=cost["sample_s"], step_s=cost["step_s"],
@@ -183,8 +222,8 @@ def test_counted_opens_and_stats_agree_with_strace(data, tmp_path):
              if line.split() and line.split()[-1].isidentifier() and line.split()[0][0].isdigit()}
     (record,) = _records(tmp_path / "r")
     (epoch,) = record["metrics"]["epochs_io"]
-    calibration_opens = record["metrics"]["cost"]["samples_timed"]  # one file per sample there too
-    assert calls.get("openat", 0) == epoch["opens"] + calibration_opens == SAMPLES + 16, summary.read_text()
+    calibration_opens = 16 + record["metrics"]["cost"]["samples_timed"]  # a file per sample there too, warm-up batch too
+    assert calls.get("openat", 0) == epoch["opens"] + calibration_opens == SAMPLES + 32, summary.read_text()
     stat_calls = sum(n for name, n in calls.items() if "stat" in name)
     assert stat_calls == epoch["stats"] == 0, summary.read_text()
 
@@ -195,7 +234,8 @@ def test_counted_opens_and_stats_agree_with_strace(data, tmp_path):
 @pytest.fixture(scope="module")
 def two_ranks(data, tmp_path_factory) -> tuple[Path, dict[str, int]]:
     root = tmp_path_factory.mktemp("ranks")
-    common = ["--data-dir", str(data), "--device", "cpu", "--num-workers", "2", "--batch-size", "16", "--epochs", "2",
+    # One epoch each: a new order every epoch is shown on one rank (the resume test's unbroken run).
+    common = ["--data-dir", str(data), "--device", "cpu", "--num-workers", "2", "--batch-size", "16", "--epochs", "1",
               "--verify-only"]
     plan = [{"name": policy, "script": SHARDS,
              "argv": [*common, "--shard-policy", policy, "--results-dir", str(root / policy),
@@ -218,14 +258,12 @@ def test_pad_reads_every_sample_exactly_once_per_epoch_on_2_ranks_x_2_workers(tw
     plan = record["config"]["plan"]
     assert (plan["slots"], plan["shards"], plan["samples"]) == (4, 6, SAMPLES)
     assert plan["slot_samples_min"] < plan["slot_samples_max"]  # the shards do not divide evenly
-    steps = {len(ids[rank][epoch]) for rank in range(2) for epoch in range(2)}
-    assert len(steps) == 1  # every rank read as many (blanks included): equal steps for DDP
+    assert len({len(ids[rank][0]) for rank in range(2)}) == 1  # as many on every rank (blanks too): equal steps
     for epoch, entry in enumerate(record["metrics"]["epochs_io"]):
         counts = Counter(i for rank in range(2) for i in ids[rank][epoch])
         blanks = counts.pop(-1, 0)
         assert counts == Counter(range(SAMPLES))  # each real sample once
         assert blanks == entry["plan"]["padded"] > 0
-    assert ids[0][0] != ids[0][1]  # a new order every epoch
     assert record["metrics"]["exactly_once"] is True
     assert "every sample exactly once" in (root / "two-logs" / "pad.log").read_text()
 
@@ -289,6 +327,7 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_ids_an_unbroken_run_reads_next
     (whole,), (cut,), (resumed,) = (_ids(tmp_path / f"{name}-ids", 1) for name in ("whole", "cut", "resumed"))
     assert len(cut) == 2 and len(cut[1]) == 5 * 16 and len(resumed) == 1
     assert cut[0] == whole[0]
+    assert whole[0] != whole[1] and Counter(whole[0]) == Counter(whole[1])  # the same samples, a new order each epoch
     assert cut[1] + resumed[0] == whole[1]  # exactly the ids an unbroken run read next, in its order
 
 
@@ -317,11 +356,9 @@ def _refresh_checksums(shards: Path) -> None:
         entry["bytes"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
         with tarfile.open(shards / entry["name"]) as tar:
             for member in tar.getmembers():
-                if member.name.endswith(".jpg"):
-                    blob = data[member.offset_data:member.offset_data + member.size]
-                    rows.append({"id": int(member.name[:-4]), "shard": entry["name"], "member": member.name,
-                                 "label": 0, "offset": member.offset_data, "size": member.size,
-                                 "crc32": zlib.crc32(blob)})
+                blob = data[member.offset_data:member.offset_data + member.size]
+                rows.append({"id": int(member.name.split(".")[0]), "shard": entry["name"], "member": member.name,
+                             "label": 0, "offset": member.offset_data, "size": member.size, "crc32": zlib.crc32(blob)})
     (shards / "shards.json").write_text(json.dumps(table))
     with open(shards / "manifest.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
@@ -331,16 +368,19 @@ def _refresh_checksums(shards: Path) -> None:
 
 @pytest.fixture(scope="module")
 def damaged(data, tmp_path_factory) -> Path:
-    """The shards with four kinds of damage, one per shard (0-3); shards 4 and 5 are whole."""
+    """The shards with four kinds of damage, one per shard (0-3); shards 4 and 5 are whole. Shards 2 and 3 are
+    broken at their source (their checksums match: read at the manifest's offsets), 0 and 1 after it (read with
+    WebDataset's tar reader, their offsets no longer trusted)."""
     copy = tmp_path_factory.mktemp("damaged") / "shards"
     shutil.copytree(data / "shards", copy)
     _rewrite(copy / "shard-000002.tar", lambda ms: [(m, b"not a jpeg" if m.name == "000085.jpg" else p)
                                                    for m, p in ms])  # a corrupt JPEG at the source
     _rewrite(copy / "shard-000003.tar", lambda ms: [(m, p) for m, p in ms if m.name != "000130.cls"])  # missing
     _refresh_checksums(copy)
-    shard0 = copy / "shard-000000.tar"
-    shard0.write_bytes(shard0.read_bytes()[:-6000])  # truncated after the manifest was written
     manifest = _shard_rows(copy.parent)
+    cut = next(row for row in manifest if row["member"] == "000020.jpg")  # truncated in sample 20 of 0-39
+    shard0 = copy / "shard-000000.tar"
+    shard0.write_bytes(shard0.read_bytes()[:int(cut["offset"]) + 100])
     flip = next(row for row in manifest if row["member"] == "000050.jpg")  # one byte of a member changed
     shard1 = bytearray((copy / "shard-000001.tar").read_bytes())
     shard1[int(flip["offset"]) + 100] ^= 0xFF
@@ -356,6 +396,8 @@ def test_bad_data_fails_with_one_line_naming_the_shard_and_member_and_writes_not
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1, err
     assert err.startswith("error: bad data: shard-0000") and (".jpg" in err or ".cls" in err), err
+    assert any(f"shard-00000{i}.tar: {member}: " in err for i, member in ((0, "000020.jpg"), (1, "000050.jpg"),
+                                                                        (2, "000085.jpg"), (3, "000130.cls"))), err
     assert not (tmp_path / "r").exists() and not (tmp_path / "ids").exists() and not (tmp_path / "c.pt").exists()
 
 
@@ -371,8 +413,9 @@ def test_bad_data_skipped_is_counted_and_named(damaged, tmp_path):
     assert bad[("shard-000002.tar", "000085.jpg")].startswith("corrupt JPEG")
     assert bad[("shard-000003.tar", "000130.cls")] == "missing member"
     truncated = [(member, reason) for (shard, member), reason in bad.items() if shard == "shard-000000.tar"]
-    assert len(truncated) == 1 and truncated[0][1].startswith("truncated shard")
-    cut = int(truncated[0][1].split("; ")[1].split()[0])  # "N member(s) cut off from here"
+    assert truncated == [("000020.jpg", truncated[0][1])] and truncated[0][1].startswith("truncated shard")
+    cut = int(truncated[0][1].split("; ")[1].split()[0])  # "N sample(s) cut off from here"
+    assert cut == 20  # samples 20-39 of shard 0
     (ids,) = _ids(tmp_path / "ids", 1)
     assert len(ids[0]) == SAMPLES - 3 - cut == len(set(ids[0]))
     assert record["metrics"]["skipped_samples"] == 3 + cut
@@ -398,3 +441,38 @@ def test_a_bad_flag_is_one_error_line_and_exit_2(script, argv, message, tmp_path
 def test_a_missing_data_set_says_how_to_make_one(tmp_path, capsys):
     assert run_main(READ, ["--data-dir", str(tmp_path / "none"), "--results-dir", str(tmp_path / "r")]) == 2
     assert "01_make_dataset.py" in capsys.readouterr().err
+
+
+# -- run_lab.sh ----------------------------------------------------------------------------------------------
+
+
+def test_run_lab_runs_every_step_with_flags_the_scripts_accept_and_ends_with_the_report(tmp_path):
+    """``run_lab.sh`` with a stand-in for python that writes down each command: every step in order, each script's
+    own parser accepts its flags, one scratch data set for all of them (removed at the end), and the last line is
+    the report's path. The steps themselves run for real in the tests above; a whole run_lab.sh is 15 processes
+    that each import torch (about a minute of CPU), which the lab's share of the suite cannot afford."""
+    calls = tmp_path / "calls"
+    stand_in = tmp_path / "python"
+    stand_in.write_text(f'#!/bin/sh\nfor arg in "$@"; do printf "%s\\n" "$arg"; done >> {calls}\necho "--end--" >> {calls}\n')
+    stand_in.chmod(0o755)
+    done = subprocess.run(["bash", str(REPO / LAB / "run_lab.sh"), str(tmp_path / "results")], cwd=tmp_path,
+                          env=script_env(PYTHON=str(stand_in), TMPDIR=str(tmp_path)), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == f"report: {tmp_path / 'results' / 'comparison_report.html'}"
+    commands = [command.strip("\n").split("\n") for command in calls.read_text().split("--end--\n") if command]
+    scripts = [next(Path(arg).name for arg in command if arg.endswith(".py")) for command in commands]
+    assert scripts == ["01_make_dataset.py", *["02_read_formats.py"] * 12, "03_shards_exactly_once.py",
+                       "compare_results.py"]
+    parsed = []
+    for command in commands[:-1]:
+        at = next(i for i, arg in enumerate(command) if arg.endswith(".py"))
+        parsed.append(load_script(f"{LAB}/{Path(command[at]).name}").build_parser().parse_args(command[at + 1:]))
+    reads = {(a.format, a.read_only, a.metadata_latency) for a in parsed[1:13]}
+    assert reads == {(f, r, ms) for f in ("imagefolder", "webdataset", "array") for r in (True, False) for ms in (0, 1.0)}
+    scratch = parsed[0].data_dir.parent  # made by run_lab.sh under TMPDIR, removed when it ends
+    assert {a.data_dir for a in parsed} == {scratch / "lab08"} and scratch.parent == tmp_path and not scratch.exists()
+    assert {str(a.results_dir) for a in parsed} == {str(tmp_path / "results")}
+    assert commands[13][:4] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert commands[14][-4:] == ["--results-dir", str(tmp_path / "results"), "--output-report",
+                                 str(tmp_path / "results" / "comparison_report.html")]

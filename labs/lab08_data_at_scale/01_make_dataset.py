@@ -14,7 +14,8 @@ all users share. As tar shards in WebDataset's layout (``<id>.jpg`` + ``<id>.cls
 with ``webdataset.ShardWriter``) a thousand images are one file read front to back. As one array file
 (a numpy memmap of every JPEG back to back, with an index of offsets) the whole set is one file read
 at the offsets a sampler asks for. The writer records a SHA-256 per shard (``SHA256SUMS``, what
-``sha256sum -c`` reads after a copy) and a manifest: sample id, shard, member, byte offset, size, CRC-32.
+``sha256sum -c`` reads after a copy) and a manifest, a row per tar member: sample id, label, shard, member,
+byte offset, size, CRC-32. Every member gets the same integer modification time: no PAX header (README).
 
 The images: scikit-learn's bundled 1,797 handwritten digits (8 x 8, offline), each drawn many times at
 64 x 64 through a random affine transform (rotation, scale, shear, shift) and Gaussian noise, then
@@ -27,7 +28,6 @@ import argparse
 import csv
 import hashlib
 import json
-import math
 import shutil
 import time
 import zlib
@@ -40,34 +40,11 @@ from common.cli import add_run_args, config_dict, output_dir, positive_int, scri
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
 from common.units import format_bytes
-from labs.lab08_data_at_scale.lab08_shared import FORMATS, IMAGE_SIZE, LAB, default_data_dir
+from labs.lab08_data_at_scale.lab08_shared import FORMATS, IMAGE_SIZE, LAB, default_data_dir, digit_variants
 
 SCRIPT = "labs/lab08_data_at_scale/01_make_dataset.py"
-
-
-def digit_variants(count: int, seed: int, *, chunk: int = 2048):
-    """(ids, labels, uint8 images (n, 1, 64, 64)) in chunks: bundled digits under random affine maps + noise."""
-    from common.data.datasets import load_digits_split
-    from common.data.datasets import MNIST_MEAN, MNIST_STD
-
-    digits, _ = load_digits_split(test_fraction=0.0, image_size=IMAGE_SIZE)
-    sources = (digits.tensors[0] * MNIST_STD + MNIST_MEAN).clamp_(0, 1)  # back to ink in [0, 1]
-    labels = digits.tensors[1]
-    generator = torch.Generator().manual_seed(seed)
-    for start in range(0, count, chunk):
-        n = min(chunk, count - start)
-        pick = torch.randint(len(sources), (n,), generator=generator)
-        angle = (torch.rand(n, generator=generator) - 0.5) * math.radians(30)
-        scale = 0.85 + 0.3 * torch.rand(n, generator=generator)
-        shear = (torch.rand(n, generator=generator) - 0.5) * 0.3
-        shift = (torch.rand(n, 2, generator=generator) - 0.5) * 0.25
-        cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
-        theta = torch.stack([torch.stack([cos, -sin + shear, shift[:, 0]], 1),
-                             torch.stack([sin, cos, shift[:, 1]], 1)], 1)
-        grid = torch.nn.functional.affine_grid(theta, (n, 1, IMAGE_SIZE, IMAGE_SIZE), align_corners=False)
-        images = torch.nn.functional.grid_sample(sources[pick], grid, align_corners=False)
-        images = images * 235 + 10 + torch.randn(images.shape, generator=generator) * 12
-        yield (torch.arange(start, start + n), labels[pick], images.clamp_(0, 255).to(torch.uint8))
+#: Every shard member's modification time (2026-01-01): fixed, so one seed writes byte-identical shards.
+SHARD_MTIME = 1_767_225_600
 
 
 def encode(images: torch.Tensor, quality: int) -> list[bytes]:
@@ -88,14 +65,16 @@ def write_imagefolder(folder: Path, samples) -> dict:
 
 
 def write_shards(folder: Path, samples, shard_size: int) -> dict:
-    """Tar shards of ``shard_size`` samples with WebDataset's ShardWriter, then a manifest row per sample
-    (where its ``.jpg`` sits in the tar) and a SHA-256 per shard."""
+    """Tar shards of ``shard_size`` samples with WebDataset's ShardWriter, then a manifest row per tar member
+    (where its ``.jpg`` or ``.cls`` sits in the tar, its label, its CRC-32) and a SHA-256 per shard."""
     import tarfile
 
     import webdataset as wds
 
     folder.mkdir(parents=True)
-    with wds.ShardWriter(str(folder / "shard-%06d.tar"), maxcount=shard_size, verbose=0) as sink:
+    # An integer mtime: ShardWriter's default is time.time(), a float, which the tar format can only hold in a PAX
+    # header before every member, and parsing those headers, not decoding, then sets a reader's pace (README).
+    with wds.ShardWriter(str(folder / "shard-%06d.tar"), maxcount=shard_size, verbose=0, mtime=SHARD_MTIME) as sink:
         for sample_id, label, jpeg in samples:
             sink.write({"__key__": f"{sample_id:06d}", "jpg": jpeg, "cls": str(label).encode()})
     rows, shards = [], []
@@ -104,15 +83,15 @@ def write_shards(folder: Path, samples, shard_size: int) -> dict:
         with tarfile.open(path) as tar:
             members = {member.name: member for member in tar.getmembers()}
         shard_rows = []
-        for name, member in members.items():
-            if name.endswith(".jpg"):
-                blob = data[member.offset_data:member.offset_data + member.size]
-                cls = members[name[:-4] + ".cls"]
-                shard_rows.append({"id": int(name[:-4]), "shard": path.name, "member": name,
-                                   "label": int(data[cls.offset_data:cls.offset_data + cls.size]),
-                                   "offset": member.offset_data, "size": member.size, "crc32": zlib.crc32(blob)})
+        for name, member in members.items():  # in the tar's order
+            key = name.rsplit(".", 1)[0]
+            cls = members[key + ".cls"]
+            blob = data[member.offset_data:member.offset_data + member.size]
+            shard_rows.append({"id": int(key), "shard": path.name, "member": name,
+                               "label": int(data[cls.offset_data:cls.offset_data + cls.size]),
+                               "offset": member.offset_data, "size": member.size, "crc32": zlib.crc32(blob)})
         rows += shard_rows
-        shards.append({"name": path.name, "samples": len(shard_rows),
+        shards.append({"name": path.name, "samples": len({row["id"] for row in shard_rows}),
                        "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
     with open(folder / "manifest.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))

@@ -29,118 +29,27 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
 from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, RandomSampler
 
-from common.cli import add_common_args, non_negative_int, positive_float, positive_int, script_parser
+from common.cli import add_common_args, positive_float, positive_int, script_parser
 from common.errors import UserError, run_main
 from common.train.flags import add_training_args
 from common.train.run import TrainingRun
 from common.units import format_bytes
 from labs.lab08_data_at_scale.lab08_shared import (
-    COUNTER, FORMATS, LAB, LUSTRE_METADATA_RTT_MS, ArrayFile, EpochIO, ImageFolderFiles, ShardStream, build_model,
-    check_batch, collate_counted, decode_batch, default_data_dir, describe_dataset, set_metadata_latency,
-    to_model_input,
+    FORMATS, LAB, SHARD_READERS, EpochIO, add_file_system_args, build_model, calibrate, check_batch, decode_batch,
+    describe_dataset, expected_opens, file_system, make_loader, set_loader_epoch, set_metadata_latency,
+    to_model_input, use_lab_data_dir,
 )
 
 SCRIPT = "labs/lab08_data_at_scale/02_read_formats.py"
-#: The shared file system of the cost model: each default is a public measurement (README, "Cost model").
-#: Dell HPC Lustre Storage with Intel Omni-Path (Lustre 2.7): MDtest file stat, one thread about 2,000/s
-#: (0.5 ms a round trip), 240 threads more than 500,000/s; IOzone, one client reads about 1.3 GB/s.
-#: Dell Storage for HPC with Intel EE for Lustre (960 TB, 24 OSTs): reads peak near 10 GB/s.
-FS_DEFAULTS = {"metadata_rtt_ms": LUSTRE_METADATA_RTT_MS, "metadata_ops_per_s": 500_000.0,
-               "stream_gb_per_s": 1.3, "total_gb_per_s": 10.0}
-
-
-def make_loader(args, device: torch.device) -> tuple[DataLoader, dict]:
-    """The format's dataset and its loader; what it holds (samples, files)."""
-    decode_in_loader = args.decode == "loader"
-    init = partial(set_metadata_latency, args.metadata_latency)  # also in workers started with spawn
-    common = dict(num_workers=args.num_workers, worker_init_fn=init, pin_memory=device.type == "cuda")
-    if args.format == "webdataset":
-        # Whole batches from each worker; the shards are dealt out to the workers (ShardStream).
-        stream = ShardStream(args.data_dir / "shards", batch_size=args.batch_size, num_workers=args.num_workers,
-                             seed=args.seed, policy="uneven", buffer_size=args.shuffle_buffer,
-                             decode_in_loader=decode_in_loader)
-        return DataLoader(stream, batch_size=None, **common), {"samples": sum(s.samples for s in stream.shards),
-                                                               "files": len(stream.shards)}
-    dataset = (ImageFolderFiles if args.format == "imagefolder" else ArrayFile)(
-        args.data_dir, decode_in_loader=decode_in_loader)
-    sampler = RandomSampler(dataset, generator=torch.Generator())
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, collate_fn=collate_counted, **common)
-    return loader, {"samples": len(dataset), "files": len(dataset) if args.format == "imagefolder" else 1}
-
-
-def set_epoch(loader: DataLoader, seed: int, epoch: int) -> None:
-    """This epoch's order, the same in every run with this seed."""
-    if isinstance(loader.dataset, ShardStream):
-        loader.dataset.set_epoch(epoch)
-    else:
-        loader.sampler.generator.manual_seed(seed * 1000 + epoch)
-
-
-def expected_opens(args, held: dict, steps: int) -> int:
-    """The files an epoch opens, from the format alone: one per image, one per shard, one array per process."""
-    samples = min(held["samples"], steps * args.batch_size)
-    if args.format == "imagefolder":
-        return samples
-    if args.format == "webdataset":
-        return held["files"] if samples == held["samples"] else math.ceil(samples / held["shard_size"])
-    return max(1, args.num_workers)
 
 
 # --------------------------------------------------------------------------------------------
 # The cost model
-
-
-def calibrate(args, device: torch.device, model: torch.nn.Module) -> dict:
-    """What this machine pays, measured before the epochs: producing one sample of this format in one
-    process (open, read, decode, batch) without injected latency, and one training step on a batch."""
-    latency = COUNTER.latency_s
-    COUNTER.latency_s = 0.0
-    try:
-        probe_args = argparse.Namespace(**{**vars(args), "num_workers": 0})
-        loader, _ = make_loader(probe_args, device)
-        set_epoch(loader, args.seed, 10_000)  # another order than the epochs, so the page cache is not primed
-        wanted = args.calibration_samples
-        if args.format == "webdataset":  # whole shards: a shard's checksum and tar parsing belong to its samples
-            size = loader.dataset.shards[0].samples
-            wanted = max(wanted, size * max(1, round(wanted / size)))
-        produced, start = 0, time.perf_counter()
-        for images, labels, extras in loader:
-            check_batch(extras)
-            if args.decode == "device":
-                images = decode_batch(images, device)
-            produced += len(labels)
-            if produced >= wanted:
-                break
-        sample_s = (time.perf_counter() - start) / max(produced, 1)
-    finally:
-        COUNTER.latency_s = latency
-    step_s = 0.0
-    if not args.read_only:
-        probe = build_model().to(device)
-        probe.load_state_dict(model.state_dict())
-        optimizer = torch.optim.SGD(probe.parameters(), lr=args.lr, momentum=0.9)
-        images = torch.randint(0, 255, (args.batch_size, 1, 64, 64), dtype=torch.uint8)
-        labels = torch.randint(0, 10, (args.batch_size,))
-        times = []
-        for _ in range(2 + 5):  # two warm-up steps, five timed; the median
-            start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(probe(to_model_input(images, device)), labels.to(device)).backward()
-            optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        step_s = statistics.median(times[2:])
-    return {"sample_s": sample_s, "samples_timed": produced, "step_s": step_s,
-            "method": "one process, no injected latency, before the first epoch; step: median of 5 after 2"}
 
 
 def predict_here(*, samples: int, opens: int, workers: int, batch: int, sample_s: float, step_s: float,
@@ -198,26 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "whole batches on --device (nvJPEG on a GPU) (default: %(default)s)")
     group.add_argument("--shuffle-buffer", type=positive_int, default=256,
                        help="webdataset: samples in the shuffle buffer (default: %(default)s)")
+    group.add_argument("--shard-reader", choices=SHARD_READERS, default="index",
+                       help="webdataset: find each member at the manifest's offset (index) or parse every tar header "
+                            "with WebDataset's reader (webdataset) (default: %(default)s)")
     group.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (default: %(default)s)")
     group.add_argument("--calibration-samples", type=positive_int, default=512,
                        help="samples the cost model times before the first epoch (default: %(default)s)")
-    model = parser.add_argument_group("the shared file system of the cost model (defaults: README, 'Cost model')")
-    model.add_argument("--fs-metadata-rtt-ms", type=positive_float, default=FS_DEFAULTS["metadata_rtt_ms"],
-                       help="one round trip to the metadata servers (default: %(default)s)")
-    model.add_argument("--fs-metadata-ops-per-s", type=positive_float, default=FS_DEFAULTS["metadata_ops_per_s"],
-                       help="round trips the metadata servers serve per second, all clients (default: %(default)s)")
-    model.add_argument("--fs-stream-gb-per-s", type=positive_float, default=FS_DEFAULTS["stream_gb_per_s"],
-                       help="GB/s one reading process gets (default: %(default)s)")
-    model.add_argument("--fs-total-gb-per-s", type=positive_float, default=FS_DEFAULTS["total_gb_per_s"],
-                       help="GB/s the file system delivers to all clients (default: %(default)s)")
-    model.add_argument("--nodes", type=positive_int, nargs="+", default=[1, 4, 16, 64],
-                       help="node counts to predict the epoch for (default: 1 4 16 64)")
+    add_file_system_args(parser)  # --fs-metadata-rtt-ms ... --nodes: the cost model's file system (README)
     add_training_args(parser)
     add_common_args(parser, epochs=1, batch_size=64)
-    parser.set_defaults(data_dir=default_data_dir())
-    for action in parser._actions:
-        if action.dest == "data_dir":
-            action.help = "the data set 01_make_dataset.py wrote (default: data/lab08 in the repository)"
+    use_lab_data_dir(parser, "the data set 01_make_dataset.py wrote")
     return parser
 
 
@@ -227,37 +126,41 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"--metadata-latency must be >= 0 ms, got {args.metadata_latency}")
     description = describe_dataset(args.data_dir)
     set_metadata_latency(args.metadata_latency)
-    fs = {"metadata_rtt_ms": args.fs_metadata_rtt_ms, "metadata_ops_per_s": args.fs_metadata_ops_per_s,
-          "stream_gb_per_s": args.fs_stream_gb_per_s, "total_gb_per_s": args.fs_total_gb_per_s}
+    fs = file_system(args)
     method = args.format + ("+latency" if args.metadata_latency else "") + ("+read-only" if args.read_only else "") \
-        + ("+decode-on-device" if args.decode == "device" else "")
+        + ("+decode-on-device" if args.decode == "device" else "") \
+        + ("+tar-reader" if args.format == "webdataset" and args.shard_reader == "webdataset" else "")
     with TrainingRun(args, lab=LAB, script=SCRIPT, method=method) as run:
         device = run.device
-        loader, held = make_loader(args, device)
-        held["shard_size"] = description["shard_size"]
+        loader_for = partial(make_loader, args.format, args.data_dir, batch_size=args.batch_size, seed=args.seed,
+                             shuffle_buffer=args.shuffle_buffer, decode_in_loader=args.decode == "loader",
+                             metadata_latency_ms=args.metadata_latency, shard_reader=args.shard_reader,
+                             pin_memory=device.type == "cuda")
+        loader, held = loader_for(num_workers=args.num_workers)
         torch.manual_seed(args.seed)
         model = build_model().to(device)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         run.track(model=model, optimizer=optimizer)
-        cost = calibrate(args, device, model)
+        # The cost model's inputs, measured here: one sample produced in this process, one training step.
+        cost = calibrate(lambda: loader_for(num_workers=0)[0], fmt=args.format, samples=args.calibration_samples,
+                         decode_device=device if args.decode == "device" else None, model=model, lr=args.lr,
+                         batch_size=args.batch_size, device=device, read_only=args.read_only)
         run.print(f"{method}: {held['samples']:,} samples in {held['files']:,} file(s) | {run.describe()} | "
                   f"{args.num_workers} loader worker(s), batch {args.batch_size} | one sample costs "
                   f"{cost['sample_s'] * 1e6:.0f} us to produce here, one step {cost['step_s'] * 1e3:.1f} ms")
         io, epochs = EpochIO(), []
         for epoch in run.epochs():
-            set_epoch(loader, args.seed, epoch)
+            set_loader_epoch(loader, args.seed, epoch)
             io.start_epoch()
             waited_before, samples = run.meter.waited_s, 0
             model.train()
-            for step, (images, labels, extras) in enumerate(run.steps(loader)):
+            for images, labels, extras in run.steps(loader):
                 check_batch(extras)
                 io.saw(extras["io"])  # this worker's counts so far
                 samples += len(labels)
                 if args.decode == "device":
                     images = decode_batch(images, device)
                 if args.read_only:
-                    if step % args.log_interval == 0:
-                        run.print(f"epoch {epoch} step {step + 1}: {samples:,} samples read")
                     continue
                 optimizer.zero_grad(set_to_none=True)
                 loss = F.cross_entropy(model(to_model_input(images, device)), labels.to(device))
@@ -265,15 +168,14 @@ def main(argv: list[str] | None = None) -> int:
                 optimizer.step()
                 run.log_loss(loss)
             counted, epoch_s = io.totals(), run.meter.last_epoch_s
-            steps = math.ceil(samples / args.batch_size)
-            predicted = predict_here(samples=samples, opens=expected_opens(args, held, steps), workers=args.num_workers,
-                                     batch=args.batch_size, sample_s=cost["sample_s"],
-                                     step_s=cost["step_s"], open_wait_s=args.metadata_latency / 1e3)
+            opens = expected_opens(args.format, held, samples, args.num_workers)
+            predicted = predict_here(samples=samples, opens=opens, workers=args.num_workers, batch=args.batch_size,
+                                     sample_s=cost["sample_s"], step_s=cost["step_s"], open_wait_s=cost["open_wait_s"])
             waited = run.meter.waited_s - waited_before
             epochs.append({"epoch": epoch, "samples": samples, "epoch_s": epoch_s, "samples_per_s": samples / epoch_s,
                            "opens": counted["opens"], "stats": counted["stats"], "bytes": counted["bytes"],
                            "injected_wait_s": counted["injected_wait_s"], "processes": counted["processes"],
-                           "expected_opens": expected_opens(args, held, steps), "data_wait_s": waited,
+                           "expected_opens": opens, "data_wait_s": waited,
                            "data_wait_share": waited / epoch_s, "predicted_epoch_s": predicted["epoch_s"],
                            "predicted_bound": predicted["bound"]})
             run.print(f"epoch {epoch}: {samples:,} samples in {epoch_s:.2f} s = {samples / epoch_s:,.0f} samples/s | "

@@ -42,52 +42,19 @@ import torch
 import torch.nn.functional as F
 
 from common.atomic import write_text_atomic
-from common.checkpoint.single_file import load_checkpoint, save_checkpoint
 from common.cli import add_common_args, output_dir, positive_float, positive_int, script_parser
 from common.errors import UserError, run_main
 from common.runtime.distributed import gather_objects
 from common.runtime.launch import detect_launch
 from common.train.flags import add_checkpoint_args, add_training_args, settle
-from common.train.preemption import TorchCheckpointer
+from common.train.preemption import Preempted
 from common.train.run import TrainingRun
 from labs.lab08_data_at_scale.lab08_shared import (
-    BAD_SAMPLE_ACTIONS, LAB, POLICIES, EpochIO, ShardStream, build_model, check_batch, default_data_dir,
-    set_metadata_latency, to_model_input,
+    BAD_SAMPLE_ACTIONS, LAB, POLICIES, EpochIO, LoaderCheckpoint, ShardStream, build_model, check_batch,
+    set_metadata_latency, to_model_input, use_lab_data_dir,
 )
 
 SCRIPT = "labs/lab08_data_at_scale/03_shards_exactly_once.py"
-
-
-class LoaderCheckpoint(TorchCheckpointer):
-    """Rank 0's file holds the model and the optimiser (the same on every rank); the loader's position is each
-    rank's own, so every rank writes it beside: ``<checkpoint>.loader-rank<r>``. A resumed run must have as
-    many ranks and workers (the plan of an epoch depends on both)."""
-
-    every_rank_writes = True
-
-    def __init__(self, path: Path, rank: int) -> None:
-        super().__init__(path)
-        self.rank = rank
-
-    def rank_path(self) -> Path:
-        return self.path.with_name(f"{self.path.name}.loader-rank{self.rank}")
-
-    def save(self, state, tracked) -> None:
-        save_checkpoint({"loader": tracked["loader"].state_dict(), "epoch": state["epoch"], "step": state["step"]},
-                        self.rank_path())
-        if self.rank == 0:  # written last: a checkpoint is whole once this file says so
-            super().save(state, {name: obj for name, obj in tracked.items() if name != "loader"})
-
-    def read(self):
-        state = super().read()
-        if state is None:
-            return None
-        own = load_checkpoint(self.rank_path())
-        if own is None or (own["epoch"], own["step"]) != (state["epoch"], state["step"]):
-            raise UserError(f"{self.rank_path()} does not match {self.path} (epoch {state['epoch']} step "
-                            f"{state['step']}): start fresh without --resume")
-        state["loader"] = own["loader"]
-        return state
 
 
 def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -117,10 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_training_args(parser)
     add_checkpoint_args(parser)
     add_common_args(parser, epochs=2, batch_size=64)
-    parser.set_defaults(data_dir=default_data_dir())
-    for action in parser._actions:
-        if action.dest == "data_dir":
-            action.help = "the data set 01_make_dataset.py wrote, or a staged copy of it (default: data/lab08 in the repository)"
+    use_lab_data_dir(parser, "the data set 01_make_dataset.py wrote, or a staged copy of it")
     return parser
 
 
@@ -134,101 +98,109 @@ def main(argv: list[str] | None = None) -> int:
     # Where the checkpoint goes (--checkpoint, else RESULTS_DIR/checkpoints/): every rank adds its loader's position.
     checkpointer = LoaderCheckpoint(settle(args, SCRIPT, distributed=True), launch.rank)
     ids_read: list[list[int]] = []
-    with TrainingRun(args, lab=LAB, script=SCRIPT, method=f"shards-{args.shard_policy}", distributed=True,
-                     checkpointer=checkpointer, resume_settings=("seed", "batch_size", "shard_policy",
-                                                                 "shuffle_buffer", "num_workers")) as run:
-        device = run.device
-        if args.shard_policy == "uneven" and run.world_size > 1:
-            raise UserError(f"--shard-policy uneven on {run.world_size} ranks: the ranks would take different numbers "
-                            "of steps, and DDP's all-reduce and the stop agreed at every step would wait forever for "
-                            "the rank that ran out; use pad or drop (uneven suits one rank's workers)")
-        stream = ShardStream(shard_dir, batch_size=args.batch_size, rank=run.rank, world_size=run.world_size,
-                             num_workers=args.num_workers, seed=args.seed, policy=args.shard_policy,
-                             buffer_size=args.shuffle_buffer, on_bad_sample=args.on_bad_sample)
-        from torchdata.stateful_dataloader import StatefulDataLoader
+    try:
+        with TrainingRun(args, lab=LAB, script=SCRIPT, method=f"shards-{args.shard_policy}", distributed=True,
+                         checkpointer=checkpointer, resume_settings=("seed", "batch_size", "shard_policy",
+                                                                     "shuffle_buffer", "num_workers")) as run:
+            device = run.device
+            if args.shard_policy == "uneven" and run.world_size > 1:
+                raise UserError(f"--shard-policy uneven on {run.world_size} ranks: the ranks would take different numbers "
+                                "of steps, and DDP's all-reduce and the stop agreed at every step would wait forever for "
+                                "the rank that ran out; use pad or drop (uneven suits one rank's workers)")
+            stream = ShardStream(shard_dir, batch_size=args.batch_size, rank=run.rank, world_size=run.world_size,
+                                 num_workers=args.num_workers, seed=args.seed, policy=args.shard_policy,
+                                 buffer_size=args.shuffle_buffer, on_bad_sample=args.on_bad_sample)
+            from torchdata.stateful_dataloader import StatefulDataLoader
 
-        # torchdata 0.11 calls torch.set_vital, which newer PyTorch deprecates: a warning per loader, nothing more.
-        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            # torchdata 0.11 calls torch.set_vital, which newer PyTorch deprecates: a warning per loader, nothing more.
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
-        # Whole batches come from each worker (batch_size=None); the loader keeps every worker's position.
-        loader = StatefulDataLoader(stream, batch_size=None, num_workers=args.num_workers,
-                                    worker_init_fn=partial(set_metadata_latency, args.metadata_latency),
-                                    pin_memory=device.type == "cuda")
-        plan = stream.describe(run.epoch)
-        run.print(f"{plan['shards']} shard(s), {plan['samples']:,} samples, over {plan['slots']} reader slot(s) "
-                  f"({run.world_size} rank(s) x {max(1, args.num_workers)} worker(s)): {plan['slot_samples_min']:,} "
-                  f"to {plan['slot_samples_max']:,} samples a slot | --shard-policy {args.shard_policy}: "
-                  + {"pad": f"{plan['padded']:,} weight-0 blank(s) in epoch {run.epoch} pad the slots to the largest",
-                     "drop": f"{plan['dropped']:,} sample(s) left out in epoch {run.epoch} (the smallest slot sets the pace)",
-                     "uneven": "every sample once, ranks take different numbers of steps (DDP's Join)"}[args.shard_policy])
-        torch.manual_seed(args.seed)
-        model = build_model().to(device)
-        if run.world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
+            # Whole batches come from each worker (batch_size=None); the loader keeps every worker's position.
+            loader = StatefulDataLoader(stream, batch_size=None, num_workers=args.num_workers,
+                                        worker_init_fn=partial(set_metadata_latency, args.metadata_latency),
+                                        pin_memory=device.type == "cuda")
+            plan = stream.describe(run.epoch)
+            run.print(f"{plan['shards']} shard(s), {plan['samples']:,} samples, over {plan['slots']} reader slot(s) "
+                      f"({run.world_size} rank(s) x {max(1, args.num_workers)} worker(s)): {plan['slot_samples_min']:,} "
+                      f"to {plan['slot_samples_max']:,} samples a slot | --shard-policy {args.shard_policy}: "
+                      + {"pad": f"{plan['padded']:,} weight-0 blank(s) in epoch {run.epoch} pad the slots to the largest",
+                         "drop": f"{plan['dropped']:,} sample(s) left out in epoch {run.epoch} (the smallest slot sets the pace)",
+                         "uneven": "every sample once, ranks take different numbers of steps (DDP's Join)"}[args.shard_policy])
+            torch.manual_seed(args.seed)
+            model = build_model().to(device)
+            if run.world_size > 1:
+                from torch.nn.parallel import DistributedDataParallel as DDP
 
-            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        run.track(model=model, optimizer=optimizer, loader=loader)  # the loader's position is in the checkpoint
-        io, epochs, bad = EpochIO(), [], {}
-        for epoch in run.epochs():
-            stream.set_epoch(epoch)
-            io.start_epoch()
-            waited_before, ids, padded, skipped = run.meter.waited_s, [], 0, {}
-            ids_read.append(ids)
-            model.train()
-            for images, labels, extras in run.steps(loader, loader_resumes=True):
-                check_batch(extras)
-                io.saw(extras["io"])
-                ids += extras["ids"].tolist()
-                padded += int((extras["weights"] == 0).sum())
-                skipped[extras["slot"]] = extras["skipped"]  # each worker counts its own
-                bad.update({(b["shard"], b["member"]): b for b in extras["bad"]})
-                if args.verify_only:
-                    continue
-                optimizer.zero_grad(set_to_none=True)
-                loss = weighted_loss(model(to_model_input(images, device)), labels.to(device),
-                                     extras["weights"].to(device))
-                loss.backward()
-                optimizer.step()
-                run.log_loss(loss)
-            # Every rank's ids at rank 0 (a collective: every rank calls it), counted against the manifest.
-            gathered = gather_objects({"ids": [i for i in ids if i >= 0], "skipped": sum(skipped.values()),
-                                       "bad": list(bad.values())})
-            everyone = [entry["ids"] for entry in gathered]
-            skipped_all = sum(entry["skipped"] for entry in gathered)
-            bad = {(b["shard"], b["member"]): b for entry in gathered for b in entry["bad"]}
-            counted = io.totals()
-            epoch_s, waited = run.meter.last_epoch_s, run.meter.waited_s - waited_before
-            if run.is_main:
-                seen = Counter(i for rank_ids in everyone for i in rank_ids)
-                twice = sum(1 for n in seen.values() if n > 1)
-                run.print(f"epoch {epoch}: {len(seen):,} of {plan['samples']:,} samples read, {twice} more than once "
-                          f"({'every sample exactly once' if len(seen) == plan['samples'] and not twice else 'not exactly once'}"
-                          f"; policy {args.shard_policy}: {stream.describe(epoch)['padded']} blank(s), "
-                          f"{stream.describe(epoch)['dropped']} left out) | rank 0: {padded} blank(s) | {skipped_all} skipped on all ranks | rank 0 opened "
-                          f"{counted['opens']} shard file(s), waiting for data {waited / epoch_s:.0%} of step time")
-            run.save_checkpoint()  # model, optimiser and, from every rank, the loader's position
-            epochs.append({"epoch": epoch, "plan": stream.describe(epoch), "samples": sum(1 for i in ids if i >= 0),
-                           "padded": padded,
-                           "skipped_all_ranks": skipped_all,
-                           "distinct_all_ranks": len({i for rank_ids in everyone for i in rank_ids}),
-                           "read_all_ranks": sum(len(rank_ids) for rank_ids in everyone), "epoch_s": epoch_s,
-                           "opens": counted["opens"], "bytes": counted["bytes"], "data_wait_s": waited,
-                           "data_wait_share": waited / epoch_s if epoch_s else None})
-        for problem in bad.values():
-            run.print(f"skipped: {problem['shard']}: {problem['member']}: {problem['reason']}")
-        run.finish(config={"plan": plan, "shard_dir": str(shard_dir)},
-                   metrics={"epochs_io": epochs, "skipped_samples": sum(e["skipped_all_ranks"] for e in epochs),
-                            "bad_samples": list(bad.values())[:100],
-                            "exactly_once": all(e["distinct_all_ranks"] == plan["samples"] ==
-                                                e["read_all_ranks"] for e in epochs) if run.is_main else None})
-    if args.ids_out is not None:  # also after a pre-emption stop: what this run read before it stopped
-        # JSON lines (not .json: a results folder's reader would take a .json file for a record).
+                model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+            optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+            run.track(model=model, optimizer=optimizer, loader=loader)  # the loader's position is in the checkpoint
+            io, epochs, bad = EpochIO(), [], {}
+            for epoch in run.epochs():
+                stream.set_epoch(epoch)
+                io.start_epoch()
+                waited_before, ids, padded, skipped = run.meter.waited_s, [], 0, {}
+                ids_read.append(ids)
+                model.train()
+                for images, labels, extras in run.steps(loader, loader_resumes=True):
+                    check_batch(extras)
+                    io.saw(extras["io"])
+                    ids += extras["ids"].tolist()
+                    padded += int((extras["weights"] == 0).sum())
+                    skipped[extras["slot"]] = extras["skipped"]  # each worker counts its own
+                    bad.update({(b["shard"], b["member"]): b for b in extras["bad"]})
+                    if args.verify_only:
+                        continue
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = weighted_loss(model(to_model_input(images, device)), labels.to(device),
+                                         extras["weights"].to(device))
+                    loss.backward()
+                    optimizer.step()
+                    run.log_loss(loss)
+                # Every rank's ids at rank 0 (a collective: every rank calls it), counted against the manifest.
+                gathered = gather_objects({"ids": [i for i in ids if i >= 0], "skipped": sum(skipped.values()),
+                                           "bad": list(bad.values())})
+                everyone = [entry["ids"] for entry in gathered]
+                skipped_all = sum(entry["skipped"] for entry in gathered)
+                bad = {(b["shard"], b["member"]): b for entry in gathered for b in entry["bad"]}
+                counted = io.totals()
+                epoch_s, waited = run.meter.last_epoch_s, run.meter.waited_s - waited_before
+                if run.is_main:
+                    seen = Counter(i for rank_ids in everyone for i in rank_ids)
+                    twice = sum(1 for n in seen.values() if n > 1)
+                    run.print(f"epoch {epoch}: {len(seen):,} of {plan['samples']:,} samples read, {twice} more than once "
+                              f"({'every sample exactly once' if len(seen) == plan['samples'] and not twice else 'not exactly once'}"
+                              f"; policy {args.shard_policy}: {stream.describe(epoch)['padded']} blank(s), "
+                              f"{stream.describe(epoch)['dropped']} left out) | rank 0: {padded} blank(s) | {skipped_all} skipped on all ranks | rank 0 opened "
+                              f"{counted['opens']} shard file(s), waiting for data {waited / epoch_s:.0%} of step time")
+                run.save_checkpoint()  # model, optimiser and, from every rank, the loader's position
+                epochs.append({"epoch": epoch, "plan": stream.describe(epoch), "samples": sum(1 for i in ids if i >= 0),
+                               "padded": padded,
+                               "skipped_all_ranks": skipped_all,
+                               "distinct_all_ranks": len({i for rank_ids in everyone for i in rank_ids}),
+                               "read_all_ranks": sum(len(rank_ids) for rank_ids in everyone), "epoch_s": epoch_s,
+                               "opens": counted["opens"], "bytes": counted["bytes"], "data_wait_s": waited,
+                               "data_wait_share": waited / epoch_s if epoch_s else None})
+            for problem in bad.values():
+                run.print(f"skipped: {problem['shard']}: {problem['member']}: {problem['reason']}")
+            run.finish(config={"plan": plan, "shard_dir": str(shard_dir)},
+                       metrics={"epochs_io": epochs, "skipped_samples": sum(e["skipped_all_ranks"] for e in epochs),
+                                "bad_samples": list(bad.values())[:100],
+                                "exactly_once": all(e["distinct_all_ranks"] == plan["samples"] ==
+                                                    e["read_all_ranks"] for e in epochs) if run.is_main else None})
+    except Preempted:  # stopped by a signal, the checkpoint saved (run_main exits 0): what it read until then
+        write_ids(args.ids_out, launch, args, ids_read)
+        raise
+    write_ids(args.ids_out, launch, args, ids_read)
+    return 0
+
+
+def write_ids(folder: Path | None, launch, args: argparse.Namespace, ids_read: list[list[int]]) -> None:
+    """The ids this rank read, in order: a JSON line per epoch (not .json, which a results folder takes for a record)."""
+    if folder is not None:
         lines = [json.dumps({"rank": launch.rank, "world_size": launch.world_size, "workers": args.num_workers,
                              "policy": args.shard_policy, "epoch_index": index, "ids": ids})
                  for index, ids in enumerate(ids_read)]
-        write_text_atomic("".join(line + "\n" for line in lines), args.ids_out / f"ids-rank{launch.rank}.jsonl")
-    return 0
+        write_text_atomic("".join(line + "\n" for line in lines), folder / f"ids-rank{launch.rank}.jsonl")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ with an optional wait per open), the readers of the three formats, and the lab's
     DATA/dataset.json                       what was written: counts, bytes, the source, the seed
     DATA/imagefolder/train/<class>/<id>.jpg one small file per image (torchvision's ImageFolder layout)
     DATA/shards/shard-000000.tar ...        tar shards in WebDataset's layout: <id>.jpg + <id>.cls per sample
-    DATA/shards/manifest.csv                one row per sample: id, label, shard, member, offset, size, crc32
+    DATA/shards/manifest.csv                one row per tar member: id, label, shard, member, offset, size, crc32
     DATA/shards/shards.json                 one entry per shard: samples, bytes, sha256
     DATA/shards/SHA256SUMS                  the same checksums in the format ``sha256sum -c`` reads
     DATA/array/images.u8, index.npy         every JPEG back to back in one file (a numpy memmap), and
@@ -14,6 +14,12 @@ with an optional wait per open), the readers of the three formats, and the lab's
 
 ``02_read_formats.py`` reads each format with the same model and batch; ``03_shards_exactly_once.py``
 reads the shards over ranks x workers with :class:`ShardStream`, which keeps its position.
+
+Reading a shard (:func:`check_shard`): the shard is read whole and checked against its SHA-256; its samples
+then come either from the manifest's offsets (``index``, the default: a slice per member, no tar header parsed)
+or from WebDataset's own tar reader (``webdataset``: Python's ``tarfile`` parses a 512-byte header per member,
+about as costly as decoding the 64 x 64 JPEG it holds). Both give the same samples; a shard that fails its
+checksum is read with WebDataset's reader, since its offsets can no longer be trusted.
 
 Counting (:class:`IOCounter`): each process (the main one and every DataLoader worker) counts the
 files its dataset code opens, the stat-family calls it makes and the bytes it reads. The dataset code
@@ -25,27 +31,35 @@ them over the workers at the end of an epoch.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
+import math
 import os
 import random
-import tarfile
+import statistics
 import time
 import zlib
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, get_worker_info
 # Imported here, before any DataLoader worker is forked: a worker would otherwise import torchvision itself,
 # seconds of CPU in every worker of every epoch.
 from torchvision.io import ImageReadMode, decode_jpeg
+from webdataset.tariterators import group_by_keys, tar_file_iterator
 
+from common.checkpoint.single_file import load_checkpoint, save_checkpoint
+from common.cli import positive_float, positive_int
 from common.errors import UserError
+from common.train.preemption import TorchCheckpointer
 
 LAB = "lab08"
 FORMATS = ("imagefolder", "webdataset", "array")
@@ -54,16 +68,50 @@ NUM_CLASSES = 10
 #: How uneven shard counts are made even across ranks x workers (03_shards_exactly_once.py).
 POLICIES = ("pad", "drop", "uneven")
 BAD_SAMPLE_ACTIONS = ("skip", "fail")
+#: How a shard's samples are found in it: at the manifest's offsets, or by WebDataset's tar reader.
+SHARD_READERS = ("index", "webdataset")
 #: The documented Lustre-like cost of opening one small file, in ms: an open and a close, each one round trip
 #: to the metadata server of 0.5 ms (MDtest's single-thread file-stat rate of about 2,000 per second on the
 #: Dell HPC Lustre Storage with Intel Omni-Path, Lustre 2.7). The README's "Cost model" section explains it.
 LUSTRE_METADATA_RTT_MS = 0.5
 LUSTRE_LIKE_OPEN_MS = 2 * LUSTRE_METADATA_RTT_MS
+#: The shared file system of 02_read_formats.py's cost model: each default is a public measurement (README,
+#: "Cost model"). Dell HPC Lustre Storage with Intel Omni-Path (Lustre 2.7): MDtest file stat, one thread about
+#: 2,000/s (0.5 ms a round trip), 240 threads more than 500,000/s; IOzone, one client reads about 1.3 GB/s.
+#: Dell Storage for HPC with Intel EE for Lustre (960 TB, 24 OSTs): reads peak near 10 GB/s.
+FS_DEFAULTS = {"metadata_rtt_ms": LUSTRE_METADATA_RTT_MS, "metadata_ops_per_s": 500_000.0,
+               "stream_gb_per_s": 1.3, "total_gb_per_s": 10.0}
 
 
 def default_data_dir() -> Path:
     """``data/lab08`` in the repository (ignored by git), wherever the script is started from."""
     return Path(__file__).resolve().parents[2] / "data" / "lab08"
+
+
+def use_lab_data_dir(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--data-dir`` (from ``common.cli.add_common_args``) defaults to this lab's data set, and says so."""
+    parser.set_defaults(data_dir=default_data_dir())
+    for action in parser._actions:
+        if action.dest == "data_dir":
+            action.help = f"{what} (default: data/lab08 in the repository)"
+
+
+def add_file_system_args(parser: argparse.ArgumentParser) -> None:
+    """The cost model's shared file system (``--fs-*``, defaults :data:`FS_DEFAULTS`) and ``--nodes``."""
+    group = parser.add_argument_group("the shared file system of the cost model (defaults: README, 'Cost model')")
+    for name, what in (("metadata_rtt_ms", "one round trip to the metadata servers"),
+                       ("metadata_ops_per_s", "round trips the metadata servers serve per second, all clients"),
+                       ("stream_gb_per_s", "GB/s one reading process gets"),
+                       ("total_gb_per_s", "GB/s the file system delivers to all clients")):
+        group.add_argument("--fs-" + name.replace("_", "-"), type=positive_float, default=FS_DEFAULTS[name],
+                           help=f"{what} (default: %(default)s)")
+    group.add_argument("--nodes", type=positive_int, nargs="+", default=[1, 4, 16, 64],
+                       help="node counts to predict the epoch for (default: 1 4 16 64)")
+
+
+def file_system(args: argparse.Namespace) -> dict[str, float]:
+    """The ``--fs-*`` flags as the cost model's ``fs``: ``metadata_rtt_ms``, ``metadata_ops_per_s``, ..."""
+    return {name: getattr(args, "fs_" + name) for name in FS_DEFAULTS}
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,6 +134,36 @@ def to_model_input(images: torch.Tensor, device: torch.device) -> torch.Tensor:
     """uint8 (B, 1, 64, 64) from the loader -> float in [0, 1] on ``device``: a quarter of the bytes cross
     to the device, and the conversion runs there."""
     return images.to(device, non_blocking=True).float().div_(255)
+
+
+# --------------------------------------------------------------------------------------------
+# The images (01_make_dataset.py)
+
+
+def digit_variants(count: int, seed: int, *, chunk: int = 2048,
+                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(ids, labels, uint8 images (n, 1, 64, 64)) in chunks: bundled digits under random affine maps + noise."""
+    from common.data.datasets import load_digits_split
+    from common.data.datasets import MNIST_MEAN, MNIST_STD
+
+    digits, _ = load_digits_split(test_fraction=0.0, image_size=IMAGE_SIZE)
+    sources = (digits.tensors[0] * MNIST_STD + MNIST_MEAN).clamp_(0, 1)  # back to ink in [0, 1]
+    labels = digits.tensors[1]
+    generator = torch.Generator().manual_seed(seed)
+    for start in range(0, count, chunk):
+        n = min(chunk, count - start)
+        pick = torch.randint(len(sources), (n,), generator=generator)
+        angle = (torch.rand(n, generator=generator) - 0.5) * math.radians(30)
+        scale = 0.85 + 0.3 * torch.rand(n, generator=generator)
+        shear = (torch.rand(n, generator=generator) - 0.5) * 0.3
+        shift = (torch.rand(n, 2, generator=generator) - 0.5) * 0.25
+        cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
+        theta = torch.stack([torch.stack([cos, -sin + shear, shift[:, 0]], 1),
+                             torch.stack([sin, cos, shift[:, 1]], 1)], 1)
+        grid = torch.nn.functional.affine_grid(theta, (n, 1, IMAGE_SIZE, IMAGE_SIZE), align_corners=False)
+        images = torch.nn.functional.grid_sample(sources[pick], grid, align_corners=False)
+        images = images * 235 + 10 + torch.randn(images.shape, generator=generator) * 12
+        yield (torch.arange(start, start + n), labels[pick], images.clamp_(0, 255).to(torch.uint8))
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,7 +303,7 @@ class ShardInfo:
     samples: int
     bytes: int
     sha256: str
-    members: tuple[dict[str, Any], ...]  # manifest rows of this shard, in the tar's order
+    members: tuple[dict[str, Any], ...]  # manifest rows of this shard (one per tar member), in the tar's order
 
 
 def read_shard_table(shard_dir: Path) -> list[ShardInfo]:
@@ -294,9 +372,10 @@ class ArrayFile(Dataset):
 
     def _array(self) -> np.ndarray:
         if self._images is None or self._pid != os.getpid():  # each worker maps the file itself
+            counter = COUNTER.fresh()  # before the wait: a worker's wait is counted in the worker's counts
             _wait()
             self._images = np.memmap(self.folder / "images.u8", dtype=np.uint8, mode="r")
-            COUNTER.fresh().opens += 1
+            counter.opens += 1
             self._pid = os.getpid()
         return self._images
 
@@ -325,63 +404,78 @@ def collate_counted(samples: list[tuple[Any, int, int]]) -> tuple[Any, torch.Ten
 
 
 class BadSample(Exception):
-    """A sample that cannot be used, named by its shard and member."""
+    """A sample that cannot be used, named by its shard and member; ``samples``: how many samples it costs (a
+    truncated shard loses all those after the cut; a damaged tar header alone, none)."""
 
-    def __init__(self, shard: str, member: str, reason: str) -> None:
+    def __init__(self, shard: str, member: str, reason: str, samples: int = 1) -> None:
         super().__init__(f"{shard}: {member}: {reason}")
-        self.shard, self.member, self.reason = shard, member, reason
+        self.shard, self.member, self.reason, self.samples = shard, member, reason, samples
 
 
 def split_samples(data: bytes, samples: list[dict[str, Any]]) -> None:
     """A tar shard's members grouped into samples by key, in the tar's order, with WebDataset's own tar
     reader (``webdataset.tariterators``), appended to ``samples`` as they come (a tar cut short keeps what
     came before the cut): ``{"__key__": "000042", "jpg": b"...", "cls": b"3"}``."""
-    from webdataset.tariterators import group_by_keys, tar_file_iterator
-
     members = ({**member, "__url__": None} for member in tar_file_iterator(io.BytesIO(data), handler=_reraise))
     samples.extend(group_by_keys(members, handler=_reraise))
+
+
+def index_samples(info: ShardInfo, data: bytes) -> list[dict[str, Any]]:
+    """The same samples as :func:`split_samples`, sliced at the manifest's offsets: no tar header is parsed.
+    Members past the end of ``data`` are left out."""
+    samples: dict[int, dict[str, Any]] = {}
+    for row in info.members:
+        if row["offset"] + row["size"] <= len(data):
+            key, ext = row["member"].rsplit(".", 1)
+            samples.setdefault(row["id"], {"__key__": key})[ext] = data[row["offset"]:row["offset"] + row["size"]]
+    return list(samples.values())
 
 
 def _reraise(error: Exception) -> bool:
     raise error
 
 
-def check_shard(info: ShardInfo, data: bytes) -> tuple[list[dict[str, Any]], list[BadSample]]:
+def check_shard(info: ShardInfo, data: bytes, reader: str = "index") -> tuple[list[dict[str, Any]], list[BadSample]]:
     """The good samples of one shard read whole, and a :class:`BadSample` for every bad one: a truncated
     shard (fewer bytes than the manifest), a checksum mismatch (found member by member with each member's
-    CRC-32), a sample missing its ``.jpg`` or ``.cls``. A JPEG that does not decode is found later, when it is."""
+    CRC-32), a sample missing its ``.jpg`` or ``.cls``. A JPEG that does not decode is found later, when it is.
+    ``reader``: ``index`` slices the members at the manifest's offsets while the shard is whole (its SHA-256 as
+    written); ``webdataset`` (and any shard that is not whole) parses the tar with WebDataset's reader."""
     import hashlib
 
     bad: list[BadSample] = []
-    damaged: set[str] = set()
+    damaged: set[int] = set()  # sample ids with a member cut off or changed
+    whole = len(data) == info.bytes and hashlib.sha256(data).hexdigest() == info.sha256
     if len(data) < info.bytes:
         cut = [row for row in info.members if row["offset"] + row["size"] > len(data)]
-        first = cut[0]["member"] if cut else "(tar end)"
-        bad.append(BadSample(info.name, first, f"truncated shard: {len(data)} of {info.bytes} bytes; "
-                                               f"{len(cut)} member(s) cut off from here"))
-        damaged |= {row["member"] for row in cut}
-    elif hashlib.sha256(data).hexdigest() != info.sha256:
+        damaged = {row["id"] for row in cut}
+        bad.append(BadSample(info.name, cut[0]["member"] if cut else "(tar end)", f"truncated shard: {len(data)} "
+                             f"of {info.bytes} bytes; {len(damaged)} sample(s) cut off from here", samples=len(damaged)))
+    elif not whole:
         for row in info.members:
-            if zlib.crc32(data[row["offset"]:row["offset"] + row["size"]]) != row["crc32"]:
+            if row["id"] not in damaged and zlib.crc32(data[row["offset"]:row["offset"] + row["size"]]) != row["crc32"]:
                 bad.append(BadSample(info.name, row["member"], "checksum mismatch (sha256 of the shard, "
                                                                "CRC-32 of this member)"))
-                damaged.add(row["member"])
+                damaged.add(row["id"])
         if not damaged:
-            bad.append(BadSample(info.name, "(tar headers)", "checksum mismatch outside the members' data"))
+            bad.append(BadSample(info.name, "(tar headers)", "checksum mismatch outside the members' data", samples=0))
     samples: list[dict[str, Any]] = []
-    try:
-        split_samples(data, samples)
-    except Exception as err:  # a tar cut short or broken: keep what was read before the break
-        if not bad:
-            bad.append(BadSample(info.name, "(tar)", f"unreadable tar: {err}"))
+    if reader == "index" and whole:
+        samples = index_samples(info, data)
+    else:
+        try:
+            split_samples(data, samples)
+        except Exception as err:  # a tar cut short or broken: keep what was read before the break
+            if not bad:
+                bad.append(BadSample(info.name, "(tar)", f"unreadable tar: {err}"))
     good = []
     for sample in samples:
         key = sample.get("__key__", "?")
         missing = [ext for ext in ("jpg", "cls") if ext not in sample]
+        if key.isdigit() and int(key) in damaged:
+            continue  # named above, with its shard
         if missing:
             bad.append(BadSample(info.name, f"{key}.{missing[0]}", "missing member"))
-        elif f"{key}.jpg" in damaged or f"{key}.cls" in damaged:
-            continue
         else:
             good.append(sample)
     return good, bad
@@ -410,13 +504,13 @@ class ShardStream(IterableDataset):
 
     def __init__(self, shard_dir: Path, *, batch_size: int, rank: int = 0, world_size: int = 1, num_workers: int = 0,
                  seed: int = 0, policy: str = "uneven", buffer_size: int = 256, on_bad_sample: str = "fail",
-                 decode_in_loader: bool = True) -> None:
+                 decode_in_loader: bool = True, reader: str = "index") -> None:
         self.shard_dir = Path(shard_dir)
         self.shards = read_shard_table(self.shard_dir)
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.workers = max(1, num_workers)
         self.seed, self.policy, self.buffer_size = seed, policy, buffer_size
-        self.on_bad_sample, self.decode_in_loader = on_bad_sample, decode_in_loader
+        self.on_bad_sample, self.decode_in_loader, self.reader = on_bad_sample, decode_in_loader, reader
         self.epoch = 1
         self._resume: dict[str, Any] | None = None
         self._state: dict[str, Any] | None = None
@@ -477,7 +571,7 @@ class ShardStream(IterableDataset):
             data = read_file(self.shard_dir / info.name)
         except FileNotFoundError:
             data = b""
-        good, bad = check_shard(info, data)
+        good, bad = check_shard(info, data, self.reader)
         for sample in good:
             sample["__shard__"] = info.name
         for problem in bad:
@@ -487,7 +581,8 @@ class ShardStream(IterableDataset):
     def _bad(self, problem: BadSample, bad_samples: list[dict[str, str]]) -> None:
         if self.on_bad_sample == "fail":
             raise problem
-        bad_samples.append({"shard": problem.shard, "member": problem.member, "reason": problem.reason})
+        bad_samples.append({"shard": problem.shard, "member": problem.member, "reason": problem.reason,
+                            "samples": problem.samples})
 
     def __iter__(self) -> Iterator[tuple[Any, torch.Tensor, dict[str, Any]]]:
         info = get_worker_info()
@@ -570,14 +665,19 @@ class ShardStream(IterableDataset):
         # Where this worker stands after this batch: what StatefulDataLoader keeps with it.
         self._state = {"epoch": epoch, "slot": slot, "position": position, "member": member, "emitted": emitted,
                        "buffer": [[pos, index] for pos, index, _ in buffer], "rng": rng.getstate(),
-                       "skipped": skipped_before + len(bad_samples)}
+                       "skipped": skipped_before + _cost(bad_samples)}
         images = [item[0] for item in batch]
         images = (torch.stack(images) if self.decode_in_loader
                   else [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in images])
         return images, torch.tensor([item[1] for item in batch]), {
             "ids": torch.tensor([item[2] for item in batch]), "weights": torch.tensor([item[3] for item in batch]),
-            "io": COUNTER.fresh().snapshot(), "slot": slot, "skipped": skipped_before + len(bad_samples),
+            "io": COUNTER.fresh().snapshot(), "slot": slot, "skipped": skipped_before + _cost(bad_samples),
             "bad": list(bad_samples[-20:])}
+
+
+def _cost(bad_samples: list[dict[str, Any]]) -> int:
+    """The samples that bad data cost (a truncated shard, every sample after the cut)."""
+    return sum(problem["samples"] for problem in bad_samples)
 
 
 def _tuples(value: Any) -> Any:
@@ -597,3 +697,136 @@ def check_batch(extras: dict[str, Any]) -> None:
     """A worker that met bad data under ``--on-bad-sample fail`` sends its one line instead of a batch."""
     if "error" in extras:
         raise UserError(f"bad data: {extras['error']} (--on-bad-sample skip leaves such samples out and counts them)")
+
+
+# --------------------------------------------------------------------------------------------
+# 02_read_formats.py's loaders and the cost model's calibration
+
+
+def make_loader(fmt: str, data_dir: Path, *, batch_size: int, num_workers: int, seed: int, shuffle_buffer: int,
+                decode_in_loader: bool, metadata_latency_ms: float, shard_reader: str, pin_memory: bool,
+                ) -> tuple[DataLoader, dict[str, int]]:
+    """The format's dataset and its loader; what it holds (``samples``, ``files``). Shards come as whole batches
+    from each worker (:class:`ShardStream` deals them out); the other two through a seeded ``RandomSampler``."""
+    init = partial(set_metadata_latency, metadata_latency_ms)  # also in workers started with spawn
+    common = dict(num_workers=num_workers, worker_init_fn=init, pin_memory=pin_memory)
+    if fmt == "webdataset":
+        stream = ShardStream(data_dir / "shards", batch_size=batch_size, num_workers=num_workers, seed=seed,
+                             policy="uneven", buffer_size=shuffle_buffer, decode_in_loader=decode_in_loader,
+                             reader=shard_reader)
+        return DataLoader(stream, batch_size=None, **common), {"samples": sum(s.samples for s in stream.shards),
+                                                               "files": len(stream.shards)}
+    dataset = (ImageFolderFiles if fmt == "imagefolder" else ArrayFile)(data_dir, decode_in_loader=decode_in_loader)
+    sampler = RandomSampler(dataset, generator=torch.Generator())
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_counted, **common)
+    return loader, {"samples": len(dataset), "files": len(dataset) if fmt == "imagefolder" else 1}
+
+
+def set_loader_epoch(loader: DataLoader, seed: int, epoch: int) -> None:
+    """This epoch's order, the same in every run with this seed."""
+    if isinstance(loader.dataset, ShardStream):
+        loader.dataset.set_epoch(epoch)
+    else:
+        loader.sampler.generator.manual_seed(seed * 1000 + epoch)
+
+
+def expected_opens(fmt: str, held: dict[str, int], samples: int, num_workers: int) -> int:
+    """The files an epoch of ``samples`` opens, from the format alone: one per image, one per shard, one array
+    per loader process."""
+    if fmt == "imagefolder":
+        return samples
+    if fmt == "webdataset":
+        return held["files"] if samples >= held["samples"] else math.ceil(samples * held["files"] / held["samples"])
+    return max(1, num_workers)
+
+
+def calibrate(make: Any, *, fmt: str, samples: int, decode_device: torch.device | None, model: nn.Module,
+              lr: float, batch_size: int, device: torch.device, read_only: bool) -> dict[str, Any]:
+    """What this machine pays, measured before the epochs: producing one sample of this format in this process
+    (``make()``: a loader without workers; open, read, checksum, decode, batch) without injected latency, after
+    one batch that is not timed (the decoder's first call loads its library); what one injected wait before an
+    open lasts here (a sleep lasts longer than it asks, the more so on a busy machine); and one training step on a
+    batch (median of 5 after 2 warm-up steps)."""
+    latency = COUNTER.latency_s
+    waits = [0.0]
+    while latency > 0 and (len(waits) < 6 or sum(waits) < 0.2):
+        start = time.perf_counter()
+        time.sleep(latency)
+        waits.append(time.perf_counter() - start)
+    COUNTER.latency_s = 0.0
+    try:
+        loader = make()
+        set_loader_epoch(loader, 0, 10_000)  # another order than the epochs', so the page cache is not primed
+        if fmt == "webdataset":  # whole shards: a shard's checksum and its index belong to its samples
+            size = loader.dataset.shards[0].samples
+            samples = max(samples, size * max(1, round(samples / size)))
+        produced, start = -1, 0.0
+        for images, labels, extras in loader:
+            check_batch(extras)
+            if decode_device is not None:
+                images = decode_batch(images, decode_device)
+            if produced < 0:  # the warm-up batch: the clock starts after it
+                produced, start = 0, time.perf_counter()
+                continue
+            produced += len(labels)
+            if produced >= samples:
+                break
+        sample_s = (time.perf_counter() - start) / max(produced, 1)
+    finally:
+        COUNTER.latency_s = latency
+    step_s = 0.0
+    if not read_only:
+        probe = build_model().to(device)
+        probe.load_state_dict(model.state_dict())
+        optimizer = torch.optim.SGD(probe.parameters(), lr=lr, momentum=0.9)
+        images = torch.randint(0, 255, (batch_size, 1, IMAGE_SIZE, IMAGE_SIZE), dtype=torch.uint8)
+        labels = torch.randint(0, NUM_CLASSES, (batch_size,))
+        times = []
+        for _ in range(2 + 5):
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(probe(to_model_input(images, device)), labels.to(device)).backward()
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        step_s = statistics.median(times[2:])
+    return {"sample_s": sample_s, "samples_timed": produced, "step_s": step_s, "open_wait_s": statistics.mean(waits[1:] or waits),
+            "method": "one process, no injected latency, before the first epoch, after one batch; the wait: the mean "
+                      "of at least 5 sleeps, 0.2 s in all; step: median of 5 after 2"}
+
+
+# --------------------------------------------------------------------------------------------
+# 03_shards_exactly_once.py's checkpoint: the loader's position is every rank's own
+
+
+class LoaderCheckpoint(TorchCheckpointer):
+    """Rank 0's file holds the model and the optimiser (the same on every rank); the loader's position is each
+    rank's own, so every rank writes it beside: ``<checkpoint>.loader-rank<r>``. A resumed run must have as
+    many ranks and workers (the plan of an epoch depends on both)."""
+
+    every_rank_writes = True
+
+    def __init__(self, path: Path, rank: int) -> None:
+        super().__init__(path)
+        self.rank = rank
+
+    def rank_path(self) -> Path:
+        return self.path.with_name(f"{self.path.name}.loader-rank{self.rank}")
+
+    def save(self, state, tracked) -> None:
+        save_checkpoint({"loader": tracked["loader"].state_dict(), "epoch": state["epoch"], "step": state["step"]},
+                        self.rank_path())
+        if self.rank == 0:  # written last: a checkpoint is whole once this file says so
+            super().save(state, {name: obj for name, obj in tracked.items() if name != "loader"})
+
+    def read(self):
+        state = super().read()
+        if state is None:
+            return None
+        own = load_checkpoint(self.rank_path())
+        if own is None or (own["epoch"], own["step"]) != (state["epoch"], state["step"]):
+            raise UserError(f"{self.rank_path()} does not match {self.path} (epoch {state['epoch']} step "
+                            f"{state['step']}): start fresh without --resume")
+        state["loader"] = own["loader"]
+        return state
