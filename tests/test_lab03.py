@@ -404,7 +404,7 @@ def test_flags_are_the_sjtu_pages_plus_the_labs_and_say_their_defaults():
             help_text = formatter._get_help_string(action) % {"default": action.default}
             assert help_text.count("(default: ") == 1 and "(default: None)" not in help_text, (action.dest, help_text)
     assert "(default: resnet18, resnet34, resnet50," in " ".join(parser.format_help().split())
-    args = script.parse_args([])
+    args = shared().read_args(parser, [])
     assert args.models == list(shared().SJTU_MODELS) and args.precision == list(shared().PRECISIONS)
 
 
