@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = apply_dry_run(build_parser().parse_args(argv), steps=2, warmup_steps=1)
+    args = apply_dry_run(build_parser().parse_args(argv), repeats=2, warmup_steps=1)
     buckets_mb = parse_buckets(args.bucket_cap_mb)
     threads = configure_threads()
     ctx = init_distributed(args.device, force_process_group=True)
