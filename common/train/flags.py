@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common.cli import apply_dry_run, non_negative_int, output_dir, output_file, positive_int
+from common.cli import apply_dry_run, non_negative_int, output_dir, output_file, positive_float, positive_int
 from common.errors import UserError
 
-__all__ = ["add_checkpoint_args", "add_determinism_arg", "add_distributed_checkpoint_args", "add_training_args",
-           "settle"]
+__all__ = ["add_adadelta_args", "add_checkpoint_args", "add_determinism_arg", "add_distributed_checkpoint_args",
+           "add_training_args", "settle"]
 
 
 def add_determinism_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -42,6 +42,14 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                             "(metrics.loss_at_step) (default: %(default)s)")
     add_determinism_arg(group)
     return group
+
+
+def add_adadelta_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--lr --gamma``: the MNIST recipe of pytorch/examples (Adadelta, its learning rate decayed by StepLR
+    after every epoch), which Chapter 4's and Lab-02's MNIST trainings follow."""
+    parser.add_argument("--lr", type=positive_float, default=1.0, help="Adadelta learning rate (default: %(default)s)")
+    parser.add_argument("--gamma", type=positive_float, default=0.7,
+                        help="learning-rate decay per epoch (default: %(default)s)")
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser, *, always: bool = False) -> argparse.ArgumentParser:

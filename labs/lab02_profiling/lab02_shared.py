@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common.cli import (PIPELINES, add_common_args, add_dataset_args, add_former_names, add_precision_arg,
-                        config_dict, output_dir, positive_float, positive_int)
+                        config_dict, output_dir, positive_int)
 from common.errors import UserError
+from common.train.flags import add_adadelta_args
 from common.results import make_record, provenance, write_record
 from common.units import format_bytes
 
@@ -47,9 +48,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_dataset_args(parser)
     parser.add_argument("--test-batch-size", type=positive_int, default=1000,
                         help="evaluation batch (default: %(default)s)")
-    parser.add_argument("--lr", type=positive_float, default=1.0, help="Adadelta learning rate (default: %(default)s)")
-    parser.add_argument("--gamma", type=positive_float, default=0.7,
-                        help="learning-rate decay per epoch (default: %(default)s)")
+    add_adadelta_args(parser)
     parser.add_argument("--log-interval", type=positive_int, default=10,
                         help="batches between loss lines (default: %(default)s)")
     tuning = parser.add_argument_group("the optimisation path (sweep.py turns these on one after another)")
