@@ -174,6 +174,29 @@ class TransformerShape:
                 "parameters": transformer_parameter_count(self)}
 
 
+#: The flags that size the transformer, Lab-04's and Lab-07's alike: name -> (default, what it is).
+TRANSFORMER_FLAGS = {"layers": (8, "transformer blocks"), "width": (512, "model width d"),
+                     "heads": (8, "attention heads"), "context": (256, "characters per training sequence")}
+
+
+def add_transformer_args(parser: argparse.ArgumentParser, title: str, *, layers: int = 8,
+                         why: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """``--layers --width --heads --context`` (:data:`TRANSFORMER_FLAGS`) in a group named ``title``; ``why``
+    adds a lab's reason to a flag's help (``{"width": "; tensor parallel cuts it across ranks"}``), ``layers``
+    a smaller start for the depth."""
+    group = parser.add_argument_group(title)
+    for name, (default, what) in TRANSFORMER_FLAGS.items():
+        group.add_argument(f"--{name}", type=positive_int, default=layers if name == "layers" else default,
+                           help=f"{what}{(why or {}).get(name, '')} (default: %(default)s)")
+    return parser
+
+
+def transformer_shape(args: argparse.Namespace, vocab_size: int) -> TransformerShape:
+    """The shape that the flags of :func:`add_transformer_args` name, checked."""
+    return TransformerShape(layers=args.layers, width=args.width, heads=args.heads, context=args.context,
+                            vocab_size=vocab_size).check()
+
+
 def transformer_parameter_count(shape: TransformerShape) -> int:
     """The parameter count from the shape alone, without building anything.
 

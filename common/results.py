@@ -368,6 +368,15 @@ def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
+def read_only_record(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """The one record that a run started by another script (a sweep's step, a scaling point) wrote into a
+    folder of its own, as written: the script adds to it and writes it again."""
+    files = sorted(Path(folder).glob("*.json"))
+    if len(files) != 1:
+        raise RuntimeError(f"expected one record in {folder}, found {len(files)}")
+    return json.loads(files[0].read_text(encoding="utf-8"))
+
+
 def load_records(folder: str | os.PathLike[str], recursive: bool = True) -> LoadResult:
     """Read every ``*.json`` record under ``folder``; bad files are reported, not fatal. Files of
     another of the course's schemas (``hpc-dl-labs/gpu-proof``, say) are left out without a word.

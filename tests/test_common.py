@@ -826,3 +826,24 @@ def test_a_flag_s_former_name_still_works_and_says_the_new_one_once(script, form
               key=lambda a: a.help != argparse.SUPPRESS).option_strings
     assert capsys.readouterr().err == f"note: {former[0]} is now {max(new, key=len)}; the old name still works\n"
     assert former[0] not in load_script(script).build_parser().format_help()  # hidden from --help
+
+
+def test_every_count_a_script_caps_under_dry_run_is_one_of_its_flags():
+    """``apply_dry_run(args, repeats=2)`` caps a flag's value: a name that is no flag of the script (a count
+    renamed since, ``iterations`` for ``--repeats``) makes ``--dry-run`` end in an AttributeError."""
+    import ast
+
+    from helpers import REPO, load_script
+
+    checked = 0
+    for path in sorted([*(REPO / "chapters").glob("*/*.py"), *(REPO / "labs").glob("*/*.py")]):
+        caps = {keyword.arg for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "apply_dry_run"
+                for keyword in node.keywords}
+        if not caps:
+            continue
+        script = str(path.relative_to(REPO))
+        flags = {action.dest for action in load_script(script).build_parser()._actions}
+        assert caps <= flags, (script, sorted(caps - flags))
+        checked += 1
+    assert checked >= 5

@@ -315,7 +315,7 @@ def test_lab03_compile_resets_dynamo_per_configuration_and_records_whether_it_co
 
     from common.runtime.distributed import DistContext
     from common.runtime.launch import LaunchInfo
-    from labs.lab03_precision_benchmark.lab03_shared import compile_outcome
+    from labs.lab03_precision_benchmark.lab03_shared import compile_outcome, read_args
 
     bench = load_script("labs/lab03_precision_benchmark/benchmark_models.py")
     # The eager backend: dynamo captures graphs (what is checked) without a C++ compiler (what CI lacks).
@@ -323,8 +323,8 @@ def test_lab03_compile_resets_dynamo_per_configuration_and_records_whether_it_co
     # A recompile limit of 1: every configuration after the first would be a recompilation past it.
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     cpu = torch.device("cpu")
-    args = bench.parse_args(["--device", "cpu", "--compile", "-w", "1", "-n", "1", "--models", "resnet18",
-                             "--results-dir", str(tmp_path), "--folder", str(tmp_path / "csv")])
+    args = read_args(bench.build_parser(), ["--device", "cpu", "--compile", "-w", "1", "-n", "1", "--models",
+                                            "resnet18", "--results-dir", str(tmp_path), "--folder", str(tmp_path / "csv")])
     base = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(144, 10))
     images, labels = torch.randn(2, 3, 8, 8), torch.tensor([1, 2])
     outcomes = [bench.time_mode("inference", base, images, labels, precision, cpu, args, False)[2]

@@ -278,11 +278,22 @@ TOPOLOGY = ("\t\x1b[4mGPU0\tGPU1\tGPU2\tNIC0\tCPU Affinity\tNUMA Affinity\x1b[0m
 
 
 def test_parse_topology_keeps_gpu_pairs_only():
-    env_check = load_script(ENV_CHECK)
-    links = env_check.parse_topology(TOPOLOGY)
+    from labs.lab01_dp_vs_ddp.lab01_shared import parse_topology
+
+    links = parse_topology(TOPOLOGY)
     assert links == {"GPU0": {"GPU1": "NV12", "GPU2": "PIX"}, "GPU1": {"GPU0": "NV12", "GPU2": "PHB"},
                      "GPU2": {"GPU0": "PIX", "GPU1": "PHB"}}
-    assert env_check.parse_topology("No devices were found") == {}
+    assert parse_topology("No devices were found") == {}
+
+
+def test_the_environment_check_reads_its_flags_without_importing_torch():
+    """lab01_shared imports the data sets (and so torch) only where the training flags are added: the
+    check's --help and a wrong flag answer at once, as before torch is imported in main()."""
+    done = subprocess.run([PYTHON, "-c", "import sys, runpy; sys.argv = ['check', '--help']\n"
+                           f"try:\n    runpy.run_path({str(REPO / ENV_CHECK)!r}, run_name='__main__')\n"
+                           "except SystemExit:\n    print('torch' in sys.modules)"],
+                          capture_output=True, text=True, timeout=120, env=script_env(), cwd=REPO)
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "False", done.stdout + done.stderr
 
 
 def test_lab_warnings_name_missing_peer_access_and_single_gpu():

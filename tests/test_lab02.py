@@ -41,9 +41,10 @@ def test_kernprof_writes_a_profile_whose_table_names_the_lines_of_train(tmp_path
                  "scaler.scale(loss).backward()", "optimizer.zero_grad(set_to_none=True)"):
         assert line in table.stdout
     # The sweep's share of the data-loading line is the table's "% Time" of that line.
-    sweep = load_script(f"{LAB}/sweep.py")
-    share = sweep.data_loading_share(lprof)
-    row = next(r for r in table.stdout.splitlines() if sweep.DATA_LOADING_LINE in r)
+    from labs.lab02_profiling.lab02_shared import DATA_LOADING_LINE, data_loading_share
+
+    share = data_loading_share(lprof)
+    row = next(r for r in table.stdout.splitlines() if DATA_LOADING_LINE in r)
     percent = float(re.split(r"\s+", row.strip())[4])  # Line #, Hits, Time, Per Hit, % Time
     assert share * 100 == pytest.approx(percent, abs=0.051)
     (record,) = records(tmp_path / "results")

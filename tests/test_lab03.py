@@ -192,16 +192,21 @@ def with_overflowing_scaler(monkeypatch, backoff_factor: float):
     return bench
 
 
+def run_loss_check(tmp_path: Path, image_size: int, *extra: str) -> tuple[str, dict[str, list[dict]]]:
+    """fp32 and amp-bf16 inference on one resnet18 batch of 2 after a 2-step loss check: the output, the records."""
+    argv = ["--device", "cpu", "--models", "resnet18", "--image-size", str(image_size), "-b", "2", "-w", "0", "-n", "1",
+            "--check-steps", "2", "--precision", "fp32,amp-bf16", "--modes", "inference", *extra,
+            "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path / "records")]
+    with quiet() as out:
+        assert run_main(SCRIPT, argv) == 0
+    return out.getvalue(), records_by_method(tmp_path / "records")
+
+
 def test_the_loss_check_compares_after_the_same_number_of_applied_steps(tmp_path, monkeypatch):
     """Skipped GradScaler steps leave the weights as they were: the check tries again and compares the loss
     with fp32's after as many applied steps, so a healthy precision is not called DIVERGED."""
     with_overflowing_scaler(monkeypatch, backoff_factor=0.5)
-    argv = ["--device", "cpu", "--models", "resnet18", "--image-size", "64", "-b", "2", "-w", "0", "-n", "1",
-            "--check-steps", "2", "--precision", "fp32,amp-bf16", "--modes", "inference", "--seed", "1",
-            "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path / "records")]
-    with quiet() as out:
-        assert run_main(SCRIPT, argv) == 0
-    by_method = records_by_method(tmp_path / "records")
+    out, by_method = run_loss_check(tmp_path, 64, "--seed", "1")
     fp32, bf16 = (by_method[f"inference-{p}"][0]["metrics"]["loss_check"] for p in ("fp32", "amp-bf16"))
     assert fp32["skipped_steps"] == 0 and fp32["attempts"] == 2
     assert bf16["skipped_steps"] >= 1 and bf16["attempts"] == bf16["applied_steps"] + bf16["skipped_steps"]
@@ -210,7 +215,7 @@ def test_the_loss_check_compares_after_the_same_number_of_applied_steps(tmp_path
     assert bf16["verdict"] == "agrees" and not bf16["diverged"] and bf16["relative_diff"] < 0.05
     assert any(note.startswith(f"GradScaler skipped {bf16['skipped_steps']} of the {bf16['attempts']}")
                for note in by_method["inference-amp-bf16"][0]["notes"])
-    assert "DIVERGED" not in out.getvalue() and "step(s) skipped" in out.getvalue()
+    assert "DIVERGED" not in out and "step(s) skipped" in out
 
 
 def test_a_check_whose_every_step_was_skipped_is_inconclusive(tmp_path, monkeypatch):
@@ -222,20 +227,16 @@ def test_a_check_whose_every_step_was_skipped_is_inconclusive(tmp_path, monkeypa
 
     # A CPU without bf16 units: the run says so in one line at start, and its bf16 record says so too.
     monkeypatch.setattr(machine, "read_cpuinfo", lambda path="/proc/cpuinfo": fake_cpuinfo("AMD EPYC 7302", "avx2"))
-    argv = ["--device", "cpu", "--models", "resnet18", "--image-size", "32", "-b", "2", "-w", "0", "-n", "1",
-            "--check-steps", "2", "--precision", "fp32,amp-bf16", "--modes", "inference", "--seed", "1",
-            "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path / "records")]
-    with quiet() as out:
-        assert run_main(SCRIPT, argv) == 0
-    (record,) = records_by_method(tmp_path / "records")["inference-amp-bf16"]
+    out, by_method = run_loss_check(tmp_path, 32, "--seed", "1")
+    (record,) = by_method["inference-amp-bf16"]
     check = record["metrics"]["loss_check"]
     assert (check["attempts"], check["skipped_steps"], check["applied_steps"]) == (2, 2, 0)
     assert check["verdict"] == "inconclusive" and not check["diverged"] and check["relative_diff"] is None
     assert len(check["losses"]) == 1  # the untrained loss only: nothing trained to compare
     assert record["notes"][0] == ("INCONCLUSIVE: GradScaler skipped all 2 attempted steps: the weights never moved, "
                                   "so there is no training to compare with fp32's")
-    assert "INCONCLUSIVE" in out.getvalue() and "DIVERGED" not in out.getvalue()
-    emulated = [line for line in out.getvalue().splitlines() if line.startswith("note: bf16 is emulated")]
+    assert "INCONCLUSIVE" in out and "DIVERGED" not in out
+    emulated = [line for line in out.splitlines() if line.startswith("note: bf16 is emulated")]
     assert len(emulated) == 1 and "AMD EPYC 7302" in emulated[0] and emulated[0][6:] in record["notes"]
     with open(tmp_path / "csv" / "cpu_1_procs_summary.csv", newline="") as handle:
         rows = {row["precision"]: row for row in csv.DictReader(handle)}
@@ -264,16 +265,11 @@ def test_half_keeps_batchnorm_in_float32():
 
 def test_a_precision_over_the_tolerance_is_flagged(tmp_path):
     """The same check with a tolerance no rounding can meet: amp-bf16 is flagged, fp32 (the reference) is not."""
-    argv = ["--device", "cpu", "--models", "resnet18", "--image-size", "32", "-b", "2", "-w", "0", "-n", "1",
-            "--check-steps", "2", "--precision", "fp32,amp-bf16", "--modes", "inference", "--loss-tolerance", "1e-6",
-            "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path / "records")]
-    with quiet() as out:
-        assert run_main(SCRIPT, argv) == 0
-    by_method = records_by_method(tmp_path / "records")
+    out, by_method = run_loss_check(tmp_path, 32, "--loss-tolerance", "1e-6")
     bf16, fp32 = by_method["inference-amp-bf16"][0], by_method["inference-fp32"][0]
     assert bf16["metrics"]["diverged"] and not fp32["metrics"]["diverged"]
     assert any(note.startswith("DIVERGED: loss after 1 applied steps") for note in bf16["notes"])
-    assert "DIVERGED" in out.getvalue()
+    assert "DIVERGED" in out
     with open(tmp_path / "csv" / "cpu_1_procs_summary.csv", newline="") as handle:
         flagged = {row["precision"]: row["diverged"] for row in csv.DictReader(handle)}
     assert flagged == {"fp32": "no", "amp-bf16": "yes"}
@@ -404,7 +400,7 @@ def test_flags_are_the_sjtu_pages_plus_the_labs_and_say_their_defaults():
             help_text = formatter._get_help_string(action) % {"default": action.default}
             assert help_text.count("(default: ") == 1 and "(default: None)" not in help_text, (action.dest, help_text)
     assert "(default: resnet18, resnet34, resnet50," in " ".join(parser.format_help().split())
-    args = script.parse_args([])
+    args = shared().read_args(parser, [])
     assert args.models == list(shared().SJTU_MODELS) and args.precision == list(shared().PRECISIONS)
 
 

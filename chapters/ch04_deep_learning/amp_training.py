@@ -42,22 +42,10 @@ from common.measure.timing import format_rate, format_speedup
 from common.units import format_bytes
 from common.train.flags import add_training_args
 from chapters.ch04_deep_learning import mnist_training
-from chapters.ch04_deep_learning.ch04_shared import add_data_args
+from chapters.ch04_deep_learning.ch04_shared import add_data_args, precision_list
 
 SCRIPT = "chapters/ch04_deep_learning/amp_training.py"
 BASELINE = "fp32"
-
-
-def parse_precisions(text: str) -> list[str]:
-    """argparse type: ``auto`` or a comma-separated list from fp32, bf16, fp16."""
-    if text == "auto":
-        return ["auto"]
-    names = [name.strip().lower() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in TRAINING]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown precision(s) {', '.join(unknown) or repr(text)}; "
-                                         f"choose from {', '.join(TRAINING)} or auto")
-    return list(dict.fromkeys(names))
 
 
 def precisions_for(device: torch.device, requested: list[str]) -> list[str]:
@@ -77,7 +65,7 @@ def precisions_for(device: torch.device, requested: list[str]) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
-    add_former_names(parser, parser.add_argument("--precision", type=parse_precisions, default=["auto"],
+    add_former_names(parser, parser.add_argument("--precision", type=precision_list(TRAINING), default=["auto"],
                         help="comma-separated precisions to compare with fp32; auto = fp16,bf16 on a GPU "
                              "(fp16 only before compute capability 8.0), bf16 on CPU (default: auto)"), "--precisions")
     add_data_args(parser)  # passed on to mnist_training.py

@@ -3,17 +3,19 @@
 The two scripts are one lesson in two steps (``diff mnist_training.py multi_gpu_ddp.py`` shows what
 DDP changes), so they take the same flags with the same defaults; here they are written once.
 ``amp_training.py``, which runs ``mnist_training.py`` once per precision, takes its data and model
-flags from here too.
+flags from here too; it and ``pytorch_basics.py`` read their ``--precision`` lists with
+:func:`precision_list`.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Callable, Collection
 
 from common.train import amp
-from common.cli import add_precision_arg, positive_float, positive_int
+from common.cli import add_precision_arg, positive_int
 from common.data.datasets import DATASETS, RESIDENT_CHOICES, RESIDENT_SHARE
-from common.train.flags import add_training_args
+from common.train.flags import add_adadelta_args, add_training_args
 
 #: Settings a resumed run must share with the run that wrote the checkpoint (more --epochs is fine).
 RESUME_SETTINGS = ("dataset", "model", "batch_size", "seed", "precision", "max_steps")
@@ -38,9 +40,7 @@ def add_mnist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Those of :func:`add_data_args`, the optimiser and precision flags, then those of
     :func:`common.train.flags.add_training_args`."""
     group = add_data_args(parser)
-    group.add_argument("--lr", type=positive_float, default=1.0, help="Adadelta learning rate (default: %(default)s)")
-    group.add_argument("--gamma", type=positive_float, default=0.7,
-                       help="learning-rate decay per epoch (default: %(default)s)")
+    add_adadelta_args(group)
     add_precision_arg(group, "--amp")
     group.add_argument("--clip-grad-norm", type=float, default=1.0,
                        help="clip gradients to this norm after unscaling; 0 turns it off (default: %(default)s)")
@@ -48,3 +48,17 @@ def add_mnist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="evaluation batch (default: %(default)s)")
     add_training_args(parser)
     return parser
+
+
+def precision_list(valid: Collection[str]) -> Callable[[str], list[str]]:
+    """argparse type: ``auto``, or a comma-separated list of the ``valid`` precisions (order kept, repeats dropped)."""
+    def parse(text: str) -> list[str]:
+        if text == "auto":
+            return ["auto"]
+        names = [name.strip().lower() for name in text.split(",") if name.strip()]
+        unknown = [name for name in names if name not in valid]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown precision(s) {', '.join(unknown) or repr(text)}; "
+                                             f"choose from {', '.join(valid)} or auto")
+        return list(dict.fromkeys(names))
+    return parse

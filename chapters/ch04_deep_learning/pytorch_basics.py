@@ -37,6 +37,7 @@ from common.errors import UserError, run_main
 from common.precision import gpu_peaks, gpu_support
 from common.results import make_record, provenance, write_record
 from common.measure.timing import time_function
+from chapters.ch04_deep_learning.ch04_shared import precision_list
 
 SCRIPT = "chapters/ch04_deep_learning/pytorch_basics.py"
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32,
@@ -51,18 +52,6 @@ def peak_for(device_name: str) -> tuple[str | None, dict[str, float]]:
     ``{precision: dense TFLOP/s}``; ``(None, {})`` for CPUs and GPUs the table does not know."""
     gpu, peaks = gpu_peaks(device_name)
     return (f"NVIDIA {gpu} (data sheet, dense)", peaks) if gpu else (None, {})
-
-
-def parse_dtypes(text: str) -> list[str]:
-    """argparse type: a comma-separated list of precisions, or ``auto``."""
-    if text == "auto":
-        return ["auto"]
-    names = [name.strip().lower() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in DTYPES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown precision(s) {', '.join(unknown) or repr(text)}; "
-                                         f"choose from {', '.join(DTYPES)} or auto")
-    return list(dict.fromkeys(names))  # keep the order, drop repeats
 
 
 def default_dtypes(device: torch.device) -> list[str]:
@@ -148,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--size", type=positive_int, default=None,
                         help="matrix size n of the n x n matmul (default: 8192 on a GPU, 512 on CPU)")
     add_timing_args(parser, warmup=2, repeats=10, what="matmuls per precision")
-    add_former_names(parser, parser.add_argument("--precision", type=parse_dtypes, default=["auto"],
+    add_former_names(parser, parser.add_argument("--precision", type=precision_list(DTYPES), default=["auto"],
                         help=f"comma-separated precisions from {', '.join(DTYPES)}; auto = fp32,tf32,bf16,fp16 on "
                              "an Ampere-or-newer GPU, fp32,fp16 on older GPUs, fp32,bf16 on CPU (default: auto)"), "--dtypes")
     parser.add_argument("--skip-tour", action="store_true", help="only run the matmul timing (default: off)")

@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = apply_dry_run(build_parser().parse_args(argv), iterations=2, warmup=1)
+    args = apply_dry_run(build_parser().parse_args(argv), repeats=2, warmup=1)
     if args.max_steps is not None:  # --max-steps (and --dry-run) caps the timed steps
         args.repeats = min(args.repeats, args.max_steps)
     seed_everything(args.seed)

@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = apply_dry_run(build_parser().parse_args(argv), steps=1)
+    args = apply_dry_run(build_parser().parse_args(argv), repeats=1)
     seed_everything(args.seed)
     threads = configure_threads()  # SLURM_CPUS_PER_TASK when set, else PyTorch's default
     device = resolve_device(args.device)

@@ -35,30 +35,22 @@ independent view of part 2 counts the bytes autograd saves for the backward pass
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import tempfile
-import time
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from common.cli import add_common_args, apply_dry_run, config_dict, positive_int, script_parser
-from common.runtime.device import configure_threads, describe, resolve_device, seed_everything, synchronize
+from common.cli import apply_dry_run, script_parser
+from common.runtime.device import configure_threads, resolve_device, seed_everything, synchronize
 from common.measure.energy import EnergyMeter
 from common.errors import run_main
-from common.results import make_record, provenance, write_record
-from common.measure.timing import peak_memory, process_peak_rss_bytes
-from common.units import format_bytes
-
-SCRIPT = "chapters/ch16_gpu_distributed/memory_management.py"
-#: Gradients summed in a different order differ in the last bits; this is far below any real mistake.
-GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
+from common.measure.timing import peak_memory
+from chapters.ch16_gpu_distributed.ch16_shared import (
+    add_memory_args, compare, cpu_memory_by_phase, cpu_peak_bytes, print_accumulation, print_checkpointing,
+    print_header, print_phases, saved_for_backward_bytes, time_alternately, write_memory_record,
+)
 
 
 class DeepNet(nn.Module):
@@ -86,91 +78,30 @@ class DeepNet(nn.Module):
         return self.head(x)
 
 
-# --- measuring memory -----------------------------------------------------------------------------
-
-class CpuAllocations:
-    """Tensor memory on the CPU during a ``with`` block, from the profiler's allocation events.
-
-    ``with CpuAllocations() as mem: with mem.phase("forward"): ...`` then ``mem.phases["forward"]``
-    gives ``change`` (bytes still allocated at the end of the phase, relative to the start of the
-    block) and ``peak`` (the most allocated at any moment of the phase, same reference).
-    """
-
-    def __init__(self) -> None:
-        self.phases: dict[str, dict[str, int]] = {}
-        self._names: list[str] = []
-
-    def __enter__(self) -> "CpuAllocations":
-        from torch.profiler import ProfilerActivity, profile
-
-        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._profiler.__enter__()
-        return self
-
-    def phase(self, name: str) -> Any:
-        from torch.profiler import record_function
-
-        self._names.append(name)
-        return record_function(f"phase:{name}")
-
-    def __exit__(self, *exc: Any) -> None:
-        self._profiler.__exit__(*exc)
-        if exc[0] is not None:
-            return
-        with tempfile.TemporaryDirectory() as folder:  # the profiler's public output is a Chrome trace
-            trace = Path(folder) / "trace.json"
-            self._profiler.export_chrome_trace(str(trace))
-            events = json.loads(trace.read_text())["traceEvents"]
-        allocations = sorted((e["ts"], e["args"]["Bytes"]) for e in events
-                             if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0)
-        spans = {e["name"][len("phase:"):]: (e["ts"], e["ts"] + e["dur"]) for e in events
-                 if str(e.get("name", "")).startswith("phase:") and "dur" in e}
-        running, timeline = 0, []
-        for ts, nbytes in allocations:
-            running += nbytes
-            timeline.append((ts, running))
-        for name in self._names:
-            start, end = spans[name]
-            before = [total for ts, total in timeline if ts < start]
-            inside = [total for ts, total in timeline if start <= ts <= end]
-            at_start = before[-1] if before else 0
-            self.phases[name] = {"change": inside[-1] if inside else at_start,
-                                 "peak": max([at_start, *inside])}
-
+# --- 1. where memory goes -------------------------------------------------------------------------
 
 def memory_by_phase(model: nn.Module, optimizer: torch.optim.Optimizer, data: torch.Tensor,
                     target: torch.Tensor, device: torch.device) -> list[dict[str, Any]]:
     """Allocated and peak memory after forward, backward, optimiser step and zero_grad."""
-    steps: list[tuple[str, Callable[[], Any]]] = []
     state: dict[str, torch.Tensor] = {}
-    steps.append(("forward", lambda: state.update(loss=F.cross_entropy(model(data), target))))
-    steps.append(("backward", lambda: state.pop("loss").backward()))
-    steps.append(("optimizer.step", optimizer.step))
-    steps.append(("zero_grad", lambda: optimizer.zero_grad(set_to_none=True)))
+    steps = [("forward", lambda: state.update(loss=F.cross_entropy(model(data), target))),
+             ("backward", lambda: state.pop("loss").backward()),
+             ("optimizer.step", optimizer.step),
+             ("zero_grad", lambda: optimizer.zero_grad(set_to_none=True))]
+    if device.type != "cuda":  # no allocator counter on a CPU: the profiler's allocation events stand in
+        return cpu_memory_by_phase(steps)
     rows = []
-    if device.type == "cuda":
+    synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    for name, run in steps:
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
         synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        for name, run in steps:
-            torch.cuda.reset_peak_memory_stats(device)
-            run()
-            synchronize(device)
-            rows.append({"phase": name, "allocated_change_bytes": torch.cuda.memory_allocated(device) - start,
-                         "peak_above_start_bytes": torch.cuda.max_memory_allocated(device) - start,
-                         "allocated_bytes": torch.cuda.memory_allocated(device),
-                         "reserved_bytes": torch.cuda.memory_reserved(device),
-                         "source": "cuda_memory_allocated"})
-        return rows
-    with CpuAllocations() as memory:
-        rss = {}
-        for name, run in steps:
-            with memory.phase(name):
-                run()
-            rss[name] = process_peak_rss_bytes()
-    for name, _ in steps:
-        rows.append({"phase": name, "allocated_change_bytes": memory.phases[name]["change"],
-                     "peak_above_start_bytes": memory.phases[name]["peak"], "process_peak_rss_bytes": rss[name],
-                     "source": "torch.profiler profile_memory (CPU allocations)"})
+        rows.append({"phase": name, "allocated_change_bytes": torch.cuda.memory_allocated(device) - start,
+                     "peak_above_start_bytes": torch.cuda.max_memory_allocated(device) - start,
+                     "allocated_bytes": torch.cuda.memory_allocated(device),
+                     "reserved_bytes": torch.cuda.memory_reserved(device),
+                     "source": "cuda_memory_allocated"})
     return rows
 
 
@@ -178,51 +109,18 @@ def forward_backward(model: nn.Module, data: torch.Tensor, target: torch.Tensor)
     F.cross_entropy(model(data), target).backward()
 
 
-def warm_up(model: nn.Module, data: torch.Tensor, target: torch.Tensor, device: torch.device) -> None:
-    """One forward and backward, gradients dropped: what is allocated once per process is allocated now.
-
-    On a GPU that is cuBLAS's workspace (allocated at the first matmul, through the caching allocator,
-    and kept) and cuDNN's handles; measured in part 1 it would look like activations.
-    """
-    forward_backward(model, data, target)
-    model.zero_grad(set_to_none=True)
-    synchronize(device)
-
+# --- 2. gradient checkpointing --------------------------------------------------------------------
 
 def peak_above_start(model: nn.Module, data: torch.Tensor, target: torch.Tensor, device: torch.device) -> int:
     """Most memory allocated at any moment of one forward+backward, above what was allocated before it."""
-    if device.type == "cuda":
-        synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        forward_backward(model, data, target)
-        synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - start
-    with CpuAllocations() as memory:
-        with memory.phase("forward+backward"):
-            forward_backward(model, data, target)
-    return memory.phases["forward+backward"]["peak"]
-
-
-def saved_for_backward_bytes(model: nn.Module, data: torch.Tensor, target: torch.Tensor) -> int:
-    """Bytes of the tensors autograd keeps from forward to backward, parameters not counted.
-
-    Several operations often save the same tensor (one layer's output is the next one's input), so
-    storages are counted once.
-    """
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = F.cross_entropy(model(data), target)
-    loss.backward()
-    return sum(saved.values())
+    if device.type != "cuda":
+        return cpu_peak_bytes(lambda: forward_backward(model, data, target))
+    synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    forward_backward(model, data, target)
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - start
 
 
 def checkpointing_comparison(model: DeepNet, data: torch.Tensor, target: torch.Tensor, device: torch.device,
@@ -232,42 +130,29 @@ def checkpointing_comparison(model: DeepNet, data: torch.Tensor, target: torch.T
     Each variant runs once, unmeasured, before its peak is taken: its first pass allocates what is
     allocated once per process (on a GPU, checkpointing's recompute runs on autograd's own thread,
     whose first matmul allocates a cuBLAS workspace of its own, a MiB that is not an activation).
-    The two are timed alternately (plain, checkpointed, plain, ...), one warm-up pair dropped, so a
-    change in the machine's load hits both alike; the time cost is the median of the pairs' ratios.
     """
-    variants = (("plain", False), ("checkpointed", True))
     results: dict[str, Any] = {}
     model.train()
-    for label, enabled in variants:
+    for label, enabled in (("plain", False), ("checkpointed", True)):
         model.checkpoint_blocks = enabled
         forward_backward(model, data, target)  # the warm-up; gradients now exist: the peak is activations only
         model.zero_grad(set_to_none=False)
         results[f"{label}_peak_bytes"] = peak_above_start(model, data, target, device)
         model.zero_grad(set_to_none=False)
         results[f"{label}_saved_bytes"] = saved_for_backward_bytes(model, data, target)
-    times: dict[str, list[float]] = {label: [] for label, _ in variants}
-    for _ in range(1 + repeats):
-        for label, enabled in variants:
-            model.checkpoint_blocks = enabled
-            model.zero_grad(set_to_none=False)
-            synchronize(device)
-            start = time.perf_counter()
-            forward_backward(model, data, target)
-            synchronize(device)
-            times[label].append(time.perf_counter() - start)
+
+    def one_pass(enabled: bool) -> None:
+        model.checkpoint_blocks = enabled
+        model.zero_grad(set_to_none=False)
+        forward_backward(model, data, target)
+
+    timed = time_alternately(one_pass, device, repeats)  # each block's forward runs twice: what does it cost?
     model.checkpoint_blocks = False
-    for label, _ in variants:
-        results[f"{label}_time_s"] = statistics.median(times[label][1:])
     results["peak_saving"] = 1 - results["checkpointed_peak_bytes"] / results["plain_peak_bytes"]
-    results["time_ratio"] = statistics.median(
-        checkpointed / plain for plain, checkpointed in zip(times["plain"][1:], times["checkpointed"][1:]))
-    results["timing_method"] = (f"time.perf_counter around forward+backward, device synchronised; plain and "
-                                f"checkpointed alternated {repeats} times after one warm-up pair; medians, and "
-                                "the median of the per-pair ratios")
-    return results
+    return {**results, **timed}
 
 
-# --- gradient accumulation ------------------------------------------------------------------------
+# --- 3. gradient accumulation ---------------------------------------------------------------------
 
 def gradients(model: nn.Module, pieces: Sequence[tuple[torch.Tensor, torch.Tensor, float]]) -> list[torch.Tensor]:
     """Sum of ``weight * loss(piece)`` gradients over the pieces, as a list of tensors."""
@@ -275,13 +160,6 @@ def gradients(model: nn.Module, pieces: Sequence[tuple[torch.Tensor, torch.Tenso
     for data, target, weight in pieces:
         (F.cross_entropy(model(data), target) * weight).backward()  # .backward() adds into .grad
     return [p.grad.detach().clone() for p in model.parameters()]
-
-
-def compare(reference: list[torch.Tensor], other: list[torch.Tensor]) -> dict[str, Any]:
-    max_abs = max((a - b).abs().max().item() for a, b in zip(reference, other))
-    scale = max(a.abs().max().item() for a in reference)
-    match = all(torch.allclose(a, b, rtol=GRAD_RTOL, atol=GRAD_ATOL) for a, b in zip(reference, other))
-    return {"max_abs_diff": max_abs, "max_rel_diff": max_abs / scale if scale else 0.0, "match": match}
 
 
 def accumulation_check(model: nn.Module, data: torch.Tensor, target: torch.Tensor, steps: int) -> dict[str, Any]:
@@ -299,23 +177,7 @@ def accumulation_check(model: nn.Module, data: torch.Tensor, target: torch.Tenso
 # --- the script -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = script_parser(__doc__)
-    parser.add_argument("--width", type=positive_int, default=512, help="features per layer (default: %(default)s)")
-    parser.add_argument("--depth", type=positive_int, default=16,
-                        help="blocks of Linear-LayerNorm-GELU (default: %(default)s)")
-    parser.add_argument("--accumulation-steps", type=positive_int, default=4,
-                        help="micro-batches the batch is split into in part 3 (default: %(default)s)")
-    parser.add_argument("--repeats", type=positive_int, default=5,
-                        help="timed forward+backward pairs (plain, checkpointed) in part 2 (default: %(default)s)")
-    add_common_args(parser, batch_size=256)
-    return parser
-
-
-def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
-    print(f"\n{title}")
-    for row in (header, *rows):
-        print("  " + "  ".join(str(cell).rjust(width) for cell, width in zip(row, widths)))
+    return add_memory_args(script_parser(__doc__))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -326,57 +188,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = DeepNet(args.width, args.depth).to(device)
     data = torch.randn(args.batch_size, args.width, device=device)
     target = torch.randint(0, 10, (args.batch_size,), device=device)
-    where = ("the CUDA caching allocator" if device.type == "cuda" else
-             "torch.profiler's record of CPU tensor allocations (a CPU has no allocator counter; RSS is too coarse)")
-    print(f"device {describe(device)} | model {args.depth} x Linear({args.width}) blocks, "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters | batch {args.batch_size} | threads {threads}")
-    print(f"memory figures come from {where}")
+    where = print_header(args, device, model, threads)  # says where the memory figures come from
 
     meter = EnergyMeter(device).start()  # over the three measurements
-    # 1. forward, backward, step (after one unmeasured pass: see warm_up)
-    warm_up(model, data, target, device)
+    # 1. forward, backward, step, after one unmeasured pass with its gradients dropped: on a GPU the first matmul
+    # allocates cuBLAS's workspace through the caching allocator, and measured it would look like activations
+    forward_backward(model, data, target)
+    model.zero_grad(set_to_none=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     phases = memory_by_phase(model, optimizer, data, target, device)
-    header = ["phase", "allocated (change)", "peak during phase"]
-    header += ["allocated", "reserved"] if device.type == "cuda" else ["process peak RSS"]
-    rows = []
-    for row in phases:
-        cells = [row["phase"], format_bytes(row["allocated_change_bytes"]), format_bytes(row["peak_above_start_bytes"])]
-        cells += ([format_bytes(row["allocated_bytes"]), format_bytes(row["reserved_bytes"])]
-                  if device.type == "cuda" else [format_bytes(row["process_peak_rss_bytes"])])
-        rows.append(cells)
-    print_table("1. Memory around one training step (change and peak relative to before the forward pass)",
-                header, rows)
-    if device.type != "cuda":
-        print("  (process peak RSS includes Python, PyTorch and its libraries: it barely moves for a step)")
+    print_phases(phases, device)
 
     # 2. gradient checkpointing
     ckpt = checkpointing_comparison(model, data, target, device, args.repeats)
-    print_table("2. Gradient checkpointing, one forward+backward (gradients already allocated)",
-                ["", "peak above start", "saved for backward", "median time"],
-                [[label, format_bytes(ckpt[f"{label}_peak_bytes"]), format_bytes(ckpt[f"{label}_saved_bytes"]),
-                  f"{1000 * ckpt[f'{label}_time_s']:.1f} ms"] for label in ("plain", "checkpointed")])
-    print(f"  checkpointing saves {ckpt['peak_saving']:.0%} of the peak and costs {ckpt['time_ratio']:.2f}x the time "
-          "(each block's forward runs twice)")
+    print_checkpointing(ckpt)
 
-    # 3. gradient accumulation
-    accumulation_model = DeepNet(min(args.width, 128), min(args.depth, 4)).to(device)
-    even = accumulation_check(accumulation_model, data[:, :min(args.width, 128)], target, args.accumulation_steps)
-    uneven_size = args.batch_size - args.batch_size % args.accumulation_steps + args.accumulation_steps // 2 + 1
-    uneven_data = torch.randn(uneven_size, min(args.width, 128), device=device)
-    uneven_target = torch.randint(0, 10, (uneven_size,), device=device)
-    uneven = accumulation_check(accumulation_model, uneven_data, uneven_target, args.accumulation_steps)
-    rows = []
-    for label, result in (("equal micro-batches", even), ("unequal micro-batches", uneven)):
-        for rule in ("weighted", "seed_loss_over_k"):
-            check = result[rule]
-            rows.append([label, "/".join(map(str, result["micro_batches"])),
-                         "loss x len(micro)/len(batch)" if rule == "weighted" else "loss / k (the Chapter 16 notes)",
-                         f"{check['max_abs_diff']:.2e}", f"{check['max_rel_diff']:.2e}",
-                         "yes" if check["match"] else "NO"])
-    print_table(f"3. Gradient accumulation: {args.accumulation_steps} micro-batches vs one batch "
-                f"(match: allclose rtol={GRAD_RTOL}, atol={GRAD_ATOL})",
-                ["batch split", "sizes", "loss scaling", "max |diff|", "relative", "match"], rows)
+    # 3. gradient accumulation: part 1's batch split evenly, then a batch that does not split evenly
+    width, k = min(args.width, 128), args.accumulation_steps
+    accumulation_model = DeepNet(width, min(args.depth, 4)).to(device)
+    even = accumulation_check(accumulation_model, data[:, :width], target, k)
+    uneven_size = args.batch_size - args.batch_size % k + k // 2 + 1
+    uneven = accumulation_check(accumulation_model, torch.randn(uneven_size, width, device=device),
+                                torch.randint(0, 10, (uneven_size,), device=device), k)
+    print_accumulation(even, uneven, k)
 
     energy = meter.stop().result()
     # The caching allocator's own report: live and cached memory, allocation counts, fragmentation.
@@ -386,18 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print("\ntorch.cuda.memory_summary() prints the CUDA caching allocator's report (live and cached "
               "memory, allocation counts); a CPU has no such allocator, so a CPU run has none to show")
-
-    memory = peak_memory(device)
-    metrics = {"phases": phases, "checkpointing": ckpt, "accumulation": {"equal": even, "unequal": uneven},
-               "accumulation_match": even["weighted"]["match"] and uneven["weighted"]["match"],
-               "checkpoint_peak_saving": ckpt["peak_saving"], "checkpoint_time_ratio": ckpt["time_ratio"],
-               "memory": [memory], "world_size": 1, "global_batch_size": args.batch_size,
-               "memory_method": where}
-    config = config_dict(args, resolved_device=str(device), model=f"deepnet-{args.depth}x{args.width}",
-                         threads=threads, cpu_count=os.cpu_count())
-    record = make_record(lab="ch16", script=SCRIPT, method="memory-management", config=config,
-                         metrics=metrics, provenance=provenance(device), energy=energy)
-    print(f"\nrecord: {write_record(record, args.results_dir)}")
+    path = write_memory_record(args, device, threads, where, phases, ckpt, even, uneven, peak_memory(device), energy)
+    print(f"\nrecord: {path}")
     return 0
 
 

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    args = apply_dry_run(build_parser().parse_args(argv), iterations=2)
+    args = apply_dry_run(build_parser().parse_args(argv), repeats=2)
     seed_everything(args.seed)
     threads = configure_threads()
     device = resolve_device(args.device)

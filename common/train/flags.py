@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.cli import apply_dry_run, config_dict, non_negative_int, output_dir, output_file, positive_int
+from common.cli import apply_dry_run, config_dict, non_negative_int, output_dir, output_file, positive_float, positive_int
 from common.errors import UserError
 
-__all__ = ["RunSettings", "add_checkpoint_args", "add_determinism_arg", "add_distributed_checkpoint_args",
+__all__ = ["RunSettings", "add_adadelta_args", "add_checkpoint_args", "add_determinism_arg",
+           "add_distributed_checkpoint_args",
            "add_training_args", "settle"]
 
 
@@ -47,6 +48,14 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                             "test/accuracy per evaluation (tensorboard --logdir DIR) (default: none)")
     add_determinism_arg(group)
     return group
+
+
+def add_adadelta_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--lr --gamma``: the MNIST recipe of pytorch/examples (Adadelta, its learning rate decayed by StepLR
+    after every epoch), which Chapter 4's and Lab-02's MNIST trainings follow."""
+    parser.add_argument("--lr", type=positive_float, default=1.0, help="Adadelta learning rate (default: %(default)s)")
+    parser.add_argument("--gamma", type=positive_float, default=0.7,
+                        help="learning-rate decay per epoch (default: %(default)s)")
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser, *, always: bool = False) -> argparse.ArgumentParser:

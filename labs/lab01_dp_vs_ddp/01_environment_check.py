@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import re
 import shutil
 import subprocess
 from typing import Any, Mapping
@@ -43,36 +42,9 @@ from common.measure.energy import EnergyMeter
 from common.runtime.envcheck import add_check_args, allocation_agreement, collect_environment, format_environment
 from common.errors import run_main
 from common.results import make_record, provenance, write_record
+from labs.lab01_dp_vs_ddp.lab01_shared import LAB, format_checks, parse_topology
 
 SCRIPT = "labs/lab01_dp_vs_ddp/01_environment_check.py"
-LAB = "lab01"
-ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def parse_topology(text: str) -> dict[str, dict[str, str]]:
-    """The GPU-to-GPU part of ``nvidia-smi topo -m``: ``{"GPU0": {"GPU1": "NV12", ...}, ...}``.
-
-    The matrix is tab-separated: a header of column names after an empty first cell (GPUs, then NICs
-    and affinities), then one row per device. Only GPU rows and GPU columns are kept; the legend
-    below the matrix is ignored.
-    """
-    lines = [ANSI_ESCAPE.sub("", line) for line in text.splitlines()]  # some versions underline the header
-    header = next((line for line in lines if "GPU0" in line and not line.split("\t")[0].strip()), None)
-    if header is None:
-        return {}
-    columns = [cell.strip() for cell in header.split("\t")]
-    links: dict[str, dict[str, str]] = {}
-    for line in lines:
-        cells = [cell.strip() for cell in line.split("\t")]
-        name = cells[0]
-        if not (name.startswith("GPU") and name[3:].isdigit()) or len(cells) < 2:
-            continue
-        row = {}
-        for column, cell in zip(columns[1:], cells[1:]):
-            if column.startswith("GPU") and column[3:].isdigit() and column != name:
-                row[column] = cell
-        links[name] = row
-    return links
 
 
 def nvidia_smi_topology() -> dict[str, Any]:
@@ -204,43 +176,6 @@ def lab_warnings(env: Mapping[str, Any], checks: Mapping[str, Any]) -> list[str]
         warnings.append(f"{', '.join(unmatched)} could not be matched to a row of nvidia-smi topo -m by PCI bus id: "
                         "the topology's GPU numbers may name other GPUs than PyTorch's")
     return warnings
-
-
-def format_checks(checks: Mapping[str, Any], warnings: list[str]) -> str:
-    yes = lambda flag: "yes" if flag else "no"  # noqa: E731
-    lines = ["", "multi-GPU (Lab-01)",
-             f"back ends       NCCL {yes(checks['nccl_available'])} | Gloo {yes(checks['gloo_available'])}"]
-    for name, result in checks["backend_tests"].items():
-        lines.append(f"  {name}: {result['detail']}")
-    matrix = checks["peer_access"]
-    links = checks.get("cuda_links")
-    mapping = checks.get("cuda_to_topology", [])
-    if mapping:
-        lines.append("GPU numbers     PyTorch (CUDA) -> nvidia-smi (NVML), matched by PCI bus id: " + ", ".join(
-            f"cuda:{row['cuda']} = {row['topology_name'] or '?'} ({row['bus_id'] or 'bus id unknown'})"
-            for row in mapping))
-    if matrix:
-        lines.append("peer access     (row reads column directly" + ("; link from nvidia-smi topo -m" if links else "")
-                     + "; PyTorch's numbering)")
-        lines.append("         " + "".join(f"{f'cuda:{j}':<12}" for j in range(len(matrix))))
-        for i, row in enumerate(matrix):
-            cells = ["X" if ok is None else yes(ok) + (f" {links[i][j]}" if links and links[i][j] else "")
-                     for j, ok in enumerate(row)]
-            lines.append(f"  cuda:{i:<2} " + "".join(f"{cell:<12}" for cell in cells))
-    else:
-        lines.append("peer access     fewer than 2 GPUs: nothing to check")
-    topology = checks["topology"]
-    if topology["available"]:
-        pairs = [(a, b, link) for a, row in topology["links"].items() for b, link in row.items() if a < b]
-        nvlink = [f"{a}-{b}" for a, b, link in pairs if link.startswith("NV")]
-        lines.append(f"links           {len(nvlink)} of {len(pairs)} GPU pair(s) over NVLink"
-                     + (f": {', '.join(nvlink)}" if nvlink else ""))
-        lines.append("nvidia-smi topo -m (nvidia-smi's numbering: every GPU of the node, PCI order):")
-        lines.extend(f"  {line}" for line in topology["text"].rstrip().splitlines())
-    else:
-        lines.append(f"topology        {topology['reason']}")
-    lines.extend(f"  WARNING: {warning}" for warning in warnings)
-    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,9 +22,6 @@ The sweep itself does not import torch: every step is a fresh process, as a stud
 from __future__ import annotations
 
 import argparse
-import json
-import linecache
-import os
 import subprocess
 import sys
 import tempfile
@@ -34,18 +31,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from common.cli import (add_common_args, add_dataset_args, add_former_names, add_precision_arg, apply_dry_run,
-                        command_flags, output_dir, positive_int, script_parser)
+from common.cli import apply_dry_run, command_flags, script_parser
 from common.errors import UserError, run_main
-from common.results import make_record, provenance, write_record
-from labs.lab02_profiling import mnist_classify
+from common.results import make_record, provenance, read_only_record, write_record
+from labs.lab02_profiling.lab02_shared import (TRAIN_SCRIPT, add_sweep_args, add_train_args, data_loading_share,
+                                               from_here, markdown_table)
 
 LAB_DIR = Path(__file__).resolve().parent
-TRAIN_SCRIPT = LAB_DIR / "mnist_classify.py"
+TRAIN_PATH = LAB_DIR / "mnist_classify.py"
 SCRIPT = "labs/lab02_profiling/sweep.py"
 REPORT_SCRIPT = LAB_DIR.parents[1] / "scripts" / "compare_results.py"
-#: The line of ``train()`` that waits for the next batch: the USC lab's 84.5 %.
-DATA_LOADING_LINE = "for batch_idx, (data, target) in enumerate(train_loader):"
 
 
 @dataclass(frozen=True)
@@ -60,8 +55,8 @@ class Step:
 
 def command_line(settings: dict[str, Any]) -> list[str]:
     """``{"pipeline": "tensor", "pin_memory": True}`` -> ``["--pipeline", "tensor", "--pin-memory"]``,
-    from ``mnist_classify.py``'s own parser (a flag it does not have is an error here)."""
-    return command_flags(mnist_classify.build_parser(), settings)
+    from ``mnist_classify.py``'s own flags (a flag it does not have is an error here)."""
+    return command_flags(add_train_args(script_parser(None)), settings)
 
 
 def optimisation_path(args: argparse.Namespace) -> list[Step]:
@@ -89,35 +84,6 @@ def optimisation_path(args: argparse.Namespace) -> list[Step]:
     return steps
 
 
-def from_here(path: Path) -> str:
-    """``path`` as the user can type it where they are: relative to the working folder, else absolute."""
-    try:
-        return os.path.relpath(path)
-    except ValueError:  # another drive on Windows
-        return str(path)
-
-
-def data_loading_share(lprof_path: str | Path, function: str = "train") -> float:
-    """Fraction of ``function``'s profiled time spent on the data-loading line, from a kernprof ``.lprof``.
-
-    Same arithmetic as the "% Time" column of ``python -m line_profiler``: a line's time divided by
-    the sum over the function's lines.
-    """
-    import line_profiler
-
-    stats = line_profiler.load_stats(str(lprof_path))
-    for (filename, _first_line, name), lines in stats.timings.items():
-        if name != function:
-            continue
-        total = sum(time for _lineno, _hits, time in lines)
-        for lineno, _hits, time in lines:
-            if linecache.getline(filename, lineno).strip() == DATA_LOADING_LINE:
-                return time / total if total else 0.0
-        raise UserError(f"{lprof_path}: {function}() has no line '{DATA_LOADING_LINE}' (was {filename} edited?)")
-    raise UserError(f"{lprof_path} holds no timings for a function named {function}(); "
-                    "was it made with kernprof -l and the @profile decorator in place?")
-
-
 def forwarded_flags(args: argparse.Namespace) -> list[str]:
     """The flags every step shares: data, device, length of the run."""
     return command_line({name: getattr(args, name) for name in (
@@ -126,7 +92,7 @@ def forwarded_flags(args: argparse.Namespace) -> list[str]:
 
 def run_step(step: Step, flags: list[str], lprof: Path, records_dir: Path) -> tuple[int, list[str]]:
     """Run one step under kernprof, echoing its output; return its exit status and last lines."""
-    command = [sys.executable, "-m", "kernprof", "-l", "-o", str(lprof), str(TRAIN_SCRIPT), *flags,
+    command = [sys.executable, "-m", "kernprof", "-l", "-o", str(lprof), str(TRAIN_PATH), *flags,
                *command_line({"method": step.name, "results_dir": records_dir})]
     print(f"\n== {step.name}: {step.change}\n$ {' '.join(command)}", flush=True)
     tail: deque[str] = deque(maxlen=15)
@@ -138,46 +104,8 @@ def run_step(step: Step, flags: list[str], lprof: Path, records_dir: Path) -> tu
     return process.returncode, list(tail)
 
 
-def read_only_record(folder: Path) -> dict[str, Any]:
-    files = sorted(folder.glob("*.json"))
-    if len(files) != 1:
-        raise RuntimeError(f"expected one record in {folder}, found {len(files)}")
-    return json.loads(files[0].read_text(encoding="utf-8"))
-
-
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    def fmt(value: Any, spec: str) -> str:
-        return "—" if value is None else format(value, spec)
-
-    lines = ["| step | change | time / epoch (s) | samples/s | speed-up | data-loading line | regime | test accuracy |",
-             "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
-    for row in rows:
-        lines.append(f"| {row['step']} | {row['change']} | {fmt(row['time_per_epoch_s'], '.2f')} | "
-                     f"{fmt(row['samples_per_s'], ',.0f')} | {fmt(row['speedup'], '.2f')}× | "
-                     f"{fmt(row['share'], '.1%')} | {row['regime'] or '—'} | {fmt(row['test_accuracy'], '.1%')} |")
-    return "\n".join(lines)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = script_parser(__doc__)
-    add_former_names(parser, parser.add_argument(
-        "--stages", default=None, help="comma-separated stages of the path to run (baseline, pin-memory, ...); each "
-                                       "still gets the flags of every earlier stage (default: all)"), "--steps")
-    parser.add_argument("--include-compile", action="store_true",
-                        help="add the torch.compile step at the end; slow to compile on CPU (default: off)")
-    add_dataset_args(parser)  # the data set of every step
-    parser.add_argument("--large-batch-size", type=positive_int, default=256,
-                        help="batch of the large-batch step (default: %(default)s)")
-    parser.add_argument("--prefetch-factor", type=positive_int, default=4,
-                        help="prefetch of the persistent-workers step (default: %(default)s)")
-    add_precision_arg(parser, "--amp", choices=("bf16", "fp16"), default="bf16",
-                      help="precision of the amp step; fp16 needs a GPU (default: %(default)s)")
-    parser.add_argument("--log-interval", type=positive_int, default=10,
-                        help="batches between loss lines (default: %(default)s)")
-    parser.add_argument("--profile-dir", type=output_dir, default=None,
-                        help="where the .lprof of every step is kept (default: RESULTS_DIR/lab02_lprof)")
-    add_common_args(parser, epochs=3, batch_size=64)
-    return parser
+    return add_sweep_args(script_parser(__doc__))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -214,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if status != 0:
                 failures += 1
                 print(f"step {step.name} failed with exit status {status}", file=sys.stderr, flush=True)
-                record = make_record(lab="lab02", script="labs/lab02_profiling/mnist_classify.py", method=step.name,
+                record = make_record(lab="lab02", script=TRAIN_SCRIPT, method=step.name,
                                      config={"sweep": sweep_info, "model": "mnist_cnn", "flags": flags},
                                      metrics={}, provenance=provenance(), status="failed",
                                      notes=[f"exit status {status}", *tail])

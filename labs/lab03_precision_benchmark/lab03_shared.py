@@ -1,14 +1,20 @@
-"""The tables and rules behind ``benchmark_models.py`` that need no PyTorch.
+"""What ``benchmark_models.py`` leans on and does not teach: its flags and launch, the FLOP count, the
+rules and tables of its results, and what it writes.
 
-Kept apart so that the benchmark script shows the measuring, and so that the report and the tests
-can use these without importing torch:
+The benchmark script shows the measuring: what a precision changes (weights, TF32, autocast), the
+timed training and inference loops, the loss check against fp32, DDP. Here:
 
+- :func:`add_benchmark_args`, :func:`read_args` and :func:`run_under_torchrun`: the flags (the SJTU
+  page's among them), their checks, and ``-g N`` run as ``torchrun --nproc_per_node=N``.
 - :func:`unsupported_reason`, which says why a precision of :data:`common.cli.BENCHMARK_PRECISIONS`
   cannot run on a device (the reason goes into the CSV summary and the record).
+- :func:`count_flops`: a model's FLOPs per batch, counted on the ``meta`` device, for the MFU.
 - :func:`launch_bound_line`, which says when the runs are far below the GPU's datasheet peak
   (``common.precision``, where every lab gets its peaks and MFU).
 - :func:`compare_losses`: the correctness check of a precision against fp32, its threshold, and how
   many skipped GradScaler steps it waits through.
+- :func:`compile_fresh` and :func:`compile_outcome`: ``--compile`` with a compile budget of its own
+  per configuration, and whether it really compiled.
 - :func:`csv_name`, :func:`iterations_csv`, :func:`summary_csv`: the CSV layout of the SJTU page's
   ``benchmark_models.py`` (one file per mode and precision, a column per model, a row per
   iteration, milliseconds per batch), plus one summary file that also lists what was skipped.
@@ -22,13 +28,24 @@ import argparse
 import csv
 import io
 import math
+import os
 import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
 
 from common import precision as precisions
 from common.atomic import write_text_atomic
-from common.cli import BENCHMARK_PRECISIONS as PRECISIONS, config_dict
+from common.cli import (BENCHMARK_MODES as MODES, BENCHMARK_PRECISIONS as PRECISIONS, add_former_names, add_run_args,
+                        config_dict, non_negative_int, output_dir, positive_float, positive_int)
 from common.errors import UserError
+from common.models import build_model, zoo_models
+from common.runtime.device import describe, resolve_device
 from common.train.amp import announce_bf16_emulation
 from common.results import fp32_math_info, make_record, provenance, write_record
 from common.runtime.compat import RECOMPILE_LIMIT_HIT
@@ -65,6 +82,85 @@ MAX_SKIPPED_CHECK_STEPS = 16
 LAUNCH_BOUND_FRACTION = 0.05
 
 
+# --------------------------------------------------------------------------------------------
+# Flags and the launch
+
+
+def add_benchmark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The SJTU page's flags, what to measure, the correctness check, then ``common.cli.add_run_args``."""
+    sjtu_flags = parser.add_argument_group("the SJTU page's flags")
+    sjtu_flags.add_argument("--folder", type=output_dir, default="results/lab03_csv", help="folder for the CSV files")
+    sjtu_flags.add_argument("-w", "--warmup", type=non_negative_int, default=10,
+                            help="iterations run but not timed: cuDNN autotuning, allocator growth, torch.compile")
+    add_former_names(sjtu_flags, sjtu_flags.add_argument("-n", "--repeats", type=positive_int, default=20,
+                                                         help="timed iterations per model, mode and precision"),
+                     "--num-iters")
+    sjtu_flags.add_argument("-b", "--batch-size", type=positive_int, default=12,
+                            help="images per iteration on each process")
+    sjtu_flags.add_argument("-g", "--num-gpus", type=positive_int, default=1,
+                            help="processes, one per GPU, training with DDP: above 1 this command runs under torchrun "
+                                 "--nproc_per_node=N (on a CPU: Gloo processes); under torchrun or srun leave it out")
+    what = parser.add_argument_group("what to measure")
+    what.add_argument("--models", default=", ".join(SJTU_MODELS),
+                      help="comma-separated torchvision classification models; the default is the SJTU page's nine")
+    what.add_argument("--modes", default=", ".join(MODES), help="train, inference or both")
+    add_former_names(what, what.add_argument("--precision", default=", ".join(PRECISIONS),
+                                             help="comma-separated, any of the default's"), "--precisions")
+    what.add_argument("--image-size", type=positive_int, default=224,
+                      help="side of the square input images; tiny runs use 32-64")
+    what.add_argument("--channels-last", action="store_true", help="NHWC memory format (tensor cores prefer it)")
+    what.add_argument("--compile", action="store_true", help="torch.compile the model; it compiles in the warm-up")
+    check = parser.add_argument_group("correctness check against fp32")
+    check.add_argument("--check-steps", type=positive_int, default=3,
+                       help="training steps from the same weights on the same batch")
+    check.add_argument("--loss-tolerance", type=positive_float, default=DEFAULT_LOSS_TOLERANCE,
+                       help="flag a precision whose loss after the check steps is off fp32's by more than this "
+                            "fraction of the initial loss")
+    check.add_argument("--lr", type=positive_float, default=0.01,
+                       help=f"SGD learning rate (momentum {MOMENTUM}) for the check and the timed training")
+    add_run_args(parser, dry_run="-w 1 -n 2 --check-steps 2: checks that everything runs")
+    return parser
+
+
+def read_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv``; ``--dry-run`` shortens the run; the comma lists become checked lists."""
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.warmup, args.repeats, args.check_steps = 1, 2, 2
+    args.models = parse_list(args.models, zoo_models(), "models")
+    args.modes = parse_list(args.modes, MODES, "modes")
+    args.precision = parse_list(args.precision, tuple(PRECISIONS), "precisions")
+    return args
+
+
+def run_under_torchrun(args: argparse.Namespace, argv: list[str], script_file: str) -> int:
+    """The SJTU page's ``-g N`` from a plain ``python``: torchrun starts the N processes, as for every distributed
+    script of the course, and the command is printed, so it can be typed directly next time."""
+    resolve_device(args.device, local_world_size=args.num_gpus)  # more processes than GPUs: one error line, now
+    script = sys.argv[0] if Path(sys.argv[0]).resolve() == Path(script_file).resolve() else script_file  # as typed
+    torchrun = ["--standalone", f"--nproc_per_node={args.num_gpus}", script, *argv]
+    print(f"-g {args.num_gpus}: running torchrun {shlex.join(torchrun)}", flush=True)
+    # Share this process's threads (OMP_NUM_THREADS, the Slurm allocation) out among the N processes.
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, torch.get_num_threads() // args.num_gpus))}
+    # python -m torch.distributed.run is torchrun, from this Python's environment.
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun], env=env).returncode
+
+
+def check_num_gpus(args: argparse.Namespace, launch: Any) -> None:
+    """Under a launcher (``launch``: ``common.runtime.launch.detect_launch()``), ``-g`` is left out or agrees with it."""
+    if launch.world_size > 1 and args.num_gpus not in (1, launch.world_size):
+        raise UserError(f"-g {args.num_gpus} but {launch.launcher} started {launch.world_size} processes; "
+                        "under a launcher leave -g out")
+
+
+def fixed_batch(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of random images and ImageNet labels from ``--seed``: the same for every model and precision."""
+    generator = torch.Generator().manual_seed(args.seed)
+    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator).to(device)
+    labels = torch.randint(0, NUM_CLASSES, (args.batch_size,), generator=generator).to(device)
+    return images, labels
+
+
 def parse_list(text: str, valid: Sequence[str], what: str) -> list[str]:
     """``"a,b"`` -> ``["a", "b"]``, each checked against ``valid`` (order kept, repeats dropped)."""
     names = [name.strip() for name in text.split(",") if name.strip()]
@@ -74,6 +170,10 @@ def parse_list(text: str, valid: Sequence[str], what: str) -> list[str]:
     if unknown:
         raise UserError(f"unknown {what} {', '.join(map(repr, unknown))}; valid {what}: {', '.join(valid)}")
     return list(dict.fromkeys(names))
+
+
+# --------------------------------------------------------------------------------------------
+# What a precision can run, and how many FLOPs a model does
 
 
 def unsupported_reason(precision: str, device_type: str, device_name: str = "",
@@ -101,6 +201,44 @@ def unsupported_reason(precision: str, device_type: str, device_name: str = "",
         if precision == "amp-bf16":
             return f"{name} has no bfloat16 tensor cores (Ampere, sm_80, added them); PyTorch would emulate bf16 slowly"
     return None
+
+
+
+
+
+
+
+
+def count_flops(model_name: str, batch_size: int, image_size: int) -> dict[str, int]:
+    """FLOPs of one batch per mode, counted once per model and shape, on the ``meta`` device.
+
+    Meta tensors have shapes but no data: nothing is computed or allocated. FlopCounterMode counts
+    the matrix maths (convolutions, matmuls: 2 FLOPs per multiply-add), not element-wise work such
+    as BatchNorm or ReLU, so the achieved TFLOP/s compares with the tensor-core peaks. A shape the
+    model cannot take fails here, before anything is timed.
+    """
+    from torch.utils.flop_counter import FlopCounterMode  # PyTorch >= 2.1: imported after common's version check
+
+    try:
+        with torch.device("meta"):
+            model = build_model(model_name, num_classes=NUM_CLASSES)
+            images = torch.empty(batch_size, 3, image_size, image_size)
+            labels = torch.zeros(batch_size, dtype=torch.long)
+        train = FlopCounterMode(display=False)
+        with train:
+            F.cross_entropy(logits(model.train()(images)), labels).backward()
+        inference = FlopCounterMode(display=False)
+        with inference, torch.no_grad():
+            model.eval()(images)
+    except (RuntimeError, AssertionError, ValueError) as err:
+        raise UserError(f"{model_name} cannot run on {image_size}x{image_size} images: "
+                        f"{str(err).splitlines()[0]} (try --image-size 224)") from None
+    return {"train": train.get_total_flops(), "inference": inference.get_total_flops()}
+
+
+def logits(output: Any) -> torch.Tensor:
+    """The class scores (GoogLeNet and Inception return extra auxiliary outputs while training)."""
+    return output.logits if hasattr(output, "logits") else output
 
 
 def launch_bound_line(rows: Sequence[Mapping[str, Any]], batch_size: int) -> str | None:
@@ -167,6 +305,20 @@ def compare_losses(losses: Sequence[float], reference: Sequence[float], toleranc
 
 # --------------------------------------------------------------------------------------------
 # --compile: did it really compile?
+
+def compile_fresh(model: torch.nn.Module) -> torch.nn.Module:
+    """``torch.compile(model)`` after resetting dynamo, so this configuration gets its own compile budget.
+
+    The ResNet family shares ``ResNet.forward``: without a reset, the models x precisions x modes of
+    one run are all recompilations of that one function, and past dynamo's recompile limit (8) the rest
+    silently run eager while labelled compiled (``TORCH_LOGS=recompiles`` shows it, and ``compile_outcome``).
+    """
+    from torch._dynamo.utils import counters  # PyTorch >= 2.0: imported after common's version check
+
+    torch._dynamo.reset()
+    counters.clear()
+    return torch.compile(model)
+
 
 def compile_outcome(counters: Mapping[str, Mapping[str, int]]) -> dict[str, Any]:
     """Did the configuration just timed run compiled? From dynamo's counters (``torch._dynamo.utils.counters``,
@@ -272,6 +424,15 @@ class Output:
                                  provenance={**self.provenance, "fp32_math": fp32_math_info(self.device)},
                                  energy=energy), args.results_dir)
         self.records += 1
+
+    def start(self) -> list[str]:
+        """Say what runs; return the precisions this device can run (:meth:`runnable`)."""
+        args, world = self.args, self.ctx.world_size
+        self.print(f"lab03 precision benchmark | {describe(self.device)} | {world} process(es)"
+                   f"{' with DDP' if world > 1 else ''} | batch {args.batch_size} per process, "
+                   f"{args.image_size}x{args.image_size} | warm-up {args.warmup}, timed {args.repeats}")
+        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        return self.runnable(capability)
 
     def runnable(self, capability: tuple[int, int] | None) -> list[str]:
         """The precisions asked for that this device can run (``capability``: CUDA's, else ``None``).

@@ -29,13 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import precision as precisions
-from common.cli import positive_int
 from common.data.datasets import TEXT_VOCAB_SIZE
 from common.errors import UserError
 from common.runtime.distributed import print0
 from common.train.amp import announce_bf16_emulation
 from common.measure.memory import SavedActivations
-from common.models import DecoderOnlyTransformer, TransformerShape, transformer_parameter_count
+from common.models import (DecoderOnlyTransformer, TransformerShape, add_transformer_args, transformer_parameter_count,
+                           transformer_shape)
 from common.units import format_bytes
 
 LAB = "lab04"
@@ -56,23 +56,16 @@ VARIANTS = {
 
 
 def add_model_args(parser: argparse.ArgumentParser, *, layers: int = 8) -> argparse.ArgumentParser:
-    """The four numbers that size the transformer (same names and defaults in 01, 02 and 03; 03
+    """The four numbers that size the transformer (``common.models.add_transformer_args``, as in Lab-07; 03
     starts its doubling of the depth from a smaller ``layers``)."""
-    group = parser.add_argument_group("model (a decoder-only transformer, see common/models.py)")
-    group.add_argument("--layers", type=positive_int, default=layers,
-                       help="transformer blocks; FSDP2 shards each block as one unit (default: %(default)s)")
-    group.add_argument("--width", type=positive_int, default=512,
-                       help="model width d: each block holds about 12 d^2 parameters (default: %(default)s)")
-    group.add_argument("--heads", type=positive_int, default=8,
-                       help="attention heads; must divide --width (default: %(default)s)")
-    group.add_argument("--context", type=positive_int, default=256,
-                       help="characters per training sequence (default: %(default)s)")
-    return parser
+    return add_transformer_args(parser, "model (a decoder-only transformer, see common/models.py)", layers=layers,
+                                why={"layers": "; FSDP2 shards each block as one unit",
+                                     "width": ": each block holds about 12 d^2 parameters",
+                                     "heads": "; must divide --width"})
 
 
 def shape_from_args(args: argparse.Namespace) -> TransformerShape:
-    return TransformerShape(layers=args.layers, width=args.width, heads=args.heads, context=args.context,
-                            vocab_size=TEXT_VOCAB_SIZE).check()
+    return transformer_shape(args, TEXT_VOCAB_SIZE)
 
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,

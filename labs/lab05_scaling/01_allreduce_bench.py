@@ -37,21 +37,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.cli import add_common_args, add_timing_args, config_dict, positive_float, positive_int, script_parser
+from common.cli import script_parser
 from common.runtime.device import configure_threads, resolve_device, synchronize
 from common.runtime.distributed import all_reduce_max, gather_objects, init_distributed, print0, teardown_distributed
 from common.measure.energy import EnergyMeter
-from common.errors import UserError, run_main
+from common.errors import run_main
 from common.runtime.launch import detect_launch
 from common.runtime.placement import record_placement
-from common.results import make_record, provenance, write_record
 from common.units import format_bytes
-from labs.lab05_scaling.lab05_shared import (ELEMENT_BYTES, LAB, Reference, bandwidths, bus_factor, describe_gloo,
-                                             describe_nccl, link_reference, measure_memcpy,
-                                             message_sizes, nccl_debug_environment, nccl_log_files,
-                                             parse_collectives, parse_nccl_log, parse_size, site_links)
-
-SCRIPT = "labs/lab05_scaling/01_allreduce_bench.py"
+from labs.lab05_scaling.lab05_shared import (
+    ELEMENT_BYTES, TABLE_HEADER, Reference, add_bandwidth_args, bandwidths, bus_factor, check_gpu_memory,
+    checked_sizes, describe_transport, link_reference, measure_memcpy, nccl_debug_environment, nccl_found,
+    parse_collectives, site_links, table_row, write_bandwidth_record,
+)
 
 
 def make_operation(collective: str, size_bytes: int, ranks: int, rank: int, device: torch.device):
@@ -131,72 +129,15 @@ def reference_for(args, ctx, nodes: int):
     return gather_objects(reference)[0]
 
 
-def transport_of(ctx, hosts: list[str]) -> dict:
-    nodes = len(set(hosts))
-    if ctx.backend != "nccl":
-        return {"backend": ctx.backend, "summary": describe_gloo(hosts), "warning": None, "nccl": None}
-    lines = [line for path in nccl_log_files() for line in path.read_text(errors="replace").splitlines()]
-    found = parse_nccl_log(lines)
-    merged: dict = {"via": set(), "networks": set(), "paths": set()}
-    for rank_found in gather_objects(found):
-        for key in merged:
-            merged[key].update(rank_found[key])
-    merged = {key: sorted(values) for key, values in merged.items()}
-    summary, warning = describe_nccl(merged, nodes)
-    return {"backend": ctx.backend, "summary": summary, "warning": warning, "nccl": merged}
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = script_parser(__doc__)
-    group = parser.add_argument_group("what to measure")
-    group.add_argument("--collectives", default="all_reduce,all_gather,reduce_scatter",
-                       help="comma-separated: all_reduce, all_gather, reduce_scatter (default: %(default)s)")
-    group.add_argument("--min-bytes", type=size_arg, default="1K",
-                       help="smallest message (S, the whole array), e.g. 1K (default: %(default)s)")
-    group.add_argument("--max-bytes", type=size_arg, default=None,
-                       help="largest message, e.g. 1G; at most 64M on CPU, 16G on GPU (default: 1G on GPU, "
-                            "64M on CPU)")
-    group.add_argument("--step-factor", type=positive_int, default=2,
-                       help="each size is the previous one times this (default: %(default)s)")
-    add_timing_args(group, warmup=5, repeats=20, what="calls per message size", former=("--iters",))
-    group = parser.add_argument_group("what to compare with")
-    group.add_argument("--site", default=None,
-                       help="site profile (slurm/sites/NAME.yaml) whose link peaks busbw is compared with; "
-                            "from HPC_DL_LABS_SITE in rendered jobs (default: none)")
-    group.add_argument("--partition", default=None,
-                       help="partition of --site (default: SLURM_JOB_PARTITION, else the site's GPU partition)")
-    group.add_argument("--peak-gbps", type=positive_float, default=None,
-                       help="compare with this peak instead, in GB/s one direction (default: from --site)")
-    group.add_argument("--peak-source", default="given on the command line",
-                       help="where the --peak-gbps figure comes from (default: %(default)s)")
-    group.add_argument("--memcpy-repeats", type=positive_int, default=5,
-                       help="copies timed for the CPU reference (default: %(default)s)")
-    # --device, --results-dir, --num-workers (the placement check compares it with the cores) and
-    # --dry-run (three sizes up to 16 KiB, three timed calls) apply here; the training flags do not.
-    add_common_args(parser, batch_size=1)
-    return parser
-
-
-def size_arg(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+    return add_bandwidth_args(script_parser(__doc__))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     collectives = parse_collectives(args.collectives)
     device_type = resolve_device(args.device, local_rank=detect_launch().local_rank).type
-    max_bytes = args.max_bytes or (1024**3 if device_type == "cuda" else 64 * 1024**2)
-    if args.dry_run:  # seconds: three small sizes, one warm-up and three timed calls each
-        max_bytes, args.repeats, args.warmup = min(max_bytes, 16 * 1024), min(args.repeats, 3), 1
-        args.min_bytes = min(args.min_bytes, max_bytes)
-    sizes = message_sizes(args.min_bytes, max_bytes, args.step_factor, device_type)
-    args.site = args.site or os.environ.get("HPC_DL_LABS_SITE") or None
-    args.partition = args.partition or os.environ.get("SLURM_JOB_PARTITION") or None
-    if args.site is not None:
-        site_links(args.site, args.partition)  # an unknown site or partition: one line, before any work
+    sizes = checked_sizes(args, device_type)  # also --site and --partition, from the job when not given
     threads = configure_threads()
     with tempfile.TemporaryDirectory(prefix="lab05_nccl_") as nccl_dir:
         if device_type == "cuda":  # NCCL reads these when it starts, at the first collective
@@ -210,11 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def benchmark(args, ctx, collectives: list[str], sizes: list[int], threads: int) -> int:
     device, ranks = ctx.device, ctx.world_size
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        if 2.5 * sizes[-1] > free:  # the input, the output (all-gather: S), the expected result, NCCL's buffers
-            raise UserError(f"--max-bytes {format_bytes(sizes[-1])} needs about {format_bytes(2.5 * sizes[-1])} of GPU "
-                            f"memory; {format_bytes(free)} is free on {device}")
+    check_gpu_memory(sizes[-1], device)  # the largest message, its result and NCCL's buffers must fit
     placement = record_placement(device, args.num_workers)
     if ranks == 1:  # the same on a CPU and a GPU: a collective on one rank copies within the device, if at all
         print0(f"bandwidth: 1 rank, backend {ctx.backend}: there is no link to measure (one rank sends nothing to "
@@ -230,13 +167,10 @@ def benchmark(args, ctx, collectives: list[str], sizes: list[int], threads: int)
         print0("reference: none (no link peak: pass --site or --peak-gbps); busbw is shown without a percentage")
     else:
         print0(f"reference: {reference.name}: {reference.gb_per_s:.2f} GB/s ({reference.source})")
-    timing = ("time.perf_counter around each call, device synchronised before each clock read, ranks at a "
-              "barrier before each call; per call the slowest rank's time; median over the timed calls")
-    written = []
     for collective in collectives:
         factor = bus_factor(collective, ranks)
         print0(f"\n{collective} (busbw = algbw x {factor:.3f})")
-        print0(f"{'size':>10} {'time (us)':>11} {'algbw GB/s':>11} {'busbw GB/s':>11} {'% ref':>7} {'ok':>3}")
+        print0(TABLE_HEADER)
         results = []
         with EnergyMeter(device) as meter:
             for size in sizes:
@@ -244,34 +178,13 @@ def benchmark(args, ctx, collectives: list[str], sizes: list[int], threads: int)
                 row["busbw_pct_of_reference"] = (100 * row["busbw_gbps"] / reference.gb_per_s
                                                  if reference is not None and reference.gb_per_s else None)
                 results.append(row)
-                pct = row["busbw_pct_of_reference"]
-                print0(f"{format_bytes(row['bytes']):>10} {1e6 * row['time_s']:>11.1f} {row['algbw_gbps']:>11.3f} "
-                       f"{row['busbw_gbps']:>11.3f} {'' if pct is None else f'{pct:.1f}':>7} "
-                       f"{'yes' if row['correct'] else 'NO':>3}")
+                print0(table_row(row))
         energy = meter.result()
-        transport = transport_of(ctx, hosts)
+        found = gather_objects(nccl_found()) if ctx.backend == "nccl" else []  # what NCCL says each rank used
+        transport = describe_transport(ctx.backend, hosts, found)
         if ctx.is_main:
-            print0(f"transport: {transport['summary']}")
-            if transport["warning"]:
-                print0(f"WARNING: {transport['warning']}")
-            best = max(results, key=lambda r: r["busbw_gbps"])
-            notes = [] if all(r["correct"] for r in results) else ["some sizes gave a wrong result (correct: false)"]
-            if transport["warning"]:
-                notes.append(transport["warning"])
-            metrics = {
-                "collective": collective, "world_size": ranks, "nodes": nodes, "bus_factor": factor,
-                "sizes": results, "peak_busbw_gbps": best["busbw_gbps"], "peak_busbw_bytes": best["bytes"],
-                "reference": None if reference is None else reference.as_dict(), "transport": transport,
-                "timing_method": timing,
-            }
-            config = config_dict(args, resolved_device=str(device), collectives=collectives,
-                                 sizes=[r["bytes"] for r in results], dtype="float32", threads=threads)
-            record = make_record(lab=LAB, script=SCRIPT, method=collective, config=config, metrics=metrics,
-                                 notes=notes, energy=energy,
-                                 provenance=provenance(device, ranks, {"distributed": ctx.describe(),
-                                                                       "placement": placement}))
-            written.append(write_record(record, args.results_dir))
-            print0(f"record: {written[-1]}")
+            write_bandwidth_record(args, ctx, collective, results, reference=reference, transport=transport,
+                                   energy=energy, placement=placement, collectives=collectives, threads=threads)
     if ctx.is_main:
         print0(f"\nreport: python scripts/compare_results.py --results-dir {args.results_dir}")
     return 0

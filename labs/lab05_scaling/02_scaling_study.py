@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import shlex
 import subprocess
@@ -42,33 +41,14 @@ import tempfile
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-from common.cli import add_common_args, apply_dry_run, command_flags, non_negative_int, positive_int, script_parser
-from common.measure.energy import not_measured
+from common.cli import apply_dry_run, command_flags, script_parser
 from common.errors import UserError, run_main
-from common.results import make_record, provenance, write_record
-from labs.lab05_scaling.lab05_shared import (LAB, REPO, Allocation, check_points, current_allocation, evaluations,
-                                             nodes_for, parse_modes, parse_points, per_process_batch,
-                                             time_to_target)
-
-SCRIPT = "labs/lab05_scaling/02_scaling_study.py"
-#: The training every point runs: Lab-01's DDP script, which students already know. The study runs it
-#: as a process (as a student would) and reads only its parser, by module name (a name starting with a
-#: digit cannot be written in an import statement).
-TRAINING = "labs/lab01_dp_vs_ddp/04_ddp_training.py"
-TRAINING_MODULE = "labs.lab01_dp_vs_ddp.04_ddp_training"
-
-
-def fraction(text: str) -> float:
-    """argparse type: an accuracy, a number from 0 to 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"an accuracy is a fraction from 0 to 1 (0.9 for 90%), got {text}")
-    return value
+from common.results import read_only_record, write_record
+from labs.lab05_scaling.lab05_shared import (REPO, TRAINING, TRAINING_MODULE, Allocation, add_study_args,
+                                             check_points, current_allocation, nodes_for, parse_modes, parse_points,
+                                             per_process_batch, point_record)
 
 
 def allocation_for(args: argparse.Namespace) -> Allocation:
@@ -135,69 +115,8 @@ def point_environment() -> dict[str, str]:
     return env
 
 
-def point_record(mode: str, processes: int, nodes: int, batch: int, training: dict[str, Any] | None,
-                 command: list[str], args: argparse.Namespace, study: dict[str, Any], notes: list[str],
-                 status: str = "ok") -> dict[str, Any]:
-    """The lab05 record of one point, built from the training's own record (or its failure)."""
-    metrics_in = training["metrics"] if training else {}
-    points, source = evaluations(metrics_in)
-    reached = time_to_target(points, args.target_accuracy)
-    keep = ("samples_per_s", "step_time", "time_per_epoch_s", "epoch_time_s", "final_loss", "train_loss",
-            "test_loss", "test_accuracy", "memory", "steps", "epochs", "loss_at_step")
-    metrics = {key: metrics_in.get(key) for key in keep if key in metrics_in}
-    metrics.update({"world_size": processes, "nodes": nodes, "per_process_batch_size": batch,
-                    "global_batch_size": batch * processes, "evaluations": points, "evaluations_source": source,
-                    "target_accuracy": args.target_accuracy, "time_to_target_s": reached,
-                    "training_run_id": training.get("run_id") if training else None})
-    training_config = training["config"] if training else {}
-    config = {"mode": mode, "processes": processes, "nodes": nodes, "per_process_batch_size": batch,
-              "global_batch_size": batch * processes, "batch_size": args.batch_size,
-              "strong_global_batch_size": args.global_batch_size, "target_accuracy": args.target_accuracy,
-              "model": training_config.get("model", args.model),
-              "dataset": training_config.get("dataset", args.dataset),
-              "training_script": TRAINING, "training_command": command, "training_config": training_config,
-              "study": study}
-    prov = dict(training["provenance"]) if training else provenance()
-    prov["scaling_study"] = {"command": [sys.executable, *sys.argv], "study_id": study["id"]}
-    energy = training.get("energy") if training else None
-    return make_record(lab=LAB, script=SCRIPT, method=f"{mode}-scaling", config=config, metrics=metrics,
-                       provenance=prov, status=status, notes=notes,
-                       energy=energy or not_measured("the training wrote no energy entry"))
-
-
-def read_only_record(folder: Path) -> dict[str, Any]:
-    files = sorted(folder.glob("*.json"))
-    if len(files) != 1:
-        raise RuntimeError(f"expected one record in {folder}, found {len(files)}")
-    return json.loads(files[0].read_text(encoding="utf-8"))
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = script_parser(__doc__)
-    group = parser.add_argument_group("the study")
-    group.add_argument("--processes", default="1,2,4",
-                       help="process counts to run, comma-separated (default: %(default)s)")
-    group.add_argument("--modes", default="strong,weak", help="strong, weak or both (default: %(default)s)")
-    group.add_argument("--global-batch-size", type=positive_int, default=None,
-                       help="strong scaling's global batch, split over the processes (default: --batch-size, so "
-                            "the 1-process run is shared by both modes)")
-    group.add_argument("--target-accuracy", type=fraction, default=0.9,
-                       help="validation accuracy whose first arrival is timed (default: %(default)s)")
-    group.add_argument("--point", type=non_negative_int, default=None,
-                       help="run only the point with this index in --processes, e.g. $SLURM_ARRAY_TASK_ID "
-                            "(default: every point)")
-    group.add_argument("--launcher", choices=("auto", "torchrun", "srun"), default="auto",
-                       help="auto: srun inside a Slurm job, else torchrun (default: %(default)s)")
-    group = parser.add_argument_group("the training (passed to 04_ddp_training.py; more after --)")
-    group.add_argument("--model", default="plain_cnn", help="model (default: %(default)s)")
-    group.add_argument("--dataset", default="digits",
-                       help="data set; digits is real and offline (default: %(default)s)")
-    group.add_argument("--image-size", type=positive_int, default=16,
-                       help="side of the images (digits are resized to it) (default: %(default)s)")
-    add_common_args(parser, epochs=3, batch_size=32, num_workers=0)
-    parser.add_argument("training_args", nargs=argparse.REMAINDER,
-                        help="after --: more flags for the training, e.g. -- --lr 0.1 --warmup-steps 1")
-    return parser
+    return add_study_args(script_parser(__doc__))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

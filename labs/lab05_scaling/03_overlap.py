@@ -37,29 +37,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.cli import (add_common_args, add_former_names, apply_dry_run, config_dict, positive_float, positive_int,
-                        script_parser)
+from common.cli import apply_dry_run, script_parser
 from common.runtime.device import configure_threads, seed_everything, synchronize
 from common.runtime.distributed import all_reduce_max, init_distributed, print0, teardown_distributed
-from common.measure.energy import EnergyMeter, not_measured
-from common.errors import UserError, run_main
-from common.models import add_image_model_args, build_model, input_shape
+from common.measure.energy import EnergyMeter
+from common.errors import run_main
+from common.models import build_model, input_shape
 from common.runtime.placement import record_placement
-from common.results import make_record, provenance, write_record
 from common.units import format_bytes
-from labs.lab05_scaling.lab05_shared import LAB, MiB
-
-SCRIPT = "labs/lab05_scaling/03_overlap.py"
-
-
-def parse_buckets(text: str) -> list[float]:
-    try:
-        values = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UserError(f"--bucket-cap-mb takes numbers separated by commas, e.g. 1,25,100; got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise UserError(f"--bucket-cap-mb needs sizes above 0 MiB, got {text!r}")
-    return values
+from labs.lab05_scaling.lab05_shared import (OVERLAP_HEADER, add_overlap_args, nothing_to_overlap, overlap_row,
+                                             parse_buckets, write_overlap_record)
 
 
 def slowest_rank(times: list[float], device: torch.device) -> list[float]:
@@ -148,23 +135,11 @@ def communication_alone(buckets: list[int], device: torch.device, args) -> float
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = script_parser(__doc__)
-    group = parser.add_argument_group("what to measure")
-    add_image_model_args(group, model="resnet50", image_size=224)
-    group.add_argument("--bucket-cap-mb", default="1,25,100,1000",
-                       help="bucket sizes to compare, MiB, comma-separated; 1000 is one bucket for most models "
-                            "(default: %(default)s)")
-    add_former_names(group, group.add_argument("--repeats", type=positive_int, default=10, help="timed steps per "
-                                               "bucket size, each with and without sync (default: %(default)s)"), "--steps")
-    group.add_argument("--warmup-steps", type=positive_int, default=2,
-                       help="untimed steps (of each kind) per bucket size (default: %(default)s)")
-    group.add_argument("--lr", type=positive_float, default=0.01, help="SGD learning rate (default: %(default)s)")
-    add_common_args(parser, batch_size=32)
-    return parser
+    return add_overlap_args(script_parser(__doc__))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = apply_dry_run(build_parser().parse_args(argv), steps=2, warmup_steps=1)
+    args = apply_dry_run(build_parser().parse_args(argv), repeats=2, warmup_steps=1)
     buckets_mb = parse_buckets(args.bucket_cap_mb)
     threads = configure_threads()
     ctx = init_distributed(args.device, force_process_group=True)
@@ -183,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         print0(f"overlap: {ranks} rank(s), backend {ctx.backend} | {args.model}, {format_bytes(parameter_bytes)} of "
                f"gradients | batch {args.batch_size} per rank, {size}px | {args.repeats} timed steps "
                f"per setting | threads {threads}")
-        print0(f"{'bucket_cap_mb':>13} {'buckets':>7} {'step (ms)':>10} {'no_sync (ms)':>13} {'exposed (ms)':>13} "
-               f"{'alone (ms)':>11} {'hidden':>7}")
+        print0(OVERLAP_HEADER)
         rows = []
         with EnergyMeter(device) as meter:
             for cap in buckets_mb:
@@ -199,61 +173,16 @@ def main(argv: list[str] | None = None) -> int:
                        "step_s": statistics.median(synced), "no_sync_step_s": statistics.median(local),
                        "comm_alone_s": alone, **overlap_figures(synced, local, alone)}
                 rows.append(row)
-                hidden = row["hidden_fraction"]
-                exposed_text = "noise" if row["exposed_is_noise"] else f"{1e3 * row['exposed_comm_s']:.1f}"
-                hidden_text = "n/a" if hidden is None else f"{hidden:.0%}"
-                hidden_text += "*" if row["hidden_clamped_because"] else ""  # * : clamped, the reason in a note
-                print0(f"{cap:>13g} {len(buckets):>7} {1e3 * row['step_s']:>10.1f} "
-                       f"{1e3 * row['no_sync_step_s']:>13.1f} {exposed_text:>13} {1e3 * alone:>11.1f} {hidden_text:>7}")
+                print0(overlap_row(row))
                 del model, optimizer, replica
         steps_run = len(buckets_mb) * (2 + 2 * (args.repeats + args.warmup_steps))
         energy = meter.result(samples=steps_run * args.batch_size * ranks)
         if ctx.is_main:
-            best = min(rows, key=lambda r: r["exposed_comm_s"])
-            notes = [f"least exposed communication with bucket_cap_mb={best['bucket_cap_mb']:g}: "
-                     + ("within the timing spread (noise)" if best["exposed_is_noise"] else
-                        f"{1e3 * best['exposed_comm_s']:.1f} ms per step")]
-            if any(r["exposed_is_noise"] for r in rows):
-                notes.append("exposed 'noise': the step with sync was slower than without by no more than the steps' "
-                             "interquartile range, which is as close as this timing can tell apart")
-            notes += [f"hidden {r['hidden_fraction']:.0%}* at bucket_cap_mb={r['bucket_cap_mb']:g}: "
-                      f"{r['hidden_clamped_because']}" for r in rows if r["hidden_clamped_because"]]
-            metrics = {
-                "world_size": ranks, "parameter_bytes": parameter_bytes, "buckets": rows,
-                "best_bucket_cap_mb": best["bucket_cap_mb"], "samples_per_step": args.batch_size * ranks,
-                "timing_method": ("time.perf_counter per step, device synchronised before each clock read, ranks at "
-                                  "a barrier before each step, steps with and without no_sync() alternating; per "
-                                  "step the slowest rank; median over the timed steps"),
-            }
-            config = config_dict(args, resolved_device=str(device), bucket_caps_mb=buckets_mb,
-                                 parameter_bytes=parameter_bytes, threads=threads, parameter_mib=parameter_bytes / MiB)
-            record = make_record(lab=LAB, script=SCRIPT, method="overlap", config=config, metrics=metrics,
-                                 notes=notes, energy=energy,
-                                 provenance=provenance(device, ranks, {"distributed": ctx.describe(),
-                                                                       "placement": placement}))
-            for note in notes:
-                print0(f"note: {note}")
-            print0(f"record: {write_record(record, args.results_dir)}")
+            write_overlap_record(args, ctx, rows, parameter_bytes=parameter_bytes, buckets_mb=buckets_mb,
+                                 threads=threads, placement=placement, energy=energy)
         return 0
     finally:
         teardown_distributed(ctx)
-
-
-def nothing_to_overlap(args, ctx, placement, parameter_bytes: int, buckets_mb: list[float], threads: int) -> int:
-    """One rank: DDP all-reduces nothing, so no communication exists to hide; say so, time nothing."""
-    reason = ("one rank: DDP has no other rank to all-reduce gradients with, so there is no communication to "
-              "overlap and nothing was timed; start two or more ranks (torchrun --nproc_per_node=2, srun)")
-    print0(f"overlap: 1 rank, backend {ctx.backend}: {reason[len('one rank: '):]}")
-    if ctx.is_main:
-        metrics = {"world_size": 1, "parameter_bytes": parameter_bytes, "buckets": [], "nothing_to_overlap": reason}
-        config = config_dict(args, resolved_device=str(ctx.device), bucket_caps_mb=buckets_mb,
-                             parameter_bytes=parameter_bytes, threads=threads, parameter_mib=parameter_bytes / MiB)
-        record = make_record(lab=LAB, script=SCRIPT, method="overlap", config=config, metrics=metrics, notes=[reason],
-                             energy=not_measured("one rank: nothing was timed"),
-                             provenance=provenance(ctx.device, 1, {"distributed": ctx.describe(),
-                                                                   "placement": placement}))
-        print0(f"record: {write_record(record, args.results_dir)}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,22 +1,29 @@
 """What Lab-05's scripts share: message sizes, the bus-bandwidth formulas, what NCCL says it used,
-the link's peak from the site profile, the memory-copy reference, and the scaling points.
+the link's peak from the site profile, the memory-copy reference, and the scaling points; and each
+script's flags, tables and records.
 
 The lessons stay in the scripts (``01_allreduce_bench.py`` times the collectives,
 ``02_scaling_study.py`` launches the training, ``03_overlap.py`` times DDP's steps); this module holds
-the arithmetic and the parsing, so that each piece is unit-tested on its own (``tests/test_lab05.py``).
-Nothing here imports torch at import time.
+the arithmetic, the parsing and the plumbing, so that each piece is unit-tested on its own
+(``tests/test_lab05.py``). Nothing here imports torch at import time.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from common.cli import (add_common_args, add_former_names, add_timing_args, config_dict, non_negative_int,
+                        positive_float, positive_int)
+from common.measure.energy import not_measured
+from common.results import make_record, provenance, write_record
 from common.runtime.cpus import usable_cpus
 from common.errors import UserError
 from common.slurm.sites import Link, find_site
@@ -273,6 +280,137 @@ def measure_memcpy(size_bytes: int = 64 * MiB, repeats: int = 5) -> Reference:
 
 
 # --------------------------------------------------------------------------------------------
+# 01_allreduce_bench.py: flags, checks, the table, what NCCL used, the record
+
+BENCH_SCRIPT = "labs/lab05_scaling/01_allreduce_bench.py"
+
+
+def add_bandwidth_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of ``01_allreduce_bench.py``: what to measure, what to compare with, then the common ones."""
+    group = parser.add_argument_group("what to measure")
+    group.add_argument("--collectives", default="all_reduce,all_gather,reduce_scatter",
+                       help="comma-separated: all_reduce, all_gather, reduce_scatter (default: %(default)s)")
+    group.add_argument("--min-bytes", type=size_arg, default="1K",
+                       help="smallest message (S, the whole array), e.g. 1K (default: %(default)s)")
+    group.add_argument("--max-bytes", type=size_arg, default=None,
+                       help="largest message, e.g. 1G; at most 64M on CPU, 16G on GPU (default: 1G on GPU, "
+                            "64M on CPU)")
+    group.add_argument("--step-factor", type=positive_int, default=2,
+                       help="each size is the previous one times this (default: %(default)s)")
+    add_timing_args(group, warmup=5, repeats=20, what="calls per message size", former=("--iters",))
+    group = parser.add_argument_group("what to compare with")
+    group.add_argument("--site", default=None,
+                       help="site profile (slurm/sites/NAME.yaml) whose link peaks busbw is compared with; "
+                            "from HPC_DL_LABS_SITE in rendered jobs (default: none)")
+    group.add_argument("--partition", default=None,
+                       help="partition of --site (default: SLURM_JOB_PARTITION, else the site's GPU partition)")
+    group.add_argument("--peak-gbps", type=positive_float, default=None,
+                       help="compare with this peak instead, in GB/s one direction (default: from --site)")
+    group.add_argument("--peak-source", default="given on the command line",
+                       help="where the --peak-gbps figure comes from (default: %(default)s)")
+    group.add_argument("--memcpy-repeats", type=positive_int, default=5,
+                       help="copies timed for the CPU reference (default: %(default)s)")
+    # --device, --results-dir, --num-workers (the placement check compares it with the cores) and
+    # --dry-run (three sizes up to 16 KiB, three timed calls) apply here; the training flags do not.
+    add_common_args(parser, batch_size=1)
+    return parser
+
+
+def size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def checked_sizes(args: argparse.Namespace, device_type: str) -> list[int]:
+    """The message sizes to time (``--dry-run``: three small ones, fewer calls); ``--site`` and ``--partition``
+    from the job (``HPC_DL_LABS_SITE``, ``SLURM_JOB_PARTITION``) when not given, checked before any work."""
+    max_bytes = args.max_bytes or (1024**3 if device_type == "cuda" else 64 * 1024**2)
+    if args.dry_run:  # seconds: three small sizes, one warm-up and three timed calls each
+        max_bytes, args.repeats, args.warmup = min(max_bytes, 16 * 1024), min(args.repeats, 3), 1
+        args.min_bytes = min(args.min_bytes, max_bytes)
+    sizes = message_sizes(args.min_bytes, max_bytes, args.step_factor, device_type)
+    args.site = args.site or os.environ.get("HPC_DL_LABS_SITE") or None
+    args.partition = args.partition or os.environ.get("SLURM_JOB_PARTITION") or None
+    if args.site is not None:
+        site_links(args.site, args.partition)  # an unknown site or partition: one line, before any work
+    return sizes
+
+
+def check_gpu_memory(largest: int, device: Any) -> None:
+    """One error line when the largest message will not fit in the GPU's free memory."""
+    if device.type != "cuda":
+        return
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    if 2.5 * largest > free:  # the input, the output (all-gather: S), the expected result, NCCL's buffers
+        raise UserError(f"--max-bytes {format_bytes(largest)} needs about {format_bytes(2.5 * largest)} of GPU "
+                        f"memory; {format_bytes(free)} is free on {device}")
+
+
+TABLE_HEADER = f"{'size':>10} {'time (us)':>11} {'algbw GB/s':>11} {'busbw GB/s':>11} {'% ref':>7} {'ok':>3}"
+
+
+def table_row(row: Mapping[str, Any]) -> str:
+    """One message size of the bandwidth table (under :data:`TABLE_HEADER`)."""
+    pct = row["busbw_pct_of_reference"]
+    return (f"{format_bytes(row['bytes']):>10} {1e6 * row['time_s']:>11.1f} {row['algbw_gbps']:>11.3f} "
+            f"{row['busbw_gbps']:>11.3f} {'' if pct is None else f'{pct:.1f}':>7} "
+            f"{'yes' if row['correct'] else 'NO':>3}")
+
+
+def nccl_found() -> dict[str, Any]:
+    """What NCCL says this process used, from its debug file (:func:`nccl_log_files`)."""
+    return parse_nccl_log(line for path in nccl_log_files() for line in path.read_text(errors="replace").splitlines())
+
+
+def describe_transport(backend: str, hosts: Sequence[str], found: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The transport of the job: Gloo's in words, or what NCCL told every rank (``found``, one per rank) merged."""
+    if backend != "nccl":
+        return {"backend": backend, "summary": describe_gloo(hosts), "warning": None, "nccl": None}
+    merged: dict[str, Any] = {"via": set(), "networks": set(), "paths": set()}
+    for rank_found in found:
+        for key in merged:
+            merged[key].update(rank_found[key])
+    merged = {key: sorted(values) for key, values in merged.items()}
+    summary, warning = describe_nccl(merged, len(set(hosts)))
+    return {"backend": backend, "summary": summary, "warning": warning, "nccl": merged}
+
+
+def write_bandwidth_record(args: argparse.Namespace, ctx: Any, collective: str, results: list[dict[str, Any]], *,
+                           reference: Reference | None, transport: dict[str, Any], energy: dict[str, Any],
+                           placement: list[dict[str, Any]], collectives: list[str], threads: int) -> Path:
+    """Print the transport, write the collective's record (rank 0), print its path."""
+    print(f"transport: {transport['summary']}", flush=True)
+    if transport["warning"]:
+        print(f"WARNING: {transport['warning']}", flush=True)
+    best = max(results, key=lambda r: r["busbw_gbps"])
+    notes = [] if all(r["correct"] for r in results) else ["some sizes gave a wrong result (correct: false)"]
+    if transport["warning"]:
+        notes.append(transport["warning"])
+    metrics = {
+        "collective": collective, "world_size": ctx.world_size, "nodes": len(set(e["node"] for e in placement)),
+        "bus_factor": bus_factor(collective, ctx.world_size), "sizes": results,
+        "peak_busbw_gbps": best["busbw_gbps"], "peak_busbw_bytes": best["bytes"],
+        "reference": None if reference is None else reference.as_dict(), "transport": transport,
+        "timing_method": ("time.perf_counter around each call, device synchronised before each clock read, ranks "
+                          "at a barrier before each call; per call the slowest rank's time; median over the timed "
+                          "calls"),
+    }
+    config = config_dict(args, resolved_device=str(ctx.device), collectives=collectives,
+                         sizes=[r["bytes"] for r in results], dtype="float32", threads=threads)
+    record = make_record(lab=LAB, script=BENCH_SCRIPT, method=collective, config=config, metrics=metrics,
+                         notes=notes, energy=energy,
+                         provenance=provenance(ctx.device, ctx.world_size, {"distributed": ctx.describe(),
+                                                                            "placement": placement}))
+    path = write_record(record, args.results_dir)
+    print(f"record: {path}", flush=True)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
 # Scaling points
 
 MODES = ("strong", "weak")
@@ -377,3 +515,183 @@ def time_to_target(points: Sequence[Mapping[str, float]], target: float) -> floa
         if point["accuracy"] >= target:
             return point["elapsed_s"]
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# 02_scaling_study.py: flags, the record of a point
+
+STUDY_SCRIPT = "labs/lab05_scaling/02_scaling_study.py"
+#: The training every point runs: Lab-01's DDP script, which students already know. The study runs it
+#: as a process (as a student would) and reads only its parser, by module name (a name starting with a
+#: digit cannot be written in an import statement).
+TRAINING = "labs/lab01_dp_vs_ddp/04_ddp_training.py"
+TRAINING_MODULE = "labs.lab01_dp_vs_ddp.04_ddp_training"
+
+
+def fraction(text: str) -> float:
+    """argparse type: an accuracy, a number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"an accuracy is a fraction from 0 to 1 (0.9 for 90%), got {text}")
+    return value
+
+
+def add_study_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of ``02_scaling_study.py``: the study, the training it passes on, then the common ones;
+    after ``--``, more flags for the training."""
+    group = parser.add_argument_group("the study")
+    group.add_argument("--processes", default="1,2,4",
+                       help="process counts to run, comma-separated (default: %(default)s)")
+    group.add_argument("--modes", default="strong,weak", help="strong, weak or both (default: %(default)s)")
+    group.add_argument("--global-batch-size", type=positive_int, default=None,
+                       help="strong scaling's global batch, split over the processes (default: --batch-size, so "
+                            "the 1-process run is shared by both modes)")
+    group.add_argument("--target-accuracy", type=fraction, default=0.9,
+                       help="validation accuracy whose first arrival is timed (default: %(default)s)")
+    group.add_argument("--point", type=non_negative_int, default=None,
+                       help="run only the point with this index in --processes, e.g. $SLURM_ARRAY_TASK_ID "
+                            "(default: every point)")
+    group.add_argument("--launcher", choices=("auto", "torchrun", "srun"), default="auto",
+                       help="auto: srun inside a Slurm job, else torchrun (default: %(default)s)")
+    group = parser.add_argument_group("the training (passed to 04_ddp_training.py; more after --)")
+    group.add_argument("--model", default="plain_cnn", help="model (default: %(default)s)")
+    group.add_argument("--dataset", default="digits",
+                       help="data set; digits is real and offline (default: %(default)s)")
+    group.add_argument("--image-size", type=positive_int, default=16,
+                       help="side of the images (digits are resized to it) (default: %(default)s)")
+    add_common_args(parser, epochs=3, batch_size=32, num_workers=0)
+    parser.add_argument("training_args", nargs=argparse.REMAINDER,
+                        help="after --: more flags for the training, e.g. -- --lr 0.1 --warmup-steps 1")
+    return parser
+
+
+def point_record(mode: str, processes: int, nodes: int, batch: int, training: dict[str, Any] | None,
+                 command: list[str], args: argparse.Namespace, study: dict[str, Any], notes: list[str],
+                 status: str = "ok") -> dict[str, Any]:
+    """The lab05 record of one point, built from the training's own record (or its failure)."""
+    metrics_in = training["metrics"] if training else {}
+    points, source = evaluations(metrics_in)
+    reached = time_to_target(points, args.target_accuracy)
+    keep = ("samples_per_s", "step_time", "time_per_epoch_s", "epoch_time_s", "final_loss", "train_loss",
+            "test_loss", "test_accuracy", "memory", "steps", "epochs", "loss_at_step")
+    metrics = {key: metrics_in.get(key) for key in keep if key in metrics_in}
+    metrics.update({"world_size": processes, "nodes": nodes, "per_process_batch_size": batch,
+                    "global_batch_size": batch * processes, "evaluations": points, "evaluations_source": source,
+                    "target_accuracy": args.target_accuracy, "time_to_target_s": reached,
+                    "training_run_id": training.get("run_id") if training else None})
+    training_config = training["config"] if training else {}
+    config = {"mode": mode, "processes": processes, "nodes": nodes, "per_process_batch_size": batch,
+              "global_batch_size": batch * processes, "batch_size": args.batch_size,
+              "strong_global_batch_size": args.global_batch_size, "target_accuracy": args.target_accuracy,
+              "model": training_config.get("model", args.model),
+              "dataset": training_config.get("dataset", args.dataset),
+              "training_script": TRAINING, "training_command": command, "training_config": training_config,
+              "study": study}
+    prov = dict(training["provenance"]) if training else provenance()
+    prov["scaling_study"] = {"command": [sys.executable, *sys.argv], "study_id": study["id"]}
+    energy = training.get("energy") if training else None
+    return make_record(lab=LAB, script=STUDY_SCRIPT, method=f"{mode}-scaling", config=config, metrics=metrics,
+                       provenance=prov, status=status, notes=notes,
+                       energy=energy or not_measured("the training wrote no energy entry"))
+
+
+# --------------------------------------------------------------------------------------------
+# 03_overlap.py: flags, the table, the record
+
+OVERLAP_SCRIPT = "labs/lab05_scaling/03_overlap.py"
+
+
+def add_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of ``03_overlap.py``: the model, the bucket sizes, the steps, then the common ones."""
+    from common.models import add_image_model_args  # imports torch
+
+    group = parser.add_argument_group("what to measure")
+    add_image_model_args(group, model="resnet50", image_size=224)
+    group.add_argument("--bucket-cap-mb", default="1,25,100,1000",
+                       help="bucket sizes to compare, MiB, comma-separated; 1000 is one bucket for most models "
+                            "(default: %(default)s)")
+    add_former_names(group, group.add_argument("--repeats", type=positive_int, default=10, help="timed steps per "
+                                               "bucket size, each with and without sync (default: %(default)s)"), "--steps")
+    group.add_argument("--warmup-steps", type=positive_int, default=2,
+                       help="untimed steps (of each kind) per bucket size (default: %(default)s)")
+    group.add_argument("--lr", type=positive_float, default=0.01, help="SGD learning rate (default: %(default)s)")
+    add_common_args(parser, batch_size=32)
+    return parser
+
+
+def parse_buckets(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--bucket-cap-mb takes numbers separated by commas, e.g. 1,25,100; got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise UserError(f"--bucket-cap-mb needs sizes above 0 MiB, got {text!r}")
+    return values
+
+
+OVERLAP_HEADER = (f"{'bucket_cap_mb':>13} {'buckets':>7} {'step (ms)':>10} {'no_sync (ms)':>13} {'exposed (ms)':>13} "
+                  f"{'alone (ms)':>11} {'hidden':>7}")
+
+
+def overlap_row(row: Mapping[str, Any]) -> str:
+    """One bucket size of the overlap table (under :data:`OVERLAP_HEADER`); ``*``: hidden was clamped (a note says why)."""
+    hidden = row["hidden_fraction"]
+    exposed_text = "noise" if row["exposed_is_noise"] else f"{1e3 * row['exposed_comm_s']:.1f}"
+    hidden_text = "n/a" if hidden is None else f"{hidden:.0%}"
+    hidden_text += "*" if row["hidden_clamped_because"] else ""
+    return (f"{row['bucket_cap_mb']:>13g} {row['buckets']:>7} {1e3 * row['step_s']:>10.1f} "
+            f"{1e3 * row['no_sync_step_s']:>13.1f} {exposed_text:>13} {1e3 * row['comm_alone_s']:>11.1f} {hidden_text:>7}")
+
+
+def write_overlap_record(args: argparse.Namespace, ctx: Any, rows: list[dict[str, Any]], *, parameter_bytes: int,
+                         buckets_mb: list[float], threads: int, placement: list[dict[str, Any]],
+                         energy: dict[str, Any]) -> Path:
+    """The notes (the best bucket size, noise, clamped fractions), printed, and the record with every bucket size."""
+    best = min(rows, key=lambda r: r["exposed_comm_s"])
+    notes = [f"least exposed communication with bucket_cap_mb={best['bucket_cap_mb']:g}: "
+             + ("within the timing spread (noise)" if best["exposed_is_noise"] else
+                f"{1e3 * best['exposed_comm_s']:.1f} ms per step")]
+    if any(r["exposed_is_noise"] for r in rows):
+        notes.append("exposed 'noise': the step with sync was slower than without by no more than the steps' "
+                     "interquartile range, which is as close as this timing can tell apart")
+    notes += [f"hidden {r['hidden_fraction']:.0%}* at bucket_cap_mb={r['bucket_cap_mb']:g}: "
+              f"{r['hidden_clamped_because']}" for r in rows if r["hidden_clamped_because"]]
+    metrics = {
+        "world_size": ctx.world_size, "parameter_bytes": parameter_bytes, "buckets": rows,
+        "best_bucket_cap_mb": best["bucket_cap_mb"], "samples_per_step": args.batch_size * ctx.world_size,
+        "timing_method": ("time.perf_counter per step, device synchronised before each clock read, ranks at "
+                          "a barrier before each step, steps with and without no_sync() alternating; per "
+                          "step the slowest rank; median over the timed steps"),
+    }
+    config = config_dict(args, resolved_device=str(ctx.device), bucket_caps_mb=buckets_mb,
+                         parameter_bytes=parameter_bytes, threads=threads, parameter_mib=parameter_bytes / MiB)
+    record = make_record(lab=LAB, script=OVERLAP_SCRIPT, method="overlap", config=config, metrics=metrics,
+                         notes=notes, energy=energy,
+                         provenance=provenance(ctx.device, ctx.world_size, {"distributed": ctx.describe(),
+                                                                            "placement": placement}))
+    for note in notes:
+        print(f"note: {note}", flush=True)
+    path = write_record(record, args.results_dir)
+    print(f"record: {path}", flush=True)
+    return path
+
+
+def nothing_to_overlap(args: argparse.Namespace, ctx: Any, placement: list[dict[str, Any]], parameter_bytes: int,
+                       buckets_mb: list[float], threads: int) -> int:
+    """One rank: DDP all-reduces nothing, so no communication exists to hide; say so, time nothing."""
+    reason = ("one rank: DDP has no other rank to all-reduce gradients with, so there is no communication to "
+              "overlap and nothing was timed; start two or more ranks (torchrun --nproc_per_node=2, srun)")
+    print(f"overlap: 1 rank, backend {ctx.backend}: {reason[len('one rank: '):]}", flush=True)  # the only rank
+    if ctx.is_main:
+        metrics = {"world_size": 1, "parameter_bytes": parameter_bytes, "buckets": [], "nothing_to_overlap": reason}
+        config = config_dict(args, resolved_device=str(ctx.device), bucket_caps_mb=buckets_mb,
+                             parameter_bytes=parameter_bytes, threads=threads, parameter_mib=parameter_bytes / MiB)
+        record = make_record(lab=LAB, script=OVERLAP_SCRIPT, method="overlap", config=config, metrics=metrics,
+                             notes=[reason], energy=not_measured("one rank: nothing was timed"),
+                             provenance=provenance(ctx.device, 1, {"distributed": ctx.describe(),
+                                                                   "placement": placement}))
+        print(f"record: {write_record(record, args.results_dir)}", flush=True)
+    return 0

@@ -28,14 +28,10 @@ is the one on disk.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import os
-import shutil
-import signal
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,9 +39,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from common.checkpoint.single_file import load_checkpoint, save_checkpoint
-from common.cli import (
-    add_collective_timeout_arg, add_run_args, config_dict, non_negative_int, output_dir, positive_int, script_parser,
-)
+from common.cli import config_dict, script_parser
 from common.errors import run_main
 from common.models import PlainCNN
 from common.runtime.compat import enable_flight_recorder
@@ -53,16 +47,12 @@ from common.runtime.device import device_type
 from common.runtime.distributed import open_process, print0, print_rank, teardown_distributed
 from common.runtime.launch import detect_launch
 from labs.lab06_failures.lab06_shared import (
-    DEFAULT_RUN_DIR, END_OF_RUN, FAULTS, FIRED_MARKER, GRADIENTS, RUN_META, FaultPlan, Ledger,
-    block_until_parent_dies, diagnose, dump_flight_recorder, read_history, read_ledger, restart_count,
-    timeout_fired, write_inject_record,
+    CHECKPOINT, END_OF_RUN, GRADIENTS, RUN_META, FaultPlan, Ledger, add_inject_args, block_until_parent_dies, diagnose,
+    dump_flight_recorder, read_history, read_ledger, restart_count, start_afresh, timeout_fired,
+    write_inject_record, write_run_meta,
 )
 
-SCRIPT = "labs/lab06_failures/01_inject.py"
 IMAGE_SIZE, CLASSES = 8, 4
-#: Every fault here ends, diagnosed, within a minute and a half (not the group's usual 600 s), with time
-#: to look at a live hang (02_diagnose.py); it starts once every rank is in (common.runtime.distributed).
-COLLECTIVE_TIMEOUT_S = 30.0
 
 
 class SyntheticSteps(Dataset):
@@ -123,15 +113,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(args, ctx, plan: FaultPlan) -> int:
     resuming = args.resume or restart_count() > 0
-    checkpoint_path = args.run_dir / "checkpoint.pt"
-    if ctx.rank == 0 and not resuming:  # a fresh run: no stale marker, ledger or checkpoint
-        shutil.rmtree(args.run_dir / "ledger", ignore_errors=True)
-        for name in (FIRED_MARKER, RUN_META, checkpoint_path.name):
-            (args.run_dir / name).unlink(missing_ok=True)
+    checkpoint_path = args.run_dir / CHECKPOINT
+    if ctx.rank == 0 and not resuming:
+        start_afresh(args.run_dir)  # no stale marker, ledger or checkpoint
     dist.barrier()
     ledger = Ledger(args.run_dir, ctx.rank)
-    stacks = open(args.run_dir / "ledger" / f"stack-rank{ctx.rank}.txt", "w")
-    faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)  # the doctor's fallback (02)
+    stacks = ledger.dump_stacks_on_sigusr2()  # the doctor's fallback (02) where py-spy may not look
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = PlainCNN(num_classes=CLASSES, in_channels=1, width=args.width).to(ctx.device)
@@ -144,14 +131,7 @@ def train(args, ctx, plan: FaultPlan) -> int:
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
         print0(f"resumed from {checkpoint_path} at step {start} (restart {restart_count()})")
-    if ctx.rank == 0:
-        meta = {"world_size": ctx.world_size, "steps": args.steps, "gradient_numel": numel, "fault": args.fault,
-                "rank": args.rank, "step": args.step, "collective_timeout": args.collective_timeout}
-        (args.run_dir / RUN_META).write_text(json.dumps(meta))
-    fault = "no fault" if args.fault == "none" else f"fault {args.fault} on rank {args.rank} at step {args.step}"
-    print0(f"{ctx.line(distributed=True)} | {fault} | {numel} elements all-reduced per step | "
-           f"run folder {args.run_dir}")
-    print0(f"a collective that waits {args.collective_timeout:g} s for the other ranks fails (--collective-timeout)")
+    write_run_meta(args, ctx, numel)  # rank 0: what the doctor (02) needs to know about the run; then its first line
 
     dataset = SyntheticSteps(args.steps, args.batch_size, args.seed, ctx.rank, plan)
     loader = DataLoader(dataset, batch_size=None, num_workers=args.num_workers,
@@ -174,7 +154,8 @@ def train(args, ctx, plan: FaultPlan) -> int:
             loss_value, not_finite = reduce_step(model, loss, ctx, plan, ledger, step,
                                                  slow_s=args.collective_timeout + 2.0)
             if not_finite:  # every rank learns it from the same all-reduce: all stop here, together
-                stopped = {"step": step, "ranks": not_finite, "checkpoint_step": last_checkpoint(args, step)}
+                stopped = {"step": step, "ranks": not_finite,
+                           "checkpoint_step": (step - 1) // args.checkpoint_every * args.checkpoint_every}
                 print0(f"step {step}: loss not finite on rank(s) {not_finite}; every rank stops at this step; "
                        f"last good checkpoint: step {stopped['checkpoint_step']}")
                 break
@@ -190,15 +171,11 @@ def train(args, ctx, plan: FaultPlan) -> int:
         return report_failure(args, ctx, error, step, stacks)
     wall = time.perf_counter() - began
     if stopped:
-        write(args, ctx, "failed", step, loss_value, wall, {"nan_stop": stopped})
+        write_inject_record(args, ctx, "failed", step, loss_value, wall, {"nan_stop": stopped})
         return 1  # non-zero: torchrun --max-restarts or a requeue restarts from the last good checkpoint
     print0(f"final loss {loss_value!r} at step {step} ({wall:.1f} s, restart {restart_count()})")
-    write(args, ctx, "ok", step, loss_value, wall, {})
+    write_inject_record(args, ctx, "ok", step, loss_value, wall, {})
     return 0
-
-
-def last_checkpoint(args, step: int) -> int:
-    return (step - 1) // args.checkpoint_every * args.checkpoint_every
 
 
 def report_failure(args, ctx, error: RuntimeError, step: int, stacks) -> int:
@@ -207,8 +184,8 @@ def report_failure(args, ctx, error: RuntimeError, step: int, stacks) -> int:
     if isinstance(error, torch.OutOfMemoryError):  # this rank's own failure, not a peer's: it says so itself
         print_rank(f"diagnosis: rank(s) {ctx.rank} ran out of GPU memory at step {step} "
                    f"({type(error).__name__}: {message[:120]})")
-        write(args, ctx, "failed", step, float("nan"), None, {"diagnosis": f"rank {ctx.rank} out of memory",
-                                                               "culprits": [ctx.rank], "culprit_step": step})
+        write_inject_record(args, ctx, "failed", step, float("nan"), None, {
+            "diagnosis": f"rank {ctx.rank} out of memory", "culprits": [ctx.rank], "culprit_step": step})
         return 1
     meta = json.loads((args.run_dir / RUN_META).read_text())
     ledger = read_ledger(args.run_dir)
@@ -220,50 +197,15 @@ def report_failure(args, ctx, error: RuntimeError, step: int, stacks) -> int:
     dump_flight_recorder(args.run_dir, ctx.rank, ctx.backend)  # what 02_diagnose.py shows after the fact
     if waiting and ctx.rank == min(waiting):
         print_rank(f"diagnosis: {verdict.line}{why}")
-        write(args, ctx, "failed", step, float("nan"), None,
-              {"diagnosis": verdict.line, "culprits": verdict.ranks, "culprit_step": verdict.step, "error": message,
-               "timeout_fired_s": args.collective_timeout if fired else None, "waited_s": waited},
-              ledger=verdict.rows)
+        write_inject_record(args, ctx, "failed", step, float("nan"), None, {
+            "diagnosis": verdict.line, "culprits": verdict.ranks, "culprit_step": verdict.step, "error": message,
+            "timeout_fired_s": args.collective_timeout if fired else None, "waited_s": waited}, ledger=verdict.rows)
     stacks.close()
     return 1
 
 
-def write(args, ctx, status: str, step: int, loss: float, wall: float | None, extra: dict, ledger=None) -> None:
-    if ctx.rank == 0 or "diagnosis" in extra:  # rank 0's result, or the record of the rank that diagnosed
-        write_inject_record(args, SCRIPT, ctx.device, ctx.world_size, ctx.describe(), status,
-                         {"final_loss": loss, "steps_done": step, "restarts": restart_count(), "wall_s": wall,
-                          **extra, **({"ledger": ledger} if ledger is not None else {})})
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = script_parser(__doc__)
-    group = parser.add_argument_group("the fault")
-    group.add_argument("--fault", choices=FAULTS, default="none",
-                       help="; ".join(f"{name}: {what}" for name, what in FAULTS.items()) + " (default: %(default)s)")
-    group.add_argument("--rank", type=non_negative_int, default=1,
-                       help="the rank that misbehaves (default: %(default)s)")
-    group.add_argument("--step", type=positive_int, default=3, help="the step at which it does (default: %(default)s)")
-    add_collective_timeout_arg(group, default=COLLECTIVE_TIMEOUT_S)
-    group = parser.add_argument_group("the run")
-    group.add_argument("--steps", type=positive_int, default=10, help="optimiser steps (default: %(default)s)")
-    group.add_argument("--batch-size", type=positive_int, default=16,
-                       help="images per rank and step (default: %(default)s)")
-    group.add_argument("--width", type=positive_int, default=4,
-                       help="channels of the CNN's first layer (default: %(default)s)")
-    group.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default: %(default)s)")
-    group.add_argument("--num-workers", type=non_negative_int, default=1,
-                       help="DataLoader worker processes; stuck-loader needs one (default: %(default)s)")
-    group.add_argument("--log-interval", type=positive_int, default=5,
-                       help="steps between loss lines (default: %(default)s)")
-    group.add_argument("--checkpoint-every", type=positive_int, default=5,
-                       help="rank 0 saves model and optimiser every this many steps (default: %(default)s)")
-    group.add_argument("--run-dir", type=output_dir, default=DEFAULT_RUN_DIR,
-                       help="checkpoint, fault marker and ledger; a restarted run resumes from it "
-                            "(default: %(default)s)")
-    group.add_argument("--resume", action="store_true",
-                       help="resume from --run-dir even when not restarted by torchrun or Slurm (default: off)")
-    add_run_args(parser, dry_run="at most four steps: checks that everything runs")
-    return parser
+    return add_inject_args(script_parser(__doc__))
 
 
 if __name__ == "__main__":

@@ -14,16 +14,21 @@ read by another program while the ranks hang.
 
 from __future__ import annotations
 
+import argparse
+import faulthandler
 import json
 import os
 import re
+import shutil
+import signal
 import socket
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, TextIO
 
+from common.cli import add_collective_timeout_arg, add_run_args, non_negative_int, output_dir, positive_int
 from common.errors import UserError
 
 LAB = "lab06"
@@ -46,6 +51,8 @@ END_OF_RUN = "barrier(end of run)"
 FIRED_MARKER = "fault-fired"
 #: Written by rank 0 at the start: what the doctor needs to know about the run.
 RUN_META = "run.json"
+#: 01's checkpoint in the run folder (model, optimiser, step), written by rank 0 every --checkpoint-every steps.
+CHECKPOINT = "checkpoint.pt"
 #: Where 01 keeps checkpoint, marker and ledger unless told (with the checkpoints, out of the results folder).
 DEFAULT_RUN_DIR = Path("checkpoints/lab06_run")
 
@@ -128,6 +135,13 @@ class Ledger:
         os.replace(tmp, self.path)  # a reader never sees half a file
         with open(self.path.with_suffix(".jsonl"), "a") as history:  # every entry: a desync may be steps back
             history.write(json.dumps(entry) + "\n")
+
+    def dump_stacks_on_sigusr2(self) -> TextIO:
+        """On SIGUSR2, write every thread's stack into ``stack-rank<R>.txt`` beside the ledger (``faulthandler``):
+        what the doctor reads where ptrace, and so py-spy, is not allowed. Returns the open file."""
+        stacks = open(self.folder / f"stack-rank{self.rank}.txt", "w")
+        faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
+        return stacks
 
 
 def timeout_fired(entry: Mapping[str, Any] | None, message: str, timeout_s: float) -> tuple[float, bool, str]:
@@ -334,15 +348,82 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in cells)
 
 
-def write_inject_record(args: Any, script: str, device: Any, world_size: int, distributed: dict[str, Any], status: str,
-                     metrics: dict[str, Any]) -> None:
-    """One record of a run of ``01_inject.py``: method ``uninterrupted`` or the fault's name."""
+# --------------------------------------------------------------------------------------------
+# 01_inject.py's flags, its run folder and its record
+
+INJECT_SCRIPT = "labs/lab06_failures/01_inject.py"
+#: Every fault here ends, diagnosed, within a minute and a half (not the group's usual 600 s), with time
+#: to look at a live hang (02_diagnose.py); it starts once every rank is in (common.runtime.distributed).
+COLLECTIVE_TIMEOUT_S = 30.0
+
+
+def add_inject_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of ``01_inject.py``: the fault, the run, then ``common.cli.add_run_args``."""
+    group = parser.add_argument_group("the fault")
+    group.add_argument("--fault", choices=FAULTS, default="none",
+                       help="; ".join(f"{name}: {what}" for name, what in FAULTS.items()) + " (default: %(default)s)")
+    group.add_argument("--rank", type=non_negative_int, default=1,
+                       help="the rank that misbehaves (default: %(default)s)")
+    group.add_argument("--step", type=positive_int, default=3, help="the step at which it does (default: %(default)s)")
+    add_collective_timeout_arg(group, default=COLLECTIVE_TIMEOUT_S)
+    group = parser.add_argument_group("the run")
+    group.add_argument("--steps", type=positive_int, default=10, help="optimiser steps (default: %(default)s)")
+    group.add_argument("--batch-size", type=positive_int, default=16,
+                       help="images per rank and step (default: %(default)s)")
+    group.add_argument("--width", type=positive_int, default=4,
+                       help="channels of the CNN's first layer (default: %(default)s)")
+    group.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default: %(default)s)")
+    group.add_argument("--num-workers", type=non_negative_int, default=1,
+                       help="DataLoader worker processes; stuck-loader needs one (default: %(default)s)")
+    group.add_argument("--log-interval", type=positive_int, default=5,
+                       help="steps between loss lines (default: %(default)s)")
+    group.add_argument("--checkpoint-every", type=positive_int, default=5,
+                       help="rank 0 saves model and optimiser every this many steps (default: %(default)s)")
+    group.add_argument("--run-dir", type=output_dir, default=DEFAULT_RUN_DIR,
+                       help="checkpoint, fault marker and ledger; a restarted run resumes from it "
+                            "(default: %(default)s)")
+    group.add_argument("--resume", action="store_true",
+                       help="resume from --run-dir even when not restarted by torchrun or Slurm (default: off)")
+    add_run_args(parser, dry_run="at most four steps: checks that everything runs")
+    return parser
+
+
+def start_afresh(run_dir: Path) -> None:
+    """A fresh run (not a restart, not ``--resume``): no stale fault marker, ledger, run facts or checkpoint."""
+    shutil.rmtree(Path(run_dir) / "ledger", ignore_errors=True)
+    for name in (FIRED_MARKER, RUN_META, CHECKPOINT):
+        (Path(run_dir) / name).unlink(missing_ok=True)
+
+
+def write_run_meta(args: argparse.Namespace, ctx: Any, gradient_numel: int) -> None:
+    """Rank 0 writes what the doctor (and a rank that times out) needs to know about the run (:data:`RUN_META`);
+    then the run's first line (rank 0)."""
+    if ctx.rank == 0:
+        meta = {"world_size": ctx.world_size, "steps": args.steps, "gradient_numel": gradient_numel,
+                "fault": args.fault, "rank": args.rank, "step": args.step, "collective_timeout": args.collective_timeout}
+        (Path(args.run_dir) / RUN_META).write_text(json.dumps(meta))
+        fault = "no fault" if args.fault == "none" else f"fault {args.fault} on rank {args.rank} at step {args.step}"
+        print(f"{ctx.line(distributed=True)} | {fault} | {gradient_numel} elements all-reduced per step | "
+              f"run folder {args.run_dir}", flush=True)
+        print(f"a collective that waits {args.collective_timeout:g} s for the other ranks fails (--collective-timeout)",
+              flush=True)
+
+
+def write_inject_record(args: argparse.Namespace, ctx: Any, status: str, step: int, loss: float, wall: float | None,
+                        extra: dict[str, Any], ledger: list[dict[str, Any]] | None = None) -> None:
+    """One record of a run of ``01_inject.py`` (method ``uninterrupted`` or the fault's name), written by rank 0,
+    or by the rank that diagnosed a failure (``"diagnosis"`` in ``extra``); the others write nothing."""
+    if ctx.rank != 0 and "diagnosis" not in extra:
+        return
     from common.cli import config_dict
     from common.results import make_record, provenance, write_record
 
+    metrics = {"final_loss": loss, "steps_done": step, "restarts": restart_count(), "wall_s": wall,
+               **extra, **({"ledger": ledger} if ledger is not None else {})}
     method = "uninterrupted" if args.fault == "none" else args.fault
-    record = make_record(lab=LAB, script=script, method=method, config=config_dict(args), metrics=metrics,
-                         status=status, provenance=provenance(device, world_size, {"distributed": distributed}))
+    record = make_record(lab=LAB, script=INJECT_SCRIPT, method=method, config=config_dict(args), metrics=metrics,
+                         status=status, provenance=provenance(ctx.device, ctx.world_size,
+                                                              {"distributed": ctx.describe()}))
     write_record(record, args.results_dir)
 
 

@@ -27,7 +27,7 @@ import argparse
 
 import torch
 
-from common.cli import add_run_args, positive_int, script_parser
+from common.cli import add_run_args, script_parser
 from common.errors import run_main
 from common.measure.memory import SavedActivations, local_bytes
 from common.measure.timing import StepTimer
@@ -91,9 +91,7 @@ def apply_tensor_parallel(model, mesh, *, sequence_parallel: bool = False) -> No
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     add_model_args(parser)
-    group = add_training_flags(parser)
-    group.add_argument("--batch-size", type=positive_int, default=16,
-                       help="sequences per step; every rank sees all of them (default: %(default)s)")
+    group = add_training_flags(parser, batch="sequences per step; every rank sees all of them")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="cut the norms and the residual stream along the sequence too (default: off)")
     add_run_args(parser)
@@ -148,13 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         timing = timer.summary()
         tokens_per_s = timing["samples_per_s"] * shape.context if timing["samples_per_s"] else None
         if ctx.is_main:
-            path = write_lab_record(args, script=SCRIPT, method=method, device=device, world_size=ctx.world_size,
+            write_lab_record(args, script=SCRIPT, method=method, device=device, world_size=ctx.world_size,
                                     ctx=ctx, config={**shape.describe(), "threads": threads,
                                                      "tensor_parallel": ctx.world_size},
                                     metrics={"loss_at_step": losses, "final_loss": losses[-1], "per_rank": per_rank,
                                              "comm_predicted": predicted, "comm_measured_bytes": mine["comm_bytes"],
                                              "step_time": timing, "tokens_per_s": tokens_per_s})
-            print0(f"record: {path}")
         return 0
     finally:
         teardown_distributed(ctx)

@@ -49,9 +49,7 @@ SCRIPT = "labs/lab07_model_parallel/02_pipeline_parallel.py"
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     add_model_args(parser)
-    group = add_training_flags(parser)
-    group.add_argument("--batch-size", type=positive_int, default=16,
-                       help="sequences per step, cut into --microbatches pieces (default: %(default)s)")
+    group = add_training_flags(parser, batch="sequences per step, cut into --microbatches pieces")
     group.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                        help="gpipe: all forwards then all backwards; 1f1b: alternate; interleaved: 1F1B over two "
                             "stages per rank (default: %(default)s)")
@@ -162,11 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             metrics["per_rank"] = [{"rank": 0, "parameter_bytes": local_bytes(parameters)}]
         if ctx.is_main:
-            path = write_lab_record(args, script=SCRIPT, method=method, device=device, world_size=ctx.world_size,
+            write_lab_record(args, script=SCRIPT, method=method, device=device, world_size=ctx.world_size,
                                     ctx=ctx, metrics=metrics,
                                     config={**shape.describe(), "threads": threads,
                                             "pipeline_stages": len(stages) * ctx.world_size if pipelined else 1})
-            print0(f"record: {path}")
         return 0
     finally:
         teardown_distributed(ctx)

@@ -48,10 +48,8 @@ SCRIPT = "labs/lab07_model_parallel/03_2d_parallel.py"
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     add_model_args(parser)
-    group = add_training_flags(parser)
-    group.add_argument("--batch-size", type=positive_int, default=16,
-                       help="sequences per step over all processes; each mesh row takes 1/DP of them "
-                            "(default: %(default)s)")
+    group = add_training_flags(parser, batch="sequences per step over all processes; each mesh row takes 1/DP "
+                                             "of them")
     group.add_argument("--mesh", type=parse_mesh, default=None,
                        help="DPxTP, e.g. 2x2: FSDP2 over DP rows, tensor parallel over TP columns; the sizes "
                             "multiply to the number of processes (default: TP 2 when the number is even, else 1)")
@@ -134,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print0("parameters held per rank: " + ", ".join(format_bytes(entry["parameter_bytes"]) for entry in per_rank))
         timing = timer.summary()
         if ctx.is_main:
-            path = write_lab_record(args, script=SCRIPT, method=method, device=device, world_size=world, ctx=ctx,
+            write_lab_record(args, script=SCRIPT, method=method, device=device, world_size=world, ctx=ctx,
                                     config={**shape.describe(), "threads": threads, "data_parallel": dp,
                                             "tensor_parallel": tp, "mesh": f"{dp}x{tp}"},
                                     metrics={"loss_at_step": losses, "first_step": first,
@@ -142,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
                                              "step_time": timing,
                                              "tokens_per_s": timing["samples_per_s"] * shape.context
                                              if timing["samples_per_s"] else None})
-            print0(f"record: {path}")
         return 0
     finally:
         teardown_distributed(ctx)

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from common.cli import config_dict, positive_int
 from common.data.datasets import TEXT_VOCAB_SIZE, load_stdlib_text
 from common.errors import UserError
-from common.models import DecoderOnlyTransformer, TransformerShape
+from common.models import DecoderOnlyTransformer, TransformerShape, add_transformer_args, transformer_shape
 from common.results import make_record, provenance, write_record
 from common.runtime.device import synchronize
 
@@ -44,20 +44,15 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The four numbers that size the transformer (the same flags and defaults as Lab-04)."""
-    group = parser.add_argument_group("model (Lab-04's decoder-only transformer, see common/models.py)")
-    group.add_argument("--layers", type=positive_int, default=8, help="transformer blocks (default: %(default)s)")
-    group.add_argument("--width", type=positive_int, default=512,
-                       help="model width d; tensor parallel cuts it across ranks (default: %(default)s)")
-    group.add_argument("--heads", type=positive_int, default=8,
-                       help="attention heads; tensor parallel gives each rank whole heads (default: %(default)s)")
-    group.add_argument("--context", type=positive_int, default=256,
-                       help="characters per training sequence (default: %(default)s)")
-    return parser
+    """The four numbers that size the transformer (``common.models.add_transformer_args``, as in Lab-04)."""
+    return add_transformer_args(parser, "model (Lab-04's decoder-only transformer, see common/models.py)",
+                                why={"width": "; tensor parallel cuts it across ranks",
+                                     "heads": "; tensor parallel gives each rank whole heads"})
 
 
-def add_training_flags(parser: argparse.ArgumentParser, *, steps: int = 20) -> argparse.ArgumentParser:
-    """``--steps --lr --warmup-steps``: every Lab-07 script takes the same optimiser steps."""
+def add_training_flags(parser: argparse.ArgumentParser, *, batch: str, steps: int = 20) -> argparse.ArgumentParser:
+    """``--steps --lr --warmup-steps``: every Lab-07 script takes the same optimiser steps; then ``--batch-size``,
+    whose help (``batch``) says how the script splits the batch."""
     group = parser.add_argument_group("training")
     group.add_argument("--steps", type=positive_int, default=steps,
                        help="optimiser steps, each on one global batch of --batch-size sequences "
@@ -65,6 +60,7 @@ def add_training_flags(parser: argparse.ArgumentParser, *, steps: int = 20) -> a
     group.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: %(default)s)")
     group.add_argument("--warmup-steps", type=int, default=2,
                        help="first steps left out of the timing (default: %(default)s)")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help=f"{batch} (default: %(default)s)")
     return parser
 
 
@@ -76,8 +72,7 @@ def apply_dry_run(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def shape_from_args(args: argparse.Namespace) -> TransformerShape:
-    return TransformerShape(layers=args.layers, width=args.width, heads=args.heads, context=args.context,
-                            vocab_size=TEXT_VOCAB_SIZE).check()
+    return transformer_shape(args, TEXT_VOCAB_SIZE)
 
 
 class HeadParallelAttention(nn.Module):
@@ -333,7 +328,7 @@ def write_lab_record(args: argparse.Namespace, *, script: str, method: str, devi
                      ctx: Any, metrics: dict[str, Any], config: dict[str, Any] | None = None,
                      notes: list[str] | None = None) -> Any:
     """Rank 0 writes one record (``common.results``) with the run's flags, its shape and ``metrics``
-    (plus the sequences per step and per second, the names every course record uses)."""
+    (plus the sequences per step and per second, the names every course record uses), and says where."""
     tokens_per_s = metrics.get("tokens_per_s")
     common = {"world_size": world_size, "devices": world_size, "global_batch_size": args.batch_size,
               "samples_per_s": tokens_per_s / args.context if tokens_per_s else None}
@@ -341,4 +336,6 @@ def write_lab_record(args: argparse.Namespace, *, script: str, method: str, devi
                          config=config_dict(args, resolved_device=str(device), **(config or {})),
                          metrics={**common, **metrics}, notes=notes or [],
                          provenance=provenance(device, world_size, {"distributed": ctx.describe()}))
-    return write_record(record, args.results_dir)
+    path = write_record(record, args.results_dir)
+    print(f"record: {path}", flush=True)
+    return path
