@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from common.cli import script_parser
+from common.cli import input_dir, output_dir, script_parser
 from common.errors import fail, run_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -190,10 +190,10 @@ def build_parser():
     parser = script_parser(__doc__)
     parser.add_argument("--only", nargs="+", default=None, metavar="RUN",
                         help=f"run only these (default: all {len(RUNS)}: {', '.join(RUNS)})")
-    parser.add_argument("--keep", type=Path, default=None,
+    parser.add_argument("--keep", type=output_dir, default=None,
                         help="leave each run's folder (records, logs) here (default: a temporary folder, removed)")
     # Internal: a rank of the distributed job, running in this folder.
-    parser.add_argument("--worker-of", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-of", type=input_dir, default=None, help=argparse.SUPPRESS)
     return parser
 
 

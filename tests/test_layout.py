@@ -282,7 +282,7 @@ def layers(doc: Path = REPO / "docs" / "architecture.md") -> dict[str, int]:
     for line in table.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) >= 2 and cells[0].isdigit():
-            for name in re.findall(r"`(common(?:\.\w+)?)`", cells[1]):
+            for name in re.findall(r"`(common(?:\.\w+)*)`", cells[1]):
                 found[name] = int(cells[0])
     return found
 

@@ -27,7 +27,6 @@ is the one on disk.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -187,24 +186,22 @@ def report_failure(args, ctx, error: RuntimeError, step: int, stacks) -> int:
         write_inject_record(args, ctx, "failed", step, float("nan"), None, {
             "diagnosis": f"rank {ctx.rank} out of memory", "culprits": [ctx.rank], "culprit_step": step})
         return 1
-    meta = json.loads((args.run_dir / RUN_META).read_text())
-    ledger = read_ledger(args.run_dir)
-    verdict = diagnose(ledger, ctx.world_size, meta["steps"], meta["gradient_numel"],
-                       history=read_history(args.run_dir))
+    ledger, meta = read_ledger(args.run_dir), json.loads((args.run_dir / RUN_META).read_text())
+    verdict = diagnose(ledger, ctx.world_size, meta["steps"], meta["gradient_numel"], history=read_history(args.run_dir))
     waiting = [r for r in range(ctx.world_size) if r not in verdict.ranks]
-    waited, fired, why = timeout_fired(ledger.get(ctx.rank), message, args.collective_timeout)
+    timeout, why = timeout_fired(ledger.get(ctx.rank), message, args.collective_timeout)
     print_rank(f"error at step {step}: {message[:160]}", file=sys.stderr)
     dump_flight_recorder(args.run_dir, ctx.rank, ctx.backend)  # what 02_diagnose.py shows after the fact
     if waiting and ctx.rank == min(waiting):
         print_rank(f"diagnosis: {verdict.line}{why}")
         write_inject_record(args, ctx, "failed", step, float("nan"), None, {
             "diagnosis": verdict.line, "culprits": verdict.ranks, "culprit_step": verdict.step, "error": message,
-            "timeout_fired_s": args.collective_timeout if fired else None, "waited_s": waited}, ledger=verdict.rows)
+            **timeout}, ledger=verdict.rows)
     stacks.close()
     return 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser():  # the flags: lab06_shared.add_inject_args
     return add_inject_args(script_parser(__doc__))
 
 

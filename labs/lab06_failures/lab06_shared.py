@@ -144,15 +144,17 @@ class Ledger:
         return stacks
 
 
-def timeout_fired(entry: Mapping[str, Any] | None, message: str, timeout_s: float) -> tuple[float, bool, str]:
+def timeout_fired(entry: Mapping[str, Any] | None, message: str, timeout_s: float) -> tuple[dict[str, Any], str]:
     """Did the collective timeout end this rank's wait? ``entry`` is its ledger entry, written just
     before it entered its last collective. A wait as long as the timeout is the timeout firing, whatever
     the error says (a peer that timed out a moment earlier closed its connection: "Connection closed by
-    peer"). Returns the seconds waited, whether it fired, and what the diagnosis line adds then."""
+    peer"). Returns the record's fields (``timeout_fired_s``: the timeout when it fired, else None;
+    ``waited_s``) and what the diagnosis line adds when it fired."""
     waited = time.time() - entry["time"] if entry else 0.0
     fired = "timed out" in message.lower() or waited >= timeout_s
-    return waited, fired, (f" [the {timeout_s:g} s collective timeout fired: rank {entry['rank'] if entry else '?'} "
-                           f"waited {waited:.1f} s; --collective-timeout SECONDS changes it]") if fired else ""
+    why = (f" [the {timeout_s:g} s collective timeout fired: rank {entry['rank'] if entry else '?'} "
+           f"waited {waited:.1f} s; --collective-timeout SECONDS changes it]") if fired else ""
+    return {"timeout_fired_s": timeout_s if fired else None, "waited_s": waited}, why
 
 
 def dump_flight_recorder(run_dir: Path, rank: int, backend: str | None) -> Path | None:
