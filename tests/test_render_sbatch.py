@@ -153,7 +153,12 @@ def test_every_repository_template_renders_for_every_site_and_keeps_the_contract
         assert all("--kill-on-bad-exit=1" in line for line in launches), launches
         assert "MASTER_PORT=" not in "\n".join(commands), "the port comes from the job header, never fixed"
         directives = "\n".join(line for line in lines if line.startswith("#SBATCH"))
-        if resumes(text):  # a training that can continue: it must be pre-emption safe
+        if resumes(text) and chains(text):  # Lab-09's chain: each link hands over to the next job, never requeues
+            for needed in ("#SBATCH --signal=B:USR1@", "trap ", 'wait "$_step_pid"', "--dependency=afterany:"):
+                assert needed in text, f"{template.name}: a chain link needs {needed!r}"
+            assert "--requeue" not in directives and "scontrol requeue" not in text
+            assert '--checkpoint "$RUN_DIR/checkpoint.pt" --resume' in text
+        elif resumes(text):  # a training that can continue: it must be pre-emption safe
             for needed in ("#SBATCH --signal=B:USR1@", "#SBATCH --requeue ", "trap _forward_usr1 USR1",
                            "scontrol requeue", 'wait "$_step_pid"'):
                 assert needed in text, f"{template.name}: pre-emption needs {needed!r}"
@@ -170,9 +175,14 @@ def resumes(text: str) -> bool:
     return any("--resume" in line for line in text.splitlines() if not line.lstrip().startswith("#"))
 
 
+def chains(text: str) -> bool:
+    """Whether a template's commands submit its next link after it (``--dependency=afterany``)."""
+    return any("--dependency=afterany" in line for line in text.splitlines() if not line.lstrip().startswith("#"))
+
+
 def test_the_training_templates_are_the_ones_that_resume():
-    """Chapter 4's two trainings, Lab-01's DDP runs and Lab-04's sharded trainings; Lab-01's baseline
-    and DP runs are timings."""
+    """Chapter 4's two trainings, Lab-01's DDP runs, Lab-04's sharded trainings and Lab-09's chain link;
+    Lab-01's baseline and DP runs are timings."""
     resumable = sorted(str(path.relative_to(REPO_ROOT)) for path in repository_templates()
                        if resumes(path.read_text().split("#}", 1)[1]))
     assert resumable == ["chapters/ch04_deep_learning/sbatch/multi_gpu.sbatch.j2",
@@ -181,7 +191,8 @@ def test_the_training_templates_are_the_ones_that_resume():
                          "labs/lab01_dp_vs_ddp/sbatch/ddp_torchrun_2node.sbatch.j2",
                          "labs/lab01_dp_vs_ddp/sbatch/ddp_torchrun_4gpu.sbatch.j2",
                          "labs/lab04_sharded_training/sbatch/sharded_srun_2node.sbatch.j2",
-                         "labs/lab04_sharded_training/sbatch/sharded_torchrun_4gpu.sbatch.j2"]
+                         "labs/lab04_sharded_training/sbatch/sharded_torchrun_4gpu.sbatch.j2",
+                         "labs/lab09_many_jobs/sbatch/chain_link.sbatch.j2"]
 
 
 @pytest.mark.parametrize("template", sorted(rendering.COMMITTED_RENDERINGS))
