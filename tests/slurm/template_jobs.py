@@ -9,6 +9,7 @@ requeued job's hold, a signal). test_templates.py then takes the results, waitin
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -69,6 +70,16 @@ def processes_of(job: dict, text: str) -> int:
     return processes if array is None else (int(array[2]) - int(array[1]) + 1) * (processes + 1)
 
 
+def stand_in_data(data_dir: Path) -> None:
+    """What a stand-in python cannot write: Lab-08's shards (one small file and its checksum), so that the
+    job's real shell steps (stage_shards.sh copies and checks them on every node) have something to stage."""
+    shards = data_dir / "lab08" / "shards"
+    shards.mkdir(parents=True)
+    (shards / "shard-000000.tar").write_bytes(b"stand-in shard\n")
+    digest = hashlib.sha256(b"stand-in shard\n").hexdigest()
+    (shards / "SHA256SUMS").write_text(f"{digest}  shard-000000.tar\n")
+
+
 class RenderedJob(NamedTuple):
     site: str
     script: Path
@@ -127,6 +138,7 @@ def run_template_jobs(slurm_cluster, out_dir: Path, runs: Path, stand_in: Path) 
         if entry["site"] != training_site(relative):
             env["PATH"] = f"{stand_in}:{slurm_cluster.job_env['PATH']}"
             weight = 0  # a shell and Slurm's launcher: nothing to hold back
+            stand_in_data(runs / key / "data")
         submissions.append(Submission(key=key, script=script, env=env, weight=weight))
         jobs[key] = (entry, script, results_dir)
     submissions.sort(key=lambda sub: -sub.weight)  # the heavy jobs first: no long one left at the end
