@@ -113,6 +113,25 @@ RUNS: dict[str, LessonRun] = {
     "lab07-03_2d_parallel": LessonRun("labs/lab07_model_parallel/03_2d_parallel.py",
                                       (*CPU, "--dry-run", *TRANSFORMER, "--batch-size", "4", "--mesh", "1x2"),
                                       distributed=True),
+    "lab08-01_make_dataset": LessonRun("labs/lab08_data_at_scale/01_make_dataset.py",
+                                       (*CPU, "--dry-run", "--data-dir", "data")),
+    "lab08-02_read_formats": LessonRun("labs/lab08_data_at_scale/02_read_formats.py",
+                                       (*TINY, "--format", "webdataset", "--data-dir", "data"),
+                                       folder="lab08-01_make_dataset"),
+    # The job's ranks wait for the data set the single-process run above writes (distributed_worker).
+    "lab08-03_shards_exactly_once": LessonRun("labs/lab08_data_at_scale/03_shards_exactly_once.py",
+                                              (*TINY, "--data-dir", "data"), distributed=True,
+                                              folder="lab08-01_make_dataset"),
+    # Lab-09 drives Slurm, which the floor's run has not: the sweep's plan (each run's flags checked by the
+    # training's own parser), a chain of links here (Chapter 4's training, resumed), the others' flags.
+    "lab09-01_sweep": LessonRun("labs/lab09_many_jobs/01_sweep.py",
+                                (str(REPO / "labs/lab09_many_jobs/sweeps/tiny.toml"), "--plan"), results=False),
+    "lab09-02_status": LessonRun("labs/lab09_many_jobs/02_status.py", ("--help",), results=False),
+    "lab09-03_chain": LessonRun("labs/lab09_many_jobs/03_chain.py",
+                                ("--run-dir", "chain", "--local", "--device", "cpu", "--", "--dataset", "digits",
+                                 "--dry-run", "--num-workers", "0"), results=False),
+    "lab09-04_pipeline": LessonRun("labs/lab09_many_jobs/04_pipeline.py", ("--help",), results=False),
+    "lab09-05_submitit": LessonRun("labs/lab09_many_jobs/05_submitit.py", ("--help",), results=False),
 }
 
 
@@ -161,6 +180,11 @@ def distributed_worker(root: Path, names: Sequence[str]) -> int:
     ctx = init_distributed("cpu", force_process_group=True)  # timeout: HPC_DL_LABS_DIST_TIMEOUT, set by main
     try:
         for name in names:
+            before = RUNS[name].folder
+            if before and not RUNS[before].distributed:  # a single-process run writes what this one reads
+                folder, deadline = root / before, time.monotonic() + 600
+                while not (folder / f"{before}.status").exists() and time.monotonic() < deadline:
+                    time.sleep(0.5)
             run_lesson(name, root, ctx.rank)
             dist.barrier()  # the next lesson starts together on both ranks
     finally:

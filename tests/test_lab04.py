@@ -260,17 +260,24 @@ def test_mfu_is_the_model_flops_over_the_gpus_dense_peak_for_the_precision_in_fo
     assert bf16["tokens_per_s"] == 40 * 1024 and bf16["peak_tflops"] == 989.5
     assert bf16["mfu"] == pytest.approx(40 * 1024 * flops_per_token(shape) / 989.5e12)
     assert throughput(shape, 80.0, gpu, "bf16", devices=2)["mfu"] == pytest.approx(bf16["mfu"])  # per device
-    previous = torch.get_float32_matmul_precision()
+    from common.precision import fp32_math, set_fp32_math
+    from common.runtime.compat import new_tf32_api
+
+    previous = fp32_math()
     try:
-        torch.set_float32_matmul_precision("high")
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls: TF32's peak
         assert throughput(shape, 40.0, gpu, "fp32", devices=1)["peak_tflops"] == 494.5
-        torch.set_float32_matmul_precision("highest")
+        set_fp32_math("ieee")  # IEEE matmuls and convolutions (cuDNN's own default is TF32): fp32's peak
         assert throughput(shape, 40.0, gpu, "fp32", devices=1)["peak_tflops"] == 67
-    finally:
-        torch.set_float32_matmul_precision(previous)
+    finally:  # as it was, whatever an earlier test left
+        set_fp32_math(previous["matmul"])
+        torch.backends.cudnn.allow_tf32 = previous["cudnn_conv"] == "tf32"
+        if new_tf32_api():
+            torch.backends.cudnn.conv.fp32_precision = previous["cudnn_conv"]
+    assert fp32_math() == previous
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
     unknown = throughput(shape, 40.0, gpu, "bf16", devices=1)
-    assert unknown["mfu"] is None and "no bf16 peak for 'Some Future GPU'" in unknown["mfu_reason"]
+    assert unknown["mfu"] is None and "no datasheet peak for 'Some Future GPU'" in unknown["mfu_reason"]
 
 
 # --------------------------------------------------------------------------------------------

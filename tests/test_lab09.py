@@ -84,6 +84,14 @@ def test_a_sweep_folder_of_another_sweep_is_refused_before_anything_is_written(t
     assert "is not a sweep folder (no plan.yaml)" in capsys.readouterr().err
 
 
+def test_the_pipeline_s_failed_list_of_a_folder_that_is_not_there_is_one_line(tmp_path, capsys):
+    missing = tmp_path / "never-started"
+    assert run_main(f"{LAB}/04_pipeline.py", ["--sweep-dir", str(missing), "--failed"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {missing} is not a sweep folder: give the --sweep-dir the pipeline was started with\n"
+    assert not missing.exists()
+
+
 @pytest.mark.slow
 def test_a_local_sweep_writes_each_task_into_its_own_folder_with_curves_that_match_its_record(tmp_path, capsys):
     folder = tmp_path / "tiny"

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     record = make_record(
         lab="ch04", script=SCRIPT, method="matmul",
-        config=config_dict(args, dtypes=dtypes, size=size, resolved_device=str(device)),
+        config=config_dict(args, precision=dtypes, size=size, resolved_device=str(device)),
         metrics={"matmul": rows, "peak_source": peak_label, "threads": threads},
         provenance=provenance(device), energy=energy,
         notes=[f"peak TFLOP/s from {peak_label}" if peak_label else "no peak figure known for this device"],

@@ -144,17 +144,21 @@ class Ledger:
         return stacks
 
 
-def timeout_fired(entry: Mapping[str, Any] | None, message: str, timeout_s: float) -> tuple[dict[str, Any], str]:
-    """Did the collective timeout end this rank's wait? ``entry`` is its ledger entry, written just
-    before it entered its last collective. A wait as long as the timeout is the timeout firing, whatever
-    the error says (a peer that timed out a moment earlier closed its connection: "Connection closed by
-    peer"). Returns the record's fields (``timeout_fired_s``: the timeout when it fired, else None;
-    ``waited_s``) and what the diagnosis line adds when it fired."""
-    waited = time.time() - entry["time"] if entry else 0.0
-    fired = "timed out" in message.lower() or waited >= timeout_s
-    why = (f" [the {timeout_s:g} s collective timeout fired: rank {entry['rank'] if entry else '?'} "
-           f"waited {waited:.1f} s; --collective-timeout SECONDS changes it]") if fired else ""
-    return {"timeout_fired_s": timeout_s if fired else None, "waited_s": waited}, why
+def timeout_fired(ledger: Mapping[int, Mapping[str, Any]], rank: int, message: str,
+                  timeout_s: float) -> tuple[dict[str, Any], str]:
+    """Did the collective timeout end the run? ``ledger`` holds each rank's last entry, written just before
+    it entered its last collective; ``rank`` is this rank. The timeout fired when the error says so, or when
+    some rank has waited as long as the timeout: the first rank to time out closes its connections, and a
+    peer still waiting sees only "Connection closed by peer", a moment before its own timeout would have
+    fired. Returns the record's fields (``timeout_fired_s``: the timeout when it fired, else None;
+    ``waited_s``: this rank's wait) and what the diagnosis line adds when it fired."""
+    now = time.time()
+    waits = {r: now - entry["time"] for r, entry in ledger.items() if "time" in entry}
+    longest = max(waits, key=waits.get, default=rank)
+    fired = "timed out" in message.lower() or waits.get(longest, 0.0) >= timeout_s
+    why = (f" [the {timeout_s:g} s collective timeout fired: rank {longest} waited {waits.get(longest, 0.0):.1f} s; "
+           "--collective-timeout SECONDS changes it]") if fired else ""
+    return {"timeout_fired_s": timeout_s if fired else None, "waited_s": waits.get(rank, 0.0)}, why
 
 
 def dump_flight_recorder(run_dir: Path, rank: int, backend: str | None) -> Path | None:

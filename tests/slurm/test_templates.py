@@ -87,7 +87,8 @@ def test_template_trains_on_one_site_and_leaves_its_record(slurm_cluster, templa
 def test_rendering_for_every_other_site_is_accepted_and_launches_its_steps(slurm_cluster, template_jobs, site,
                                                                            script):
     """Each step started its tool once per task: srun's tasks run python (or kernprof), and
-    torchrun once per node (it would start the GPUs' workers); every script it names exists."""
+    torchrun once per node (it would start the GPUs' workers), in every task of a job array (its
+    log holds every array task's); every script it names exists."""
     job = template_jobs[f"{site}/{script}"]
     log = assert_completed_on_its_partition(slurm_cluster, job)
     steps: dict[tuple[str, str], list[tuple[str, str]]] = {}
@@ -97,9 +98,13 @@ def test_rendering_for_every_other_site_is_accepted_and_launches_its_steps(slurm
             assert (REPO_ROOT / launched).is_file(), f"{site}/{script} starts {launched}, which does not exist"
             steps.setdefault((tool, launched), []).append((task, tasks))
     assert steps, f"{site}/{script}: no step was launched\n{log[-3000:]}"
+    # A job array's log is every array task's that Slurm still lists, each opened by the job header's line.
+    copies = len(re.findall(r"^== job \d+ ", log, re.M)) if "#SBATCH --array=" in job.script.read_text() else 1
+    assert copies >= 1, log[-3000:]
     for (tool, launched), tasks in steps.items():
         size = job.job["nodes"] if tool == "torchrun" else job.job["ntasks"]
-        assert sorted(tasks) == [(str(rank), str(size)) for rank in range(size)], (tool, launched, log[-3000:])
+        assert sorted(tasks) == sorted([(str(rank), str(size)) for rank in range(size)] * copies), (
+            tool, launched, log[-3000:])
 
 
 def _generic(template_jobs, script: str) -> tuple[RenderedJob, dict]:
