@@ -246,7 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             env.update(OMP_NUM_THREADS="1", HPC_DL_LABS_DIST_TIMEOUT=str(COLLECTIVE_TIMEOUT_S))
             job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)
-        waiting = [name for name in names if not RUNS[name].distributed]
+        # The runs that read a distributed run's folder wait for the whole job: they come last, so that the
+        # job's runs that read a single-process run's folder (distributed_worker waits for those) get it first.
+        waiting = sorted((name for name in names if not RUNS[name].distributed),
+                         key=lambda name: RUNS[name].folder in distributed)
         while waiting:
             name = waiting.pop(0)
             after = RUNS[name].folder
