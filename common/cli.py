@@ -54,12 +54,21 @@ def non_negative_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
+    return _finite_number(text, above_zero=True)
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    return _finite_number(text, above_zero=False)
+
+
+def _finite_number(text: str, *, above_zero: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    if not (value > 0 if above_zero else value >= 0) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a {'positive number' if above_zero else 'number >= 0'}, got {text}")
     return value
 
 

@@ -964,15 +964,19 @@ def steps_ch04_vs_examples(c: Ctx) -> list[Step]:
     return [Step(make, timeout_s=120), Step(theirs, cwd=str(c.examples / "mnist"), stdout="examples.txt"), Step(ours)]
 
 
-def steps_lab04_mfu(c: Ctx) -> list[Step]:
+def lab04_model(c: Ctx, *, steps: int, warmup: int, global_batch: int, batch: int, compile: bool = False) -> list[str]:
+    """Lab-04's 303M transformer on the GPU (these steps and batches), or the tiny one of the CPU rehearsal."""
     if c.cpu:
-        model = [*tiny_lab04(c), "--max-steps", "3", "--warmup-steps", "1", "--global-batch-size", "8",
-                 "--batch-size", "4"]
-    else:
-        # Micro-batch 16: on the H100 (2026-11-26) micro-batch 8 gave 27.4% MFU, 16 gave 40.7%.
-        model = ["--device", "cuda", "--layers", "24", "--width", "1024", "--heads", "16", "--context", "1024",
-                 "--window-stride", "128", "--max-steps", "24", "--warmup-steps", "10", "--compile",
-                 "--global-batch-size", "64", "--batch-size", "16"]
+        return [*tiny_lab04(c), "--max-steps", "3", "--warmup-steps", "1", "--global-batch-size", "8",
+                "--batch-size", "4"]
+    return ["--device", "cuda", "--layers", "24", "--width", "1024", "--heads", "16", "--context", "1024",
+            "--window-stride", "128", "--max-steps", str(steps), "--warmup-steps", str(warmup),
+            *(["--compile"] if compile else []), "--global-batch-size", str(global_batch), "--batch-size", str(batch)]
+
+
+def steps_lab04_mfu(c: Ctx) -> list[Step]:
+    # Micro-batch 16: on the H100 (2026-11-26) micro-batch 8 gave 27.4% MFU, 16 gave 40.7%.
+    model = lab04_model(c, steps=24, warmup=10, global_batch=64, batch=16, compile=True)
     return [Step([*c.torchrun(1), LAB04 + "/02_sharded_training.py", *model, "--epochs", "1", "--eval-steps", "1",
                   "--strategy", "fsdp", "--precision", "bf16", "--no-reshard-after-forward",
                   "--checkpoint-dir", str(c.folder / "ckpt"), "--results-dir", str(c.folder)],
@@ -980,13 +984,8 @@ def steps_lab04_mfu(c: Ctx) -> list[Step]:
 
 
 def steps_lab04_fsdp_vs_ddp(c: Ctx) -> list[Step]:
-    if c.cpu:
-        model = [*tiny_lab04(c), "--max-steps", "3", "--warmup-steps", "1", "--global-batch-size", "8",
-                 "--batch-size", "4"]
-    else:
-        model = ["--device", "cuda", "--layers", "24", "--width", "1024", "--heads", "16", "--context", "1024",
-                 "--window-stride", "128", "--max-steps", "12", "--warmup-steps", "4", "--global-batch-size", "16",
-                 "--batch-size", "8"]  # fp32 is IEEE fp32 here (~50 TFLOP/s): two micro-batches a step keep it short
+    # fp32 is IEEE fp32 here (~50 TFLOP/s): two micro-batches a step keep it short
+    model = lab04_model(c, steps=12, warmup=4, global_batch=16, batch=8)
     run = [*c.torchrun(1), LAB04 + "/02_sharded_training.py", *model, "--epochs", "1", "--eval-steps", "1",
            "--checkpoint-dir", str(c.folder / "ckpt"), "--results-dir", str(c.folder)]
     return [Step([*run, "--strategy", "ddp"]), Step([*run, "--strategy", "fsdp", "--no-reshard-after-forward"])]

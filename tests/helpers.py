@@ -128,6 +128,20 @@ def preempt_and_resume(script: str, argv: list[str], folder: Path, monkeypatch, 
     return run, whole
 
 
+def render_two_tasks(template: Path, script: Path) -> Path:
+    """``template`` rendered for the generic site with 2 GPUs: 2 tasks on one node, one core each, into ``script``.
+
+    One core each, because the Slurm test cluster does not confine tasks: two tasks of 2 threads would
+    share this machine's 2 cores and spin against each other in every all-reduce (~50x slower).
+    """
+    render_sbatch = load_script("scripts/render_sbatch.py")
+    text, job = render_sbatch.render(render_sbatch.read_template(template), render_sbatch.find_site("generic"),
+                                     {"gpus_per_node": 2, "cpus_per_task": 1})
+    assert job["ntasks"] == 2
+    script.write_text(text)
+    return script
+
+
 def script_env(**extra: str) -> dict[str, str]:
     """The environment for a script subprocess: this interpreter's, the repo importable."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",

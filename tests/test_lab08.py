@@ -250,12 +250,18 @@ def _ids(folder: Path, ranks: int = 2) -> list[list[list[int]]]:
             for rank in range(ranks)]
 
 
-def test_pad_reads_every_sample_exactly_once_per_epoch_on_2_ranks_x_2_workers(two_ranks):
+def _policy_run(two_ranks, policy: str) -> tuple[list[list[list[int]]], dict, dict]:
+    """The two-rank run of one --shard-policy, which must have succeeded: the ids each rank read, its record
+    and the plan it printed."""
     root, statuses = two_ranks
-    assert statuses["pad"] == 0
-    ids = _ids(root / "pad" / "ids")
-    (record,) = _records(root / "pad")
-    plan = record["config"]["plan"]
+    assert statuses[policy] == 0
+    (record,) = _records(root / policy)
+    return _ids(root / policy / "ids"), record, record["config"]["plan"]
+
+
+def test_pad_reads_every_sample_exactly_once_per_epoch_on_2_ranks_x_2_workers(two_ranks):
+    root, _ = two_ranks
+    ids, record, plan = _policy_run(two_ranks, "pad")
     assert (plan["slots"], plan["shards"], plan["samples"]) == (4, 6, SAMPLES)
     assert plan["slot_samples_min"] < plan["slot_samples_max"]  # the shards do not divide evenly
     assert len({len(ids[rank][0]) for rank in range(2)}) == 1  # as many on every rank (blanks too): equal steps
@@ -270,10 +276,7 @@ def test_pad_reads_every_sample_exactly_once_per_epoch_on_2_ranks_x_2_workers(tw
 
 def test_drop_leaves_out_what_the_smallest_slot_lacks_and_uneven_is_refused_on_two_ranks(two_ranks):
     root, statuses = two_ranks
-    assert statuses["drop"] == 0
-    ids = _ids(root / "drop" / "ids")
-    (record,) = _records(root / "drop")
-    plan = record["config"]["plan"]
+    ids, record, plan = _policy_run(two_ranks, "drop")
     for epoch, entry in enumerate(record["metrics"]["epochs_io"]):
         counts = Counter(i for rank in range(2) for i in ids[rank][epoch])
         assert set(counts.values()) == {1} and -1 not in counts
@@ -426,7 +429,8 @@ def test_bad_data_skipped_is_counted_and_named(damaged, tmp_path):
 
 
 @pytest.mark.parametrize(("script", "argv", "message"), [
-    (READ, ["--metadata-latency", "-1"], "--metadata-latency must be >= 0"),
+    (READ, ["--metadata-latency", "-1"], "--metadata-latency: must be a number >= 0, got -1"),
+    (SHARDS, ["--metadata-latency", "x"], "--metadata-latency: expected a number"),
     (READ, ["--format", "tfrecord"], "invalid choice"),
     (SHARDS, ["--shard-policy", "round-robin"], "invalid choice"),
     (MAKE, ["--quality", "101", "--data-dir", "/nonexistent/x"], "--quality must be between 1 and 100"),

@@ -34,15 +34,14 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from common.cli import add_common_args, positive_float, positive_int, script_parser
-from common.errors import UserError, run_main
-from common.train.flags import add_training_args
+from common.cli import non_negative_float, positive_int, script_parser
+from common.errors import run_main
 from common.train.run import TrainingRun
 from common.units import format_bytes
 from labs.lab08_data_at_scale.lab08_shared import (
-    FORMATS, LAB, SHARD_READERS, EpochIO, add_file_system_args, build_model, calibrate, check_batch, decode_batch,
-    describe_dataset, expected_opens, file_system, make_loader, set_loader_epoch, set_metadata_latency,
-    to_model_input, use_lab_data_dir,
+    FORMATS, LAB, SHARD_READERS, EpochIO, add_file_system_args, add_training_run_args, build_model, calibrate,
+    check_batch, decode_batch, describe_dataset, expected_opens, file_system, make_loader, set_loader_epoch,
+    set_metadata_latency, to_model_input,
 )
 
 SCRIPT = "labs/lab08_data_at_scale/02_read_formats.py"
@@ -97,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--format", choices=FORMATS, default="webdataset",
                        help="imagefolder: a file per image; webdataset: tar shards; array: one memory-mapped file "
                             "(default: %(default)s)")
-    group.add_argument("--metadata-latency", type=float, default=0.0, metavar="MS",
+    group.add_argument("--metadata-latency", type=non_negative_float, default=0.0, metavar="MS",
                        help="wait this long before every real open, as a shared file system's metadata server "
                             "would; 1.0 is the README's Lustre-like figure (default: %(default)s: this disk as it is)")
     group.add_argument("--read-only", action="store_true",
@@ -110,20 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--shard-reader", choices=SHARD_READERS, default="index",
                        help="webdataset: find each member at the manifest's offset (index) or parse every tar header "
                             "with WebDataset's reader (webdataset) (default: %(default)s)")
-    group.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (default: %(default)s)")
     group.add_argument("--calibration-samples", type=positive_int, default=512,
                        help="samples the cost model times before the first epoch (default: %(default)s)")
     add_file_system_args(parser)  # --fs-metadata-rtt-ms ... --nodes: the cost model's file system (README)
-    add_training_args(parser)
-    add_common_args(parser, epochs=1, batch_size=64)
-    use_lab_data_dir(parser, "the data set 01_make_dataset.py wrote")
-    return parser
+    return add_training_run_args(parser, group, epochs=1, data="the data set 01_make_dataset.py wrote")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.metadata_latency < 0:
-        raise UserError(f"--metadata-latency must be >= 0 ms, got {args.metadata_latency}")
     description = describe_dataset(args.data_dir)
     set_metadata_latency(args.metadata_latency)
     fs = file_system(args)

@@ -42,16 +42,16 @@ import torch
 import torch.nn.functional as F
 
 from common.atomic import write_text_atomic
-from common.cli import add_common_args, output_dir, positive_float, positive_int, script_parser
+from common.cli import non_negative_float, output_dir, positive_int, script_parser
 from common.errors import UserError, run_main
 from common.runtime.distributed import gather_objects
 from common.runtime.launch import detect_launch
-from common.train.flags import add_checkpoint_args, add_training_args, settle
+from common.train.flags import settle
 from common.train.preemption import Preempted
 from common.train.run import TrainingRun
 from labs.lab08_data_at_scale.lab08_shared import (
     BAD_SAMPLE_ACTIONS, LAB, POLICIES, EpochIO, LoaderCheckpoint, ShardStream, build_model, check_batch,
-    set_metadata_latency, to_model_input, use_lab_data_dir,
+    add_training_run_args, set_metadata_latency, to_model_input,
 )
 
 SCRIPT = "labs/lab08_data_at_scale/03_shards_exactly_once.py"
@@ -76,22 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: %(default)s)")
     group.add_argument("--verify-only", action="store_true",
                        help="read every sample once without training, e.g. after staging (default: off)")
-    group.add_argument("--metadata-latency", type=float, default=0.0, metavar="MS",
+    group.add_argument("--metadata-latency", type=non_negative_float, default=0.0, metavar="MS",
                        help="wait this long before every open (see 02_read_formats.py) (default: %(default)s)")
     group.add_argument("--ids-out", type=output_dir, default=None,
                        help="write the sample ids each rank read, in order, one line per epoch, to ids-rank<r>.jsonl here (default: none)")
-    group.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (default: %(default)s)")
-    add_training_args(parser)
-    add_checkpoint_args(parser)
-    add_common_args(parser, epochs=2, batch_size=64)
-    use_lab_data_dir(parser, "the data set 01_make_dataset.py wrote, or a staged copy of it")
-    return parser
+    return add_training_run_args(parser, group, epochs=2, checkpoint=True,
+                                 data="the data set 01_make_dataset.py wrote, or a staged copy of it")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.metadata_latency < 0:
-        raise UserError(f"--metadata-latency must be >= 0 ms, got {args.metadata_latency}")
     shard_dir = args.data_dir / "shards" if (args.data_dir / "shards").is_dir() else args.data_dir
     set_metadata_latency(args.metadata_latency)
     launch = detect_launch()  # this process's rank, before the process group exists

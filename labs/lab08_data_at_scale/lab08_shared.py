@@ -57,8 +57,9 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
 from common.checkpoint.single_file import load_checkpoint, save_checkpoint
-from common.cli import positive_float, positive_int
+from common.cli import add_common_args, positive_float, positive_int
 from common.errors import UserError
+from common.train.flags import add_checkpoint_args, add_training_args
 from common.train.preemption import TorchCheckpointer
 
 LAB = "lab08"
@@ -94,6 +95,19 @@ def use_lab_data_dir(parser: argparse.ArgumentParser, what: str) -> None:
     for action in parser._actions:
         if action.dest == "data_dir":
             action.help = f"{what} (default: data/lab08 in the repository)"
+
+
+def add_training_run_args(parser: argparse.ArgumentParser, group: argparse._ArgumentGroup, *, epochs: int, data: str,
+                          checkpoint: bool = False) -> argparse.ArgumentParser:
+    """What both training lessons take after their own flags: SGD's rate (in ``group``), the training flags, the
+    checkpoint flags (``checkpoint``), those every script shares, and ``--data-dir`` on this lab's data set."""
+    group.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (default: %(default)s)")
+    add_training_args(parser)
+    if checkpoint:
+        add_checkpoint_args(parser)
+    add_common_args(parser, epochs=epochs, batch_size=64)
+    use_lab_data_dir(parser, data)
+    return parser
 
 
 def add_file_system_args(parser: argparse.ArgumentParser) -> None:

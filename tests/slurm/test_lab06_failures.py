@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from common.results import load_records
-from helpers import load_script, wait_for
+from helpers import render_two_tasks, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO_ROOT / "labs" / "lab06_failures" / "sbatch" / "inject.sbatch.j2"
@@ -25,16 +25,8 @@ TINY = ("--steps", "6", "--checkpoint-every", "2", "--log-interval", "1", "--bat
 DEADLINE_S = 90
 
 pytestmark = pytest.mark.slurm
-render_sbatch = load_script("scripts/render_sbatch.py")
-
-
 def two_task_script(tmp_path: Path) -> Path:
-    text, job = render_sbatch.render(render_sbatch.read_template(TEMPLATE), render_sbatch.find_site("generic"),
-                                     {"gpus_per_node": 2, "cpus_per_task": 1})
-    assert job["ntasks"] == 2
-    script = tmp_path / "inject.sbatch"
-    script.write_text(text)
-    return script
+    return render_two_tasks(TEMPLATE, tmp_path / "inject.sbatch")
 
 
 #: The collective timeout leaves the doctor 30 s (it answers in under a second on a quiet machine):

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from common.results import load_records
-from helpers import load_script, wait_for
+from helpers import render_two_tasks, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO_ROOT / "chapters" / "ch04_deep_learning" / "sbatch" / "multi_gpu.sbatch.j2"
@@ -39,21 +39,9 @@ pytestmark = pytest.mark.slurm
 
 
 
-render_sbatch = load_script("scripts/render_sbatch.py")
-
-
 def two_rank_script(tmp_path: Path) -> Path:
-    """multi_gpu.sbatch for the generic site, with 2 GPUs: 2 tasks on one node, one core each.
-
-    One core each, because the test cluster does not confine tasks: two tasks of 2 threads would
-    share this machine's 2 cores and spin against each other in every all-reduce (~50x slower).
-    """
-    text, job = render_sbatch.render(render_sbatch.read_template(TEMPLATE), render_sbatch.find_site("generic"),
-                                     {"gpus_per_node": 2, "cpus_per_task": 1})
-    assert job["ntasks"] == 2
-    script = tmp_path / "multi_gpu_2.sbatch"
-    script.write_text(text)
-    return script
+    """multi_gpu.sbatch for the generic site with 2 GPUs: 2 tasks on one node (helpers.render_two_tasks)."""
+    return render_two_tasks(TEMPLATE, tmp_path / "multi_gpu_2.sbatch")
 
 
 def test_signalled_mid_epoch_then_requeued_resumes_to_the_same_parameters(slurm_cluster, tmp_path):

@@ -16,7 +16,7 @@ Tables: one row per epoch of every format run (the last epoch), and the shard ru
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import pandas as pd
 
@@ -30,13 +30,17 @@ from common.report.sections import (
 LABS_WITHOUT_SCALING.add("lab08")
 
 
+def _with_epochs(runs: pd.DataFrame, keep: Callable[[dict], bool]) -> Iterator[tuple[dict, Any, list]]:
+    """(run, record, its epochs) of every run that ended ok, that ``keep(run)`` keeps and that has epochs."""
+    for run in runs.to_dict("records"):
+        epochs = get(run["record"], "metrics", "epochs_io")
+        if run["status"] == "ok" and keep(run) and epochs:
+            yield run, run["record"], epochs
+
+
 def _format_rows(runs: pd.DataFrame) -> pd.DataFrame:
     rows = []
-    for run in runs.to_dict("records"):
-        record = run["record"]
-        epochs = get(record, "metrics", "epochs_io")
-        if run["status"] != "ok" or not str(run["script"]).endswith("02_read_formats.py") or not epochs:
-            continue
+    for run, record, epochs in _with_epochs(runs, lambda run: str(run["script"]).endswith("02_read_formats.py")):
         last = epochs[-1] if isinstance(epochs[-1], dict) else {}
         cluster = get(record, "metrics", "cluster_prediction")
         cluster = [row for row in cluster if isinstance(row, dict)] if isinstance(cluster, list) else []
@@ -60,11 +64,7 @@ def _ratio(measured: Any, predicted: Any) -> str:
 
 def _shard_rows(runs: pd.DataFrame) -> pd.DataFrame:
     rows = []
-    for run in runs.to_dict("records"):
-        record = run["record"]
-        epochs = get(record, "metrics", "epochs_io")
-        if run["status"] != "ok" or not str(run["method"]).startswith("shards-") or not epochs:
-            continue
+    for run, record, epochs in _with_epochs(runs, lambda run: str(run["method"]).startswith("shards-")):
         plan = epochs[-1].get("plan") or {}
         rows.append({"run_id": run["run_id"], "machine": run["machine"], "policy": plan.get("policy"),
                      "world_size": run["world_size"], "slots": number(plan.get("slots")),
