@@ -142,6 +142,41 @@ def render_two_tasks(template: Path, script: Path) -> Path:
     return script
 
 
+_FAKE_TORCH = """
+import importlib.abc, importlib.machinery, sys
+__version__ = __VERSION__
+MISSING = __MISSING__
+
+class Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    \"\"\"Any torch.* module but MISSING, as an empty stand-in whose attributes are dummy classes.\"\"\"
+    def find_spec(self, name, path, target=None):
+        if name.startswith("torch.") and not name.startswith(MISSING):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        module.__getattr__ = lambda attr: type(attr, (), {})
+
+sys.meta_path.insert(0, Stubs())
+
+def __getattr__(attr):
+    return type(attr, (), {})
+"""
+
+
+def fake_torch(root: Path, version: str, missing: tuple[str, ...] = ()) -> Path:
+    """A stand-in ``torch`` package in ``root`` (with its dist-info, which importlib.metadata reads) that says it is
+    ``version``: imports of torch and of its modules but ``missing`` succeed, and what they hold is empty, as far as
+    a script gets before common's version check stops it. Put ``root`` first on PYTHONPATH; returns ``root``."""
+    (root / "torch").mkdir(parents=True)
+    (root / "torch" / "__init__.py").write_text(
+        _FAKE_TORCH.replace("__VERSION__", repr(version)).replace("__MISSING__", repr(tuple(missing))))
+    (root / f"torch-{version}.dist-info").mkdir()
+    (root / f"torch-{version}.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+    return root
+
+
 def script_env(**extra: str) -> dict[str, str]:
     """The environment for a script subprocess: this interpreter's, the repo importable."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",

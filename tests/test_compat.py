@@ -18,7 +18,7 @@ import warnings
 import pytest
 
 import common
-from helpers import REPO, script_env
+from helpers import REPO, fake_torch, script_env
 
 FLOOR = common.MINIMUM_VERSIONS["torch"]
 FLOOR_TEXT = ".".join(map(str, FLOOR))
@@ -56,26 +56,7 @@ def test_below_the_floor_is_one_line_and_a_vendor_build_reads_as_its_release(mon
 def test_a_lesson_below_the_floor_stops_at_start_in_one_line(tmp_path):
     """A real script, with a torch that reports the release before the floor: one line, exit 2, nothing run."""
     below = f"{FLOOR[0]}.{FLOOR[1] - 1}.1"
-    (tmp_path / "torch").mkdir()
-    # Imports of torch before common's check succeed (as they would with a real 2.7); what they hold is empty.
-    (tmp_path / "torch" / "__init__.py").write_text(textwrap.dedent(f"""
-        import importlib.abc, importlib.machinery, sys
-        __version__ = {below!r}
-        class Empty(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-            def find_spec(self, name, path, target=None):
-                if name.startswith("torch."):
-                    return importlib.machinery.ModuleSpec(name, self, is_package=True)
-            def create_module(self, spec):
-                return None
-            def exec_module(self, module):
-                module.__getattr__ = lambda attr: type(attr, (), {{}})
-        sys.meta_path.insert(0, Empty())
-        def __getattr__(attr):
-            return type(attr, (), {{}})
-        """))
-    (tmp_path / f"torch-{below}.dist-info").mkdir()
-    (tmp_path / f"torch-{below}.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\n"
-                                                                   f"Version: {below}\n")
+    fake_torch(tmp_path, below)  # imports of torch before common's check succeed, as with a real one
     env = script_env(PYTHONPATH=f"{tmp_path}:{REPO}")
     done = subprocess.run([sys.executable, "labs/lab07_model_parallel/02_pipeline_parallel.py", "--device", "cpu"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import PYTHON, REPO, load_script, run_fresh, run_main, script_env
+from helpers import PYTHON, REPO, fake_torch, load_script, run_fresh, run_main, script_env
 
 H100 = "NVIDIA H100 80GB HBM3"
 V100 = "Tesla V100-SXM2-32GB"
@@ -569,32 +569,10 @@ def test_distributed_scripts_accept_the_old_launchers_local_rank(script, capsys)
 # --------------------------------------------------------------------------------------------
 # an old PyTorch is one line from every entry point
 
-#: Modules PyTorch 1.6 did not have: the stub below refuses them, as the real 1.6 would.
+#: Modules PyTorch 1.6 did not have: the stand-in torch (helpers.fake_torch) refuses them, as the real 1.6 would.
 NEWER_THAN_1_6 = ("torch.amp", "torch.profiler", "torch.utils.flop_counter", "torch.distributed.checkpoint",
                   "torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo", "torch.func", "torch.export",
                   "torch.compiler")
-OLD_TORCH = f'''
-import importlib.abc, importlib.machinery, sys
-__version__ = "1.6.0"
-NEWER = {NEWER_THAN_1_6!r}
-
-class Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Any torch.* module 1.6 had, as an empty stand-in whose attributes are dummy classes."""
-    def find_spec(self, name, path, target=None):
-        if name.startswith("torch.") and not name.startswith(NEWER):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-    def create_module(self, spec):
-        return None
-    def exec_module(self, module):
-        module.__getattr__ = lambda attr: type(attr, (), {{}})
-
-sys.meta_path.insert(0, Stubs())
-
-def __getattr__(attr):
-    return type(attr, (), {{}})
-'''
-
-
 def entry_points() -> list[str]:
     scripts = [*REPO.glob("chapters/*/*.py"), *REPO.glob("labs/*/*.py"), *REPO.glob("scripts/*.py"),
                *REPO.glob("bench/*.py")]
@@ -602,11 +580,7 @@ def entry_points() -> list[str]:
 
 
 def test_every_entry_point_names_an_old_torch_in_one_line(tmp_path):
-    (tmp_path / "torch").mkdir()
-    (tmp_path / "torch" / "__init__.py").write_text(OLD_TORCH)
-    meta = tmp_path / "torch-1.6.0.dist-info"  # what importlib.metadata finds first
-    meta.mkdir()
-    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 1.6.0\n")
+    fake_torch(tmp_path, "1.6.0", missing=NEWER_THAN_1_6)
     env = script_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
     from common import MINIMUM_VERSIONS
 
