@@ -97,8 +97,13 @@ def entry_runs(request, tmp_path_factory) -> dict[str, tuple[subprocess.Complete
     """Every entry point's run, {name: (finished process, its folder)}. Two run at a time beside
     Lab-03's (most of each is one process importing torch: one core of the two); the runs share
     nothing but the machine, and each finds its own free port."""
+    # The folders first, in this thread: tmp_path_factory is not thread-safe (two threads that make the
+    # session's first temporary folder at once each make a base folder of their own).
+    folders = {name: tmp_path_factory.mktemp(name) for name, entry in ENTRY_POINTS.items()
+               if entry.args != LAB03_DDP_ARGS}
+
     def run(name: str) -> tuple[subprocess.CompletedProcess, Path]:
-        entry, folder = ENTRY_POINTS[name], tmp_path_factory.mktemp(name)
+        entry, folder = ENTRY_POINTS[name], folders[name]
         return run_reporting_threads(entry.script, *entry.args, "--results-dir", str(folder / "results"),
                                      folder=folder, launcher=torchrun(entry.ranks) if entry.ranks else None), folder
 

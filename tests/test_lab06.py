@@ -313,6 +313,11 @@ def test_every_fault_ends_within_its_timeout_and_a_margin_and_leaves_no_process(
            for name, job in jobs.items() if job.after_fault_s is not None})
     assert not [name for name, job in jobs.items() if job.killed or job.after_fault_s is None], \
         {name: (job.killed, job.after_fault_s) for name, job in jobs.items()}
+    # Each fault is said in lines of its own: no rank ends in a Python traceback (torchrun's own report of a
+    # failed child, which it prints with a traceback of its agent, is not a rank's).
+    tracebacks = {name: re.findall(r"^\[rank\d+\]:.*$", job.output, re.M)[-3:] for name, job in runs["jobs"].items()
+                  if re.search(r"^\[rank\d+\]: Traceback", job.output, re.M)}
+    assert not tracebacks, tracebacks
     late = {name: (round(job.after_fault_s, 1), job.limit_s()) for name, job in jobs.items()
             if job.after_fault_s > job.limit_s()}
     assert not late, late

@@ -188,9 +188,10 @@ def teardown_distributed(ctx: DistContext | None) -> None:
     """Destroy the process group if this context created it (call it in ``finally``).
 
     On a normal exit the ranks first meet at a barrier, so none tears its connections down while
-    another (rank 0 writing the record, say) still uses them. When an exception is on its way out,
-    there is no barrier: the other ranks may be stuck in a different collective, and waiting for
-    them would turn one rank's error into a hang.
+    another (rank 0 writing the record, say) still uses them; a barrier that fails because a peer has
+    already given up (a script that caught a collective's error and returned its status) is one line,
+    not a traceback. When an exception is on its way out, there is no barrier: the other ranks may be
+    stuck in a different collective, and waiting for them would turn one rank's error into a hang.
 
     ``destroy_process_group`` only makes torch forget the group: the group and its threads (Gloo's
     workers and transport loop, the rendezvous store's server, NCCL's watchdog) end when the last
@@ -202,7 +203,11 @@ def teardown_distributed(ctx: DistContext | None) -> None:
     """
     if ctx is not None and ctx.owns_group and dist.is_available() and dist.is_initialized():
         if sys.exc_info()[0] is None:
-            dist.barrier()
+            try:
+                dist.barrier()
+            except RuntimeError as error:  # a peer gave up first (its failure was said where it happened)
+                message = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                print_rank(f"teardown: not every rank reached the final barrier ({message[:160]})", file=sys.stderr)
         _HOST_GROUPS.clear()
         dist.destroy_process_group()
         _forget_dtensor_caches()
