@@ -23,7 +23,6 @@ import common  # noqa: F401  - first: below the floor this is one error line and
 import argparse
 import contextlib
 import importlib.util
-import json
 import os
 import subprocess
 import sys

@@ -13,12 +13,11 @@ import stat
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from helpers import PYTHON, REPO, fake_torch, load_script, run_fresh, run_main, script_env
+from helpers import PYTHON, REPO, fake_torch, load_script, run_main, script_env
 
 H100 = "NVIDIA H100 80GB HBM3"
 V100 = "Tesla V100-SXM2-32GB"

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, launch_plan, load_script, run_fresh, run_main, run_script
+from helpers import REPO, launch_plan, load_script, run_fresh, run_main
 
 LAB = "labs/lab04_sharded_training"
 BUDGET = f"{LAB}/01_memory_budget.py"

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import REPO, launch_plan, run_main, run_script, torchrun
+from helpers import launch_plan, run_main, run_script, torchrun
 
 LAB = "labs/lab07_model_parallel"
 TP, PP, TWO_D = f"{LAB}/01_tensor_parallel.py", f"{LAB}/02_pipeline_parallel.py", f"{LAB}/03_2d_parallel.py"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Collection
 
-from common.train import amp
 from common.cli import add_precision_arg, positive_int
 from common.data.datasets import DATASETS, RESIDENT_CHOICES, RESIDENT_SHARE
 from common.train.flags import add_adadelta_args, add_training_args

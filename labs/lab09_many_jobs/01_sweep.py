@@ -31,7 +31,7 @@ from common.errors import UserError, run_main
 from common.slurm.rendering import read_template, render, write_script
 from common.slurm.sites import find_site
 from labs.lab09_many_jobs.lab09_shared import (ARRAY_TEMPLATE, check_with_script, display, max_array_size,
-                                               prepare_folder, read_plan, run_task, slurm, submitted_job_id,
+                                               prepare_folder, run_task, slurm, submitted_job_id,
                                                write_plan)
 
 

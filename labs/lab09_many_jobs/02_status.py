@@ -20,7 +20,6 @@ core-hours = elapsed x cores, GPU-hours = elapsed x GPUs, from sacct; energy whe
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from common.cli import input_dir, script_parser
 from common.errors import UserError, run_main

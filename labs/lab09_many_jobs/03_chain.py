@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 from common.cli import output_dir, positive_int, script_parser
 from common.errors import UserError, run_main

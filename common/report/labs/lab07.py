@@ -10,7 +10,7 @@ import pandas as pd
 
 from common.report.runs import entries, numbers, texts
 from common.report.sections import (
-    LABS_WITHOUT_SCALING, Cell, Figure, Row, Section, SectionContext, fmt, is_missing, register_section,
+    LABS_WITHOUT_SCALING, Cell, Figure, Section, SectionContext, fmt, is_missing, register_section,
     table_from_frame,
 )
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pandas as pd
 
 from common.report.runs import number
 from common.report.sections import (LABS_WITHOUT_SCALING, Cell, Section, SectionContext, Table, fmt_number,
