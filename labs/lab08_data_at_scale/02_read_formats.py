@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--shard-reader", choices=SHARD_READERS, default="index",
                        help="webdataset: find each member at the manifest's offset (index) or parse every tar header "
                             "with WebDataset's reader (webdataset) (default: %(default)s)")
-    group.add_argument("--calibration-samples", type=positive_int, default=512,
+    group.add_argument("--calibration-samples", type=positive_int, default=2048,
                        help="samples the cost model times before the first epoch (default: %(default)s)")
     add_file_system_args(parser)  # --fs-metadata-rtt-ms ... --nodes: the cost model's file system (README)
     return add_training_run_args(parser, group, epochs=1, data="the data set 01_make_dataset.py wrote")
@@ -134,12 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model().to(device)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         run.track(model=model, optimizer=optimizer)
-        # The cost model's inputs, measured here: one sample produced in this process, one training step.
-        cost = calibrate(lambda: loader_for(num_workers=0)[0], fmt=args.format, samples=args.calibration_samples,
+        # The cost model's inputs, measured here: one sample produced as the epochs' workers produce it (no
+        # injected latency: its wait is measured on its own), one training step.
+        cost = calibrate(lambda limit: loader_for(num_workers=args.num_workers, metadata_latency_ms=0.0,
+                                                  limit=limit)[0],
+                         fmt=args.format, samples=args.calibration_samples, workers=args.num_workers,
                          decode_device=device if args.decode == "device" else None, model=model, lr=args.lr,
                          batch_size=args.batch_size, device=device, read_only=args.read_only)
         run.print(f"{method}: {held['samples']:,} samples in {held['files']:,} file(s) | {run.describe()} | "
-                  f"{args.num_workers} loader worker(s), batch {args.batch_size} | one sample costs "
+                  f"{args.num_workers} loader worker(s), batch {args.batch_size} | one sample costs a worker "
                   f"{cost['sample_s'] * 1e6:.0f} us to produce here, one step {cost['step_s'] * 1e3:.1f} ms")
         io, epochs = EpochIO(), []
         for epoch in run.epochs():

@@ -719,9 +719,10 @@ def check_batch(extras: dict[str, Any]) -> None:
 
 def make_loader(fmt: str, data_dir: Path, *, batch_size: int, num_workers: int, seed: int, shuffle_buffer: int,
                 decode_in_loader: bool, metadata_latency_ms: float, shard_reader: str, pin_memory: bool,
-                ) -> tuple[DataLoader, dict[str, int]]:
+                limit: int | None = None) -> tuple[DataLoader, dict[str, int]]:
     """The format's dataset and its loader; what it holds (``samples``, ``files``). Shards come as whole batches
-    from each worker (:class:`ShardStream` deals them out); the other two through a seeded ``RandomSampler``."""
+    from each worker (:class:`ShardStream` deals them out); the other two through a seeded ``RandomSampler``,
+    which draws only ``limit`` samples when given (the cost model's calibration: no batch made beyond it)."""
     init = partial(set_metadata_latency, metadata_latency_ms)  # also in workers started with spawn
     common = dict(num_workers=num_workers, worker_init_fn=init, pin_memory=pin_memory)
     if fmt == "webdataset":
@@ -731,7 +732,7 @@ def make_loader(fmt: str, data_dir: Path, *, batch_size: int, num_workers: int, 
         return DataLoader(stream, batch_size=None, **common), {"samples": sum(s.samples for s in stream.shards),
                                                                "files": len(stream.shards)}
     dataset = (ImageFolderFiles if fmt == "imagefolder" else ArrayFile)(data_dir, decode_in_loader=decode_in_loader)
-    sampler = RandomSampler(dataset, generator=torch.Generator())
+    sampler = RandomSampler(dataset, num_samples=limit, generator=torch.Generator())
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_counted, **common)
     return loader, {"samples": len(dataset), "files": len(dataset) if fmt == "imagefolder" else 1}
 
@@ -754,13 +755,14 @@ def expected_opens(fmt: str, held: dict[str, int], samples: int, num_workers: in
     return max(1, num_workers)
 
 
-def calibrate(make: Any, *, fmt: str, samples: int, decode_device: torch.device | None, model: nn.Module,
-              lr: float, batch_size: int, device: torch.device, read_only: bool) -> dict[str, Any]:
-    """What this machine pays, measured before the epochs: producing one sample of this format in this process
-    (``make()``: a loader without workers; open, read, checksum, decode, batch) without injected latency, after
-    one batch that is not timed (the decoder's first call loads its library); what one injected wait before an
-    open lasts here (a sleep lasts longer than it asks, the more so on a busy machine); and one training step on a
-    batch (median of 5 after 2 warm-up steps)."""
+def calibrate(make: Any, *, fmt: str, samples: int, workers: int, decode_device: torch.device | None,
+              model: nn.Module, lr: float, batch_size: int, device: torch.device, read_only: bool) -> dict[str, Any]:
+    """What this machine pays, measured before the epochs: producing one sample of this format the way the epochs
+    do (``make(limit)``: a loader with the epochs' ``workers`` and no injected latency, drawing ``limit`` samples;
+    open, read, checksum, decode, batch, and a worker's hand-over of each batch to this process), per worker,
+    after one batch that is not timed (the workers' start; the decoder's first call loads its library); what one
+    injected wait before an open lasts here (a sleep lasts longer than it asks, the more so on a busy machine);
+    and one training step on a batch (median of 5 after 2 warm-up steps)."""
     latency = COUNTER.latency_s
     waits = [0.0]
     while latency > 0 and (len(waits) < 6 or sum(waits) < 0.2):
@@ -769,7 +771,7 @@ def calibrate(make: Any, *, fmt: str, samples: int, decode_device: torch.device 
         waits.append(time.perf_counter() - start)
     COUNTER.latency_s = 0.0
     try:
-        loader = make()
+        loader = make(batch_size + samples)  # the warm-up batch, then the timed samples
         set_loader_epoch(loader, 0, 10_000)  # another order than the epochs', so the page cache is not primed
         if fmt == "webdataset":  # whole shards: a shard's checksum and its index belong to its samples
             size = loader.dataset.shards[0].samples
@@ -785,7 +787,7 @@ def calibrate(make: Any, *, fmt: str, samples: int, decode_device: torch.device 
             produced += len(labels)
             if produced >= samples:
                 break
-        sample_s = (time.perf_counter() - start) / max(produced, 1)
+        sample_s = (time.perf_counter() - start) * max(workers, 1) / max(produced, 1)  # one worker's share
     finally:
         COUNTER.latency_s = latency
     step_s = 0.0
@@ -806,7 +808,8 @@ def calibrate(make: Any, *, fmt: str, samples: int, decode_device: torch.device 
             times.append(time.perf_counter() - start)
         step_s = statistics.median(times[2:])
     return {"sample_s": sample_s, "samples_timed": produced, "step_s": step_s, "open_wait_s": statistics.mean(waits[1:] or waits),
-            "method": "one process, no injected latency, before the first epoch, after one batch; the wait: the mean "
+            "method": "the epochs' loader workers, no injected latency, before the first epoch, after one batch, per "
+                      "worker; the wait: the mean "
                       "of at least 5 sleeps, 0.2 s in all; step: median of 5 after 2"}
 
 
