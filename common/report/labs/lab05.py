@@ -12,31 +12,26 @@ from common.report.runs import entries, numbers, texts
 from common.report.sections import Cell, Figure, Row, Section, SectionContext, Table, fmt, register_section, table_from_frame
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
-#: Ten colours a reader tells apart (matplotlib's tab10): one per line of the time-to-accuracy plot.
-PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
-           "tab:olive", "tab:cyan")
-COLORS = {"all_reduce": "tab:blue", "all_gather": "tab:orange", "reduce_scatter": "tab:green",
-          "strong": "tab:blue", "weak": "tab:orange"}
+#: matplotlib's tab10 ("C0" is tab:blue, "C1" tab:orange, ...): ten colours a reader tells apart.
+COLORS = {"all_reduce": "C0", "all_gather": "C1", "reduce_scatter": "C2", "strong": "C0", "weak": "C1"}
 
 
 # --- bandwidth ---------------------------------------------------------------------------------------------------
 
 def _bandwidth_table(group: pd.DataFrame, reference: float, caption: str) -> Table:
-    collectives = [c for c in COLLECTIVES if c in set(group["method"])]
+    """A row per message size, the median busbw of each collective (and its share of ``reference``) beside it."""
     cells = group.groupby(["bytes", "method"]).agg(busbw=("busbw", "median"), n=("busbw", "size"),
                                                    time=("time_s", "median"), algbw=("algbw", "median"))
-    rows = []
-    for size in sorted(set(group["bytes"])):
-        rows.append([Cell(fmt(size, "bytes"), style="num")])
-        for collective in collectives:
-            cell = cells.loc[(size, collective)] if (size, collective) in cells.index else {"busbw": None}
-            title = None if fmt(cell["busbw"]) == "—" else (f"median of {cell['n']:.0f} run(s); time {fmt(cell['time'], 's')}; "
-                                                             f"algbw {fmt(cell['algbw'], '{:.3g}')} GB/s")
-            rows[-1].append(Cell(fmt(cell["busbw"], "{:.3g}"), title=title, style="num"))
-            if reference > 0:
-                rows[-1].append(Cell(fmt(cell["busbw"], lambda v: f"{100 * v / reference:.1f}%"), style="num"))
-    columns = [f"{c} {what}" for c in collectives for what in ("busbw GB/s", "% of ref.") if what[0] == "b" or reference > 0]
-    return Table(columns=["size", *columns], rows=rows, caption=caption)
+    cells = cells.assign(share=cells["busbw"] / reference, title=[
+        f"median of {n} run(s); time {fmt(t, 's')}; algbw {fmt(a, '{:.3g}')} GB/s" if pd.notna(b) else None
+        for b, n, t, a in cells[["busbw", "n", "time", "algbw"]].itertuples(index=False)]).unstack("method")
+    cells.columns = [f"{field} {collective}" for field, collective in cells.columns]
+    columns: dict = {"size": ("bytes", "bytes")}
+    for collective in [c for c in COLLECTIVES if c in set(group["method"])]:
+        columns[f"{collective} busbw GB/s"] = (f"busbw {collective}", "{:.3g}", f"title {collective}")
+        if reference > 0:
+            columns[f"{collective} % of ref."] = (f"share {collective}", "%1")
+    return table_from_frame(cells.reset_index(), columns, caption=caption, row_id_column=None)
 
 
 def _bandwidth_figure(group: pd.DataFrame, reference: float, name: str, title: str) -> Figure:
@@ -182,7 +177,7 @@ def _accuracy_figure(points: pd.DataFrame, title: str) -> Figure | None:
         labels.append(f"{' and '.join(dict.fromkeys(line.modes))}, {line.processes} process"
                       f"{'es' if line.processes != 1 else ''}")
         curve = evaluations[evaluations["_run"] == line.first]
-        ax.plot(curve["x"], curve["y"], marker=".", color=PALETTE[index % len(PALETTE)],
+        ax.plot(curve["x"], curve["y"], marker=".", color=f"C{index % 10}",
                 linestyle="-" if "strong" in line.modes else "--", label=labels[-1])
     target = points["target"].median()
     if pd.notna(target):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from common.report.runs import entries, number, numbers, texts
+from common.report.runs import entries, number, numbers
 from common.report.sections import (
     LABS_WITHOUT_SCALING, Cell, Figure, Row, Section, SectionContext, Table, fmt, is_missing, register_section,
     table_from_frame,
@@ -65,9 +65,10 @@ def cost_figure(tasks: pd.DataFrame) -> Figure:
             left.annotate(str(task["index"]), (task["spent"], 100 * task["best"]), xytext=(3, 3),
                           textcoords="offset points", fontsize="small")
         history = task.get("accuracy_history")
-        if isinstance(history, list) and history:
-            right.plot([step for step, _ in history], [100 * acc for _, acc in history], marker="o",
-                       label=plain(task["configuration"]))
+        points = [(step, 100 * acc) for step, acc in (p for p in history if isinstance(p, list) and len(p) == 2)
+                  if number(step) is not None and number(acc) is not None] if isinstance(history, list) else []
+        if points:
+            right.plot(*zip(*points), marker="o", label=plain(task["configuration"]))
     left.set(xlabel=f"{unit} spent (every attempt; red: did not complete)", ylabel="best held-out accuracy (%)")
     right.set(xlabel="optimiser step", ylabel="held-out accuracy (%)")
     if right.get_legend_handles_labels()[0]:
@@ -84,7 +85,7 @@ def _way(sweep: Row, tasks: pd.DataFrame) -> dict:
     submitted = [s for s in sweep.get("metrics.submissions") or [] if isinstance(s, dict) and s.get("how") != "resubmit"]
     overhead = numbers(tasks, "elapsed_s").where(lambda elapsed: elapsed != 0) - numbers(tasks, "training_s")
     states = sorted(key for key in sweep if key.startswith("metrics.states.") and not is_missing(sweep[key]))
-    return {"how": sweep["how"], "tasks": len(tasks), "overhead": overhead.mean(),
+    return {"tasks": len(tasks), "overhead": overhead.mean(),
             "seconds": submitted[0].get("seconds") if submitted else None,
             "states": ", ".join(f"{sweep[key]} {key.removeprefix('metrics.states.')}" for key in states)}
 
@@ -92,14 +93,13 @@ def _way(sweep: Row, tasks: pd.DataFrame) -> dict:
 @register_section("lab09")
 def lab09_sections(ctx: SectionContext) -> list[Section]:
     sweeps = ctx.runs[ctx.runs["method"].fillna("").str.startswith("sweep-")].sort_values("created", kind="stable")
-    sweeps = sweeps.assign(**{key: texts(sweeps, f"config.{key}") for key in ("sweep_id", "how", "sweep.script")})
     every_task, sections, ways = entries(sweeps, "metrics.tasks"), [], {}
     for label, sweep in zip(sweeps.index, sweeps.to_dict("records")):
         tasks = _tasks(every_task[every_task["_run"] == label], sweep.get("metrics.varied_flags"))
         failed = [f"{t['index']} ({t.get('state')})" for t in tasks.to_dict("records") if t.get("state") != "COMPLETED"]
-        sweep_id, how = sweep["sweep_id"], sweep["how"]
+        sweep_id, how, script = (fmt(sweep.get(f"config.{key}")) for key in ("sweep_id", "how", "sweep.script"))
         paragraphs = [
-            f"Sweep {sweep_id} of {sweep['sweep.script']}, submitted as {how}: {len(tasks)} task(s); "
+            f"Sweep {sweep_id} of {script}, submitted as {how}: {len(tasks)} task(s); "
             f"{number(sweep.get('metrics.core_hours')) or 0:.4g} core-hours and "
             f"{number(sweep.get('metrics.gpu_hours')) or 0:.4g} GPU-hours in all (every attempt).",
             ("Tasks that did not complete: " + ", ".join(failed) + ".") if failed else "Every task completed.",
@@ -107,7 +107,7 @@ def lab09_sections(ctx: SectionContext) -> list[Section]:
         sections.append(Section(f"Lab 09: sweep {sweep_id} ({how})", id=f"lab09-{sweep['run_id']}",
                                 paragraphs=paragraphs, figures=[cost_figure(tasks)] if ctx.plots else [],
                                 tables=[ranking_table(sweep, tasks, "accuracy"), ranking_table(sweep, tasks, "cost")]))
-        ways[sweep_id] = _way(sweep, tasks)  # a sweep recorded again after resubmission: its last word
+        ways[sweep_id] = {"how": how, **_way(sweep, tasks)}  # a sweep recorded again after resubmission: its last word
     if len(ways) > 1:
         sections.append(Section("Lab 09: sbatch --array or submitit", tables=[table_from_frame(pd.DataFrame(list(
             ways.values())), {
