@@ -26,10 +26,10 @@ from common.report.sections import Figure, is_missing  # noqa: E402
 MAX_BARS = 40
 
 
-def axes(width: float, height: float, panels: int = 1, **subplots: Any) -> tuple[MplFigure, Any]:
-    """A figure of ``width`` x ``height`` inches and its axes (one, or a row of ``panels``)."""
+def axes(width: float, height: float, panels: int = 1, rows: int = 1, **subplots: Any) -> tuple[MplFigure, Any]:
+    """A figure of ``width`` x ``height`` inches and its axes (one, a row of ``panels`` or a column of ``rows``)."""
     fig = MplFigure(figsize=(width, height))
-    return fig, fig.subplots(1, panels, **subplots)
+    return fig, fig.subplots(rows, panels, **subplots)
 
 
 def png_figure(fig: MplFigure, alt: str, caption: str = "") -> Figure:

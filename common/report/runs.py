@@ -99,6 +99,36 @@ def entries(frame: pd.DataFrame, key: str, *keep: str) -> pd.DataFrame:
     return found.join(frame.reindex(columns=list(keep)), on="_run") if keep else found
 
 
+def largest(frame: pd.DataFrame, list_key: str, key: str) -> pd.Series:
+    """Per row, the largest number under ``key`` among the objects of its list ``list_key`` (the rank that holds
+    the most of something); NaN where there is none."""
+    found = entries(frame, list_key)
+    return numbers(found, key).groupby(found["_run"]).max().reindex(frame.index)
+
+
+def losses(frame: pd.DataFrame, key: str = "metrics.loss_at_step") -> pd.Series:
+    """Per row, the list under ``key`` with ``None`` for each value that is not a number (``[]`` without a list)."""
+    return _column(frame, key).map(lambda v: [number(x) for x in v] if isinstance(v, list) else [])
+
+
+def step_differences(losses: list, reference: list) -> dict[int, float]:
+    """Step (counted from 1) -> ``|loss - reference| / |reference|``, at the steps where both are numbers."""
+    return {step: abs(a - b) / abs(b) for step, (a, b) in enumerate(zip(losses, reference), 1) if a is not None and b}
+
+
+def largest_loss_difference(runs: pd.DataFrame, references: pd.Series, start: pd.Series | None = None) -> pd.Series:
+    """Per run, the largest of its :func:`step_differences` from a reference run (``references``) with the same
+    ``key`` column, its ``losses`` against the reference's from step ``start`` on (where it resumed); the closest
+    reference where there are several, NaN for the references themselves and where there is none."""
+    found = []
+    for position, run in enumerate(runs.to_dict("records")):
+        offset = 0 if start is None else int(start.iloc[position])
+        worst = [max(steps.values()) for reference in runs.loc[references & (runs["key"] == run["key"]), "losses"]
+                 if (steps := step_differences(run["losses"], reference[offset:]))]
+        found.append(min(worst) if worst and not references.iloc[position] else None)
+    return pd.Series(found, index=runs.index, dtype=float)
+
+
 def _per_device(memory: pd.DataFrame, key: str, index: pd.Index) -> pd.Series:
     """``[(device, bytes), ...]`` per run from its ``metrics.memory``, in the order the script wrote them."""
     values = numbers(memory, key)
@@ -115,9 +145,9 @@ def _sources(memory: pd.DataFrame, key: str, index: pd.Index) -> pd.Series:
     return pd.Series([found.get(label, "") for label in index], index=index, dtype=object)
 
 
-def _key(frame: pd.DataFrame, columns: Iterable[str]) -> pd.Series:
+def group_key(frame: pd.DataFrame, columns: Iterable[str]) -> pd.Series:
     """One string per row naming its group; missing values become "" so they group together."""
-    return frame[list(columns)].apply(lambda row: "\x1f".join(text(v) or "" for v in row), axis=1)
+    return frame.reindex(columns=list(columns)).apply(lambda row: "\x1f".join(text(v) or "" for v in row), axis=1)
 
 
 def runs_frame(records: Iterable[Mapping[str, Any]], results_dir: Path | None = None) -> pd.DataFrame:
@@ -161,8 +191,8 @@ def runs_frame(records: Iterable[Mapping[str, Any]], results_dir: Path | None = 
     runs["command"] = _column(flat, "provenance.command").map(
         lambda v: [str(part) for part in v] if isinstance(v, list) else text(v))
     runs["record"] = records
-    runs["comparison"] = _key(runs, COMPARISON_KEYS)
-    runs["configuration"] = _key(runs, CONFIGURATION_KEYS)
+    runs["comparison"] = group_key(runs, COMPARISON_KEYS)
+    runs["configuration"] = group_key(runs, CONFIGURATION_KEYS)
 
     is_baseline = (runs["method"] == BASELINE_METHOD) & (runs["devices"] == 1)
     usable = is_baseline & (runs["status"] == "ok") & runs["samples_per_s"].notna()

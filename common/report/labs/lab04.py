@@ -5,11 +5,11 @@ with their checkpoint stalls and loss curves (``02_sharded_training.py``) and th
 
 from __future__ import annotations
 
-from typing import Any
-
 import pandas as pd
 
-from common.report.runs import entries, flags, numbers, texts
+from common.report.runs import (
+    entries, flags, group_key, largest, largest_loss_difference, losses, numbers, step_differences,
+)
 from common.report.sections import (
     LABS_WITHOUT_SCALING, Cell, Figure, Row, Section, SectionContext, fmt, is_missing, register_section,
     table_from_frame,
@@ -37,33 +37,20 @@ def _both(row: Row, part: str) -> Cell:
 
 
 def _training(runs: pd.DataFrame) -> pd.DataFrame:
-    """The ``ddp`` and ``fsdp...`` runs that finished, with their checkpoint saves, tensors held and loss curve."""
+    """The ``ddp`` and ``fsdp...`` runs that finished, with their checkpoint saves, tensors held, loss curve and its
+    largest difference from the DDP run of the same model, batch and seed (``vs_ddp``)."""
     runs = runs[runs["method"].fillna("").str.split("+").str[0].isin(STRATEGIES) & (runs["status"] == "ok")]
-    saves = entries(runs, "metrics.checkpoint_saves").assign(
-        stall=lambda s: numbers(s, "stall_s"), complete=lambda s: numbers(s, "complete_s"))
-    saves = saves.groupby("_run").agg(saves=("_position", "size"), stall=("stall", "median"),
-                                       complete=("complete", "median"))
-    held = entries(runs, "metrics.tensor_bytes").pipe(lambda e: numbers(e, "total").groupby(e["_run"]).max())
-    return runs.join(saves).assign(
-        saves=lambda t: t["saves"].fillna(0), held=held, shape=_shape(runs),
-        losses=runs.get("metrics.loss_at_step", pd.Series(index=runs.index, dtype=object)).map(
-            lambda v: [x if isinstance(x, (int, float)) and not isinstance(x, bool) else None for x in v]
-            if isinstance(v, list) else []),
-        mode=flags(runs, "config.async_checkpoint").map({True: "async", False: "sync"}),
-        resumed_at=numbers(runs, "metrics.resumed_at_step").where(lambda v: v > 0),
-        key=list(zip(runs["machine"], _shape(runs), *(texts(runs, key) for key in (
-            "global_batch_size", "config.seed", "config.lr")))))
-
-
-def _loss_difference(training: pd.DataFrame) -> list[float | None]:
-    """Largest relative difference, step by step, from a DDP run of the same model, batch and seed."""
-    differences = []
-    for row in training.to_dict("records"):
-        worst = [max(abs(a - b) / abs(b) for a, b in pairs) for ddp in training.loc[
-                 (training["method"] == "ddp") & training["key"].map(row["key"].__eq__), "losses"]
-                 if (pairs := [(a, b) for a, b in zip(row["losses"], ddp) if a is not None and b])]
-        differences.append(min(worst) if worst and row["method"] != "ddp" else None)
-    return differences
+    saves = entries(runs, "metrics.checkpoint_saves")
+    saves = saves.assign(stall=numbers(saves, "stall_s"), complete=numbers(saves, "complete_s")).groupby("_run").agg(
+        saves=("_position", "size"), stall=("stall", "median"), complete=("complete", "median"))
+    training = runs.join(saves).assign(
+        saves=lambda t: t["saves"].fillna(0), held=largest(runs, "metrics.tensor_bytes", "total"), shape=_shape(runs),
+        losses=losses(runs), mode=flags(runs, "config.async_checkpoint").map({True: "async", False: "sync"}),
+        resumed_at=numbers(runs, "metrics.resumed_at_step").where(lambda v: v > 0))
+    if training.empty:
+        return training
+    training["key"] = group_key(training, ["machine", "shape", "global_batch_size", "config.seed", "config.lr"])
+    return training.assign(vs_ddp=largest_loss_difference(training, training["method"] == "ddp"))
 
 
 def _label(row: Row) -> str:
@@ -74,12 +61,10 @@ def _label(row: Row) -> str:
 def _loss_figure(training: pd.DataFrame) -> Figure:
     """Loss per step (top) and each run's relative difference from its DDP twin (bottom): runs that compute the
     same thing draw one curve on top of another, so the lower panel shows them apart."""
-    from common.report.plots import plain, png_figure
-    from matplotlib.figure import Figure as MplFigure
+    from common.report.plots import axes, plain, png_figure
 
     rows = training.to_dict("records")[:12]
-    fig = MplFigure(figsize=(8, 5.4))
-    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    fig, (top, bottom) = axes(8, 5.4, rows=2, sharex=True, height_ratios=(3, 2))
     others, resumed = iter(_STYLES * 2), []
     for row in rows:
         points = [(i + 1, x) for i, x in enumerate(row["losses"]) if x is not None]
@@ -91,9 +76,8 @@ def _loss_figure(training: pd.DataFrame) -> Figure:
             top.axvline(row["resumed_at"] + 0.5, color="grey", linewidth=0.8, linestyle=":")
         ddp = next((r for r in rows if r["method"] == "ddp" and r["key"] == row["key"]), None)
         if ddp is not None and row is not ddp:
-            pairs = [(i + 1, abs(a - b) / abs(b)) for i, (a, b) in enumerate(zip(row["losses"], ddp["losses"]))
-                     if a is not None and b]
-            bottom.plot([p[0] for p in pairs], [p[1] for p in pairs], **style)
+            steps = step_differences(row["losses"], ddp["losses"])
+            bottom.plot(list(steps), list(steps.values()), **style)
     top.set_ylabel("training loss (mean over ranks)")
     top.legend(fontsize="small", loc="upper right")
     bottom.set_yscale("symlog", linthresh=1e-7)
@@ -136,7 +120,6 @@ def sharded_training(ctx: SectionContext) -> Section | None:
                           "itself, so the per-part numbers come from the tensors.")
     training = _training(runs)
     if not training.empty:
-        training["vs_ddp"] = _loss_difference(training)
         tables.append(table_from_frame(training, {
             "method": "method", **WHERE, "global batch": ("global_batch_size", "int"), "checkpoint": "mode",
             "steps": lambda r: Cell(fmt(len(r["losses"]), "int"), style="num"), "final loss": ("final_loss", "num"),
@@ -157,10 +140,10 @@ def sharded_training(ctx: SectionContext) -> Section | None:
                 "files complete after (median)": ("complete", "s"),
             }, id="lab04-checkpoints", caption="Distributed checkpoints: how long each save stopped the training "
                "loop, synchronous (dcp.save) against asynchronous (dcp.async_save writes in the background)"))
-    largest = entries(runs[runs["method"] == "largest-model"], "metrics.largest", "run_id", "machine",
-                      "metrics.world_size", "metrics.budget_bytes")
-    if not largest.empty:
-        tables.append(table_from_frame(largest.assign(shape=_shape(largest, "largest.")), {
+    fitted = entries(runs[runs["method"] == "largest-model"], "metrics.largest", "run_id", "machine",
+                     "metrics.world_size", "metrics.budget_bytes")
+    if not fitted.empty:
+        tables.append(table_from_frame(fitted.assign(shape=_shape(fitted, "largest.")), {
             "variant": "variant", "ranks": ("metrics.world_size", "int"), "budget per rank": ("metrics.budget_bytes", "bytes"),
             "machine": "machine", "largest model (layers × width)": "shape", "parameters": ("largest.parameters", "int"),
             "used per rank": ("largest.bytes", "bytes"),

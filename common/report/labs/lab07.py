@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from common.report.runs import entries, numbers, texts
+from common.report.runs import group_key, largest, largest_loss_difference, losses, numbers, texts
 from common.report.sections import (
     LABS_WITHOUT_SCALING, Cell, Figure, Section, SectionContext, fmt, is_missing, register_section,
     table_from_frame,
@@ -35,42 +35,30 @@ KEY = ("script", "config.layers", "config.width", "config.heads", "config.contex
        "config.lr")
 
 
-def _largest(runs: pd.DataFrame, list_key: str, key: str) -> pd.Series:
-    """Per run, the largest ``key`` over the objects of its ``list_key`` (the rank that holds the most)."""
-    found = entries(runs, list_key)
-    return numbers(found, key).groupby(found["_run"]).max().reindex(runs.index)
+def _shape(runs: pd.DataFrame) -> pd.Series:
+    return texts(runs, "config.layers").fillna("None") + " × " + texts(runs, "config.width").fillna("None")
 
 
 def _rows(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs that finished, each with the largest loss difference, step by step, from the one-process run of the
+    same script and settings (``difference``) and its parameter bytes per rank as a share of that run's."""
     runs = runs[runs["status"] == "ok"]
-    return runs.assign(
+    rows = runs.assign(
         method=runs["method"].fillna(""), script_name=runs["script"].fillna("").str.rsplit("/", n=1).str[-1],
-        ranks=numbers(runs, "metrics.world_size"), shape=texts(runs, "config.layers").fillna("None") + " × " +
-        texts(runs, "config.width").fillna("None"), batch=numbers(runs, "config.batch_size"),
+        ranks=numbers(runs, "metrics.world_size"), shape=_shape(runs), batch=numbers(runs, "config.batch_size"),
         microbatches=numbers(runs, "config.microbatches").where(runs["method"].fillna("").str.startswith("pp-")),
-        parameters=_largest(runs, "metrics.per_rank", "parameter_bytes"),
-        activations=_largest(runs, "metrics.per_rank", "activation_bytes"),
-        comm=_largest(runs, "metrics.per_rank", "comm_bytes"), comm_predicted=numbers(runs, "metrics.comm_predicted.total_bytes"),
+        parameters=largest(runs, "metrics.per_rank", "parameter_bytes"),
+        activations=largest(runs, "metrics.per_rank", "activation_bytes"),
+        comm=largest(runs, "metrics.per_rank", "comm_bytes"), comm_predicted=numbers(runs, "metrics.comm_predicted.total_bytes"),
         bubble=numbers(runs, "metrics.bubble_measured"), bubble_formula=numbers(runs, "metrics.bubble_formula"),
         tokens_per_s=numbers(runs, "metrics.tokens_per_s"), first_step=numbers(runs, "metrics.first_step").fillna(0).astype(int),
-        losses=runs.get("metrics.loss_at_step", pd.Series(index=runs.index, dtype=object)).map(
-            lambda v: [x if isinstance(x, (int, float)) and not isinstance(x, bool) else None for x in v]
-            if isinstance(v, list) else []),
-        key=list(zip(runs["machine"], *(texts(runs, key) for key in KEY))))
-
-
-def _against_reference(rows: pd.DataFrame) -> pd.DataFrame:
-    """Per run: the largest relative loss difference, step by step, from the one-process run of the same script and
-    settings, and its parameter bytes per rank as a fraction of that run's."""
-    differences, shares = [], []
-    for row in rows.to_dict("records"):
-        references = rows[(rows["method"] == "reference") & rows["key"].map(row["key"].__eq__)] \
-            if row["method"] != "reference" else rows.iloc[0:0]
-        worst = [max(abs(a - b) / abs(b) for a, b in pairs) for ref in references["losses"]
-                 if (pairs := [(a, b) for a, b in zip(row["losses"], ref[row["first_step"]:]) if a is not None and b])]
-        differences.append(min(worst) if worst else None)
-        shares.append(next((row["parameters"] / ref for ref in references["parameters"][::-1] if ref > 0), None))
-    return rows.assign(difference=differences, share=pd.Series(shares, index=rows.index, dtype=float))
+        losses=losses(runs), key=group_key(runs, ["machine", *KEY]))
+    if rows.empty:
+        return rows
+    references = rows["method"] == "reference"
+    whole = rows[references & (rows["parameters"] > 0)].groupby("key")["parameters"].last()
+    return rows.assign(difference=largest_loss_difference(rows, references, rows["first_step"]),
+                       share=(rows["parameters"] / rows["key"].map(whole)).where(~references))
 
 
 def _bubble_figure(pipeline: pd.DataFrame) -> Figure:
@@ -97,8 +85,7 @@ def _decision(rows: pd.DataFrame, all_runs: pd.DataFrame) -> pd.DataFrame:
     folder has them; a record of another model or machine would not compare."""
     references = rows[(rows["method"] == "reference") & (rows["parameters"] > 0)].groupby(["machine", "shape"])["parameters"].last()
     lab04 = all_runs[all_runs["lab"] == "lab04"]
-    lab04 = lab04.assign(held=_largest(lab04, "metrics.tensor_bytes", "parameters"), shape=texts(
-        lab04, "config.layers").fillna("None") + " × " + texts(lab04, "config.width").fillna("None"))
+    lab04 = lab04.assign(held=largest(lab04, "metrics.tensor_bytes", "parameters"), shape=_shape(lab04))
     lab04 = lab04.assign(whole=[references.get((m, s)) for m, s in zip(lab04["machine"], lab04["shape"])])
     table = []
     for name, method in (("DP (DDP, Lab-04)", "ddp"), ("FSDP (FSDP2, Lab-04)", "fsdp")):
@@ -122,7 +109,6 @@ def model_parallel(ctx: SectionContext) -> Section | None:
     rows = _rows(ctx.runs)
     if rows.empty:
         return None
-    rows = _against_reference(rows)
     tables, figures = [], []
     tables.append(table_from_frame(rows, {
         "method": "method", "script": "script_name", "ranks": ("ranks", "int"), "model (layers × width)": "shape",
