@@ -129,20 +129,17 @@ def largest_loss_difference(runs: pd.DataFrame, references: pd.Series, start: pd
     return pd.Series(found, index=runs.index, dtype=float)
 
 
-def _per_device(memory: pd.DataFrame, key: str, index: pd.Index) -> pd.Series:
-    """``[(device, bytes), ...]`` per run from its ``metrics.memory``, in the order the script wrote them."""
+def _memory(memory: pd.DataFrame, key: str, source: str, index: pd.Index) -> tuple[pd.Series, pd.Series]:
+    """Per run, from its ``metrics.memory``: ``[(device, bytes), ...]`` under ``key`` in the order the script wrote
+    them, and the sources it names under ``source``, in words."""
     values = numbers(memory, key)
     names = texts(memory, "device").fillna("device " + memory["_position"].astype(str))
     pairs = pd.Series(list(zip(names, values)), index=memory.index, dtype=object)[values.notna()]
     found = pairs.groupby(memory["_run"][values.notna()]).agg(list) if len(pairs) else pd.Series(dtype=object)
-    return pd.Series([found.get(label, []) for label in index], index=index, dtype=object)
-
-
-def _sources(memory: pd.DataFrame, key: str, index: pd.Index) -> pd.Series:
-    """The memory sources each run names under ``key``, in words."""
-    words = texts(memory, key).map(lambda s: MEMORY_SOURCES.get(s, s)).dropna()
-    found = words.groupby(memory["_run"][words.index]).agg(lambda s: ", ".join(sorted(set(s))))
-    return pd.Series([found.get(label, "") for label in index], index=index, dtype=object)
+    words = texts(memory, source).map(lambda s: MEMORY_SOURCES.get(s, s)).dropna()
+    named = words.groupby(memory["_run"][words.index]).agg(lambda s: ", ".join(sorted(set(s))))
+    return (pd.Series([found.get(label, []) for label in index], index=index, dtype=object),
+            pd.Series([named.get(label, "") for label in index], index=index, dtype=object))
 
 
 def group_key(frame: pd.DataFrame, columns: Iterable[str]) -> pd.Series:
@@ -160,20 +157,16 @@ def runs_frame(records: Iterable[Mapping[str, Any]], results_dir: Path | None = 
     """
     records = list(records)
     flat = pd.DataFrame([flatten(record) for record in records], dtype=object)
-    runs = pd.DataFrame({name: texts(flat, key) for name, key in TEXT_COLUMNS.items()})
-    for name in ("samples_per_s", "time_per_epoch_s", "global_batch_size", "final_loss", "test_accuracy",
-                 "achieved_tflops", "mfu"):
-        runs[name] = numbers(flat, f"metrics.{name}")
-    runs["world_size"] = numbers(flat, "metrics.world_size").fillna(numbers(flat, "provenance.world_size"))
-    provenances = [record.get("provenance") if isinstance(record.get("provenance"), Mapping) else {}
-                   for record in records]
-    runs["machine"] = [machine_label(prov) for prov in provenances]
-    runs["machine_detail"] = [describe_machine(prov) for prov in provenances]
+    runs = pd.DataFrame({name: texts(flat, key) for name, key in TEXT_COLUMNS.items()} | {
+        name: numbers(flat, f"metrics.{name}") for name in SUMMARY_METRICS if name not in ("devices", "memory")})
+    runs["world_size"] = runs["world_size"].fillna(numbers(flat, "provenance.world_size"))
+    provenances = [p if isinstance(p := record.get("provenance"), Mapping) else {} for record in records]
+    runs["machine"] = [machine_label(p) for p in provenances]
+    runs["machine_detail"] = [describe_machine(p) for p in provenances]
     memory = entries(flat, "metrics.memory")
-    runs["memory_per_device"] = _per_device(memory, "peak_bytes", runs.index)
-    runs["memory_source"] = _sources(memory, "source", runs.index)
-    runs["device_memory_per_device"] = _per_device(memory, "device_used_bytes", runs.index)
-    runs["device_memory_source"] = _sources(memory, "device_used_source", runs.index)
+    runs["memory_per_device"], runs["memory_source"] = _memory(memory, "peak_bytes", "source", runs.index)
+    runs["device_memory_per_device"], runs["device_memory_source"] = _memory(
+        memory, "device_used_bytes", "device_used_source", runs.index)
     runs["peak_memory_bytes"] = runs["memory_per_device"].map(lambda m: max((p for _, p in m), default=math.nan))
     # N in the efficiency is processes or devices, whichever is more: DataParallel is one process driving
     # several GPUs (its record says so in `devices` or lists one memory entry per GPU), and two Gloo
@@ -237,17 +230,13 @@ def configurations_frame(runs: pd.DataFrame) -> pd.DataFrame:
 
 def csv_frame(runs: pd.DataFrame) -> pd.DataFrame:
     """The summary as plain columns for a spreadsheet: raw numbers (seconds, bytes), one row per run."""
-    out = runs[["run_id", "lab", "method", "status", "model", "device_type", "device_name", "hostname", "machine",
-                "world_size", "devices", "global_batch_size", "time_per_epoch_s", "samples_per_s",
-                "peak_memory_bytes"]].copy()
-    for column in ("world_size", "global_batch_size", "peak_memory_bytes"):  # counts, not 64.0
-        out[column] = out[column].round().astype("Int64")
-    for column, source in (("peak_memory_per_device", "memory_source"),
-                           ("device_memory_per_device", "device_memory_source")):
-        out[column] = runs[column if column != "peak_memory_per_device" else "memory_per_device"].map(
-            lambda memory: ";".join(f"{device}={int(peak)}" for device, peak in memory))
-        out[source] = runs[source]
-    for column in ("baseline_samples_per_s", "speedup", "scaling_efficiency", "achieved_tflops", "mfu",
-                   "final_loss", "test_accuracy", "slurm_job_id", "git_commit", "created", "file"):
-        out[column] = runs[column]
-    return out
+    joined = lambda memory: ";".join(f"{device}={int(peak)}" for device, peak in memory)  # noqa: E731
+    return runs.assign(
+        peak_memory_per_device=runs["memory_per_device"].map(joined),
+        device_memory_per_device=runs["device_memory_per_device"].map(joined),
+        **{count: runs[count].round().astype("Int64") for count in ("world_size", "global_batch_size", "peak_memory_bytes")},
+    )[["run_id", "lab", "method", "status", "model", "device_type", "device_name", "hostname", "machine", "world_size",
+       "devices", "global_batch_size", "time_per_epoch_s", "samples_per_s", "peak_memory_bytes", "peak_memory_per_device",
+       "memory_source", "device_memory_per_device", "device_memory_source", "baseline_samples_per_s", "speedup",
+       "scaling_efficiency", "achieved_tflops", "mfu", "final_loss", "test_accuracy", "slurm_job_id", "git_commit",
+       "created", "file"]]

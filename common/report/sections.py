@@ -3,8 +3,8 @@
 A report is a list of :class:`Section` objects holding data only: paragraphs, bullet items, figures as PNG
 bytes and :class:`Table` objects (rows of :class:`Cell`: text, hover text, style). A table is laid out by
 pandas' Styler through the page's own template, autoescaped like the page, so a run named ``<script>``
-shows as text and no section can inject markup. How a lab adds a section: ``common/report/__init__.py``; the
-registry here never imports the sections that use it (``common.report.labs`` does).
+shows as text and no section can inject markup. How a lab adds a section: ``docs/architecture.md``, "The report";
+the registry here never imports the sections that use it (``common.report.labs`` does).
 """
 
 from __future__ import annotations
@@ -57,18 +57,16 @@ class Table:
     caption: str | None = None
     row_ids: list[str] | None = None
 
-    def styler(self) -> Styler:
-        """The table as a pandas Styler of its texts, each cell's style as its CSS class."""
-        texts = pd.DataFrame([[cell.text for cell in row] for row in self.rows], columns=range(len(self.columns)))
-        styles = pd.DataFrame([[cell.style for cell in row] for row in self.rows], columns=texts.columns)
-        return _Layout(texts, caption=self.caption, cell_ids=False).hide(axis="index") \
-            .relabel_index(self.columns, axis=1).set_td_classes(styles)
-
     def html(self) -> markupsafe.Markup:
-        titles = [[cell.title for cell in row] for row in self.rows]
+        """The table laid out by pandas' Styler: the cells' texts, each cell's style as its CSS class."""
+        texts, styles, titles = ([[getattr(cell, part) for cell in row] for row in self.rows]
+                                 for part in ("text", "style", "title"))
+        styler = _Layout(pd.DataFrame(texts, columns=range(len(self.columns))), caption=self.caption, cell_ids=False)
+        styler = styler.hide(axis="index").relabel_index(self.columns, axis=1).set_td_classes(
+            pd.DataFrame(styles, columns=range(len(self.columns))))
         # Styler trims a table past styler.render.max_elements cells (262,144): every run keeps its row here.
         with pd.option_context("styler.render.max_elements", len(self.rows) * len(self.columns) + 1):
-            return markupsafe.Markup(self.styler().to_html(table_id=self.id, row_ids=self.row_ids, titles=titles))
+            return markupsafe.Markup(styler.to_html(table_id=self.id, row_ids=self.row_ids, titles=titles))
 
 
 @dataclass
@@ -180,7 +178,6 @@ def fmt_memory(memory: Sequence[tuple[str, float]], source: str = "") -> Cell:
 #: What a column shows (see table_from_frame): a key, ``(key, format)``, ``(key, format, hover key)``, or a
 #: function of the row returning text or a Cell.
 ColumnSpec = Union[str, tuple, Callable[[Row], "str | Cell"]]
-Column = tuple[str, ColumnSpec]
 
 
 def _cell(row: Row, spec: ColumnSpec) -> Cell:
@@ -192,7 +189,7 @@ def _cell(row: Row, spec: ColumnSpec) -> Cell:
     return Cell(fmt(row.get(key), format), title=title, style="" if format == "text" else "num")
 
 
-def table_from_frame(frame: pd.DataFrame, columns: Mapping[str, ColumnSpec] | Sequence[Column], *,
+def table_from_frame(frame: pd.DataFrame, columns: Mapping[str, ColumnSpec], *,
                      id: str | None = None, caption: str | None = None, row_id_column: str | None = "run_id",
                      drop_empty: bool = False) -> Table:
     """A :class:`Table` with one row per row of ``frame``; ``columns`` maps each header to what it shows:
@@ -202,12 +199,11 @@ def table_from_frame(frame: pd.DataFrame, columns: Mapping[str, ColumnSpec] | Se
       ``("share", "%1")``, ``("loss", "{:.6g}")``; ``("key", format, "other key")`` adds that value on hover;
     - a function of the row (a dict), returning text or a :class:`Cell`, for anything else.
 
-    A list of ``(header, spec)`` pairs works too. ``drop_empty`` leaves out every column in which no row has
-    a value (every cell MISSING): a lab whose records have no such number gets no column of dashes.
+    ``drop_empty`` leaves out every column in which no row has a value (every cell MISSING): a lab whose records
+    have no such number gets no column of dashes.
     """
-    items = list(columns.items() if isinstance(columns, Mapping) else columns)
-    rows = [[_cell(row, spec) for _, spec in items] for row in frame.to_dict("records")]
-    headers = [header for header, _ in items]
+    rows = [[_cell(row, spec) for spec in columns.values()] for row in frame.to_dict("records")]
+    headers = list(columns)
     if drop_empty and rows:
         keep = [i for i in range(len(headers)) if any(row[i].text not in (MISSING, "") for row in rows)]
         headers, rows = [headers[i] for i in keep], [[row[i] for i in keep] for row in rows]

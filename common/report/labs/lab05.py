@@ -68,16 +68,16 @@ def bandwidth_section(runs: pd.DataFrame, plots: bool) -> Section | None:
     tables, figures, notes = [], [], []
     for (machine, ranks, nodes), group in sizes.dropna(subset=["bytes"]).groupby(["machine", "ranks", "nodes"]):
         where = f"{machine} · {ranks} ranks on {nodes} node{'s' if nodes > 1 else ''}"
-        reference, name = group["reference"].median(), texts(group, "metrics.reference.name").dropna()
-        source = texts(group, "metrics.reference.source").dropna()
-        described = (f"reference {name.iloc[0] if len(name) else None} {reference:.3g} GB/s "
-                     f"({source.iloc[0] if len(source) else None})"
-                     if reference > 0 else "no reference peak recorded")
+        said = {key: list(dict.fromkeys(texts(group, f"metrics.{key}").dropna())) for key in (
+            "reference.name", "reference.source", "transport.summary", "transport.warning")}
+        name, source = (said[key][0] if said[key] else None for key in ("reference.name", "reference.source"))
+        reference = group["reference"].median()
+        described = f"reference {name} {reference:.3g} GB/s ({source})" if reference > 0 else "no reference peak recorded"
         tables.append(_bandwidth_table(group, reference, f"{where}: median busbw per message size; {described}"))
-        notes += [f"{where}: {t}" for t in dict.fromkeys(texts(group, "metrics.transport.summary").dropna())]
-        notes += [f"WARNING {where}: {w}" for w in dict.fromkeys(texts(group, "metrics.transport.warning").dropna())]
+        notes += [f"{where}: {t}" for t in said["transport.summary"]]
+        notes += [f"WARNING {where}: {w}" for w in said["transport.warning"]]
         if plots:
-            figures.append(_bandwidth_figure(group, reference, name.iloc[0] if len(name) else "reference", where))
+            figures.append(_bandwidth_figure(group, reference, name or "reference", where))
     if not tables:
         return None
     return Section("Lab 05: bus bandwidth against the link's peak", paragraphs=[
