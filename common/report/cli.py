@@ -14,7 +14,7 @@ from common.cli import input_dir, one_line_errors, output_file
 from common.report import build_report
 from common.report.render import DEFAULT_REPORT_NAME
 
-__all__ = ["beside_records", "build_parser", "parse_args", "main"]
+__all__ = ["beside_records", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,10 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
-
-
 def beside_records(path: Path | None, results_dir: Path) -> Path | None:
     """A bare file name goes into the results folder: the Lab-01 handout's ``--output-report comparison_report.html``
     would otherwise leave the report in whatever folder the command was typed in."""
@@ -52,7 +48,7 @@ def beside_records(path: Path | None, results_dir: Path) -> Path | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     report = beside_records(args.output_report, args.results_dir)
     if report is None and args.lab is not None:
         report = args.results_dir / f"{args.lab}_{DEFAULT_REPORT_NAME}"

@@ -1,12 +1,10 @@
-"""Result records -> one tidy table of runs: each record read once, here, into one row.
+"""Result records -> one tidy frame of runs: each record read once, here, into one row.
 
-Every value of a record becomes a column named by its path in the schema (``docs/results-schema.md``):
-``metrics.samples_per_s``, ``config.precision``, ``provenance.versions.torch``; a list stays whole under its
-path (``metrics.sizes``). The columns the summary compares get short names and a type: numbers are floats,
-NaN where a record lacks the value or holds text, a bool or infinity; names are text, ``None`` when missing.
-A record from an older script, another lab or a crashed run thus still gets its row, and no section reads a
-record by hand: it takes a number with :func:`numbers`, a name with :func:`texts`, and the objects of a list
-(one row each) with :func:`entries`.
+Every value of a record is a column named by its path in the schema (``docs/results-schema.md``, a list whole
+under its path); the columns the summary compares get short names and a type (numbers as floats, NaN where a
+record lacks the value or holds something else; names as text, ``None`` when missing), so a record from an older
+script, another lab or a crashed run still gets its row. Sections read the rest through :func:`numbers`,
+:func:`texts`, :func:`flags` and :func:`entries` (the objects of a list, one row each), never a record by hand.
 
 Scaling efficiency follows the Lab-01 handout's table: ``throughput(N devices) / (N x baseline throughput)``,
 where the baseline is the median throughput of the single-device ``baseline`` runs of the same lab, model and

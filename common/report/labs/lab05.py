@@ -56,8 +56,9 @@ def _bandwidth_figure(group: pd.DataFrame, reference: float, name: str, title: s
                       f"busbw against message size, {plain(title)}; dashed: the reference it is compared with.")
 
 
-def bandwidth_section(runs: pd.DataFrame, plots: bool) -> Section | None:
-    runs = runs[runs["method"].isin(COLLECTIVES) & (runs["status"] == "ok")]
+@register_section("lab05")
+def bandwidth_section(ctx: SectionContext) -> Section | None:
+    runs = ctx.runs[ctx.runs["method"].isin(COLLECTIVES) & (ctx.runs["status"] == "ok")]
     sizes = entries(runs.assign(ranks=runs["world_size"].fillna(1).astype(int),
                                 nodes=numbers(runs, "metrics.nodes").fillna(1).astype(int)), "metrics.sizes",
                     "machine", "method", "run_id", "ranks", "nodes", "metrics.reference.gb_per_s",
@@ -76,7 +77,7 @@ def bandwidth_section(runs: pd.DataFrame, plots: bool) -> Section | None:
         tables.append(_bandwidth_table(group, reference, f"{where}: median busbw per message size; {described}"))
         notes += [f"{where}: {t}" for t in said["transport.summary"]]
         notes += [f"WARNING {where}: {w}" for w in said["transport.warning"]]
-        if plots:
+        if ctx.plots:
             figures.append(_bandwidth_figure(group, reference, name or "reference", where))
     if not tables:
         return None
@@ -190,8 +191,9 @@ def _accuracy_figure(points: pd.DataFrame, title: str) -> Figure | None:
                       "the first crossing of the dotted line is the time to target.")
 
 
-def scaling_section(runs: pd.DataFrame, plots: bool) -> Section | None:
-    points = _points(runs)
+@register_section("lab05")
+def scaling_section(ctx: SectionContext) -> Section | None:
+    points = _points(ctx.runs)
     if points.empty:
         return None
     tables, figures, notes = [], [], []
@@ -206,7 +208,7 @@ def scaling_section(runs: pd.DataFrame, plots: bool) -> Section | None:
             "samples/s": ("samples_per_s", "rate", "titles"), "speed-up": ("speedup", "x"), "ideal": ("ideal", "x"),
             "efficiency": ("efficiency", "%"), "final accuracy": ("test_accuracy", "%1"), "time to target": _reached,
             "J / sample": ("energy", "{:.3g}")}, caption=f"{where} ({batches})"))
-        if plots:
+        if ctx.plots:
             figures.append(_scaling_figure(group, where))
             same = points[(points["machine"] == machine) & (points["model"] == model) & (points["status"] == "ok")]
             figures += [figure for figure in [_accuracy_figure(same, where)] if figure is not None]
@@ -241,8 +243,9 @@ def _overlap_figure(buckets: pd.DataFrame, title: str) -> Figure:
                       f"Overlap, {plain(title)}: the red bar is what backward did not hide.")
 
 
-def overlap_section(runs: pd.DataFrame, plots: bool) -> Section | None:
-    runs = runs[(runs["method"] == "overlap") & (runs["status"] == "ok")]
+@register_section("lab05")
+def overlap_section(ctx: SectionContext) -> Section | None:
+    runs = ctx.runs[(ctx.runs["method"] == "overlap") & (ctx.runs["status"] == "ok")]
     buckets = entries(runs, "metrics.buckets", "machine", "world_size", "model", "run_id")
     ms = lambda v: f"{1e3 * v:.1f}"  # noqa: E731
     times = ("step_s", "no_sync_step_s", "exposed_comm_s", "comm_alone_s")
@@ -256,7 +259,7 @@ def overlap_section(runs: pd.DataFrame, plots: bool) -> Section | None:
             "no_sync step (ms)": ("no_sync_step_s", ms), "exposed comm. (ms)": ("exposed_comm_s", ms),
             "comm. alone (ms)": ("comm_alone_s", ms), "hidden": ("hidden_fraction", "%")},
             caption=f"{where}: median step times", row_id_column=None))
-        if plots:
+        if ctx.plots:
             figures.append(_overlap_figure(group, where))
     if not tables:
         return None
@@ -266,10 +269,3 @@ def overlap_section(runs: pd.DataFrame, plots: bool) -> Section | None:
         "Hidden = 1 − exposed ÷ alone; below 0 the synchronised step lost more than the communication costs "
         "alone (on a CPU the all-reduce competes with backward for the same cores)."])
 
-
-@register_section("lab05")
-def lab05_sections(ctx: SectionContext) -> list[Section]:
-    """Up to three sections: bus bandwidth, the scaling curves, overlap (each only when its records are there)."""
-    built = (bandwidth_section(ctx.runs, ctx.plots), scaling_section(ctx.runs, ctx.plots),
-             overlap_section(ctx.runs, ctx.plots))
-    return [section for section in built if section is not None]
