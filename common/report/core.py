@@ -156,7 +156,7 @@ def other_metrics_section(runs: pd.DataFrame) -> Section | None:
         caption = f"{lab}: {len(counts)} other metric{'s' if len(counts) != 1 else ''}"
         caption += f" (the {len(shown)} most common shown)" if len(counts) > len(shown) else ""
         columns = {"run": "run_id", "method": "method",
-                   **{key: lambda r, key=key: _metric(r.get(f"metrics.{key}")) for key in shown}}
+                   **{key: lambda r, key=key: _metric(r[f"metrics.{key}"]) for key in shown}}
         tables.append(table_from_frame(lab_runs, columns, caption=caption))
     if not tables:
         return None
@@ -167,7 +167,7 @@ def other_metrics_section(runs: pd.DataFrame) -> Section | None:
 def _energy(run: Row) -> Cell:
     if not isinstance(run["record"].get("energy"), dict):
         return Cell("not recorded", title="written before schema version 2, which added energy")
-    return Cell("ok") if run["energy"] == "ok" else Cell("unavailable", title=fmt(run.get("energy.reason")))
+    return Cell("ok") if run["energy"] == "ok" else Cell("unavailable", title=fmt(run["energy.reason"]))
 
 
 def energy_section(runs: pd.DataFrame) -> Section:

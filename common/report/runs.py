@@ -232,9 +232,10 @@ def csv_frame(runs: pd.DataFrame) -> pd.DataFrame:
     return runs.assign(
         peak_memory_per_device=runs["memory_per_device"].map(joined),
         device_memory_per_device=runs["device_memory_per_device"].map(joined),
-        **{count: runs[count].round().astype("Int64") for count in ("world_size", "global_batch_size", "peak_memory_bytes")},
-    )[["run_id", "lab", "method", "status", "model", "device_type", "device_name", "hostname", "machine", "world_size",
-       "devices", "global_batch_size", "time_per_epoch_s", "samples_per_s", "peak_memory_bytes", "peak_memory_per_device",
-       "memory_source", "device_memory_per_device", "device_memory_source", "baseline_samples_per_s", "speedup",
-       "scaling_efficiency", "achieved_tflops", "mfu", "final_loss", "test_accuracy", "slurm_job_id", "git_commit",
-       "created", "file"]]
+        **{count: runs[count].round().astype("Int64")  # counts, not 64.0
+           for count in ("world_size", "global_batch_size", "peak_memory_bytes")},
+    )[["run_id", "lab", "method", "status", "model", "device_type", "device_name", "hostname", "machine",
+       "world_size", "devices", "global_batch_size", "time_per_epoch_s", "samples_per_s", "peak_memory_bytes",
+       "peak_memory_per_device", "memory_source", "device_memory_per_device", "device_memory_source",
+       "baseline_samples_per_s", "speedup", "scaling_efficiency", "achieved_tflops", "mfu", "final_loss",
+       "test_accuracy", "slurm_job_id", "git_commit", "created", "file"]]

@@ -110,8 +110,12 @@ class SectionContext:
     plots: bool = True
 
 
-#: A row of a table as renderers and checks see it: column name -> value.
-Row = Mapping[str, Any]
+class Row(dict):
+    """A row of a frame as a table's columns read it (``frame.to_dict("records", into=Row)``): column name -> value,
+    and a key that no row of the frame has reads as ``None``, like a value the record lacks."""
+
+    def __missing__(self, key: str) -> None:
+        return None
 SectionBuilder = Callable[[SectionContext], "Section | Iterable[Section] | None"]
 #: lab -> {builder name -> builder}; keyed by name so importing a module twice adds nothing twice.
 _LAB_SECTIONS: dict[str, dict[str, SectionBuilder]] = {}
@@ -185,8 +189,8 @@ def _cell(row: Row, spec: ColumnSpec) -> Cell:
         shown = spec(row)
         return shown if isinstance(shown, Cell) else Cell(shown)
     key, format, hover = (spec, "text", None) if isinstance(spec, str) else (*spec, None)[:3]
-    title = None if hover is None or is_missing(row.get(hover)) else str(row[hover])
-    return Cell(fmt(row.get(key), format), title=title, style="" if format == "text" else "num")
+    title = None if hover is None or is_missing(row[hover]) else str(row[hover])
+    return Cell(fmt(row[key], format), title=title, style="" if format == "text" else "num")
 
 
 def table_from_frame(frame: pd.DataFrame, columns: Mapping[str, ColumnSpec], *,
@@ -197,12 +201,13 @@ def table_from_frame(frame: pd.DataFrame, columns: Mapping[str, ColumnSpec], *,
     - ``"key"``: ``frame[key]`` as text (a key no row has shows MISSING);
     - ``("key", format)``: the value through :func:`fmt`, right-aligned: ``("world_size", "int")``,
       ``("share", "%1")``, ``("loss", "{:.6g}")``; ``("key", format, "other key")`` adds that value on hover;
-    - a function of the row (a dict), returning text or a :class:`Cell`, for anything else.
+    - a function of the row (a dict in which a key no row has reads as ``None``), returning text or a
+      :class:`Cell`, for anything else.
 
     ``drop_empty`` leaves out every column in which no row has a value (every cell MISSING): a lab whose records
     have no such number gets no column of dashes.
     """
-    rows = [[_cell(row, spec) for spec in columns.values()] for row in frame.to_dict("records")]
+    rows = [[_cell(row, spec) for spec in columns.values()] for row in frame.to_dict("records", into=Row)]
     headers = list(columns)
     if drop_empty and rows:
         keep = [i for i in range(len(headers)) if any(row[i].text not in (MISSING, "") for row in rows)]

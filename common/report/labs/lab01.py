@@ -12,7 +12,7 @@ import pandas as pd
 
 from common.report.checks import DDP_MIN_EFFICIENCY, is_ddp
 from common.report.runs import BASELINE_METHOD, number
-from common.report.sections import Section, SectionContext, register_section, table_from_frame
+from common.report.sections import Row, Section, SectionContext, register_section, table_from_frame
 
 #: Which run a row is: the first columns of both tables.
 RUN_COLUMNS = {"run": "run_id", "method": "method", "machine": "machine", "devices": ("devices", "int")}
@@ -21,11 +21,11 @@ RUN_COLUMNS = {"run": "run_id", "method": "method", "machine": "machine", "devic
 def _cpu_ddp_notes(runs: pd.DataFrame) -> list[str]:
     """Why DDP on a CPU scales far below the GPU expectation (one paragraph per such run)."""
     notes = []
-    for run in runs.to_dict("records"):
+    for run in runs.to_dict("records", into=Row):
         efficiency = run["scaling_efficiency"]
         if not (is_ddp(run["method"]) and run["device_type"] == "cpu" and efficiency < DDP_MIN_EFFICIENCY):
             continue
-        cores, threads = (number(run.get(f"provenance.device.{key}")) for key in ("cpu_count", "threads"))
+        cores, threads = (number(run[f"provenance.device.{key}"]) for key in ("cpu_count", "threads"))
         shared = (f"its {run['devices']} processes ({threads:.0f} thread(s) each) shared this machine's {cores:.0f} "
                   "cores" if cores and threads else f"its {run['devices']} processes shared one machine")
         notes.append(

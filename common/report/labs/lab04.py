@@ -32,7 +32,7 @@ def _shape(frame: pd.DataFrame, prefix: str = "config.") -> list[str | None]:
 
 def _both(row: Row, part: str) -> Cell:
     """``measured (predicted)`` in one cell, or the prediction alone when nothing was measured."""
-    predicted, measured = fmt(row.get(f"predicted.{part}"), "bytes"), row.get(f"measured.{part}")
+    predicted, measured = fmt(row[f"predicted.{part}"], "bytes"), row[f"measured.{part}"]
     return Cell(f"({predicted})" if is_missing(measured) else f"{fmt(measured, 'bytes')} ({predicted})", style="num")
 
 
@@ -95,8 +95,8 @@ def _loss_figure(training: pd.DataFrame) -> Figure:
 
 
 def _mfu(row: Row) -> Cell:
-    reason = row.get("metrics.mfu_reason")
-    if is_missing(row.get("metrics.mfu")):
+    reason = row["metrics.mfu_reason"]
+    if is_missing(row["metrics.mfu"]):
         return Cell("n/a", title=reason if isinstance(reason, str) else "not recorded", style="num")
     return Cell(fmt(row["metrics.mfu"], "%1"), title=reason if isinstance(reason, str) and reason else None, style="num")
 
@@ -147,7 +147,7 @@ def sharded_training(ctx: SectionContext) -> Section | None:
             "variant": "variant", "ranks": ("metrics.world_size", "int"), "budget per rank": ("metrics.budget_bytes", "bytes"),
             "machine": "machine", "largest model (layers × width)": "shape", "parameters": ("largest.parameters", "int"),
             "used per rank": ("largest.bytes", "bytes"),
-            "× DDP's largest": lambda r: Cell(fmt(r.get("times_ddp"), "x") + ("+" if r.get("limited_by_doublings") is True
+            "× DDP's largest": lambda r: Cell(fmt(r["times_ddp"], "x") + ("+" if r["limited_by_doublings"] is True
                                                                                else ""), style="num"),
         }, id="lab04-largest", caption="The largest model (doubling depth or width) that trains one step within the "
                                        "budget per rank (+: still fitted at the last doubling allowed)"))

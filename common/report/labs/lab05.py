@@ -73,7 +73,8 @@ def bandwidth_section(ctx: SectionContext) -> Section | None:
             "reference.name", "reference.source", "transport.summary", "transport.warning")}
         name, source = (said[key][0] if said[key] else None for key in ("reference.name", "reference.source"))
         reference = group["reference"].median()
-        described = f"reference {name} {reference:.3g} GB/s ({source})" if reference > 0 else "no reference peak recorded"
+        described = (f"reference {name} {reference:.3g} GB/s ({source})" if reference > 0
+                     else "no reference peak recorded")
         tables.append(_bandwidth_table(group, reference, f"{where}: median busbw per message size; {described}"))
         notes += [f"{where}: {t}" for t in said["transport.summary"]]
         notes += [f"WARNING {where}: {w}" for w in said["transport.warning"]]

@@ -15,12 +15,12 @@ LABS_WITHOUT_SCALING.add("lab06")
 def _outcome(run: Row) -> str:
     """What the run ended in, in a few words."""
     if run["status"] == "ok":
-        restarts = int(number(run.get("metrics.restarts")) or 0)
+        restarts = int(number(run["metrics.restarts"]) or 0)
         return "finished" + (f" after {restarts} restart(s)" if restarts else "")
-    if not is_missing(run.get("metrics.nan_stop.step")):
+    if not is_missing(run["metrics.nan_stop.step"]):
         return (f"every rank stopped at step {run['metrics.nan_stop.step']} (NaN on rank(s) "
-                f"{run.get('metrics.nan_stop.ranks')}); last good checkpoint: step {run.get('metrics.nan_stop.checkpoint_step')}")
-    diagnosis = run.get("metrics.diagnosis")
+                f"{run['metrics.nan_stop.ranks']}); last good checkpoint: step {run['metrics.nan_stop.checkpoint_step']}")
+    diagnosis = run["metrics.diagnosis"]
     return "failed" if is_missing(diagnosis) else str(diagnosis)
 
 
@@ -32,7 +32,7 @@ def lab06_sections(ctx: SectionContext) -> Section | None:
         tables.append(table_from_frame(faults, {
             "fault": "method", "ranks": ("world_size", "int"),
             "rank / step": lambda r: "-" if r["method"] == "uninterrupted" else
-            f"{fmt(r.get('config.rank'))} / {fmt(r.get('config.step'))}",
+            f"{fmt(r['config.rank'])} / {fmt(r['config.step'])}",
             "ended in": _outcome, "final loss": ("metrics.final_loss", "{:.6g}"), "training time": ("metrics.wall_s", "s"),
         }, id="lab06-faults", caption="Each run of 01_inject.py: a restarted run that finished must show the "
                                       "uninterrupted run's final loss."))
@@ -41,7 +41,7 @@ def lab06_sections(ctx: SectionContext) -> Section | None:
         if (runs["method"] == method).any():
             tables.append(table_from_frame(runs[runs["method"] == method], {
                 "machine": "machine", "ranks": ("world_size", "int"),
-                "verdict": lambda r: Cell(fmt(r.get("metrics.verdict")), style="" if r["status"] == "ok" else "warn"),
+                "verdict": lambda r: Cell(fmt(r["metrics.verdict"]), style="" if r["status"] == "ok" else "warn"),
             }, id=f"lab06-{method}", caption=caption))
     if not tables:
         return None

@@ -19,7 +19,9 @@ from __future__ import annotations
 import pandas as pd
 
 from common.report.runs import entries, numbers, texts
-from common.report.sections import LABS_WITHOUT_SCALING, Section, SectionContext, fmt, register_section, table_from_frame
+from common.report.sections import (
+    LABS_WITHOUT_SCALING, Section, SectionContext, fmt, register_section, table_from_frame,
+)
 
 #: Lab-08 compares input pipelines on one machine: no speed-up columns in the summary.
 LABS_WITHOUT_SCALING.add("lab08")
@@ -61,7 +63,8 @@ def data_at_scale(ctx: SectionContext) -> Section | None:
     shards = _last_epochs(runs[runs["method"].fillna("").str.startswith("shards-")], "run_id", "machine", "world_size",
                           "metrics.skipped_samples", "metrics.exactly_once")
     if not shards.empty:
-        tables.append(table_from_frame(shards.assign(once=shards["metrics.exactly_once"].map({True: "yes", False: "no"})), {
+        shards = shards.assign(once=shards["metrics.exactly_once"].map({True: "yes", False: "no"}))
+        tables.append(table_from_frame(shards, {
             "policy": "plan.policy", "machine": "machine", "ranks": ("world_size", "int"),
             "reader slots": ("plan.slots", "int"), "samples": ("plan.samples", "int"),
             "distinct read (last epoch)": ("distinct_all_ranks", "int"), "blanks": ("plan.padded", "int"),

@@ -24,15 +24,16 @@ LABS_WITHOUT_SCALING.add("lab09")
 
 
 def _configuration(task: Row, varied: list[str]) -> str:
-    shown = [f"{name}={task[f'flags.{name}']}" for name in varied if not is_missing(task.get(f"flags.{name}"))]
-    return " ".join([*shown, f"seed={fmt(task.get('seed'))}"])
+    shown = [f"{name}={task[f'flags.{name}']}" for name in varied if not is_missing(task[f"flags.{name}"])]
+    return " ".join([*shown, f"seed={fmt(task['seed'])}"])
 
 
 def _tasks(tasks: pd.DataFrame, varied: object) -> pd.DataFrame:
     """A sweep's tasks with ``configuration`` (the varied flags and the seed) and ``cost`` (GPU-hours where the
     task held GPUs, else core-hours)."""
     varied = varied if isinstance(varied, list) else []
-    return tasks.assign(configuration=[_configuration(task, varied) for task in tasks.to_dict("records")],
+    configurations = [_configuration(task, varied) for task in tasks.to_dict("records", into=Row)]
+    return tasks.assign(configuration=configurations,
                         cost=numbers(tasks, "gpu_hours").where(lambda gpu: gpu != 0).fillna(
                             numbers(tasks, "core_hours")).fillna(0))
 
@@ -42,7 +43,7 @@ def ranking_table(sweep: Row, tasks: pd.DataFrame, by: str) -> Table:
     ranked = tasks.iloc[order.argsort(kind="stable")].assign(rank=range(1, len(tasks) + 1))
     return table_from_frame(ranked, {
         "rank": ("rank", "int"), "task": ("index", "{}"), "configuration": "configuration",
-        "state": lambda t: Cell(fmt(t.get("state")), style="" if t.get("state") == "COMPLETED" else "warn"),
+        "state": lambda t: Cell(fmt(t["state"]), style="" if t["state"] == "COMPLETED" else "warn"),
         "best accuracy": ("best_accuracy", "%1"), "attempts": ("attempts", "{}"), "elapsed (last)": ("elapsed_s", "s"),
         "core-h": ("core_hours", "{:.3g}"), "GPU-h": ("gpu_hours", "{:.3g}"), "energy (J)": ("energy_j", "{:.4g}"),
     }, id=f"lab09-{sweep['run_id']}-by-{by}", row_id_column=None, caption=(
@@ -58,13 +59,13 @@ def cost_figure(tasks: pd.DataFrame) -> Figure:
     unit = "GPU-hours" if gpu else "core-hours"
     fig, (left, right) = axes(11, 4, 2)
     for task in tasks.assign(best=numbers(tasks, "best_accuracy"), spent=numbers(
-            tasks, "gpu_hours" if gpu else "core_hours")).to_dict("records"):
+            tasks, "gpu_hours" if gpu else "core_hours")).to_dict("records", into=Row):
         if pd.notna(task["best"]) and pd.notna(task["spent"]):
             left.scatter([task["spent"]], [100 * task["best"]],
-                         color="tab:blue" if task.get("state") == "COMPLETED" else "tab:red")
+                         color="tab:blue" if task["state"] == "COMPLETED" else "tab:red")
             left.annotate(str(task["index"]), (task["spent"], 100 * task["best"]), xytext=(3, 3),
                           textcoords="offset points", fontsize="small")
-        history = task.get("accuracy_history")
+        history = task["accuracy_history"]
         points = [(step, 100 * acc) for step, acc in (p for p in history if isinstance(p, list) and len(p) == 2)
                   if number(step) is not None and number(acc) is not None] if isinstance(history, list) else []
         if points:
@@ -82,7 +83,8 @@ def cost_figure(tasks: pd.DataFrame) -> Figure:
 
 def _way(sweep: Row, tasks: pd.DataFrame) -> dict:
     """How a sweep was submitted: how long submitting took, and each task's overhead (elapsed minus training)."""
-    submitted = [s for s in sweep.get("metrics.submissions") or [] if isinstance(s, dict) and s.get("how") != "resubmit"]
+    submissions = sweep["metrics.submissions"] if isinstance(sweep["metrics.submissions"], list) else []
+    submitted = [s for s in submissions if isinstance(s, dict) and s.get("how") != "resubmit"]
     overhead = numbers(tasks, "elapsed_s").where(lambda elapsed: elapsed != 0) - numbers(tasks, "training_s")
     states = sorted(key for key in sweep if key.startswith("metrics.states.") and not is_missing(sweep[key]))
     return {"tasks": len(tasks), "overhead": overhead.mean(),
@@ -94,14 +96,15 @@ def _way(sweep: Row, tasks: pd.DataFrame) -> dict:
 def lab09_sections(ctx: SectionContext) -> list[Section]:
     sweeps = ctx.runs[ctx.runs["method"].fillna("").str.startswith("sweep-")].sort_values("created", kind="stable")
     every_task, sections, ways = entries(sweeps, "metrics.tasks"), [], {}
-    for label, sweep in zip(sweeps.index, sweeps.to_dict("records")):
-        tasks = _tasks(every_task[every_task["_run"] == label], sweep.get("metrics.varied_flags"))
-        failed = [f"{t['index']} ({t.get('state')})" for t in tasks.to_dict("records") if t.get("state") != "COMPLETED"]
-        sweep_id, how, script = (fmt(sweep.get(f"config.{key}")) for key in ("sweep_id", "how", "sweep.script"))
+    for label, sweep in zip(sweeps.index, sweeps.to_dict("records", into=Row)):
+        tasks = _tasks(every_task[every_task["_run"] == label], sweep["metrics.varied_flags"])
+        failed = [f"{t['index']} ({t['state']})" for t in tasks.to_dict("records", into=Row)
+                  if t["state"] != "COMPLETED"]
+        sweep_id, how, script = (fmt(sweep[f"config.{key}"]) for key in ("sweep_id", "how", "sweep.script"))
         paragraphs = [
             f"Sweep {sweep_id} of {script}, submitted as {how}: {len(tasks)} task(s); "
-            f"{number(sweep.get('metrics.core_hours')) or 0:.4g} core-hours and "
-            f"{number(sweep.get('metrics.gpu_hours')) or 0:.4g} GPU-hours in all (every attempt).",
+            f"{number(sweep['metrics.core_hours']) or 0:.4g} core-hours and "
+            f"{number(sweep['metrics.gpu_hours']) or 0:.4g} GPU-hours in all (every attempt).",
             ("Tasks that did not complete: " + ", ".join(failed) + ".") if failed else "Every task completed.",
         ]
         sections.append(Section(f"Lab 09: sweep {sweep_id} ({how})", id=f"lab09-{sweep['run_id']}",
