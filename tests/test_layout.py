@@ -243,7 +243,7 @@ def test_every_lesson_stays_within_its_line_budget():
 #: the sections of the labs that came after the count (NEW_LAB_SECTIONS) aside; each of those, and each lab's section
 #: to come, adds at most NEW_LAB_SECTION_BUDGET. Issue 29 asks for 1,700: what a kept library already does (pandas'
 #: Styler, groupby, pivot, unstack) is not written by hand here, and what is left is the report's own behaviour.
-REPORT_BUDGET = 2_030
+REPORT_BUDGET = 2_021
 NEW_LAB_SECTIONS = ("common/report/labs/lab08.py", "common/report/labs/lab09.py")
 NEW_LAB_SECTION_BUDGET = 150
 
