@@ -45,13 +45,6 @@ MEMORY_SOURCES = {
 }
 
 
-def get(mapping: Any, *keys: str) -> Any:
-    """``mapping[k1][k2]...``, or ``None`` as soon as a level is missing or is not a mapping."""
-    for key in keys:
-        mapping = mapping.get(key) if isinstance(mapping, Mapping) else None
-    return mapping
-
-
 def number(value: Any) -> float | None:
     """A finite int or float as ``float``; anything else (text, bool, NaN, missing) as ``None``."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
@@ -177,15 +176,6 @@ def fmt_memory(memory: Sequence[tuple[str, float]], source: str = "") -> Cell:
     title = ", ".join(f"{device}: {format_bytes(peak)}" for device, peak in memory)
     return Cell(shown, title=f"{title} ({source})" if source else title, style="num")
 
-
-# The helpers sections used before columns were specs; kept so that a section written against them still works.
-fmt_text, fmt_int, fmt_seconds, fmt_rate, fmt_ratio, fmt_bytes = (partial(fmt, spec=name) for name in (
-    "text", "int", "s", "rate", "x", "bytes"))
-fmt_number = lambda value, digits=4: fmt(value, f"{{:.{digits}g}}")  # noqa: E731
-fmt_percent = lambda value, digits=0: fmt(value, f"{{:.{digits}%}}")  # noqa: E731
-num = partial(Cell, style="num")
-text_column = lambda header, key=None: (header, key or header)  # noqa: E731
-number_column = lambda header, key, format, *args: (header, lambda row: num(format(row[key], *args)))  # noqa: E731
 
 #: What a column shows (see table_from_frame): a key, ``(key, format)``, ``(key, format, hover key)``, or a
 #: function of the row returning text or a Cell.

@@ -16,105 +16,61 @@ Tables: one row per epoch of every format run (the last epoch), and the shard ru
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
-
 import pandas as pd
 
-from common.report.runs import get, number
-from common.report.sections import (
-    LABS_WITHOUT_SCALING, Section, SectionContext, fmt_bytes, fmt_int, fmt_number, fmt_percent, fmt_text, num,
-    register_section, table_from_frame,
-)
+from common.report.runs import entries, numbers, texts
+from common.report.sections import LABS_WITHOUT_SCALING, Section, SectionContext, fmt, register_section, table_from_frame
 
 #: Lab-08 compares input pipelines on one machine: no speed-up columns in the summary.
 LABS_WITHOUT_SCALING.add("lab08")
 
 
-def _with_epochs(runs: pd.DataFrame, keep: Callable[[dict], bool]) -> Iterator[tuple[dict, Any, list]]:
-    """(run, record, its epochs) of every run that ended ok, that ``keep(run)`` keeps and that has epochs."""
-    for run in runs.to_dict("records"):
-        epochs = get(run["record"], "metrics", "epochs_io")
-        if run["status"] == "ok" and keep(run) and epochs:
-            yield run, run["record"], epochs
+def _last_epochs(runs: pd.DataFrame, *keep: str) -> pd.DataFrame:
+    """The last epoch of every run that ended ok, one row each: its keys (``plan.slots``) beside the run's ``keep``."""
+    return entries(runs[runs["status"] == "ok"], "metrics.epochs_io", *keep).drop_duplicates("_run", keep="last")
 
 
-def _format_rows(runs: pd.DataFrame) -> pd.DataFrame:
-    rows = []
-    for run, record, epochs in _with_epochs(runs, lambda run: str(run["script"]).endswith("02_read_formats.py")):
-        last = epochs[-1] if isinstance(epochs[-1], dict) else {}
-        cluster = get(record, "metrics", "cluster_prediction")
-        cluster = [row for row in cluster if isinstance(row, dict)] if isinstance(cluster, list) else []
-        rows.append({
-            "run_id": run["run_id"], "machine": run["machine"], "method": run["method"],
-            "format": get(record, "config", "format"), "latency": number(get(record, "config", "metadata_latency")),
-            "workers": number(get(record, "config", "num_workers")), "samples": number(last.get("samples")),
-            "rate": number(last.get("samples_per_s")), "epoch_s": number(last.get("epoch_s")),
-            "predicted": number(last.get("predicted_epoch_s")), "opens": number(last.get("opens")),
-            "stats": number(last.get("stats")), "bytes": number(last.get("bytes")),
-            "wait": number(last.get("data_wait_share")),
-            "cluster": "; ".join(f"{row.get('nodes')}: {fmt_number(number(row.get('epoch_s')), 3)} s ({row.get('bound')})"
-                                 for row in cluster),
-        })
-    return pd.DataFrame(rows)
-
-
-def _ratio(measured: Any, predicted: Any) -> str:
-    return fmt_number(measured / predicted, 3) if measured and predicted and not pd.isna(predicted) else "—"
-
-
-def _shard_rows(runs: pd.DataFrame) -> pd.DataFrame:
-    rows = []
-    for run, record, epochs in _with_epochs(runs, lambda run: str(run["method"]).startswith("shards-")):
-        plan = epochs[-1].get("plan") or {}
-        rows.append({"run_id": run["run_id"], "machine": run["machine"], "policy": plan.get("policy"),
-                     "world_size": run["world_size"], "slots": number(plan.get("slots")),
-                     "samples": number(plan.get("samples")),
-                     "read": number(epochs[-1].get("distinct_all_ranks")), "padded": number(plan.get("padded")),
-                     "dropped": number(plan.get("dropped")), "skipped": number(get(record, "metrics", "skipped_samples")),
-                     "once": get(record, "metrics", "exactly_once"), "wait": number(epochs[-1].get("data_wait_share"))})
-    return pd.DataFrame(rows)
+def _cluster(runs: pd.DataFrame) -> pd.Series:
+    """Per run, its predicted epoch on each node count: ``1: 12.3 s (metadata); 4: ...``."""
+    nodes = entries(runs, "metrics.cluster_prediction")
+    lines = [f"{n}: {fmt(s, '{:.3g}')} s ({b})" for n, s, b in zip(texts(nodes, "nodes"), numbers(nodes, "epoch_s"),
+                                                                   texts(nodes, "bound"))]
+    return pd.Series(lines, index=nodes.index, dtype=object).groupby(nodes["_run"]).agg("; ".join)
 
 
 @register_section("lab08")
 def data_at_scale(ctx: SectionContext) -> Section | None:
-    formats, shards = _format_rows(ctx.runs), _shard_rows(ctx.runs)
-    if formats.empty and shards.empty:
-        return None
-    tables = []
+    runs, tables = ctx.runs, []
+    formats = _last_epochs(runs[runs["script"].fillna("").str.endswith("02_read_formats.py")], "run_id", "method",
+                           "machine", "config.format", "config.num_workers", "config.metadata_latency")
     if not formats.empty:
-        tables.append(table_from_frame(formats.sort_values(["latency", "format"], na_position="first"), [
-            ("run", lambda r: fmt_text(r["method"])),
-            ("machine", lambda r: fmt_text(r["machine"])),
-            ("wait per open (ms)", lambda r: num(fmt_number(r["latency"], 3))),
-            ("workers", lambda r: num(fmt_int(r["workers"]))),
-            ("samples", lambda r: num(fmt_int(r["samples"]))),
-            ("samples/s", lambda r: num(fmt_number(r["rate"], 4))),
-            ("files opened", lambda r: num(fmt_int(r["opens"]))),
-            ("stat calls", lambda r: num(fmt_int(r["stats"]))),
-            ("bytes read", lambda r: num(fmt_bytes(r["bytes"]))),
-            ("waiting for data", lambda r: num(fmt_percent(r["wait"], 1))),
-            ("epoch s measured", lambda r: num(fmt_number(r["epoch_s"], 3))),
-            ("epoch s predicted", lambda r: num(fmt_number(r["predicted"], 3))),
-            ("measured ÷ predicted", lambda r: num(_ratio(r["epoch_s"], r["predicted"]))),
-            ("predicted on N Lustre-like nodes", lambda r: fmt_text(r["cluster"])),
-        ], id="lab08-formats", caption="The last epoch of each run of 02_read_formats.py: what the dataset's code opened, "
+        formats = formats.assign(latency=numbers(formats, "config.metadata_latency"),
+                                 cluster=formats["_run"].map(_cluster(runs)).fillna(""),
+                                 ratio=numbers(formats, "epoch_s") / numbers(formats, "predicted_epoch_s").where(
+                                     lambda predicted: predicted > 0))
+        tables.append(table_from_frame(formats.sort_values(["latency", "config.format"], na_position="first"), {
+            "run": "method", "machine": "machine", "wait per open (ms)": ("latency", "{:.3g}"),
+            "workers": ("config.num_workers", "int"), "samples": ("samples", "int"),
+            "samples/s": ("samples_per_s", "{:.4g}"), "files opened": ("opens", "int"), "stat calls": ("stats", "int"),
+            "bytes read": ("bytes", "bytes"), "waiting for data": ("data_wait_share", "%1"),
+            "epoch s measured": ("epoch_s", "{:.3g}"), "epoch s predicted": ("predicted_epoch_s", "{:.3g}"),
+            "measured ÷ predicted": ("ratio", "{:.3g}"), "predicted on N Lustre-like nodes": "cluster",
+        }, id="lab08-formats", caption="The last epoch of each run of 02_read_formats.py: what the dataset's code opened, "
                                        "stat-ed and read (summed over the loader workers), the share of step time spent "
                                        "waiting for a batch, and the cost model's epoch time"))
+    shards = _last_epochs(runs[runs["method"].fillna("").str.startswith("shards-")], "run_id", "machine", "world_size",
+                          "metrics.skipped_samples", "metrics.exactly_once")
     if not shards.empty:
-        tables.append(table_from_frame(shards, [
-            ("policy", lambda r: fmt_text(r["policy"])),
-            ("machine", lambda r: fmt_text(r["machine"])),
-            ("ranks", lambda r: num(fmt_int(r["world_size"]))),
-            ("reader slots", lambda r: num(fmt_int(r["slots"]))),
-            ("samples", lambda r: num(fmt_int(r["samples"]))),
-            ("distinct read (last epoch)", lambda r: num(fmt_int(r["read"]))),
-            ("blanks", lambda r: num(fmt_int(r["padded"]))),
-            ("left out", lambda r: num(fmt_int(r["dropped"]))),
-            ("skipped (bad)", lambda r: num(fmt_int(r["skipped"]))),
-            ("every sample once", lambda r: fmt_text({True: "yes", False: "no"}.get(r["once"]))),
-            ("waiting for data", lambda r: num(fmt_percent(r["wait"], 1))),
-        ], id="lab08-shards", caption="03_shards_exactly_once.py: the shards dealt over ranks x workers, and what the "
+        tables.append(table_from_frame(shards.assign(once=shards["metrics.exactly_once"].map({True: "yes", False: "no"})), {
+            "policy": "plan.policy", "machine": "machine", "ranks": ("world_size", "int"),
+            "reader slots": ("plan.slots", "int"), "samples": ("plan.samples", "int"),
+            "distinct read (last epoch)": ("distinct_all_ranks", "int"), "blanks": ("plan.padded", "int"),
+            "left out": ("plan.dropped", "int"), "skipped (bad)": ("metrics.skipped_samples", "int"),
+            "every sample once": "once", "waiting for data": ("data_wait_share", "%1"),
+        }, id="lab08-shards", caption="03_shards_exactly_once.py: the shards dealt over ranks x workers, and what the "
                                       "policy cost in the last epoch"))
+    if not tables:
+        return None
     return Section("Lab 08: feeding the GPUs from a shared file system", paragraphs=[
         "The same images as small files, tar shards and one array file, read by the same loader workers for the same "
         "model. A small file costs an open per image, and on a shared file system each open is a round trip to the "
