@@ -5,7 +5,6 @@ with their checkpoint stalls and loss curves (``02_sharded_training.py``) and th
 
 from __future__ import annotations
 
-from typing import Any
 
 import pandas as pd
 
