@@ -39,3 +39,22 @@ def lab03_ddp_run(tmp_path_factory: pytest.TempPathFactory):
     result = run_reporting_threads("labs/lab03_precision_benchmark/benchmark_models.py", *LAB03_DDP_ARGS,
                                    folder=folder)
     return result, folder
+
+
+_SECONDS_BY_FILE: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each test's setup, call and teardown, summed by file (module fixtures count where they run)."""
+    path = report.nodeid.split("::", 1)[0]
+    _SECONDS_BY_FILE[path] = _SECONDS_BY_FILE.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Where the time went, by file: the suite's budget is kept by the slowest files (docs/testing.md)."""
+    if not _SECONDS_BY_FILE:
+        return
+    ranked = sorted(_SECONDS_BY_FILE.items(), key=lambda item: -item[1])
+    terminalreporter.write_sep("=", f"seconds by file ({sum(_SECONDS_BY_FILE.values()):.0f} s in all)")
+    for path, seconds in ranked[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")

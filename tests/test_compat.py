@@ -150,14 +150,23 @@ def test_dtensor_caches_are_emptied_wherever_this_release_keeps_them(one_rank_gr
 STALLED = textwrap.dedent("""
     import datetime, sys, time
     import torch, torch.distributed as dist
+    from torch.distributed import distributed_c10d
     from common.runtime.compat import set_collective_timeout
     rank, port = int(sys.argv[1]), int(sys.argv[2])
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     dist.barrier()
     call = set_collective_timeout(2.0)
-    if rank == 1:
-        time.sleep(12)
+    if call is None:  # an older release: its private call, tried here, and rank 1 comes 6 s late
+        distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=2.0))
+        if rank == 1:
+            time.sleep(6)
+        began = time.perf_counter()
+        dist.all_reduce(torch.ones(1))
+        print("CALL", call, "PRIVATE CALL WAITED", round(time.perf_counter() - began, 1), flush=True)
+    elif rank == 1:  # stays out of the all-reduce until rank 0 has its answer (or 30 s)
+        store.wait(["answered"], datetime.timedelta(seconds=30))
+        store.set("bye", "1")
     else:
         began = time.perf_counter()
         try:
@@ -165,22 +174,47 @@ STALLED = textwrap.dedent("""
             print("CALL", call, "FINISHED")
         except RuntimeError:
             print("CALL", call, "FAILED AFTER", round(time.perf_counter() - began, 1), flush=True)
+        store.set("answered", "1")
+        store.wait(["bye"], datetime.timedelta(seconds=30))  # the store lives in this process: rank 1 reads first
     """)
 
 
 def test_a_short_collective_timeout_fails_a_stalled_collective_in_seconds():
+    """Where ``torch.distributed.set_timeout`` exists, a Gloo collective that a rank stays out of fails after
+    the short timeout. Where it does not (the floor), the private call leaves a Gloo group's collectives on
+    the start-up timeout: the compatibility module says so (None), and the private call, tried anyway, lets
+    rank 0's collective wait for rank 1's 6 s."""
     from common.runtime.launch import free_port
 
     port, env = str(free_port()), script_env(OMP_NUM_THREADS="1")
     ranks = [subprocess.Popen([sys.executable, "-c", STALLED, str(rank), port], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     out = [rank.communicate(timeout=180)[0] for rank in ranks][0]
+    if not hasattr(__import__("torch.distributed").distributed, "set_timeout"):
+        waited = re.search(r"CALL None PRIVATE CALL WAITED ([\d.]+)", out)
+        assert waited and float(waited.group(1)) >= 4.0, out[-2000:]  # past the 2 s it was given
+        return
     found = re.search(r"CALL (\S+) FAILED AFTER ([\d.]+)", out)
-    assert found, out[-2000:]
-    expected = "set_timeout" if hasattr(__import__("torch.distributed").distributed, "set_timeout") else \
-        "_set_pg_timeout"
-    assert found.group(1) == expected
-    assert 1.5 <= float(found.group(2)) < 30, out  # the short timeout, not the group's minute
+    assert found and found.group(1) == "set_timeout", out[-2000:]
+    assert 1.5 <= float(found.group(2)) < 30, out  # the short timeout, not rank 1's 30 s or the group's minute
+
+
+def test_the_private_timeout_call_is_used_only_where_it_reaches_the_group(monkeypatch):
+    """A release without ``torch.distributed.set_timeout``: the private call for an NCCL group (its watchdog
+    reads it), nothing for a Gloo group (the test above: its collectives do not)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from common.runtime.compat import set_collective_timeout
+
+    calls = []
+    monkeypatch.delattr(dist, "set_timeout", raising=False)
+    monkeypatch.setattr(distributed_c10d, "_set_pg_timeout", lambda timeout, group: calls.append(timeout),
+                        raising=False)
+    for backend, expected in (("nccl", "_set_pg_timeout"), ("gloo", None)):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, backend=backend: backend)
+        assert set_collective_timeout(3.0) == expected
+    assert [timeout.total_seconds() for timeout in calls] == [3.0]
 
 
 def test_what_the_gpu_must_prove_is_listed_with_a_release_this_one_agrees_with():

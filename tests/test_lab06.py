@@ -656,30 +656,15 @@ if sys.argv[1] == "neither":
 from common.runtime.distributed import open_process, teardown_distributed
 """ + RENDEZVOUS + """
 ctx, value = meet(open_process)
-if sys.argv[1] == "private":  # rank 1 skips the next collective: rank 0's must fail after about 1 s
-    if os.environ["RANK"] == "0":
-        began = time.perf_counter()
-        try:
-            dist.all_reduce(value)
-        except RuntimeError:
-            print("timed out after %.1f s" % (time.perf_counter() - began), flush=True)
-        Path("timed-out").touch()
-    else:
-        wait_for_file("timed-out")  # until rank 0's collective has failed, however long it took
-    os._exit(0)
 teardown_distributed(ctx)
 """
 
 
 @pytest.mark.parametrize("available", ["private", "neither"])
 def test_on_an_older_torch_the_short_timeout_still_spares_the_rendezvous(tmp_path, available):
-    """Without torch.distributed.set_timeout the group starts with the usual timeout and the short one
-    is set after start-up through the private call; without that either, it keeps the usual one and
-    says so (it used to give the short timeout to init_process_group: a late rank failed the start)."""
+    """Without torch.distributed.set_timeout the group starts with the usual timeout, so a late rank does not
+    fail the start (it used to get the short timeout from init_process_group). On Gloo nothing then shortens
+    it (the private call does not reach Gloo's collectives: tests/test_compat.py measures that on the floor's
+    release), and the run says so, with or without the private call."""
     outputs = run_two_ranks(tmp_path, OLDER_TORCH, available)
-    if available == "private":
-        # The 1 s timeout, not the usual 600 s: 1 s plus a margin for a loaded machine.
-        waited = re.search(r"timed out after ([\d.]+) s", outputs[0])
-        assert waited and 1.0 <= float(waited.group(1)) < 1.0 + 5.0, outputs[0]
-    else:
-        assert "cannot shorten a process group's timeout once it has started" in outputs[0], outputs[0]
+    assert "cannot shorten a process group's timeout once it has started" in outputs[0], outputs[0]

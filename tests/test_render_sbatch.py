@@ -150,7 +150,13 @@ def test_every_repository_template_renders_for_every_site_and_keeps_the_contract
         if template.parent.name == "examples":
             continue
         assert launches, f"{template.name}: no srun"
-        assert all("--kill-on-bad-exit=1" in line for line in launches), launches
+        # Every launch stops the others when one task fails; only staging data (Lab-08's copy to each node, whose
+        # failing node's exit status must stay the job's) lets each node's task end on its own.
+        joined = text.replace("\\\n", " ")
+        staging = [line.strip() for line in joined.splitlines() if "stage_shards.sh copy" in line]
+        assert all("--kill-on-bad-exit=1" in line or ("--kill-on-bad-exit=0" in line and
+                                                      any(step.startswith(line.rstrip(" \\")) for step in staging))
+                   for line in launches), launches
         assert "MASTER_PORT=" not in "\n".join(commands), "the port comes from the job header, never fixed"
         directives = "\n".join(line for line in lines if line.startswith("#SBATCH"))
         if resumes(text) and chains(text):  # Lab-09's chain: each link hands over to the next job, never requeues

@@ -7,9 +7,11 @@ it used, so a record or a test can tell.
 
 - :func:`set_collective_timeout`: shorten the timeout of a process group that already exists.
   Recent PyTorch has ``torch.distributed.set_timeout``; older releases only the private
-  ``distributed_c10d._set_pg_timeout``. Where neither exists, the group keeps the timeout it was
-  created with: passing the short timeout to ``init_process_group`` instead would shorten the
-  start-up rendezvous too, where ranks arrive seconds apart (imports, a loaded node) without any hang.
+  ``distributed_c10d._set_pg_timeout``, which reaches NCCL's watchdog but not a Gloo group's collectives
+  (measured on torch 2.8: they still waited for the start-up timeout). Where nothing reaches the group,
+  it keeps the timeout it was created with, and the caller says so: passing the short timeout to
+  ``init_process_group`` instead would shorten the start-up rendezvous too, where ranks arrive seconds
+  apart (imports, a loaded node) without any hang.
 - The flight recorder (each rank's last collectives, kept by PyTorch): recent releases read
   ``TORCH_FR_BUFFER_SIZE`` for every backend, older ones ``TORCH_NCCL_TRACE_BUFFER_SIZE`` for NCCL;
   the dump is ``_dump_nccl_trace_json`` for NCCL's recorder and ``_dump_fr_trace_json`` for the
@@ -57,7 +59,8 @@ def set_collective_timeout(seconds: float, group: object | None = None) -> str |
     """Make collectives of ``group`` (default: the world) fail after ``seconds``, once the group exists.
 
     Returns the call that did it (``"set_timeout"`` or ``"_set_pg_timeout"``), or ``None`` where this
-    PyTorch has neither: the group then keeps its start-up timeout.
+    PyTorch has no call that reaches the group (neither, or only the private one on a Gloo group): the
+    group then keeps its start-up timeout.
     """
     timeout = _dt.timedelta(seconds=seconds)
     if hasattr(dist, "set_timeout"):
@@ -66,10 +69,12 @@ def set_collective_timeout(seconds: float, group: object | None = None) -> str |
     from torch.distributed import distributed_c10d
 
     private = getattr(distributed_c10d, "_set_pg_timeout", None)
-    if private is not None:
-        private(timeout, group)
-        return "_set_pg_timeout"
-    return None
+    # Measured on torch 2.8, the floor (tests/test_compat.py): the private call returns, and a Gloo group's
+    # collectives still wait for the timeout the group started with. NCCL's watchdog reads it (GPU_ONLY).
+    if private is None or dist.get_backend(group) == "gloo":
+        return None
+    private(timeout, group)
+    return "_set_pg_timeout"
 
 
 #: Where NCCL's watchdog writes the recorder when a collective times out (it appends the rank), newest first.
