@@ -116,6 +116,8 @@ class Row(dict):
 
     def __missing__(self, key: str) -> None:
         return None
+
+
 SectionBuilder = Callable[[SectionContext], "Section | Iterable[Section] | None"]
 #: lab -> {builder name -> builder}; keyed by name so importing a module twice adds nothing twice.
 _LAB_SECTIONS: dict[str, dict[str, SectionBuilder]] = {}
