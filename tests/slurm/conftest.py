@@ -28,6 +28,7 @@ install, ``compile-bytecode`` in pyproject.toml, which halves the cost of that i
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -71,15 +72,49 @@ def slurm_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         TIMINGS["start"] = cluster.start()
     except ClusterError as err:
         slurm_unavailable(f"the Slurm test cluster did not start: {err}")
-    if any("template_jobs" in getattr(item, "fixturenames", ()) for item in request.session.items):
+    def uses(fixture: str) -> bool:
+        return any(fixture in getattr(item, "fixturenames", ()) for item in request.session.items)
+
+    if uses("run_lab"):  # Lab-09's run_lab.sh starts now too: it waits out a 1-minute time limit
+        start_lab09_run(cluster, tmp_path_factory)
+    if uses("template_jobs"):
         import template_jobs  # the template jobs start now, in the background (see that module)
 
         template_jobs.start(cluster, tmp_path_factory)
     yield cluster
+    process = LAB09_RUN.get("process")
+    if process is not None and process.poll() is None:
+        process.kill()
     TIMINGS["stop"] = cluster.stop()
     TIMINGS.update(cluster.timings)
     TIMINGS.update({f"job {job_id} {cluster.job_names.get(job_id, '')}": seconds
                     for job_id, seconds in cluster.job_seconds.items()})
+
+
+LAB09_RUN: dict[str, object] = {}
+
+
+def start_lab09_run(cluster, tmp_path_factory) -> None:
+    """``labs/lab09_many_jobs/run_lab.sh`` on the cluster, in the background, once per session: most of its
+    time is the faults sweep waiting for its 1-minute time limit, which the Slurm tests before Lab-09's use."""
+    if LAB09_RUN:
+        return
+    repo = Path(__file__).resolve().parents[2]
+    results = tmp_path_factory.mktemp("lab09-run")
+    log = results.parent / "lab09-run_lab.log"
+    env = cluster.environment({"HPC_DL_LABS_TINY": "0", "PYTHON": sys.executable})
+    with open(log, "w") as out:
+        LAB09_RUN["process"] = subprocess.Popen(["bash", str(repo / "labs/lab09_many_jobs/run_lab.sh"), str(results)],
+                                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=repo)
+    LAB09_RUN.update(results=results, log=log)
+
+
+@pytest.fixture(scope="session")
+def run_lab(slurm_cluster, tmp_path_factory):
+    """Lab-09's run_lab.sh on the test cluster, started with the cluster (:func:`start_lab09_run`):
+    (process, results folder, log)."""
+    start_lab09_run(slurm_cluster, tmp_path_factory)
+    return LAB09_RUN["process"], LAB09_RUN["results"], LAB09_RUN["log"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

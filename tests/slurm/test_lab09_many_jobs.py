@@ -1,11 +1,12 @@
 """Lab-09 on the Slurm test cluster, with accounting (sacct) as on a real cluster.
 
-``run_lab.sh`` runs in the background from the first test on (it waits on a 1-minute time limit most
-of its time): the faults sweep as a pipeline (train array -> evaluate afterany -> report afterok),
-the tiny sweep through submitit, a 3-link chain and the same run unbroken, then the resubmission of
-only the failed tasks. The tests in between use the cluster meanwhile: sacct's answers, the bad
-input that is refused before anything is submitted, a 100-task sweep submitted held and listed, a
-chain broken at its second link. The last tests read what run_lab.sh left.
+``run_lab.sh`` runs in the background from the moment the session's cluster is up (the fixture
+``run_lab``, tests/slurm/conftest.py; it waits on a 1-minute time limit most of its time): the faults
+sweep as a pipeline (train array -> evaluate afterany -> report afterok), the tiny sweep through
+submitit, a 3-link chain and the same run unbroken, then the resubmission of only the failed tasks.
+The tests in between use the cluster meanwhile: sacct's answers, the bad input that is refused before
+anything is submitted, a 100-task sweep submitted held and listed, a chain broken at its second link.
+The last tests read what run_lab.sh left.
 """
 
 from __future__ import annotations
@@ -26,20 +27,6 @@ pytestmark = pytest.mark.slurm
 LAB = REPO / "labs" / "lab09_many_jobs"
 RUN_LAB_TIMEOUT = 600
 shared = load_script("labs/lab09_many_jobs/lab09_shared.py")
-
-
-@pytest.fixture(scope="module")
-def run_lab(slurm_cluster, tmp_path_factory):
-    """run_lab.sh on the test cluster, started now, in the background: (process, results folder, log)."""
-    results = tmp_path_factory.mktemp("lab09-run")
-    log = results.parent / "lab09-run_lab.log"
-    env = slurm_cluster.environment({"HPC_DL_LABS_TINY": "0", "PYTHON": PYTHON})
-    with open(log, "w") as out:
-        process = subprocess.Popen(["bash", str(LAB / "run_lab.sh"), str(results)], stdout=out,
-                                   stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    yield process, results, log
-    if process.poll() is None:
-        process.kill()
 
 
 def finished(run_lab) -> tuple[Path, str]:
