@@ -42,19 +42,48 @@ def lab03_ddp_run(tmp_path_factory: pytest.TempPathFactory):
 
 
 _SECONDS_BY_FILE: dict[str, float] = {}
+#: Per file: the machine's CPU ticks (all cores, /proc/stat) while its tests ran, idle and in all.
+_TICKS_BY_FILE: dict[str, list[int]] = {}
+_last_ticks: list[tuple[int, int] | None] = [None]
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(idle, total) CPU ticks of the whole machine since boot, summed over its cores; None off Linux."""
+    try:
+        values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return values[3] + values[4], sum(values)  # idle + iowait; user .. steal
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Each test's setup, call and teardown, summed by file (module fixtures count where they run)."""
+    """Each test's setup, call and teardown, summed by file (module fixtures count where they run), and how
+    busy the machine's cores were meanwhile (everything it ran: pytest, its processes, Slurm's jobs)."""
     path = report.nodeid.split("::", 1)[0]
     _SECONDS_BY_FILE[path] = _SECONDS_BY_FILE.get(path, 0.0) + report.duration
+    now, last = _cpu_ticks(), _last_ticks[0]
+    if now is not None and last is not None:
+        ticks = _TICKS_BY_FILE.setdefault(path, [0, 0])
+        ticks[0] += now[0] - last[0]
+        ticks[1] += now[1] - last[1]
+    _last_ticks[0] = now
+
+
+def pytest_runtest_logstart(nodeid: str, location) -> None:
+    if _last_ticks[0] is None:
+        _last_ticks[0] = _cpu_ticks()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    """Where the time went, by file: the suite's budget is kept by the slowest files (docs/testing.md)."""
+    """Where the time went, by file: the suite's budget is kept by the slowest files (docs/testing.md). The
+    share of the cores busy says whether a file computes (near 100%) or waits (timers, time-outs, a queue)."""
     if not _SECONDS_BY_FILE:
         return
     ranked = sorted(_SECONDS_BY_FILE.items(), key=lambda item: -item[1])
-    terminalreporter.write_sep("=", f"seconds by file ({sum(_SECONDS_BY_FILE.values()):.0f} s in all)")
-    for path, seconds in ranked[:15]:
-        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+    idle, total = (sum(ticks[i] for ticks in _TICKS_BY_FILE.values()) for i in (0, 1))
+    busy = f"; cores busy {1 - idle / total:.0%}" if total else ""
+    terminalreporter.write_sep("=", f"seconds by file ({sum(_SECONDS_BY_FILE.values()):.0f} s in all{busy})")
+    for path, seconds in ranked[:20]:
+        idle, total = _TICKS_BY_FILE.get(path, (0, 0))
+        busy = f"{1 - idle / total:4.0%} busy" if total else "          "
+        terminalreporter.write_line(f"{seconds:8.1f} s  {busy}  {path}")
