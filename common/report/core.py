@@ -6,6 +6,7 @@ import shlex
 
 import pandas as pd
 
+from common.report import plots
 from common.report.checks import DDP_MIN_EFFICIENCY, Finding, is_ddp, missing_baselines, mixed_machines, out_of_range
 from common.report.runs import BASELINE_METHOD, SUMMARY_METRICS, number, numbers, texts
 from common.report.sections import (
@@ -122,8 +123,6 @@ def configurations_section(configs: pd.DataFrame) -> Section | None:
 
 
 def plots_section(configs: pd.DataFrame) -> Section:
-    from common.report import plots  # matplotlib is imported only when plots are wanted
-
     figures = [fig for fig in (plots.throughput_figure(configs), plots.memory_figure(configs),
                                plots.efficiency_figure(configs)) if fig is not None]
     if not figures:

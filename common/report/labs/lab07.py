@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import pandas as pd
 
+from common.report.plots import axes, plain, png_figure
 from common.report.runs import group_key, largest, largest_loss_difference, losses, numbers, texts
 from common.report.sections import (
-    LABS_WITHOUT_SCALING, Cell, Figure, Section, SectionContext, fmt, is_missing, register_section,
-    table_from_frame,
+    Cell, Figure, Section, SectionContext, fmt, is_missing, register_section, table_from_frame,
 )
-
-#: Lab-07 compares strategies with its own one-process reference: no speed-up columns in the summary.
-LABS_WITHOUT_SCALING.add("lab07")
 #: When each strategy is the one to reach for, and what it costs; the numbers beside come from records.
 WHEN = {
     "DP (DDP, Lab-04)": "model + gradients + AdamW state fit one device: one gradient all-reduce per step, "
@@ -62,8 +59,6 @@ def _rows(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def _bubble_figure(pipeline: pd.DataFrame) -> Figure:
-    from common.report.plots import axes, plain, png_figure
-
     fig, axis = axes(6.5, 4)
     for (method, ranks), group in pipeline.groupby(["method", "ranks"]):
         group = group.sort_values("microbatches")
@@ -104,7 +99,7 @@ def _with_bracket(value: str, bracket: str, spec: str) -> object:
     return lambda r: Cell("—" if is_missing(r[value]) else f"{fmt(r[value], spec)} ({fmt(r[bracket], spec)})", style="num")
 
 
-@register_section("lab07")
+@register_section("lab07", scaling=False)  # against its own one-process reference: no speed-up columns
 def model_parallel(ctx: SectionContext) -> Section | None:
     rows = _rows(ctx.runs)
     if rows.empty:
