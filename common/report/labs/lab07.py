@@ -1,7 +1,6 @@
-"""Lab 07 (beyond data parallel): tensor, sequence, pipeline and 2-D parallel, each run held against the
-one-process run (method ``reference``) of the same script, model, batch and seed: memory per rank, traffic, the
-pipeline bubble against its formula, and a decision table whose numbers are these measurements (and Lab-04's DDP
-and FSDP2 records when the results folder has them).
+"""Lab 07 (beyond data parallel): tensor, sequence, pipeline and 2-D parallel runs against the one-process run
+(method ``reference``) of the same script and settings, the pipeline bubble against its formula, and a decision
+table whose numbers are these measurements (and Lab-04's DDP and FSDP2 records when the folder has them).
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from common.report.runs import group_key, largest, largest_loss_difference, loss
 from common.report.sections import (
     Cell, Figure, Section, SectionContext, fmt, is_missing, register_section, table_from_frame,
 )
+
 #: When each strategy is the one to reach for, and what it costs; the numbers beside come from records.
 WHEN = {
     "DP (DDP, Lab-04)": "model + gradients + AdamW state fit one device: one gradient all-reduce per step, "
