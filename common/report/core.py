@@ -75,8 +75,7 @@ SUMMARY_NOTES = {
 
 
 def summary_section(runs: pd.DataFrame) -> Section:
-    """One row per run; a column no run has a value in is left out, and so is the note that explains it.
-    Labs that are not about scaling (LABS_WITHOUT_SCALING) have no speed-up or efficiency columns."""
+    """One row per run; a column no run has a value in is left out, and so is the note that explains it."""
     scaling = not runs["lab"].isin(LABS_WITHOUT_SCALING).all()
     columns = {name: spec for name, spec in SUMMARY_COLUMNS.items()
                if scaling or name not in ("speed-up vs baseline", "scaling efficiency")}

@@ -1,9 +1,7 @@
-"""Throughput, memory and scaling-efficiency plots, embedded as PNG; and the helpers the labs' figures use
-(:func:`axes`, :func:`png_figure`, :func:`plain`).
+"""The summary's plots and the helpers the labs' figures use (:func:`axes`, :func:`png_figure`, :func:`plain`).
 
-matplotlib is imported when a figure is drawn, not with this module, so a report without plots never loads it.
-Figures are ``matplotlib.figure.Figure`` objects rather than ``pyplot``'s: no figure stays alive in pyplot's global
-list between reports, and the PNG is drawn by Agg in memory, with no display, on a compute node and in CI.
+matplotlib is imported when a figure is drawn, so a report without plots never loads it; figures are not pyplot's,
+so none stays alive between reports, and Agg draws the PNG in memory with no display (compute nodes, CI).
 """
 
 from __future__ import annotations
@@ -47,8 +45,8 @@ def plain(label: str) -> str:
 
 
 def _configuration_axes(configs: pd.DataFrame, inches_per_bar: float = 0.32) -> tuple[pd.DataFrame, str, MplFigure, Any]:
-    """At most MAX_BARS configurations (and a caption's note when some were left out), and a figure with one
-    labelled row per configuration, first at the top: method, devices, model, machine (and lab when several)."""
+    """At most MAX_BARS configurations, a caption's note when some were left out, and a figure with a labelled row
+    per configuration, first at the top."""
     note = f" Showing the first {MAX_BARS} of {len(configs)} configurations; the tables list all." \
         if len(configs) > MAX_BARS else ""
     data = configs.head(MAX_BARS)

@@ -75,9 +75,8 @@ def _bubble_figure(pipeline: pd.DataFrame) -> Figure:
 
 
 def _decision(rows: pd.DataFrame, all_runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per strategy: its measured runs, each against the one-process reference of the same model. DP and
-    FSDP come from Lab-04's records of the same machine and model (layers x width) as a Lab-07 reference, when the
-    folder has them; a record of another model or machine would not compare."""
+    """One row per strategy: its measured runs against the one-process reference of the same model; DP and FSDP
+    from Lab-04's records of the same machine and model as a Lab-07 reference (no other would compare)."""
     references = rows[(rows["method"] == "reference") & (rows["parameters"] > 0)].groupby(["machine", "shape"])["parameters"].last()
     lab04 = all_runs[all_runs["lab"] == "lab04"]
     lab04 = lab04.assign(held=largest(lab04, "metrics.tensor_bytes", "parameters"), shape=_shape(lab04))
