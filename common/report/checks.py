@@ -1,9 +1,5 @@
-"""Results outside their expected range, turned into warnings a student can act on.
-
-The ranges come from what the course teaches: DDP should scale almost linearly on one node (the
-Lab-01 handout measured 94% on 4 GPUs), and DataParallel on several GPUs should at least beat one GPU. A
-warning is not an error: on a 2-core laptop two Gloo processes share the cores, and the report
-says so rather than hiding the number.
+"""Results outside the range the course teaches, as warnings a student can act on: DDP should scale almost linearly
+on one node, and DataParallel on several GPUs should at least beat one GPU. A warning is not an error.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The report's command line: ``python scripts/compare_results.py`` and every lab entry that runs it.
-
-The flags are those of the Lab-01 handout's ``performance_comparison.py`` (``--results-dir``,
-``--output-report``, ``--generate-plots``) plus ``--lab``, ``--csv``, ``--no-plots`` and ``--title``.
+"""The report's command line (``scripts/compare_results.py`` and every lab entry that runs it): the flags of the
+Lab-01 handout's ``performance_comparison.py`` plus ``--lab``, ``--csv``, ``--no-plots`` and ``--title``.
 """
 
 from __future__ import annotations

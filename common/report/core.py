@@ -6,6 +6,7 @@ import shlex
 
 import pandas as pd
 
+from common.report import plots
 from common.report.checks import DDP_MIN_EFFICIENCY, Finding, is_ddp, missing_baselines, mixed_machines, out_of_range
 from common.report.runs import BASELINE_METHOD, SUMMARY_METRICS, number, numbers, texts
 from common.report.sections import (
@@ -74,8 +75,7 @@ SUMMARY_NOTES = {
 
 
 def summary_section(runs: pd.DataFrame) -> Section:
-    """One row per run; a column no run has a value in is left out, and so is the note that explains it.
-    Labs that are not about scaling (LABS_WITHOUT_SCALING) have no speed-up or efficiency columns."""
+    """One row per run; a column no run has a value in is left out, and so is the note that explains it."""
     scaling = not runs["lab"].isin(LABS_WITHOUT_SCALING).all()
     columns = {name: spec for name, spec in SUMMARY_COLUMNS.items()
                if scaling or name not in ("speed-up vs baseline", "scaling efficiency")}
@@ -122,8 +122,6 @@ def configurations_section(configs: pd.DataFrame) -> Section | None:
 
 
 def plots_section(configs: pd.DataFrame) -> Section:
-    from common.report import plots  # matplotlib is imported only when plots are wanted
-
     figures = [fig for fig in (plots.throughput_figure(configs), plots.memory_figure(configs),
                                plots.efficiency_figure(configs)) if fig is not None]
     if not figures:

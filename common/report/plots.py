@@ -1,26 +1,22 @@
-"""Throughput, memory and scaling-efficiency plots, drawn off-screen and embedded as PNG; and the helpers the labs'
-figures use (:func:`axes`, :func:`png_figure`, :func:`plain`).
+"""The summary's plots and the helpers the labs' figures use (:func:`axes`, :func:`png_figure`, :func:`plain`).
 
-The Agg backend draws into memory: no display is needed, so this works on a compute node and in CI. Figures are
-``matplotlib.figure.Figure`` objects rather than ``pyplot``'s, so no figure stays alive in pyplot's global list
-between reports.
+matplotlib is imported when a figure is drawn, so a report without plots never loads it; figures are not pyplot's,
+so none stays alive between reports, and Agg draws the PNG in memory with no display (compute nodes, CI).
 """
 
 from __future__ import annotations
 
 import base64
 import io
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
+import pandas as pd
 
-matplotlib.use("Agg")
-from matplotlib.figure import Figure as MplFigure  # noqa: E402  (after choosing the backend)
+from common.report.checks import DDP_MIN_EFFICIENCY
+from common.report.sections import Figure, is_missing
 
-import pandas as pd  # noqa: E402
-
-from common.report.checks import DDP_MIN_EFFICIENCY  # noqa: E402
-from common.report.sections import Figure, is_missing  # noqa: E402
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure as MplFigure
 
 #: More bars than this make an unreadable plot; the tables still list every configuration.
 MAX_BARS = 40
@@ -28,6 +24,8 @@ MAX_BARS = 40
 
 def axes(width: float, height: float, panels: int = 1, rows: int = 1, **subplots: Any) -> tuple[MplFigure, Any]:
     """A figure of ``width`` x ``height`` inches and its axes (one, a row of ``panels`` or a column of ``rows``)."""
+    from matplotlib.figure import Figure as MplFigure
+
     fig = MplFigure(figsize=(width, height))
     return fig, fig.subplots(rows, panels, **subplots)
 
@@ -47,8 +45,8 @@ def plain(label: str) -> str:
 
 
 def _configuration_axes(configs: pd.DataFrame, inches_per_bar: float = 0.32) -> tuple[pd.DataFrame, str, MplFigure, Any]:
-    """At most MAX_BARS configurations (and a caption's note when some were left out), and a figure with one
-    labelled row per configuration, first at the top: method, devices, model, machine (and lab when several)."""
+    """At most MAX_BARS configurations, a caption's note when some were left out, and a figure with a labelled row
+    per configuration, first at the top."""
     note = f" Showing the first {MAX_BARS} of {len(configs)} configurations; the tables list all." \
         if len(configs) > MAX_BARS else ""
     data = configs.head(MAX_BARS)
@@ -63,8 +61,10 @@ def _configuration_axes(configs: pd.DataFrame, inches_per_bar: float = 0.32) -> 
 
 
 def _method_colors(data: pd.DataFrame) -> list[Any]:
+    from matplotlib import colormaps
+
     methods = sorted(set(map(str, data["method"])))
-    return [matplotlib.colormaps["tab10"](methods.index(str(method)) % 10) for method in data["method"]]
+    return [colormaps["tab10"](methods.index(str(method)) % 10) for method in data["method"]]
 
 
 def throughput_figure(configs: pd.DataFrame) -> Figure | None:
@@ -83,6 +83,8 @@ def throughput_figure(configs: pd.DataFrame) -> Figure | None:
 
 def memory_figure(configs: pd.DataFrame) -> Figure | None:
     """Peak memory of every device of each configuration, side by side, so an imbalance shows."""
+    from matplotlib import colormaps
+
     measured = configs[configs["memory_per_device"].map(len) > 0]
     if measured.empty:
         return None
@@ -93,7 +95,7 @@ def memory_figure(configs: pd.DataFrame) -> Figure | None:
     for position in range(shown):
         bars = [(row - 0.4 + height * (position + 0.5), memory[position][1] / 1024**3)
                 for row, memory in enumerate(data["memory_per_device"]) if position < len(memory)]
-        ax.barh(*zip(*bars), height=height, color=matplotlib.colormaps["tab10"](position % 10),
+        ax.barh(*zip(*bars), height=height, color=colormaps["tab10"](position % 10),
                 label="first device" if position == 0 else f"device {position + 1}")
     ax.set_xlabel("peak memory per device (GiB)")
     if widest > 1:

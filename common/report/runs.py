@@ -1,14 +1,9 @@
-"""Result records -> one tidy frame of runs: each record read once, here, into one row.
+"""Result records -> one tidy frame of runs, a row per record and a column per key (named by its path in
+``docs/results-schema.md``). The readers (:func:`numbers`, :func:`texts`, :func:`flags`, :func:`entries`) type a
+value or give NaN/``None``, so a record from an older script, another lab or a crashed run still gets its row.
 
-Every value of a record is a column named by its path in the schema (``docs/results-schema.md``, a list whole
-under its path); the columns the summary compares get short names and a type (numbers as floats, NaN where a
-record lacks the value or holds something else; names as text, ``None`` when missing), so a record from an older
-script, another lab or a crashed run still gets its row. Sections read the rest through :func:`numbers`,
-:func:`texts`, :func:`flags` and :func:`entries` (the objects of a list, one row each), never a record by hand.
-
-Scaling efficiency follows the Lab-01 handout's table: ``throughput(N devices) / (N x baseline throughput)``,
-where the baseline is the median throughput of the single-device ``baseline`` runs of the same lab, model and
-device type on the same machine. Runs from different machines are never compared.
+Scaling efficiency follows the Lab-01 handout's table: ``throughput(N devices) / (N x baseline throughput)``, the
+baseline being the median of the single-device ``baseline`` runs of the same lab, model, device type and machine.
 """
 
 from __future__ import annotations
@@ -87,9 +82,8 @@ def flatten(value: dict[str, Any], prefix: str = "", into: dict[str, Any] | None
 
 
 def entries(frame: pd.DataFrame, key: str, *keep: str) -> pd.DataFrame:
-    """One row per object in the list under ``key`` of each row (``metrics.sizes``), its keys flattened, with
-    ``_run`` (the row it came from), ``_position`` (its place in the list) and that row's ``keep`` columns.
-    Anything that is not a list of objects adds no row."""
+    """A row per object of the list under ``key`` of each row, flattened, with ``_run`` (that row's label),
+    ``_position`` (its place in the list) and that row's ``keep`` columns."""
     rows = [{"_run": label, "_position": position, **flatten(item)}
             for label, value in _column(frame, key).items() if isinstance(value, list)
             for position, item in enumerate(value) if isinstance(item, dict)]
@@ -98,8 +92,7 @@ def entries(frame: pd.DataFrame, key: str, *keep: str) -> pd.DataFrame:
 
 
 def largest(frame: pd.DataFrame, list_key: str, key: str) -> pd.Series:
-    """Per row, the largest number under ``key`` among the objects of its list ``list_key`` (the rank that holds
-    the most of something); NaN where there is none."""
+    """Per row, the largest number under ``key`` in the objects of its list ``list_key`` (the busiest rank)."""
     found = entries(frame, list_key)
     return numbers(found, key).groupby(found["_run"]).max().reindex(frame.index)
 
@@ -115,9 +108,8 @@ def step_differences(losses: list, reference: list) -> dict[int, float]:
 
 
 def largest_loss_difference(runs: pd.DataFrame, references: pd.Series, start: pd.Series | None = None) -> pd.Series:
-    """Per run, the largest of its :func:`step_differences` from a reference run (``references``) with the same
-    ``key`` column, its ``losses`` against the reference's from step ``start`` on (where it resumed); the closest
-    reference where there are several, NaN for the references themselves and where there is none."""
+    """Per run, the largest of its :func:`step_differences` (``losses`` column) from a reference run with the same
+    ``key`` column, from step ``start`` on (where it resumed): the closest reference where there are several."""
     found = []
     for position, run in enumerate(runs.to_dict("records")):
         offset = 0 if start is None else int(start.iloc[position])
@@ -128,8 +120,7 @@ def largest_loss_difference(runs: pd.DataFrame, references: pd.Series, start: pd
 
 
 def _memory(memory: pd.DataFrame, key: str, source: str, index: pd.Index) -> tuple[pd.Series, pd.Series]:
-    """Per run, from its ``metrics.memory``: ``[(device, bytes), ...]`` under ``key`` in the order the script wrote
-    them, and the sources it names under ``source``, in words."""
+    """Per run: ``[(device, bytes), ...]`` under ``key`` of its ``metrics.memory``, and the sources, in words."""
     values = numbers(memory, key)
     names = texts(memory, "device").fillna("device " + memory["_position"].astype(str))
     pairs = pd.Series(list(zip(names, values)), index=memory.index, dtype=object)[values.notna()]
@@ -146,13 +137,7 @@ def group_key(frame: pd.DataFrame, columns: Iterable[str]) -> pd.Series:
 
 
 def runs_frame(records: Iterable[Mapping[str, Any]], results_dir: Path | None = None) -> pd.DataFrame:
-    """The table of runs, sorted by comparison group: the typed columns first, then every record key.
-
-    Added columns: ``machine`` (``common.runtime.machine.machine_label``), ``devices`` (processes or devices,
-    whichever is more), ``memory_per_device``, ``comparison`` and ``configuration`` (group keys),
-    ``baseline_samples_per_s`` (median of the group's single-device baseline runs), ``speedup`` (throughput /
-    baseline, for every other method) and ``scaling_efficiency`` (throughput / (devices x baseline)).
-    """
+    """The table of runs, sorted by comparison group: the typed columns first, then every record key."""
     records = list(records)
     flat = pd.DataFrame([flatten(record) for record in records], dtype=object)
     runs = pd.DataFrame({name: texts(flat, key) for name, key in TEXT_COLUMNS.items()} | {
@@ -209,8 +194,7 @@ def _file(record: Mapping[str, Any], results_dir: Path | None) -> str | None:
 
 
 def _median_per_device(memories: pd.Series) -> list[tuple[str, float]]:
-    """The median peak of each device position over the repeats, so that the imbalance between a DataParallel
-    job's first GPU and the others survives the combining; each position named by the first run that has it."""
+    """The median peak of each device position over the repeats: a DataParallel job's imbalance survives."""
     at = [[memory[i] for memory in memories if len(memory) > i] for i in range(max(map(len, memories), default=0))]
     return [(pairs[0][0], statistics.median(peak for _, peak in pairs)) for pairs in at]
 

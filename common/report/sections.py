@@ -1,10 +1,6 @@
-"""What a report is made of, how a table shows its values, and the registry where labs add sections.
-
-A report is a list of :class:`Section` objects holding data only: paragraphs, bullet items, figures as PNG
-bytes and :class:`Table` objects (rows of :class:`Cell`: text, hover text, style). A table is laid out by
-pandas' Styler through the page's own template, autoescaped like the page, so a run named ``<script>``
-shows as text and no section can inject markup. How a lab adds a section: ``docs/architecture.md``, "The report";
-the registry here never imports the sections that use it (``common.report.labs`` does).
+"""What a report is made of (sections of data only), how a table shows its values, and the registry where labs add
+sections (``docs/architecture.md``, "The report"). Tables are laid out by pandas' Styler through the page's own
+autoescaped template, so a run named ``<script>`` shows as text and no section can inject markup.
 """
 
 from __future__ import annotations
@@ -96,13 +92,8 @@ class Section:
 
 @dataclass
 class SectionContext:
-    """What a section builder gets: the runs it is about, every run, and where they came from.
-
-    ``runs`` has one row per run (:func:`common.report.runs.runs_frame`): the typed columns (``method``,
-    ``model``, ``machine``, ``devices``, ``samples_per_s``, ``memory_per_device``, ``speedup``,
-    ``scaling_efficiency``, ...), then every key of the record under its schema path (``metrics.sizes``,
-    ``config.precision``), and ``record``, the whole record.
-    """
+    """What a section builder gets: its lab's runs and every run (:func:`common.report.runs.runs_frame`, one row
+    each), where they came from, and whether to draw figures."""
 
     runs: pd.DataFrame
     all_runs: pd.DataFrame
@@ -121,13 +112,16 @@ class Row(dict):
 SectionBuilder = Callable[[SectionContext], "Section | Iterable[Section] | None"]
 #: lab -> {builder name -> builder}; keyed by name so importing a module twice adds nothing twice.
 _LAB_SECTIONS: dict[str, dict[str, SectionBuilder]] = {}
-#: Labs whose runs compare strategies on the same devices rather than device counts: when every run of a
-#: report is from these, the summary leaves out the speed-up and scaling-efficiency columns.
+#: Labs whose runs compare strategies on the same devices rather than device counts (``scaling=False``): when every
+#: run of a report is from these, the summary leaves out the speed-up and scaling-efficiency columns.
 LABS_WITHOUT_SCALING: set[str] = set()
 
 
-def register_section(lab: str) -> Callable[[SectionBuilder], SectionBuilder]:
+def register_section(lab: str, *, scaling: bool = True) -> Callable[[SectionBuilder], SectionBuilder]:
     """Decorator: call the builder with the runs of ``lab`` whenever a report contains that lab."""
+    if not scaling:
+        LABS_WITHOUT_SCALING.add(lab)
+
     def decorate(builder: SectionBuilder) -> SectionBuilder:
         _LAB_SECTIONS.setdefault(lab, {})[f"{builder.__module__}.{builder.__qualname__}"] = builder
         return builder
@@ -181,8 +175,8 @@ def fmt_memory(memory: Sequence[tuple[str, float]], source: str = "") -> Cell:
     return Cell(shown, title=f"{title} ({source})" if source else title, style="num")
 
 
-#: What a column shows (see table_from_frame): a key, ``(key, format)``, ``(key, format, hover key)``, or a
-#: function of the row returning text or a Cell.
+#: What a column shows: a key (its value as text, MISSING where a row lacks it), ``(key, format)`` (through
+#: :func:`fmt`, right-aligned), ``(key, format, hover key)``, or a function of the :class:`Row` giving text or a Cell.
 ColumnSpec = Union[str, tuple, Callable[[Row], "str | Cell"]]
 
 
@@ -198,16 +192,8 @@ def _cell(row: Row, spec: ColumnSpec) -> Cell:
 def table_from_frame(frame: pd.DataFrame, columns: Mapping[str, ColumnSpec], *,
                      id: str | None = None, caption: str | None = None, row_id_column: str | None = "run_id",
                      drop_empty: bool = False) -> Table:
-    """A :class:`Table` with one row per row of ``frame``; ``columns`` maps each header to what it shows:
-
-    - ``"key"``: ``frame[key]`` as text (a key no row has shows MISSING);
-    - ``("key", format)``: the value through :func:`fmt`, right-aligned: ``("world_size", "int")``,
-      ``("share", "%1")``, ``("loss", "{:.6g}")``; ``("key", format, "other key")`` adds that value on hover;
-    - a function of the row (a dict in which a key no row has reads as ``None``), returning text or a
-      :class:`Cell`, for anything else.
-
-    ``drop_empty`` leaves out every column in which no row has a value (every cell MISSING): a lab whose records
-    have no such number gets no column of dashes.
+    """A :class:`Table` with one row per row of ``frame``, each header's cells as its :data:`ColumnSpec` says.
+    ``drop_empty`` leaves out every column in which no row has a value: no column of dashes for what no run recorded.
     """
     rows = [[_cell(row, spec) for spec in columns.values()] for row in frame.to_dict("records", into=Row)]
     headers = list(columns)

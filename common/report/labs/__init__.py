@@ -1,10 +1,6 @@
-"""The sections of each lab, one module per lab registering with ``@register_section(lab)`` (how to write one:
-``docs/architecture.md``, "The report"). Every module here is imported when a report is built. A module reads
-records only, through ``ctx.runs``: it never imports the lab's scripts or torch; a name both need lives once in
-``common``.
-
-Reports and the README tables call :func:`lab_sections` (or :func:`load_builtin_lab_sections` and then
-``common.report.sections.lab_section_builders``); the registry in ``sections`` never imports this folder.
+"""The sections of each lab, a module per lab registering with ``@register_section(lab)`` (``docs/architecture.md``,
+"The report"), every one imported when a report is built. A module reads records only, through ``ctx.runs``: it
+never imports the lab's scripts or torch; a name both need lives once in ``common``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Lab 01 (DataParallel vs DistributedDataParallel): memory balance and loss agreement.
-
-Two things the summary table does not show directly: how unevenly DataParallel loads its first device, and
-whether the three methods, given the same seed and global batch, trained the same thing.
+"""Lab 01 (DataParallel vs DDP): what the summary does not show, how unevenly DataParallel loads its first device
+and whether the three methods, given the same seed and global batch, trained the same thing.
 """
 
 from __future__ import annotations

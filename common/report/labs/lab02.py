@@ -1,14 +1,12 @@
-"""Lab 02 (profiling and the data pipeline): the optimisation path, step by step.
-
-``sweep.py`` writes one record per step (``config.sweep``: which sweep, which step, in what order), each laid out in
-path order as a table and a plot; ``bench/data_pipeline.py`` records (``config.bench``) get a table of their own:
-the USC lab's pipeline, the lab's best and pure compute, with the ratios.
+"""Lab 02 (profiling and the data pipeline): each sweep of ``sweep.py`` (a record per step, ``config.sweep``) as a
+table and a plot in path order, and ``bench/data_pipeline.py``'s records (``config.bench``) as a table of their own.
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
+from common.report.plots import axes, plain, png_figure
 from common.report.runs import numbers, texts
 from common.report.sections import Figure, Section, SectionContext, Table, fmt, register_section, table_from_frame
 
@@ -24,8 +22,6 @@ SWEEP_COLUMNS = {
 
 
 def _sweep_figure(sweep: pd.DataFrame, title: str) -> Figure:
-    from common.report.plots import axes, plain, png_figure
-
     ok = sweep[sweep["status"] == "ok"]
     fig, panels_axes = axes(12, 3.6, 3, sharey=True)
     panels = [(ok["time_per_epoch_s"], "time per epoch (s)", "tab:gray"),

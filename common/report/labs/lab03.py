@@ -1,8 +1,5 @@
-"""Lab 03 (the precision benchmark): ms/batch per model and precision, TFLOP/s against the peak, and the loss check.
-
-``benchmark_models.py`` writes one record per model, mode and precision; a precision the device cannot run is one
-``skipped`` record per mode with the reason in ``notes``. Laid out as the SJTU page's table: a model per row, a
-precision per column, one table per machine, process count and mode; repeats of a cell combined with the median.
+"""Lab 03 (the precision benchmark): ms/batch, TFLOP/s against the peak and the loss check, laid out as the SJTU
+page's table: a model per row, a precision per column, a table per machine, process count and mode.
 """
 
 from __future__ import annotations
@@ -22,8 +19,8 @@ def _ordered(values: Iterable[object], order: Iterable[str]) -> list[str]:
 
 
 def _grid(group: pd.DataFrame, caption: str, measured: Callable[[pd.Series, float], Cell], mean: bool = False) -> Table:
-    """A row per model and a cell per precision: ``measured(cell's medians, fp32's ms)`` where something was
-    measured, else skipped (the device cannot run it: every model), failed, or MISSING."""
+    """A row per model, a cell per precision: ``measured(its medians over repeats, fp32's ms)``, else skipped (the
+    device cannot run it: a record per mode, for every model), failed or MISSING."""
     ok = group[group["status"] == "ok"]
     cells = ok.groupby(["model", "precision"]).agg(
         ms=("ms", "median"), ms_std=("ms_std", "median"), runs=("run_id", ", ".join), n=("run_id", "size"),

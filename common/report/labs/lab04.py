@@ -1,25 +1,22 @@
-"""Lab 04 (sharded data parallel): memory per rank (``01_memory_budget.py``, method ``memory``), DDP against FSDP2
-with their checkpoint stalls and loss curves (``02_sharded_training.py``) and the largest model that fits
-(``03_largest_model.py``, method ``largest-model``).
+"""Lab 04 (sharded data parallel): memory per rank (``01_memory_budget.py``), DDP against FSDP2 with their checkpoint
+stalls and loss curves (``02_sharded_training.py``) and the largest model that fits (``03_largest_model.py``).
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
+from common.report.plots import axes, plain, png_figure
 from common.report.runs import (
     entries, flags, group_key, largest, largest_loss_difference, losses, numbers, step_differences,
 )
 from common.report.sections import (
-    LABS_WITHOUT_SCALING, Cell, Figure, Row, Section, SectionContext, fmt, is_missing, register_section,
-    table_from_frame,
+    Cell, Figure, Row, Section, SectionContext, fmt, is_missing, register_section, table_from_frame,
 )
 
 PARTS = ("parameters", "gradients", "optimizer", "activations")
 #: Training methods of 02_sharded_training.py start with one of these.
 STRATEGIES = ("ddp", "fsdp")
-#: Lab-04 compares strategies on the same ranks: no single-device baseline, so no speed-up or efficiency.
-LABS_WITHOUT_SCALING.add("lab04")
 #: Line style and marker per curve of the loss plot, so that curves lying on one another stay visible.
 _STYLES = [("-", "s"), (":", "^"), ("-.", "v"), ("-", "D"), (":", "x"), ("-.", "+")]
 WHERE = {"ranks": ("world_size", "int"), "model (layers × width)": "shape", "machine": "machine"}
@@ -61,8 +58,6 @@ def _label(row: Row) -> str:
 def _loss_figure(training: pd.DataFrame) -> Figure:
     """Loss per step (top) and each run's relative difference from its DDP twin (bottom): runs that compute the
     same thing draw one curve on top of another, so the lower panel shows them apart."""
-    from common.report.plots import axes, plain, png_figure
-
     rows = training.to_dict("records")[:12]
     fig, (top, bottom) = axes(8, 5.4, rows=2, sharex=True, height_ratios=(3, 2))
     others, resumed = iter(_STYLES * 2), []
@@ -101,7 +96,7 @@ def _mfu(row: Row) -> Cell:
     return Cell(fmt(row["metrics.mfu"], "%1"), title=reason if isinstance(reason, str) and reason else None, style="num")
 
 
-@register_section("lab04")
+@register_section("lab04", scaling=False)  # strategies on the same ranks: no single-device baseline
 def sharded_training(ctx: SectionContext) -> Section | None:
     runs, tables, figures, paragraphs = ctx.runs, [], [], []
     memory_runs = runs[runs["method"] == "memory"]

@@ -1,13 +1,13 @@
-"""Lab 05 (the network and the scaling curve): bus bandwidth against the link's peak, strong and weak scaling
-against ideal, time to a target accuracy, and how much communication DDP hides; from ``labs/lab05_scaling/``'s
-``01_allreduce_bench.py`` (one record per collective), ``02_scaling_study.py`` (one per point) and
-``03_overlap.py`` (one per run). Repeats are combined with the median.
+"""Lab 05 (the network and the scaling curve): bus bandwidth against the link's peak (``01_allreduce_bench.py``),
+strong and weak scaling against ideal and time to a target accuracy (``02_scaling_study.py``), and how much
+communication DDP hides (``03_overlap.py``). Repeats are combined with the median.
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
+from common.report.plots import axes, plain, png_figure
 from common.report.runs import entries, numbers, texts
 from common.report.sections import Cell, Figure, Row, Section, SectionContext, Table, fmt, register_section, table_from_frame
 
@@ -15,8 +15,6 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 #: matplotlib's tab10 ("C0" is tab:blue, "C1" tab:orange, ...): ten colours a reader tells apart.
 COLORS = {"all_reduce": "C0", "all_gather": "C1", "reduce_scatter": "C2", "strong": "C0", "weak": "C1"}
 
-
-# --- bandwidth ---------------------------------------------------------------------------------------------------
 
 def _bandwidth_table(group: pd.DataFrame, reference: float, caption: str) -> Table:
     """A row per message size, the median busbw of each collective (and its share of ``reference``) beside it."""
@@ -35,8 +33,6 @@ def _bandwidth_table(group: pd.DataFrame, reference: float, caption: str) -> Tab
 
 
 def _bandwidth_figure(group: pd.DataFrame, reference: float, name: str, title: str) -> Figure:
-    from common.report.plots import axes, plain, png_figure
-
     fig, ax = axes(8, 4)
     for collective in [c for c in COLLECTIVES if c in set(group["method"])]:
         curve = group[group["method"] == collective].groupby("bytes")["busbw"].median().sort_index()
@@ -59,25 +55,24 @@ def _bandwidth_figure(group: pd.DataFrame, reference: float, name: str, title: s
 @register_section("lab05")
 def bandwidth_section(ctx: SectionContext) -> Section | None:
     runs = ctx.runs[ctx.runs["method"].isin(COLLECTIVES) & (ctx.runs["status"] == "ok")]
+    said = ("reference.name", "reference.source", "transport.summary", "transport.warning")
     sizes = entries(runs.assign(ranks=runs["world_size"].fillna(1).astype(int),
                                 nodes=numbers(runs, "metrics.nodes").fillna(1).astype(int)), "metrics.sizes",
                     "machine", "method", "run_id", "ranks", "nodes", "metrics.reference.gb_per_s",
-                    "metrics.reference.name", "metrics.reference.source", "metrics.transport.summary",
-                    "metrics.transport.warning")
+                    *(f"metrics.{key}" for key in said))
     sizes = sizes.assign(bytes=numbers(sizes, "bytes"), busbw=numbers(sizes, "busbw_gbps"), time_s=numbers(sizes, "time_s"),
                          algbw=numbers(sizes, "algbw_gbps"), reference=numbers(sizes, "metrics.reference.gb_per_s"))
     tables, figures, notes = [], [], []
     for (machine, ranks, nodes), group in sizes.dropna(subset=["bytes"]).groupby(["machine", "ranks", "nodes"]):
         where = f"{machine} · {ranks} ranks on {nodes} node{'s' if nodes > 1 else ''}"
-        said = {key: list(dict.fromkeys(texts(group, f"metrics.{key}").dropna())) for key in (
-            "reference.name", "reference.source", "transport.summary", "transport.warning")}
-        name, source = (said[key][0] if said[key] else None for key in ("reference.name", "reference.source"))
+        found = {key: list(dict.fromkeys(texts(group, f"metrics.{key}").dropna())) for key in said}
+        name, source = (found[key][0] if found[key] else None for key in said[:2])
         reference = group["reference"].median()
         described = (f"reference {name} {reference:.3g} GB/s ({source})" if reference > 0
                      else "no reference peak recorded")
         tables.append(_bandwidth_table(group, reference, f"{where}: median busbw per message size; {described}"))
-        notes += [f"{where}: {t}" for t in said["transport.summary"]]
-        notes += [f"WARNING {where}: {w}" for w in said["transport.warning"]]
+        notes += [f"{where}: {t}" for t in found["transport.summary"]]
+        notes += [f"WARNING {where}: {w}" for w in found["transport.warning"]]
         if ctx.plots:
             figures.append(_bandwidth_figure(group, reference, name or "reference", where))
     if not tables:
@@ -90,8 +85,6 @@ def bandwidth_section(ctx: SectionContext) -> Section | None:
         "measured memory-copy bandwidth. Small messages measure latency, large ones bandwidth."],
         tables=tables, figures=figures, notes=notes)
 
-
-# --- scaling -----------------------------------------------------------------------------------------------------
 
 def _points(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per scaling point (a run of 02_scaling_study.py), with the batch setting its curve keeps."""
@@ -134,8 +127,6 @@ def _reached(point: Row) -> Cell:
 
 
 def _scaling_figure(curves: pd.DataFrame, title: str) -> Figure:
-    from common.report.plots import axes, plain, png_figure
-
     fig, (throughput, efficiency) = axes(11, 4, 2)
     for mode in ("strong", "weak"):
         curve = curves[(curves["mode"] == mode) & curves["samples_per_s"].notna()].sort_values("processes")
@@ -160,11 +151,8 @@ def _scaling_figure(curves: pd.DataFrame, title: str) -> Figure:
 
 
 def _accuracy_figure(points: pd.DataFrame, title: str) -> Figure | None:
-    """Validation accuracy against elapsed time, one line in its own colour per training run that recorded more than
-    one evaluation; a run that is the point of both curves (one process: strong and weak scaling train the same
-    batch) is drawn once, labelled with both modes. Strong scaling is solid, weak dashed."""
-    from common.report.plots import axes, plain, png_figure
-
+    """Validation accuracy against elapsed time, a line per training run with two evaluations or more: a run that is
+    the point of both curves (one process: strong and weak scaling train the same batch) is drawn once."""
     evaluations = entries(points, "metrics.evaluations")
     evaluations = evaluations.assign(x=numbers(evaluations, "elapsed_s"), y=100 * numbers(evaluations, "accuracy"))
     evaluations = evaluations.dropna(subset=["x", "y"]).sort_values("x", kind="stable")
@@ -224,11 +212,7 @@ def scaling_section(ctx: SectionContext) -> Section | None:
         notes=notes if tables else ["Every scaling point failed; see the warnings."])
 
 
-# --- overlap -----------------------------------------------------------------------------------------------------
-
 def _overlap_figure(buckets: pd.DataFrame, title: str) -> Figure:
-    from common.report.plots import axes, plain, png_figure
-
     fig, ax = axes(8, 3.6)
     x = range(len(buckets))
     ax.bar([i - 0.2 for i in x], 1e3 * buckets["exposed_comm_s"].fillna(0), width=0.4, color="tab:red",

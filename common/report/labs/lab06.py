@@ -6,10 +6,8 @@ from __future__ import annotations
 
 from common.report.runs import number
 from common.report.sections import (
-    LABS_WITHOUT_SCALING, Cell, Row, Section, SectionContext, fmt, is_missing, register_section, table_from_frame,
+    Cell, Row, Section, SectionContext, fmt, is_missing, register_section, table_from_frame,
 )
-
-LABS_WITHOUT_SCALING.add("lab06")
 
 
 def _outcome(run: Row) -> str:
@@ -24,7 +22,7 @@ def _outcome(run: Row) -> str:
     return "failed" if is_missing(diagnosis) else str(diagnosis)
 
 
-@register_section("lab06")
+@register_section("lab06", scaling=False)
 def lab06_sections(ctx: SectionContext) -> Section | None:
     runs, tables = ctx.runs, []
     faults = runs[runs["script"] == "labs/lab06_failures/01_inject.py"]

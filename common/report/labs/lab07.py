@@ -1,21 +1,18 @@
-"""Lab 07 (beyond data parallel): tensor, sequence, pipeline and 2-D parallel, each run held against the
-one-process run (method ``reference``) of the same script, model, batch and seed: memory per rank, traffic, the
-pipeline bubble against its formula, and a decision table whose numbers are these measurements (and Lab-04's DDP
-and FSDP2 records when the results folder has them).
+"""Lab 07 (beyond data parallel): tensor, sequence, pipeline and 2-D parallel runs against the one-process run
+(method ``reference``) of the same script and settings, the pipeline bubble against its formula, and a decision
+table whose numbers are these measurements (and Lab-04's DDP and FSDP2 records when the folder has them).
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
+from common.report.plots import axes, plain, png_figure
 from common.report.runs import group_key, largest, largest_loss_difference, losses, numbers, texts
 from common.report.sections import (
-    LABS_WITHOUT_SCALING, Cell, Figure, Section, SectionContext, fmt, is_missing, register_section,
-    table_from_frame,
+    Cell, Figure, Section, SectionContext, fmt, is_missing, register_section, table_from_frame,
 )
 
-#: Lab-07 compares strategies with its own one-process reference: no speed-up columns in the summary.
-LABS_WITHOUT_SCALING.add("lab07")
 #: When each strategy is the one to reach for, and what it costs; the numbers beside come from records.
 WHEN = {
     "DP (DDP, Lab-04)": "model + gradients + AdamW state fit one device: one gradient all-reduce per step, "
@@ -62,8 +59,6 @@ def _rows(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def _bubble_figure(pipeline: pd.DataFrame) -> Figure:
-    from common.report.plots import axes, plain, png_figure
-
     fig, axis = axes(6.5, 4)
     for (method, ranks), group in pipeline.groupby(["method", "ranks"]):
         group = group.sort_values("microbatches")
@@ -80,9 +75,8 @@ def _bubble_figure(pipeline: pd.DataFrame) -> Figure:
 
 
 def _decision(rows: pd.DataFrame, all_runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per strategy: its measured runs, each against the one-process reference of the same model. DP and
-    FSDP come from Lab-04's records of the same machine and model (layers x width) as a Lab-07 reference, when the
-    folder has them; a record of another model or machine would not compare."""
+    """One row per strategy: its measured runs against the one-process reference of the same model; DP and FSDP
+    from Lab-04's records of the same machine and model as a Lab-07 reference (no other would compare)."""
     references = rows[(rows["method"] == "reference") & (rows["parameters"] > 0)].groupby(["machine", "shape"])["parameters"].last()
     lab04 = all_runs[all_runs["lab"] == "lab04"]
     lab04 = lab04.assign(held=largest(lab04, "metrics.tensor_bytes", "parameters"), shape=_shape(lab04))
@@ -104,7 +98,7 @@ def _with_bracket(value: str, bracket: str, spec: str) -> object:
     return lambda r: Cell("—" if is_missing(r[value]) else f"{fmt(r[value], spec)} ({fmt(r[bracket], spec)})", style="num")
 
 
-@register_section("lab07")
+@register_section("lab07", scaling=False)  # against its own one-process reference: no speed-up columns
 def model_parallel(ctx: SectionContext) -> Section | None:
     rows = _rows(ctx.runs)
     if rows.empty:

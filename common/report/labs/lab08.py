@@ -19,12 +19,7 @@ from __future__ import annotations
 import pandas as pd
 
 from common.report.runs import entries, numbers, texts
-from common.report.sections import (
-    LABS_WITHOUT_SCALING, Section, SectionContext, fmt, register_section, table_from_frame,
-)
-
-#: Lab-08 compares input pipelines on one machine: no speed-up columns in the summary.
-LABS_WITHOUT_SCALING.add("lab08")
+from common.report.sections import Section, SectionContext, fmt, register_section, table_from_frame
 
 
 def _last_epochs(runs: pd.DataFrame, *keep: str) -> pd.DataFrame:
@@ -40,7 +35,7 @@ def _cluster(runs: pd.DataFrame) -> pd.Series:
     return pd.Series(lines, index=nodes.index, dtype=object).groupby(nodes["_run"]).agg("; ".join)
 
 
-@register_section("lab08")
+@register_section("lab08", scaling=False)  # input pipelines on one machine: no speed-up columns
 def data_at_scale(ctx: SectionContext) -> Section | None:
     runs, tables = ctx.runs, []
     formats = _last_epochs(runs[runs["script"].fillna("").str.endswith("02_read_formats.py")], "run_id", "method",

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import pandas as pd
 
+from common.report.plots import axes, plain, png_figure
 from common.report.runs import entries, number, numbers
 from common.report.sections import (
-    LABS_WITHOUT_SCALING, Cell, Figure, Row, Section, SectionContext, Table, fmt, is_missing, register_section,
-    table_from_frame,
+    Cell, Figure, Row, Section, SectionContext, Table, fmt, is_missing, register_section, table_from_frame,
 )
-
-LABS_WITHOUT_SCALING.add("lab09")
 
 
 def _configuration(task: Row, varied: list[str]) -> str:
@@ -53,8 +51,6 @@ def ranking_table(sweep: Row, tasks: pd.DataFrame, by: str) -> Table:
 
 def cost_figure(tasks: pd.DataFrame) -> Figure:
     """Best accuracy against GPU-hours (core-hours without GPUs) per task, and every task's accuracy curve."""
-    from common.report.plots import axes, plain, png_figure
-
     gpu = (numbers(tasks, "gpu_hours").fillna(0) != 0).any()
     unit = "GPU-hours" if gpu else "core-hours"
     fig, (left, right) = axes(11, 4, 2)
@@ -92,7 +88,7 @@ def _way(sweep: Row, tasks: pd.DataFrame) -> dict:
             "states": ", ".join(f"{sweep[key]} {key.removeprefix('metrics.states.')}" for key in states)}
 
 
-@register_section("lab09")
+@register_section("lab09", scaling=False)
 def lab09_sections(ctx: SectionContext) -> list[Section]:
     sweeps = ctx.runs[ctx.runs["method"].fillna("").str.startswith("sweep-")].sort_values("created", kind="stable")
     every_task, sections, ways = entries(sweeps, "metrics.tasks"), [], {}
