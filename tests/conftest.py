@@ -69,8 +69,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _last_ticks[0] = now
 
 
-def pytest_runtest_logstart(nodeid: str, location) -> None:
-    if _last_ticks[0] is None:
+def pytest_runtest_logstart() -> None:
+    if _last_ticks[0] is None:  # the first test's start: the count begins here, after collection
         _last_ticks[0] = _cpu_ticks()
 
 
