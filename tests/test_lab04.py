@@ -410,7 +410,7 @@ def test_report_section_shows_memory_losses_checkpoint_stalls_and_the_largest_mo
 
     load_builtin_lab_sections()
     frame = runs_frame(load_records(folder).records)
-    context = SectionContext(runs=frame, all_runs=frame, results_dir=folder, plots=False)
+    context = SectionContext(runs=frame, all_runs=frame, plots=False)
     (section,) = [section for builder in lab_section_builders("lab04") if (section := builder(context))]
     tables = {table.id: [dict(zip(table.columns, (cell.text for cell in row))) for row in table.rows]
               for table in section.tables}
@@ -647,7 +647,7 @@ def test_report_section_survives_records_with_missing_or_odd_values():
         {**base, "run_id": "e", "method": "largest-model", "config": {}, "metrics": {"largest": [{"variant": "ddp"}]}},
     ]
     frame = runs_frame(records)
-    context = SectionContext(runs=frame, all_runs=frame, results_dir=Path("."), plots=True)
+    context = SectionContext(runs=frame, all_runs=frame, plots=True)
     sections = [section for builder in lab_section_builders("lab04") if (section := builder(context))]
     assert len(sections) == 1 and {table.id for table in sections[0].tables} >= {"lab04-memory", "lab04-training",
                                                                                  "lab04-largest"}

@@ -265,7 +265,7 @@ def test_report_section_survives_records_with_missing_or_odd_values():
         {**base, "run_id": "d", "method": "2d-2x2", "config": {}, "metrics": {"first_step": "ten"}},
     ]
     frame = runs_frame(records)
-    context = SectionContext(runs=frame, all_runs=frame, results_dir=Path("."), plots=True)
+    context = SectionContext(runs=frame, all_runs=frame, plots=True)
     (section,) = [section for builder in lab_section_builders("lab07") if (section := builder(context))]
     assert {table.id for table in section.tables} == {"lab07-strategies", "lab07-bubble", "lab07-decision"}
 

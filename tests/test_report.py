@@ -25,8 +25,8 @@ import pytest
 
 from common.errors import run_main
 from common.report import Section, build_report, register_section, sections as report_sections
-from common.report.checks import DDP_MIN_EFFICIENCY, out_of_range
-from common.report.runs import configurations_frame, runs_frame
+from common.report.core import out_of_range
+from common.report.runs import DDP_MIN_EFFICIENCY, configurations_frame, runs_frame
 from common.results import make_record, write_record
 from helpers import fake_cpuinfo
 from scripts import compare_results

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from common.report.checks import DDP_MIN_EFFICIENCY
+from common.report.runs import DDP_MIN_EFFICIENCY
 from common.report.sections import Figure, is_missing
 
 if TYPE_CHECKING:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import datetime as _dt
 import os
 import sys
@@ -13,8 +14,8 @@ import jinja2
 from common.atomic import write_text_atomic
 from common.errors import UserError
 from common.report import core
-from common.report.runs import configurations_frame, csv_frame, runs_frame
 from common.report.labs import lab_sections
+from common.report.runs import configurations_frame, csv_frame, runs_frame
 from common.results import load_records
 
 DEFAULT_REPORT_NAME = "comparison_report.html"
@@ -76,7 +77,7 @@ def build_report(results_dir: str | os.PathLike[str], output_report: str | os.Pa
 
     runs = runs_frame(records, folder)
     configs = configurations_frame(runs)
-    extra_sections, problems = lab_sections(runs, folder, plots)
+    extra_sections, problems = lab_sections(runs, plots)
     for problem in problems:
         print(f"warning: {problem.subject}: {problem.message}", file=sys.stderr)
     warned = core.warnings_section(skipped, runs, problems)  # its items: every warning, one line each
@@ -84,13 +85,10 @@ def build_report(results_dir: str | os.PathLike[str], output_report: str | os.Pa
                 core.plots_section(configs) if plots else None, *extra_sections, core.energy_section(runs),
                 core.other_metrics_section(runs), core.provenance_section(runs)]
     sections = [section for section in sections if section is not None]
-    seen: set[str] = set()
-    for section in sections:  # one id each, for the page's links
-        base, n = section.id, 1
-        while section.id in seen:
-            n += 1
-            section.id = f"{base}-{n}"
-        seen.add(section.id)
+    seen: collections.Counter[str] = collections.Counter()
+    for section in sections:  # one id each, for the page's links: "energy", "energy-2", ...
+        seen[section.id] += 1
+        section.id += f"-{seen[section.id]}" if seen[section.id] > 1 else ""
 
     facts = [f"{_plural(len(runs), 'run')} from {_plural(runs['lab'].nunique(), 'lab')} on "
              f"{_plural(runs['machine'].nunique(), 'machine')}", _plural(len(skipped), "file") + " skipped",

@@ -18,6 +18,8 @@ import pandas as pd
 from common.runtime.machine import describe_machine, machine_label
 
 BASELINE_METHOD = "baseline"
+#: DDP below this scaling efficiency is flagged (the Lab-01 handout's 4-GPU run reached 94%).
+DDP_MIN_EFFICIENCY = 0.80
 #: A run is compared only with runs that share these: same lab, model, kind of device and machine.
 COMPARISON_KEYS = ("lab", "model", "device_type", "machine")
 #: One configuration is one line of the Lab-01 handout's table; its repeats are combined with the median.
@@ -42,6 +44,10 @@ def number(value: Any) -> float | None:
     """A finite int or float as ``float``; anything else (text, bool, NaN, missing) as ``None``."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     return float(value) if ok else None
+
+
+def is_ddp(method: object) -> bool:
+    return isinstance(method, str) and (method == "ddp" or method.startswith(("ddp-", "ddp_")))
 
 
 def text(value: Any) -> str | None:
@@ -129,6 +135,13 @@ def _memory(memory: pd.DataFrame, key: str, source: str, index: pd.Index) -> tup
     named = words.groupby(memory["_run"][words.index]).agg(lambda s: ", ".join(sorted(set(s))))
     return (pd.Series([found.get(label, []) for label in index], index=index, dtype=object),
             pd.Series([named.get(label, "") for label in index], index=index, dtype=object))
+
+
+def shape(frame: pd.DataFrame, prefix: str = "config.") -> pd.Series:
+    """A transformer's size as shown and compared: ``"4 × 64"`` (``<prefix>layers`` × ``<prefix>width``), else None."""
+    layers, width = numbers(frame, f"{prefix}layers"), numbers(frame, f"{prefix}width")
+    return pd.Series([None if pd.isna(l) or pd.isna(w) else f"{l:.0f} × {w:.0f}" for l, w in zip(layers, width)],
+                     index=frame.index, dtype=object)
 
 
 def group_key(frame: pd.DataFrame, columns: Iterable[str]) -> pd.Series:

@@ -22,9 +22,6 @@ MISSING = "—"
 #: The page's templates (templates/): autoescaped whatever the file's name, since record fields are untrusted text.
 TEMPLATES = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates"),
                                autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-# A cell's classes without Styler's own ("data row3 col4"): those a Cell's style gave it (num, warn, ...).
-TEMPLATES.filters["own_classes"] = lambda classes: " ".join(c for c in classes.split()
-                                                            if c != "data" and c[:3] not in ("row", "col"))
 
 
 @dataclass
@@ -54,15 +51,15 @@ class Table:
     row_ids: list[str] | None = None
 
     def html(self) -> markupsafe.Markup:
-        """The table laid out by pandas' Styler: the cells' texts, each cell's style as its CSS class."""
+        """The table laid out by pandas' Styler: the cells' texts, their styles as CSS classes, their hover texts."""
         texts, styles, titles = ([[getattr(cell, part) for cell in row] for row in self.rows]
                                  for part in ("text", "style", "title"))
         styler = _Layout(pd.DataFrame(texts, columns=range(len(self.columns))), caption=self.caption, cell_ids=False)
-        styler = styler.hide(axis="index").relabel_index(self.columns, axis=1).set_td_classes(
-            pd.DataFrame(styles, columns=range(len(self.columns))))
+        styler = styler.hide(axis="index").relabel_index(self.columns, axis=1)
         # Styler trims a table past styler.render.max_elements cells (262,144): every run keeps its row here.
         with pd.option_context("styler.render.max_elements", len(self.rows) * len(self.columns) + 1):
-            return markupsafe.Markup(styler.to_html(table_id=self.id, row_ids=self.row_ids, titles=titles))
+            html = styler.to_html(table_id=self.id, row_ids=self.row_ids, titles=titles, styles=styles)
+        return markupsafe.Markup(html)
 
 
 @dataclass
@@ -86,18 +83,17 @@ class Section:
     tables: list[Table] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.id = self.id or slug(self.title)
+    def __post_init__(self) -> None:  # an HTML id from the title: "Runs by lab" -> "runs-by-lab"
+        self.id = self.id or re.sub(r"[^a-z0-9]+", "-", self.title.lower()).strip("-") or "section"
 
 
 @dataclass
 class SectionContext:
     """What a section builder gets: its lab's runs and every run (:func:`common.report.runs.runs_frame`, one row
-    each), where they came from, and whether to draw figures."""
+    each), and whether to draw figures."""
 
     runs: pd.DataFrame
     all_runs: pd.DataFrame
-    results_dir: Path
     plots: bool = True
 
 
@@ -131,11 +127,6 @@ def register_section(lab: str, *, scaling: bool = True) -> Callable[[SectionBuil
 def lab_section_builders(lab: str) -> list[SectionBuilder]:
     """The builders registered for ``lab``, in the order they were registered."""
     return list(_LAB_SECTIONS.get(lab, {}).values())
-
-
-def slug(title: str) -> str:
-    """An HTML id from a title: ``"Runs by lab"`` -> ``"runs-by-lab"``."""
-    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-") or "section"
 
 
 # --- formats: every value shown through fmt, a missing one as MISSING ---------------------------------------

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from pathlib import Path
 
 import pandas as pd
 
-from common.report.checks import Finding
+from common.report.core import Finding
 from common.report.sections import Section, SectionContext, lab_section_builders
 
 __all__ = ["load_builtin_lab_sections", "lab_sections"]
@@ -29,7 +28,7 @@ def load_builtin_lab_sections() -> list[tuple[str, str]]:
     return failed
 
 
-def lab_sections(runs: pd.DataFrame, results_dir: Path, plots: bool) -> tuple[list[Section], list[Finding]]:
+def lab_sections(runs: pd.DataFrame, plots: bool) -> tuple[list[Section], list[Finding]]:
     """Sections registered for the labs present; a section that fails becomes a warning, not a crash."""
     problems = [Finding(f"section module {module}", f"could not be imported: {error}")
                 for module, error in load_builtin_lab_sections()]
@@ -38,7 +37,7 @@ def lab_sections(runs: pd.DataFrame, results_dir: Path, plots: bool) -> tuple[li
         lab_runs = runs[runs["lab"] == lab].reset_index(drop=True)
         for builder in lab_section_builders(lab):
             try:
-                result = builder(SectionContext(runs=lab_runs, all_runs=runs, results_dir=results_dir, plots=plots))
+                result = builder(SectionContext(runs=lab_runs, all_runs=runs, plots=plots))
             except Exception as err:  # one lab's section must not cost the whole report
                 problems.append(Finding(f"section {builder.__name__} of {lab}",
                                         f"could not be built: {type(err).__name__}: {err}"))

@@ -8,8 +8,7 @@ import statistics
 
 import pandas as pd
 
-from common.report.checks import DDP_MIN_EFFICIENCY, is_ddp
-from common.report.runs import BASELINE_METHOD, number
+from common.report.runs import BASELINE_METHOD, DDP_MIN_EFFICIENCY, is_ddp, number
 from common.report.sections import Row, Section, SectionContext, register_section, table_from_frame
 
 #: Which run a row is: the first columns of both tables.

@@ -8,7 +8,7 @@ import pandas as pd
 
 from common.report.plots import axes, plain, png_figure
 from common.report.runs import (
-    entries, flags, group_key, largest, largest_loss_difference, losses, numbers, step_differences,
+    entries, flags, group_key, largest, largest_loss_difference, losses, numbers, shape, step_differences,
 )
 from common.report.sections import (
     Cell, Figure, Row, Section, SectionContext, fmt, is_missing, register_section, table_from_frame,
@@ -20,11 +20,6 @@ STRATEGIES = ("ddp", "fsdp")
 #: Line style and marker per curve of the loss plot, so that curves lying on one another stay visible.
 _STYLES = [("-", "s"), (":", "^"), ("-.", "v"), ("-", "D"), (":", "x"), ("-.", "+")]
 WHERE = {"ranks": ("world_size", "int"), "model (layers × width)": "shape", "machine": "machine"}
-
-
-def _shape(frame: pd.DataFrame, prefix: str = "config.") -> list[str | None]:
-    layers, width = numbers(frame, f"{prefix}layers"), numbers(frame, f"{prefix}width")
-    return [None if pd.isna(l) or pd.isna(w) else f"{l:.0f} × {w:.0f}" for l, w in zip(layers, width)]
 
 
 def _both(row: Row, part: str) -> Cell:
@@ -41,7 +36,7 @@ def _training(runs: pd.DataFrame) -> pd.DataFrame:
     saves = saves.assign(stall=numbers(saves, "stall_s"), complete=numbers(saves, "complete_s")).groupby("_run").agg(
         saves=("_position", "size"), stall=("stall", "median"), complete=("complete", "median"))
     training = runs.join(saves).assign(
-        saves=lambda t: t["saves"].fillna(0), held=largest(runs, "metrics.tensor_bytes", "total"), shape=_shape(runs),
+        saves=lambda t: t["saves"].fillna(0), held=largest(runs, "metrics.tensor_bytes", "total"), shape=shape(runs),
         losses=losses(runs), mode=flags(runs, "config.async_checkpoint").map({True: "async", False: "sync"}),
         resumed_at=numbers(runs, "metrics.resumed_at_step").where(lambda v: v > 0))
     if training.empty:
@@ -100,7 +95,7 @@ def _mfu(row: Row) -> Cell:
 def sharded_training(ctx: SectionContext) -> Section | None:
     runs, tables, figures, paragraphs = ctx.runs, [], [], []
     memory_runs = runs[runs["method"] == "memory"]
-    memory = entries(memory_runs.assign(shape=_shape(memory_runs)), "metrics.budget", "run_id", "machine", "shape")
+    memory = entries(memory_runs.assign(shape=shape(memory_runs)), "metrics.budget", "run_id", "machine", "shape")
     if not memory.empty:
         ratio = numbers(memory, "measured.states") / numbers(memory, "predicted.states").where(lambda v: v > 0)
         tables.append(table_from_frame(memory.assign(ratio=ratio.where(ratio > 0)), {
@@ -138,7 +133,7 @@ def sharded_training(ctx: SectionContext) -> Section | None:
     fitted = entries(runs[runs["method"] == "largest-model"], "metrics.largest", "run_id", "machine",
                      "metrics.world_size", "metrics.budget_bytes")
     if not fitted.empty:
-        tables.append(table_from_frame(fitted.assign(shape=_shape(fitted, "largest.")), {
+        tables.append(table_from_frame(fitted.assign(shape=shape(fitted, "largest.")), {
             "variant": "variant", "ranks": ("metrics.world_size", "int"), "budget per rank": ("metrics.budget_bytes", "bytes"),
             "machine": "machine", "largest model (layers × width)": "shape", "parameters": ("largest.parameters", "int"),
             "used per rank": ("largest.bytes", "bytes"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pandas as pd
 
 from common.report.plots import axes, plain, png_figure
-from common.report.runs import group_key, largest, largest_loss_difference, losses, numbers, texts
+from common.report.runs import group_key, largest, largest_loss_difference, losses, numbers, shape
 from common.report.sections import (
     Cell, Figure, Section, SectionContext, fmt, is_missing, register_section, table_from_frame,
 )
@@ -32,17 +32,13 @@ KEY = ("script", "config.layers", "config.width", "config.heads", "config.contex
        "config.lr")
 
 
-def _shape(runs: pd.DataFrame) -> pd.Series:
-    return texts(runs, "config.layers").fillna("None") + " × " + texts(runs, "config.width").fillna("None")
-
-
 def _rows(runs: pd.DataFrame) -> pd.DataFrame:
     """The runs that finished, each with the largest loss difference, step by step, from the one-process run of the
     same script and settings (``difference``) and its parameter bytes per rank as a share of that run's."""
     runs = runs[runs["status"] == "ok"]
     rows = runs.assign(
         method=runs["method"].fillna(""), script_name=runs["script"].fillna("").str.rsplit("/", n=1).str[-1],
-        ranks=numbers(runs, "metrics.world_size"), shape=_shape(runs), batch=numbers(runs, "config.batch_size"),
+        ranks=numbers(runs, "metrics.world_size"), shape=shape(runs), batch=numbers(runs, "config.batch_size"),
         microbatches=numbers(runs, "config.microbatches").where(runs["method"].fillna("").str.startswith("pp-")),
         parameters=largest(runs, "metrics.per_rank", "parameter_bytes"),
         activations=largest(runs, "metrics.per_rank", "activation_bytes"),
@@ -79,7 +75,7 @@ def _decision(rows: pd.DataFrame, all_runs: pd.DataFrame) -> pd.DataFrame:
     from Lab-04's records of the same machine and model as a Lab-07 reference (no other would compare)."""
     references = rows[(rows["method"] == "reference") & (rows["parameters"] > 0)].groupby(["machine", "shape"])["parameters"].last()
     lab04 = all_runs[all_runs["lab"] == "lab04"]
-    lab04 = lab04.assign(held=largest(lab04, "metrics.tensor_bytes", "parameters"), shape=_shape(lab04))
+    lab04 = lab04.assign(held=largest(lab04, "metrics.tensor_bytes", "parameters"), shape=shape(lab04))
     lab04 = lab04.assign(whole=[references.get((m, s)) for m, s in zip(lab04["machine"], lab04["shape"])])
     table = []
     for name, method in (("DP (DDP, Lab-04)", "ddp"), ("FSDP (FSDP2, Lab-04)", "fsdp")):
