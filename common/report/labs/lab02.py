@@ -26,8 +26,7 @@ def _sweep_figure(sweep: pd.DataFrame, title: str) -> Figure:
     fig, panels_axes = axes(12, 3.6, 3, sharey=True)
     panels = [(ok["time_per_epoch_s"], "time per epoch (s)", "tab:gray"),
               (ok["samples_per_s"], "samples/s (label: speed-up over the USC lab's script)", "tab:blue"),
-              (numbers(ok, "metrics.data_loading_share") * 100, "data-loading line, % of train() (line_profiler)",
-               "tab:orange")]
+              (ok["share"] * 100, "data-loading line, % of train() (line_profiler)", "tab:orange")]
     for ax, (values, xlabel, color) in zip(panels_axes, panels):
         ax.barh(range(len(ok)), values.fillna(0), color=color)
         ax.set_xlabel(xlabel, fontsize="small")
@@ -35,10 +34,9 @@ def _sweep_figure(sweep: pd.DataFrame, title: str) -> Figure:
     panels_axes[0].set_yticks(range(len(ok)), [plain(str(step)) for step in ok["method"]])
     panels_axes[0].invert_yaxis()
     panels_axes[1].margins(x=0.15)  # room for the speed-up labels
-    for i, (rate, speedup) in enumerate(zip(ok["samples_per_s"], numbers(ok, "metrics.speedup_vs_seed"))):
-        if pd.notna(rate) and pd.notna(speedup):
-            panels_axes[1].annotate(f"{speedup:.2f}×", (rate, i), xytext=(3, 0), textcoords="offset points", va="center",
-                             fontsize="small")
+    speedups = numbers(ok, "metrics.speedup_vs_seed").where(ok["samples_per_s"].notna())
+    panels_axes[1].bar_label(panels_axes[1].containers[0], [f"{s:.2f}×" if pd.notna(s) else "" for s in speedups],
+                             padding=3, fontsize="small")
     fig.suptitle(plain(title), fontsize="medium")
     return png_figure(fig, alt=f"Time per epoch, throughput and data-loading share for each step of {title}",
                       caption="Each step adds one change to the step above it (the optimisation path).")
@@ -61,17 +59,16 @@ def _bench_table(runs: pd.DataFrame) -> Table | None:
     if runs.empty:
         return None
     rates = runs.pivot_table(index="bench_id", columns="variant", values="samples_per_s", aggfunc="last")
-    first = runs.reindex(columns=["bench_id", "machine", "created", "run_id", "config.threads", "metrics.b_over_a",
-                                  "metrics.b_over_c", "metrics.load_average_start"]).groupby("bench_id").first()
-    frame = first.join(rates.reindex(columns=list("abc")).add_prefix("rate_")).reset_index().sort_values("created")
-    return table_from_frame(frame, {
+    frame = runs.groupby("bench_id").first().join(rates.reindex(columns=list("abc")).add_prefix("rate_"))
+    return table_from_frame(frame.reset_index().sort_values("created"), {
         "bench": "bench_id", "machine": "machine", "threads": ("config.threads", "{}"),
         "(a) USC lab's pipeline, samples/s": ("rate_a", "rate"), "(b) best pipeline, samples/s": ("rate_b", "rate"),
         "(c) compute only, samples/s": ("rate_c", "rate"), "b ÷ a": ("metrics.b_over_a", "{:.3g}"),
-        "b ÷ c": ("metrics.b_over_c", "{:.3g}"), "load average (1 min) at start": ("metrics.load_average_start", "{:.3g}"),
-    }, caption="bench/data_pipeline.py: the same model and batch trained one epoch at a time with (a) the USC lab's "
-               "pipeline, (b) the lab's best and (c) batches already in place; ratios are medians of within-round "
-               "ratios")
+        "b ÷ c": ("metrics.b_over_c", "{:.3g}"),
+        "load average (1 min) at start": ("metrics.load_average_start", "{:.3g}"),
+    }, caption="bench/data_pipeline.py: the same model and batch trained one epoch at a time with (a) the USC "
+               "lab's pipeline, (b) the lab's best and (c) batches already in place; ratios are medians of "
+               "within-round ratios")
 
 
 @register_section("lab02")
