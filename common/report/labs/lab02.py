@@ -42,14 +42,14 @@ def _sweep_figure(sweep: pd.DataFrame, title: str) -> Figure:
                       caption="Each step adds one change to the step above it (the optimisation path).")
 
 
-def _share_sentence(sweep: pd.DataFrame) -> str | None:
+def _share_paragraphs(sweep: pd.DataFrame, title: str) -> list[str]:
     ok = sweep[(sweep["status"] == "ok") & sweep["share"].notna()]
     if len(ok) < 2:
-        return None
+        return []
     first, last = ok.iloc[0], ok.iloc[-1]
-    return (f"The data-loading line took {fmt(first['share'], '%1')} of train() at '{first['method']}' and "
+    return [f"{title}: The data-loading line took {fmt(first['share'], '%1')} of train() at '{first['method']}' and "
             f"{fmt(last['share'], '%1')} at '{last['method']}' (the USC lab's own table: 84.5 % on a GPU with "
-            "one CPU core).")
+            "one CPU core)."]
 
 
 def _bench_table(runs: pd.DataFrame) -> Table | None:
@@ -91,8 +91,7 @@ def optimisation_path(ctx: SectionContext) -> Section | None:
         sweep = sweeps[sweeps["sweep_id"] == sweep_id].sort_values("index", kind="stable")
         title = f"sweep {sweep_id} · {fmt(texts(sweep, 'config.dataset').iloc[0])} · {sweep['machine'].iloc[0]}"
         tables.append(table_from_frame(sweep, SWEEP_COLUMNS, caption=title))
-        if (sentence := _share_sentence(sweep)) is not None:
-            paragraphs.append(f"{title}: {sentence}")
+        paragraphs += _share_paragraphs(sweep, title)
         if ctx.plots and (sweep["status"] == "ok").any():
             figures.append(_sweep_figure(sweep, title))
     if len(newest) > MAX_SWEEPS:
