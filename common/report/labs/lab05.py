@@ -150,14 +150,13 @@ def _accuracy_figure(points: pd.DataFrame, title: str) -> Figure | None:
     evaluations = evaluations.dropna(subset=["x", "y"]).sort_values("x", kind="stable")
     drawn = points[points.index.isin(evaluations["_run"].value_counts().loc[lambda n: n >= 2].index)]
     lines = drawn.assign(label=drawn.index).sort_values(["processes", "mode"]).groupby("training_run_id", sort=False) \
-        .agg(modes=("mode", list), processes=("processes", "first"), first=("label", "first"))
+        .agg(modes=("mode", "unique"), processes=("processes", "first"), first=("label", "first"))
     if lines.empty:
         return None
     fig, ax = axes(8, 4)
     labels = []
     for index, line in enumerate(lines.itertuples()):
-        labels.append(f"{' and '.join(dict.fromkeys(line.modes))}, {line.processes} process"
-                      f"{'es' if line.processes != 1 else ''}")
+        labels.append(f"{' and '.join(line.modes)}, {line.processes} process{'es' if line.processes != 1 else ''}")
         curve = evaluations[evaluations["_run"] == line.first]
         ax.plot(curve["x"], curve["y"], marker=".", color=f"C{index % 10}",
                 linestyle="-" if "strong" in line.modes else "--", label=labels[-1])
