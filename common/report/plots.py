@@ -119,3 +119,10 @@ def efficiency_figure(configs: pd.DataFrame) -> Figure | None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     return png_figure(fig, alt="Bar chart of scaling efficiency for each multi-device configuration",
                       caption="Scaling efficiency against the single-device baseline on the same machine." + note)
+
+
+def finish_axes(ax: Any, grid: str = "both", **settings: Any) -> None:
+    """A lab plot's usual last steps: ``ax.set(**settings)``, a light grid along ``grid`` and a small legend."""
+    ax.set(**settings)
+    ax.grid(axis=grid, alpha=0.3)
+    ax.legend(fontsize="small")

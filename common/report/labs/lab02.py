@@ -26,8 +26,7 @@ def _sweep_figure(sweep: pd.DataFrame, title: str) -> Figure:
     fig, panels_axes = axes(12, 3.6, 3, sharey=True)
     panels = [(ok["time_per_epoch_s"], "time per epoch (s)", "tab:gray"),
               (ok["samples_per_s"], "samples/s (label: speed-up over the USC lab's script)", "tab:blue"),
-              (numbers(ok, "metrics.data_loading_share") * 100, "data-loading line, % of train() (line_profiler)",
-               "tab:orange")]
+              (ok["share"] * 100, "data-loading line, % of train() (line_profiler)", "tab:orange")]
     for ax, (values, xlabel, color) in zip(panels_axes, panels):
         ax.barh(range(len(ok)), values.fillna(0), color=color)
         ax.set_xlabel(xlabel, fontsize="small")
@@ -35,23 +34,22 @@ def _sweep_figure(sweep: pd.DataFrame, title: str) -> Figure:
     panels_axes[0].set_yticks(range(len(ok)), [plain(str(step)) for step in ok["method"]])
     panels_axes[0].invert_yaxis()
     panels_axes[1].margins(x=0.15)  # room for the speed-up labels
-    for i, (rate, speedup) in enumerate(zip(ok["samples_per_s"], numbers(ok, "metrics.speedup_vs_seed"))):
-        if pd.notna(rate) and pd.notna(speedup):
-            panels_axes[1].annotate(f"{speedup:.2f}×", (rate, i), xytext=(3, 0), textcoords="offset points", va="center",
-                             fontsize="small")
+    speedups = numbers(ok, "metrics.speedup_vs_seed").where(ok["samples_per_s"].notna())
+    panels_axes[1].bar_label(panels_axes[1].containers[0], [f"{s:.2f}×" if pd.notna(s) else "" for s in speedups],
+                             padding=3, fontsize="small")
     fig.suptitle(plain(title), fontsize="medium")
     return png_figure(fig, alt=f"Time per epoch, throughput and data-loading share for each step of {title}",
                       caption="Each step adds one change to the step above it (the optimisation path).")
 
 
-def _share_sentence(sweep: pd.DataFrame) -> str | None:
+def _share_paragraphs(sweep: pd.DataFrame, title: str) -> list[str]:
     ok = sweep[(sweep["status"] == "ok") & sweep["share"].notna()]
     if len(ok) < 2:
-        return None
+        return []
     first, last = ok.iloc[0], ok.iloc[-1]
-    return (f"The data-loading line took {fmt(first['share'], '%1')} of train() at '{first['method']}' and "
+    return [f"{title}: The data-loading line took {fmt(first['share'], '%1')} of train() at '{first['method']}' and "
             f"{fmt(last['share'], '%1')} at '{last['method']}' (the USC lab's own table: 84.5 % on a GPU with "
-            "one CPU core).")
+            "one CPU core)."]
 
 
 def _bench_table(runs: pd.DataFrame) -> Table | None:
@@ -61,17 +59,16 @@ def _bench_table(runs: pd.DataFrame) -> Table | None:
     if runs.empty:
         return None
     rates = runs.pivot_table(index="bench_id", columns="variant", values="samples_per_s", aggfunc="last")
-    first = runs.reindex(columns=["bench_id", "machine", "created", "run_id", "config.threads", "metrics.b_over_a",
-                                  "metrics.b_over_c", "metrics.load_average_start"]).groupby("bench_id").first()
-    frame = first.join(rates.reindex(columns=list("abc")).add_prefix("rate_")).reset_index().sort_values("created")
-    return table_from_frame(frame, {
+    frame = runs.groupby("bench_id").first().join(rates.reindex(columns=list("abc")).add_prefix("rate_"))
+    return table_from_frame(frame.reset_index().sort_values("created"), {
         "bench": "bench_id", "machine": "machine", "threads": ("config.threads", "{}"),
         "(a) USC lab's pipeline, samples/s": ("rate_a", "rate"), "(b) best pipeline, samples/s": ("rate_b", "rate"),
         "(c) compute only, samples/s": ("rate_c", "rate"), "b ÷ a": ("metrics.b_over_a", "{:.3g}"),
-        "b ÷ c": ("metrics.b_over_c", "{:.3g}"), "load average (1 min) at start": ("metrics.load_average_start", "{:.3g}"),
-    }, caption="bench/data_pipeline.py: the same model and batch trained one epoch at a time with (a) the USC lab's "
-               "pipeline, (b) the lab's best and (c) batches already in place; ratios are medians of within-round "
-               "ratios")
+        "b ÷ c": ("metrics.b_over_c", "{:.3g}"),
+        "load average (1 min) at start": ("metrics.load_average_start", "{:.3g}"),
+    }, caption="bench/data_pipeline.py: the same model and batch trained one epoch at a time with (a) the USC "
+               "lab's pipeline, (b) the lab's best and (c) batches already in place; ratios are medians of "
+               "within-round ratios")
 
 
 @register_section("lab02")
@@ -94,8 +91,7 @@ def optimisation_path(ctx: SectionContext) -> Section | None:
         sweep = sweeps[sweeps["sweep_id"] == sweep_id].sort_values("index", kind="stable")
         title = f"sweep {sweep_id} · {fmt(texts(sweep, 'config.dataset').iloc[0])} · {sweep['machine'].iloc[0]}"
         tables.append(table_from_frame(sweep, SWEEP_COLUMNS, caption=title))
-        if (sentence := _share_sentence(sweep)) is not None:
-            paragraphs.append(f"{title}: {sentence}")
+        paragraphs += _share_paragraphs(sweep, title)
         if ctx.plots and (sweep["status"] == "ok").any():
             figures.append(_sweep_figure(sweep, title))
     if len(newest) > MAX_SWEEPS:

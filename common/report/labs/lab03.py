@@ -84,13 +84,12 @@ def precision_section(ctx: SectionContext) -> Section | None:
         return None
     tables, flagged = [], []
     for (machine, processes), group in results.groupby(["machine", "processes"], sort=True):
-        where = f"{machine} · {processes} process{'es' if processes > 1 else ''}{' (DDP)' if processes > 1 else ''}"
+        where = f"{machine} · {processes} process" + ("es (DDP)" if processes > 1 else "")
         modes = _ordered(group["mode"], MODES)
         for mode in modes:
-            tables.append(_grid(group[group["mode"] == mode], f"{mode}, {where}: median ms per batch · speed-up "
-                                                              "over fp32", _ms, mean=True))
-            tables.append(_grid(group[group["mode"] == mode], f"{mode}, {where}: achieved TFLOP/s per device (share "
-                                                              "of the datasheet peak)", _tflops))
+            in_mode, head = group[group["mode"] == mode], f"{mode}, {where}: "
+            tables.append(_grid(in_mode, head + "median ms per batch · speed-up over fp32", _ms, mean=True))
+            tables.append(_grid(in_mode, head + "achieved TFLOP/s per device (share of the datasheet peak)", _tflops))
         first = group[group["mode"] == modes[0]]
         tables.append(_grid(first, f"{where}: loss after the check steps, difference from fp32 as a share of the "
                                    "initial loss", _loss))

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pandas as pd
 
-from common.report.plots import axes, plain, png_figure
+from common.report.plots import axes, finish_axes, plain, png_figure
 from common.report.runs import entries, numbers, texts
-from common.report.sections import Cell, Figure, Row, Section, SectionContext, Table, fmt, register_section, table_from_frame
+from common.report.sections import (Cell, Figure, Row, Section, SectionContext, Table, fmt, register_section,
+                                    table_from_frame)
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 #: matplotlib's tab10 ("C0" is tab:blue, "C1" tab:orange, ...): ten colours a reader tells apart.
@@ -23,7 +24,7 @@ def _bandwidth_table(group: pd.DataFrame, reference: float, caption: str) -> Tab
     cells = cells.assign(share=cells["busbw"] / reference, title=[
         f"median of {n} run(s); time {fmt(t, 's')}; algbw {fmt(a, '{:.3g}')} GB/s" if pd.notna(b) else None
         for b, n, t, a in cells[["busbw", "n", "time", "algbw"]].itertuples(index=False)]).unstack("method")
-    cells.columns = [f"{field} {collective}" for field, collective in cells.columns]
+    cells.columns = cells.columns.map(" ".join)
     columns: dict = {"size": ("bytes", "bytes")}
     for collective in [c for c in COLLECTIVES if c in set(group["method"])]:
         columns[f"{collective} busbw GB/s"] = (f"busbw {collective}", "{:.3g}", f"title {collective}")
@@ -35,7 +36,7 @@ def _bandwidth_table(group: pd.DataFrame, reference: float, caption: str) -> Tab
 def _bandwidth_figure(group: pd.DataFrame, reference: float, name: str, title: str) -> Figure:
     fig, ax = axes(8, 4)
     for collective in [c for c in COLLECTIVES if c in set(group["method"])]:
-        curve = group[group["method"] == collective].groupby("bytes")["busbw"].median().sort_index()
+        curve = group[group["method"] == collective].groupby("bytes")["busbw"].median()
         ax.plot(curve.index, curve.values, marker="o", color=COLORS[collective], label=collective)
     if reference > 0:
         ax.axhline(reference, color="black", linestyle="--", linewidth=1, label=plain(f"{name}: {reference:.3g} GB/s"))
@@ -45,9 +46,7 @@ def _bandwidth_figure(group: pd.DataFrame, reference: float, name: str, title: s
         ax.set_yscale("log")
     sizes = sorted(set(group["bytes"]))
     ax.set_xticks(sizes, [fmt(b, "bytes") for b in sizes], rotation=45, fontsize="small")
-    ax.set(xlabel="message size S", ylabel="bus bandwidth (GB/s, one direction)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    finish_axes(ax, xlabel="message size S", ylabel="bus bandwidth (GB/s, one direction)")
     return png_figure(fig, f"Bus bandwidth against message size for {title}",
                       f"busbw against message size, {plain(title)}; dashed: the reference it is compared with.")
 
@@ -60,14 +59,14 @@ def bandwidth_section(ctx: SectionContext) -> Section | None:
                                 nodes=numbers(runs, "metrics.nodes").fillna(1).astype(int)), "metrics.sizes",
                     "machine", "method", "run_id", "ranks", "nodes", "metrics.reference.gb_per_s",
                     *(f"metrics.{key}" for key in said))
-    sizes = sizes.assign(bytes=numbers(sizes, "bytes"), busbw=numbers(sizes, "busbw_gbps"), time_s=numbers(sizes, "time_s"),
-                         algbw=numbers(sizes, "algbw_gbps"), reference=numbers(sizes, "metrics.reference.gb_per_s"))
+    sizes = sizes.assign(bytes=numbers(sizes, "bytes"), busbw=numbers(sizes, "busbw_gbps"),
+                         time_s=numbers(sizes, "time_s"), algbw=numbers(sizes, "algbw_gbps"))
     tables, figures, notes = [], [], []
     for (machine, ranks, nodes), group in sizes.dropna(subset=["bytes"]).groupby(["machine", "ranks", "nodes"]):
         where = f"{machine} · {ranks} ranks on {nodes} node{'s' if nodes > 1 else ''}"
         found = {key: list(dict.fromkeys(texts(group, f"metrics.{key}").dropna())) for key in said}
         name, source = (found[key][0] if found[key] else None for key in said[:2])
-        reference = group["reference"].median()
+        reference = numbers(group, "metrics.reference.gb_per_s").median()
         described = (f"reference {name} {reference:.3g} GB/s ({source})" if reference > 0
                      else "no reference peak recorded")
         tables.append(_bandwidth_table(group, reference, f"{where}: median busbw per message size; {described}"))
@@ -90,7 +89,8 @@ def _points(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per scaling point (a run of 02_scaling_study.py), with the batch setting its curve keeps."""
     mode = runs["method"].map({"strong-scaling": "strong", "weak-scaling": "weak"})
     runs = runs[mode.notna()].assign(mode=mode.dropna())
-    batch = numbers(runs, "config.batch_size").where(runs["mode"] == "weak", numbers(runs, "config.strong_global_batch_size"))
+    batch = numbers(runs, "config.batch_size").where(runs["mode"] == "weak",
+                                                     numbers(runs, "config.strong_global_batch_size"))
     return runs.assign(
         dataset=texts(runs, "config.dataset"), batch_key=batch, processes=numbers(runs, "metrics.world_size").fillna(
             runs["world_size"]).fillna(1).astype(int), nodes=numbers(runs, "metrics.nodes").fillna(1).astype(int),
@@ -108,14 +108,13 @@ def scaling_curves(points: pd.DataFrame) -> pd.DataFrame:
         global_batch=("global_batch_size", "median"), samples_per_s=("samples_per_s", "median"),
         test_accuracy=("test_accuracy", "median"), target=("target", "median"),
         time_to_target=("time_to_target", "median"), reached=("time_to_target", "count"),
-        energy=("energy", "median"), run_ids=("run_id", ", ".join)).reset_index()
+        energy=("energy", "median"), titles=("run_id", lambda ids: "run(s) " + ", ".join(ids))).reset_index()
     base = curves.dropna(subset=["samples_per_s"]).groupby(keys, dropna=False)[["processes", "samples_per_s"]].first()
     curves = curves.merge(base, on=keys, how="left", suffixes=("", "_base"))
     curves["speedup"] = curves["samples_per_s"] / curves["samples_per_s_base"]
     first = curves.groupby(keys, dropna=False)["processes"].transform("min")
     curves["ideal"] = curves["processes"] / curves["processes_base"].fillna(first)
     curves["efficiency"] = curves["speedup"] / curves["ideal"]
-    curves["titles"] = "run(s) " + curves["run_ids"]
     return curves
 
 
@@ -128,53 +127,43 @@ def _reached(point: Row) -> Cell:
 
 def _scaling_figure(curves: pd.DataFrame, title: str) -> Figure:
     fig, (throughput, efficiency) = axes(11, 4, 2)
-    for mode in ("strong", "weak"):
-        curve = curves[(curves["mode"] == mode) & curves["samples_per_s"].notna()].sort_values("processes")
-        if curve.empty:
-            continue
+    measured = curves[curves["samples_per_s"].notna()].sort_values("processes")
+    for mode, curve in measured.groupby("mode"):  # strong, then weak
         base = curve.iloc[0]
-        throughput.plot(curve["processes"], curve["samples_per_s"], marker="o", color=COLORS[mode], label=f"{mode}: measured")
+        throughput.plot(curve["processes"], curve["samples_per_s"], marker="o", color=COLORS[mode],
+                        label=f"{mode}: measured")
         throughput.plot(curve["processes"], base["samples_per_s"] * curve["processes"] / base["processes"],
                         linestyle="--", color=COLORS[mode], alpha=0.6, label=f"{mode}: ideal")
         efficiency.plot(curve["processes"], curve["efficiency"] * 100, marker="o", color=COLORS[mode], label=mode)
     efficiency.axhline(100, color="black", linewidth=1, label="ideal (100%)")
-    for ax in (throughput, efficiency):
-        ax.set_xlabel("processes")
-        ax.set_xticks(sorted(set(curves["processes"])))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-    throughput.set_ylabel("throughput (samples/s, whole job)")
-    efficiency.set_ylabel("scaling efficiency (%)")
-    efficiency.set_ylim(bottom=0)
+    ticks = sorted(set(curves["processes"]))
+    finish_axes(throughput, xlabel="processes", xticks=ticks, ylabel="throughput (samples/s, whole job)")
+    finish_axes(efficiency, xlabel="processes", xticks=ticks, ylabel="scaling efficiency (%)", ylim=(0, None))
     return png_figure(fig, f"Throughput and scaling efficiency against processes for {title}",
                       f"Strong and weak scaling, {plain(title)}: measured against ideal (dashed).")
 
 
 def _accuracy_figure(points: pd.DataFrame, title: str) -> Figure | None:
-    """Validation accuracy against elapsed time, a line per training run with two evaluations or more: a run that is
-    the point of both curves (one process: strong and weak scaling train the same batch) is drawn once."""
+    """Validation accuracy against time: a line per training run (not per point) with two evaluations or more."""
     evaluations = entries(points, "metrics.evaluations")
     evaluations = evaluations.assign(x=numbers(evaluations, "elapsed_s"), y=100 * numbers(evaluations, "accuracy"))
     evaluations = evaluations.dropna(subset=["x", "y"]).sort_values("x", kind="stable")
     drawn = points[points.index.isin(evaluations["_run"].value_counts().loc[lambda n: n >= 2].index)]
     lines = drawn.assign(label=drawn.index).sort_values(["processes", "mode"]).groupby("training_run_id", sort=False) \
-        .agg(modes=("mode", list), processes=("processes", "first"), first=("label", "first"))
+        .agg(modes=("mode", "unique"), processes=("processes", "first"), first=("label", "first"))
     if lines.empty:
         return None
     fig, ax = axes(8, 4)
     labels = []
     for index, line in enumerate(lines.itertuples()):
-        labels.append(f"{' and '.join(dict.fromkeys(line.modes))}, {line.processes} process"
-                      f"{'es' if line.processes != 1 else ''}")
+        labels.append(f"{' and '.join(line.modes)}, {line.processes} process{'es' if line.processes != 1 else ''}")
         curve = evaluations[evaluations["_run"] == line.first]
         ax.plot(curve["x"], curve["y"], marker=".", color=f"C{index % 10}",
                 linestyle="-" if "strong" in line.modes else "--", label=labels[-1])
     target = points["target"].median()
     if pd.notna(target):
         ax.axhline(100 * target, color="black", linestyle=":", linewidth=1, label=f"target {target:.0%}")
-    ax.set(xlabel="elapsed training time (s)", ylabel="validation accuracy (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    finish_axes(ax, xlabel="elapsed training time (s)", ylabel="validation accuracy (%)")
     return png_figure(fig, f"Validation accuracy against time for {title}: {'; '.join(labels)}",
                       f"Time to accuracy, {plain(title)} ({'; '.join(labels)}; strong scaling solid, weak dashed): "
                       "the first crossing of the dotted line is the time to target.")
@@ -185,7 +174,7 @@ def scaling_section(ctx: SectionContext) -> Section | None:
     points = _points(ctx.runs)
     if points.empty:
         return None
-    tables, figures, notes = [], [], []
+    tables, figures = [], []
     curves = scaling_curves(points)
     for (machine, model, dataset), group in curves.groupby(["machine", "model", "dataset"], dropna=False):
         where = f"{machine} · {model} on {dataset}"
@@ -202,7 +191,7 @@ def scaling_section(ctx: SectionContext) -> Section | None:
             same = points[(points["machine"] == machine) & (points["model"] == model) & (points["status"] == "ok")]
             figures += [figure for figure in [_accuracy_figure(same, where)] if figure is not None]
     sources = sorted(set(texts(points, "metrics.evaluations_source").dropna()))
-    notes += [f"Validation accuracy over time from: {', '.join(sources)}."] if sources else []
+    notes = [f"Validation accuracy over time from: {', '.join(sources)}."] if sources else []
     return Section("Lab 05: strong and weak scaling", paragraphs=[
         "Each point is one training run of Lab-01's 04_ddp_training.py. Strong scaling keeps the global batch and "
         "splits it over the processes; weak scaling keeps the batch per process, so the global batch grows. "
@@ -215,15 +204,12 @@ def scaling_section(ctx: SectionContext) -> Section | None:
 def _overlap_figure(buckets: pd.DataFrame, title: str) -> Figure:
     fig, ax = axes(8, 3.6)
     x = range(len(buckets))
-    ax.bar([i - 0.2 for i in x], 1e3 * buckets["exposed_comm_s"].fillna(0), width=0.4, color="tab:red",
-           label="exposed (step − no_sync step)")
-    ax.bar([i + 0.2 for i in x], 1e3 * buckets["comm_alone_s"].fillna(0), width=0.4, color="tab:gray",
-           label="communication alone")
-    ax.set_xticks(list(x), [f"{b:g}" for b in buckets["bucket_cap_mb"]])
-    ax.set(xlabel="bucket_cap_mb (MiB)", ylabel="ms per step")
+    for offset, key, color, label in ((-0.2, "exposed_comm_s", "tab:red", "exposed (step − no_sync step)"),
+                                      (0.2, "comm_alone_s", "tab:gray", "communication alone")):
+        ax.bar([i + offset for i in x], 1e3 * buckets[key].fillna(0), width=0.4, color=color, label=label)
     ax.axhline(0, color="black", linewidth=0.8)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize="small")
+    finish_axes(ax, "y", xticks=list(x), xticklabels=[f"{b:g}" for b in buckets["bucket_cap_mb"]],
+                xlabel="bucket_cap_mb (MiB)", ylabel="ms per step")
     return png_figure(fig, f"Exposed and total communication per bucket size for {title}",
                       f"Overlap, {plain(title)}: the red bar is what backward did not hide.")
 
@@ -233,12 +219,12 @@ def overlap_section(ctx: SectionContext) -> Section | None:
     runs = ctx.runs[(ctx.runs["method"] == "overlap") & (ctx.runs["status"] == "ok")]
     buckets = entries(runs, "metrics.buckets", "machine", "world_size", "model", "run_id")
     ms = lambda v: f"{1e3 * v:.1f}"  # noqa: E731
-    times = ("step_s", "no_sync_step_s", "exposed_comm_s", "comm_alone_s")
     tables, figures = [], []
     for _, group in buckets.groupby("_run", sort=False):
-        group = group.assign(**{key: numbers(group, key) for key in ("bucket_cap_mb", "hidden_fraction", *times)})
-        first = group.iloc[0]
-        where = f"{first['machine']} · {fmt(first['world_size'], 'int')} ranks · {fmt(first['model'])} (run {first['run_id']})"
+        group = group.assign(**{key: numbers(group, key) for key in (
+            "bucket_cap_mb", "hidden_fraction", "step_s", "no_sync_step_s", "exposed_comm_s", "comm_alone_s")})
+        run = group.iloc[0]
+        where = f"{run['machine']} · {fmt(run['world_size'], 'int')} ranks · {fmt(run['model'])} (run {run['run_id']})"
         tables.append(table_from_frame(group, {
             "bucket_cap_mb": ("bucket_cap_mb", "num"), "buckets": ("buckets", "int"), "step (ms)": ("step_s", ms),
             "no_sync step (ms)": ("no_sync_step_s", ms), "exposed comm. (ms)": ("exposed_comm_s", ms),
