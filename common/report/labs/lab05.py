@@ -127,7 +127,7 @@ def _reached(point: Row) -> Cell:
 
 def _scaling_figure(curves: pd.DataFrame, title: str) -> Figure:
     fig, (throughput, efficiency) = axes(11, 4, 2)
-    measured = curves[curves["samples_per_s"].notna()].sort_values("processes")
+    measured = curves[curves["samples_per_s"].notna()].sort_values("processes", kind="stable")
     for mode, curve in measured.groupby("mode"):  # strong, then weak
         base = curve.iloc[0]
         throughput.plot(curve["processes"], curve["samples_per_s"], marker="o", color=COLORS[mode],
