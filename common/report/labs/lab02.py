@@ -59,7 +59,9 @@ def _bench_table(runs: pd.DataFrame) -> Table | None:
     if runs.empty:
         return None
     rates = runs.pivot_table(index="bench_id", columns="variant", values="samples_per_s", aggfunc="last")
-    frame = runs.groupby("bench_id").first().join(rates.reindex(columns=list("abc")).add_prefix("rate_"))
+    first = runs.reindex(columns=["bench_id", "machine", "created", "run_id", "config.threads", "metrics.b_over_a",
+                                  "metrics.b_over_c", "metrics.load_average_start"]).groupby("bench_id").first()
+    frame = first.join(rates.reindex(columns=list("abc")).add_prefix("rate_"))
     return table_from_frame(frame.reset_index().sort_values("created"), {
         "bench": "bench_id", "machine": "machine", "threads": ("config.threads", "{}"),
         "(a) USC lab's pipeline, samples/s": ("rate_a", "rate"), "(b) best pipeline, samples/s": ("rate_b", "rate"),
