@@ -129,7 +129,7 @@ def test_a_local_sweep_writes_each_task_into_its_own_folder_with_curves_that_mat
     from common.report.labs import lab_sections
     from common.report.runs import runs_frame
 
-    sections, problems = lab_sections(runs_frame(sweep_records), folder, plots=False)
+    sections, problems = lab_sections(runs_frame(sweep_records), plots=False)
     assert problems == []
     (section,) = [s for s in sections if s.title.startswith("Lab 09: sweep")]
     by_accuracy, by_cost = section.tables
