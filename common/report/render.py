@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import datetime as _dt
 import os
 import sys
@@ -85,10 +84,13 @@ def build_report(results_dir: str | os.PathLike[str], output_report: str | os.Pa
                 core.plots_section(configs) if plots else None, *extra_sections, core.energy_section(runs),
                 core.other_metrics_section(runs), core.provenance_section(runs)]
     sections = [section for section in sections if section is not None]
-    seen: collections.Counter[str] = collections.Counter()
+    seen: set[str] = set()
     for section in sections:  # one id each, for the page's links: "energy", "energy-2", ...
-        seen[section.id] += 1
-        section.id += f"-{seen[section.id]}" if seen[section.id] > 1 else ""
+        base, n = section.id, 1
+        while section.id in seen:  # a title that already ends in "-2" must not collide either
+            n += 1
+            section.id = f"{base}-{n}"
+        seen.add(section.id)
 
     facts = [f"{_plural(len(runs), 'run')} from {_plural(runs['lab'].nunique(), 'lab')} on "
              f"{_plural(runs['machine'].nunique(), 'machine')}", _plural(len(skipped), "file") + " skipped",
