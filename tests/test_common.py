@@ -686,6 +686,36 @@ def test_an_unreadable_single_file_checkpoint_is_one_line_naming_it_before_train
     assert not (tmp_path / "r").exists()
 
 
+def test_a_distributed_checkpoint_round_trips_in_one_process_without_warnings(tmp_path):
+    """One process and no process group (Lab-07's one-process reference, ``--mesh 1x1``): DCP is told so,
+    instead of guessing it and printing a UserWarning at every save and load."""
+    import warnings
+
+    import torch
+
+    from common.checkpoint.sharded import DistributedCheckpointer
+
+    def tracked(seed: int) -> dict:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        return {"model": model, "optimizer": optimizer}
+
+    saved, fresh = tracked(1), tracked(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DistributedCheckpointer(tmp_path).save({"epoch": 1, "step": 3}, saved)
+        reader = DistributedCheckpointer(tmp_path)
+        state = reader.read()
+        reader.restore(fresh)
+    assert (state["epoch"], state["step"]) == (1, 3)
+    assert torch.equal(fresh["model"].weight, saved["model"].weight)
+    assert fresh["optimizer"].state_dict()["state"][0]["exp_avg"].equal(saved["optimizer"].state_dict()["state"][0]["exp_avg"])
+    assert [str(w.message) for w in caught] == []
+
+
 @pytest.mark.parametrize("form", ["empty", "garbage", "shards_only"])
 def test_a_distributed_checkpoint_with_broken_metadata_is_one_line_naming_the_folder(form, tmp_path, capsys):
     from helpers import run_main

@@ -29,10 +29,12 @@ how long the training loop stood still (``stall_s``) and when the files were com
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,17 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
         if match and (path / ".metadata").is_file():
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
+
+
+@contextlib.contextmanager
+def _one_process_quiet():
+    """DCP without a process group (one process, as Lab-07's ``--mesh 1x1``) saves and loads as it should, but warns
+    that it is "assuming" so at every call, even when told (``no_dist=True``): that one warning is left out here."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", "torch.distributed is (disabled, )?unavailable or uninitialized",
+                                    UserWarning)
+        yield
 
 
 class _Pickled:
@@ -131,7 +144,8 @@ class DistributedCheckpointer:
             future.add_done_callback(lambda _: timing.__setitem__("complete_s", time.perf_counter() - began))
             self._pending = (future, folder)
         else:
-            dcp.save(payload, checkpoint_id=str(folder))
+            with _one_process_quiet():
+                dcp.save(payload, checkpoint_id=str(folder))
             timing["complete_s"] = time.perf_counter() - began
             self._finished()
         timing["stall_s"] = time.perf_counter() - began
@@ -180,7 +194,8 @@ class DistributedCheckpointer:
         _read_metadata(self._reading)  # first, so broken metadata is our one line, not DCP's fallback and traceback
         progress = {"progress": _Pickled()}
         try:
-            dcp.load(progress, checkpoint_id=str(self._reading))
+            with _one_process_quiet():
+                dcp.load(progress, checkpoint_id=str(self._reading))
             saved = progress["progress"].value
             if not isinstance(saved, dict) or not {"others", "tracked", "state"} <= saved.keys():
                 raise ValueError("its progress entry is not this course's")
@@ -205,7 +220,8 @@ class DistributedCheckpointer:
         check_same_model(self._reading, model_state)
         payload = {"model": model_state, "optimizer": optimizer_state}
         try:
-            dcp.load(payload, checkpoint_id=str(self._reading))
+            with _one_process_quiet():
+                dcp.load(payload, checkpoint_id=str(self._reading))
         except _LOAD_ERRORS as error:  # a shard file truncated after the metadata was written
             raise unreadable_checkpoint(self._reading, error) from error
         set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=payload["optimizer"])
