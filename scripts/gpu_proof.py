@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tier", choices=("1", "2", "all"), default="all",
                         help="which checks: tier 1 (what a student meets first, and the speed targets), tier 2 "
                              "(every other GPU path), or all, tier 1 first (default: %(default)s)")
-    parser.add_argument("--only", default=None,
-                        help="comma-separated check names; 'failed': those of the last summary that did not pass "
+    parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                        help="check names, separated by spaces or commas; 'failed': those of the last summary that did not pass "
                              "(failed, not run, or new); 'pending': those not run yet. The last summary is "
                              "OUT/summary.json, else the newest committed reference-results/*/gpu-proof/summary.json")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -343,12 +343,12 @@ def choose(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[l
     tiers = {"1": {1}, "2": {2}, "all": {1, 2}}[args.tier]
     checks = [check for check in proof.CHECKS if check.tier in tiers]
     previous = last_summary(args.out)
-    if args.only in ("failed", "pending"):
-        done = {"ok", "skipped"} if args.only == "failed" else {"ok", "skipped", "failed"}
+    names = [name.strip() for item in args.only or () for name in item.split(",") if name.strip()]
+    if names in (["failed"], ["pending"]):
+        done = {"ok", "skipped"} if names == ["failed"] else {"ok", "skipped", "failed"}
         passed = {row["name"] for row in (previous or {}).get("checks", []) if row.get("status") in done}
         return [check for check in checks if check.name not in passed], previous
-    if args.only:
-        names = [name.strip() for name in args.only.split(",") if name.strip()]
+    if names:
         unknown = [name for name in names if name not in proof.BY_NAME]
         if unknown:
             parser.error(f"unknown check(s) {', '.join(unknown)}; --list shows them")

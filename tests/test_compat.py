@@ -236,3 +236,75 @@ def test_what_the_gpu_must_prove_is_listed_with_a_release_this_one_agrees_with()
     found = paths()
     assert found["torch"] == torch.__version__
     assert found["tf32_api"] == ("fp32_precision" if new_tf32_api() else "allow_tf32")
+
+
+#: torch names the course reaches only after asking this release whether it has them (common.runtime.compat's
+#: ``new_tf32_api()``, ``hasattr(dist, "set_timeout")``): newer than the floor. Every other name must be in each release.
+NEWER_THAN_THE_FLOOR = {"torch.backends.fp32_precision", "torch.backends.cudnn.fp32_precision",
+                        "torch.backends.cudnn.conv", "torch.backends.cudnn.rnn.fp32_precision",
+                        "torch.distributed.set_timeout"}
+SET_ONCE_A_GROUP_EXISTS = {"torch.distributed.group.WORLD"}
+PACKAGES = ("torch", "torchvision", "torchdata", "webdataset")
+
+
+def missing_names(source: str) -> dict[str, int]:
+    """Every dotted name of PACKAGES that ``source`` uses (``import``/``from`` anywhere, attribute chains on
+    their names) and this environment lacks: {the name as resolved: the line}. A chain is followed while it
+    stays on modules and classes; what a call returns is not looked into."""
+    import ast
+    import importlib
+    import inspect
+
+    def module(name: str):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            return None
+
+    tree, names, missing = ast.parse(source), {}, {}
+    for node in ast.walk(tree):  # the names imports bind, in any scope
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in PACKAGES:
+                    names[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+                    if module(alias.name) is None:
+                        missing[alias.name] = node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] in PACKAGES:
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    for node in ast.walk(tree):
+        chain = []
+        while isinstance(node, ast.Attribute):
+            chain.insert(0, node.attr)
+            node = node.value
+        if not (isinstance(node, ast.Name) and node.id in names):
+            continue
+        parts = names[node.id].split(".") + chain
+        found = module(parts[0])
+        for depth, part in enumerate(parts[1:], 2):
+            inner = getattr(found, part, None)
+            if inner is None and inspect.ismodule(found):
+                inner = module(f"{found.__name__}.{part}")
+            if inner is None:
+                missing[".".join(parts[:depth])] = node.lineno
+                break
+            if not (inspect.ismodule(inner) or inspect.isclass(inner)):
+                break
+            found = inner
+    return missing
+
+
+def test_every_torch_name_the_code_uses_is_in_this_release():
+    """The CUDA-only branches never run on a CPU, so a torch name there that this release lacks (misspelt, removed,
+    or newer than the floor) would first fail on a GPU. Each one the code names is looked up here instead."""
+    assert missing_names("import torch\nfrom torch import cuda\ntorch.cuda.max_memory_allocated()\n"
+                         "cuda.no_such_call()\nimport torch.nn as nn\nnn.Linear.no_such_method\n") == {
+        "torch.cuda.no_such_call": 4, "torch.nn.Linear.no_such_method": 6}
+    found = {}
+    for folder in ("common", "labs", "chapters", "scripts", "tests"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for name, line in missing_names(path.read_text(encoding="utf-8")).items():
+                found.setdefault(name, f"{path.relative_to(REPO)}:{line}")
+    unexpected = {name: where for name, where in found.items()
+                  if name not in NEWER_THAN_THE_FLOOR | SET_ONCE_A_GROUP_EXISTS}
+    assert not unexpected, f"torch {release()} lacks: {unexpected}"

@@ -503,6 +503,9 @@ def test_every_check_that_ran_ok_exits_0_and_unknown_names_are_one_usage_line(st
     stand_ins(fake_check("a", 1, "true"), fake_check("b", 2, "true"))
     assert gpu_proof.main(["--budget", "60", "--out", str(tmp_path / "o"), "--only", "b"]) == 0
     assert [row["name"] for row in summary_of(tmp_path / "o")["checks"]] == ["b"]
+    for names in (["a", "b"], ["a,b"], ["a,", "b"]):  # spaces or commas between the names
+        assert gpu_proof.main(["--budget", "60", "--out", str(tmp_path / "o"), "--only", *names]) == 0
+        assert [row["name"] for row in summary_of(tmp_path / "o")["checks"]] == ["a", "b"], names
     with pytest.raises(SystemExit) as exit_:
         gpu_proof.main(["--only", "b,nope", "--out", str(tmp_path / "o")])
     assert exit_.value.code == 2 and "unknown check(s) nope" in capsys.readouterr().err
