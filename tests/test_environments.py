@@ -334,3 +334,28 @@ def test_apptainer_runscript_is_shellcheck_clean_as_posix_sh(tmp_path):
     runscript.write_text("#!/bin/sh\n" + def_section("runscript"))
     proc = subprocess.run([str(SHELLCHECK), "--shell=sh", str(runscript)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
+
+
+# --- every lab's run_lab.sh asks its interpreter first (scripts/require_python.sh) ------------------------------
+
+RUN_LABS = sorted(str(path.relative_to(REPO)) for path in REPO.glob("labs/*/run_lab.sh"))
+
+
+@pytest.mark.parametrize("run_lab", RUN_LABS)
+def test_run_lab_without_the_courses_environment_is_one_line_before_anything_is_written(run_lab, tmp_path):
+    """A student who did not activate the environment: the lab stops at start, naming what that python lacks
+    and how to get it, instead of a traceback at the first step with an empty results folder left behind.
+    The interpreters: this Python without its site-packages (no torch, no course package), and none at all."""
+    bare = tmp_path / "bare-python"
+    bare.write_text(f'#!/bin/sh\nexec "{sys.executable}" -I -S "$@"\n')
+    bare.chmod(0o755)
+    for python, said in ((str(bare), f"error: {bare} ({bare}) cannot import torch and common: activate the course's "
+                                     "environment (bash scripts/bootstrap.sh, then source .venv/bin/activate)"),
+                         ("no-such-python", "error: no Python interpreter 'no-such-python' on this PATH")):
+        env = {**os.environ, "PYTHON": python}
+        env.pop("RESULTS_DIR", None)
+        done = subprocess.run(["bash", str(REPO / run_lab), str(tmp_path / "results")], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and done.stdout == "", (python, done.stdout, done.stderr)
+        assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith(said), done.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["bare-python"]

@@ -300,7 +300,9 @@ def test_the_main_job_runs_with_a_given_interpreter_without_syncing_a_venv(tmp_p
                           text=True, timeout=60, env=script_env(PYTHON=str(fake)))
     assert proc.returncode == 0, proc.stderr
     assert "bootstrap" not in proc.stderr
-    scripts = [Path(line.split()[0]).name for line in calls.read_text().splitlines()]
+    check, *lines = calls.read_text().splitlines()
+    assert check.startswith("-c ")  # scripts/require_python.sh asks the interpreter first
+    scripts = [Path(line.split()[0]).name for line in lines]
     assert scripts[:3] == ["01_environment_check.py", "02_baseline_single_gpu.py", "03_dataparallel_training.py"]
     assert proc.stdout.splitlines()[-1] == f"report: {tmp_path / 'out' / 'comparison_report.html'}"
 

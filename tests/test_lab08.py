@@ -464,7 +464,8 @@ def test_run_lab_runs_every_step_with_flags_the_scripts_accept_and_ends_with_the
                           timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == f"report: {tmp_path / 'results' / 'comparison_report.html'}"
-    commands = [command.strip("\n").split("\n") for command in calls.read_text().split("--end--\n") if command]
+    check, *commands = [command.strip("\n").split("\n") for command in calls.read_text().split("--end--\n") if command]
+    assert check[0] == "-c"  # scripts/require_python.sh asks the interpreter first (tests/test_environments.py)
     scripts = [next(Path(arg).name for arg in command if arg.endswith(".py")) for command in commands]
     assert scripts == ["01_make_dataset.py", *["02_read_formats.py"] * 12, "03_shards_exactly_once.py",
                        "compare_results.py"]

@@ -47,6 +47,8 @@ SEED=${LAB01_SEED:-1}
 # Records of an earlier run in the same folder count as repeats in the report (it takes the median).
 RESULTS_DIR=${1:-${RESULTS_DIR:-results/lab01}}
 LAB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=scripts/require_python.sh
+source "$LAB_DIR/../../scripts/require_python.sh"  # stops here when $PYTHON cannot run the course
 
 if (( GLOBAL_BATCH % NPROC != 0 )); then
     echo "error: LAB01_GLOBAL_BATCH=$GLOBAL_BATCH does not divide between LAB01_NPROC=$NPROC processes" >&2

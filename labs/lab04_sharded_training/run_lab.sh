@@ -42,6 +42,8 @@ BUDGET=${LAB04_BUDGET-128MiB}
 SEED=${LAB04_SEED:-1}
 RESULTS_DIR=${1:-${RESULTS_DIR:-results/lab04}}
 LAB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=scripts/require_python.sh
+source "$LAB_DIR/../../scripts/require_python.sh"  # stops here when $PYTHON cannot run the course
 MODEL=(--device "$DEVICE" --layers "${LAB04_LAYERS:-4}" --width "${LAB04_WIDTH:-256}"
        --heads "${LAB04_HEADS:-8}" --context "${LAB04_CONTEXT:-64}")
 

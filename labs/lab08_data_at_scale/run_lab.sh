@@ -32,6 +32,8 @@ LATENCY=${LAB08_LATENCY:-1.0}
 NPROC=${LAB08_NPROC:-2}
 RESULTS_DIR=${1:-${RESULTS_DIR:-results/lab08}}
 LAB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=scripts/require_python.sh
+source "$LAB_DIR/../../scripts/require_python.sh"  # stops here when $PYTHON cannot run the course
 
 if [[ $DEVICE == cpu ]]; then
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

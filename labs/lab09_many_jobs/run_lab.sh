@@ -27,6 +27,8 @@ DEVICE=${LAB09_DEVICE:-cpu}
 SITE=${LAB09_SITE:-generic}
 RESULTS_DIR=${1:-${RESULTS_DIR:-results/lab09}}
 LAB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=scripts/require_python.sh
+source "$LAB_DIR/../../scripts/require_python.sh"  # stops here when $PYTHON cannot run the course
 REPO=$(cd "$LAB_DIR/../.." && pwd)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export HPC_DL_LABS_TINY=0  # the settings below are tiny already: no --dry-run in the jobs on top of them
