@@ -161,6 +161,10 @@ def test_each_format_counts_its_opens_bytes_and_workers(data, reads):
         assert epoch["expected_opens"] == opens and epoch["stats"] == 0
         assert 0 <= epoch["data_wait_share"] <= 1 and epoch["predicted_epoch_s"] > 0
         assert f"opened {opens:,} file(s)" in reads[name]["out"]
+        # The loader read alone trains nothing: no loss, and not a "nan" that reads as a diverged run.
+        assert "epoch 1: no loss logged |" in reads[name]["out"] and "nan" not in reads[name]["out"], reads[name]["out"]
+        assert "no training step (--read-only)" in reads[name]["out"]
+        assert reads[name]["record"]["metrics"]["final_loss"] is None
 
 
 def test_injected_latency_is_waited_once_per_open_and_predicted(reads):

@@ -29,7 +29,7 @@ __all__ = ["Progress", "LossLog", "Curves"]
 class Progress:
     """Everything the record needs that a resumed run must carry over from the run it continues."""
 
-    train_loss: list[float] = field(default_factory=list)      # mean over ranks, per epoch
+    train_loss: list[float | None] = field(default_factory=list)  # mean over ranks, per epoch (None: no loss logged)
     loss_at_step: list[float] = field(default_factory=list)    # mean over ranks, first --record-steps steps
     epoch_losses: list[float] = field(default_factory=list)    # this epoch's steps so far (mean over ranks)
     epoch_time_s: list[float] = field(default_factory=list)
@@ -46,13 +46,15 @@ class Progress:
         return cls(**{key: saved[key] for key in cls.__dataclass_fields__})
 
     def close_epoch(self) -> None:
-        """The epoch's mean loss goes into ``train_loss``; the next epoch starts empty."""
-        self.train_loss.append(statistics.fmean(self.epoch_losses) if self.epoch_losses else float("nan"))
+        """The epoch's mean loss goes into ``train_loss`` (``None`` when the epoch logged none: a loader read
+        alone trains nothing, and "train loss nan" would say it diverged); the next epoch starts empty."""
+        self.train_loss.append(statistics.fmean(self.epoch_losses) if self.epoch_losses else None)
         self.epoch_losses = []
 
     def line(self, epoch: int, rate: str, *, job: bool) -> str:
         """The progress line after ``epoch``: its loss, the held-out numbers, its time and samples/s."""
-        line = f"epoch {epoch}: train loss {self.train_loss[-1]:.4f}"
+        loss = self.train_loss[-1]
+        line = f"epoch {epoch}: " + ("no loss logged" if loss is None else f"train loss {loss:.4f}")
         last = self.eval_history[-1] if self.eval_history else None
         if last is not None and last["epoch"] == epoch:
             line += f" | test loss {last['test_loss']:.4f} | accuracy {100 * last['test_accuracy']:.2f}%"

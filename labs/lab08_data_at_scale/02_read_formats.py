@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                          batch_size=args.batch_size, device=device, read_only=args.read_only)
         run.print(f"{method}: {held['samples']:,} samples in {held['files']:,} file(s) | {run.describe()} | "
                   f"{args.num_workers} loader worker(s), batch {args.batch_size} | one sample costs a worker "
-                  f"{cost['sample_s'] * 1e6:.0f} us to produce here, one step {cost['step_s'] * 1e3:.1f} ms")
+                  f"{cost['sample_s'] * 1e6:.0f} us to produce here, "
+                  + ("no training step (--read-only)" if args.read_only else f"one step {cost['step_s'] * 1e3:.1f} ms"))
         io, epochs = EpochIO(), []
         for epoch in run.epochs():
             set_loader_epoch(loader, args.seed, epoch)
