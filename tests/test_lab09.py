@@ -9,6 +9,7 @@ The job array, the resubmission, the chain, the pipeline and submitit run on the
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,25 @@ def test_the_pipeline_s_failed_list_of_a_folder_that_is_not_there_is_one_line(tm
     err = capsys.readouterr().err
     assert err == f"error: {missing} is not a sweep folder: give the --sweep-dir the pipeline was started with\n"
     assert not missing.exists()
+
+
+def test_a_slurm_without_a_controller_is_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """Slurm's commands installed, no controller answering (a laptop with the client, a login node whose
+    controller is down): scontrol's four lines of complaint become one, and the sweep folder is not made."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("sbatch", "scontrol"):
+        (bin_dir / name).write_text('#!/bin/sh\necho "$0: error: fetch_config: DNS SRV lookup failed" >&2\n'
+                                    'echo "$0: fatal: Could not establish a configuration source" >&2\nexit 1\n')
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    folder = tmp_path / "sweep"
+    assert run_main(SWEEP, [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: scontrol show config did not give MaxArraySize "
+                                                    "(does a Slurm controller answer here?): "), err
+    assert "DNS SRV lookup failed | " in err and "Could not establish a configuration source" in err
+    assert not folder.exists()
 
 
 @pytest.mark.slow

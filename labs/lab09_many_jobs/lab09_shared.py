@@ -368,7 +368,9 @@ def max_array_size() -> int:
     done = slurm("scontrol", "show", "config")
     match = re.search(r"^MaxArraySize\s*=\s*(\d+)", done.stdout, re.M)
     if done.returncode != 0 or match is None:
-        raise UserError(f"scontrol show config did not give MaxArraySize: {(done.stderr or done.stdout).strip()[:200]}")
+        said = " | ".join(line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip())
+        raise UserError(f"scontrol show config did not give MaxArraySize (does a Slurm controller answer here?): "
+                        f"{said[:300]}")
     return int(match[1])
 
 
