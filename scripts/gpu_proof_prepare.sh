@@ -32,4 +32,9 @@ if [[ ! -f .examples/mnist/main.py ]]; then
     git clone --quiet --depth 1 https://github.com/pytorch/examples .examples
 fi
 wheels=(.whl/*.whl)
-echo "gpu_proof_prepare: ${#wheels[@]} wheel(s) in .whl/, pytorch/examples $(git -C .examples rev-parse --short HEAD)"
+if [[ -d .examples/.git ]]; then  # a clone (not a copy of main.py: git would report this repository's commit)
+    examples="pytorch/examples $(git -C .examples rev-parse --short HEAD)"
+else
+    examples=$(head -n 1 .examples/SOURCE 2>/dev/null || echo "pytorch/examples' mnist/main.py, commit unknown")
+fi
+echo "gpu_proof_prepare: ${#wheels[@]} wheel(s) in .whl/, $examples"
