@@ -58,13 +58,14 @@ class Cuda:
     type = "cuda"
 
 
-def _nvml(fake, bus="0000:3b:00.0"):
-    return NvmlSource(Cuda(), nvml=fake, bus_id=lambda device: bus)
+def _nvml(fake, bus="0000:3b:00.0", device=None):
+    return NvmlSource(Cuda() if device is None else device, nvml=fake, bus_id=lambda device: bus)
 
 
-def test_nvml_counts_the_millijoules_its_gpu_used_between_start_and_end():
+@pytest.mark.parametrize("device", [Cuda(), "cuda:0", "cuda"], ids=["torch.device", "cuda:0", "cuda"])
+def test_nvml_counts_the_millijoules_its_gpu_used_between_start_and_end(device):
     fake = FakeNvml({"0000:3b:00.0": [1_000_000, 1_250_500]})
-    source = _nvml(fake)
+    source = _nvml(fake, device=device)
     source.begin()
     assert source.end() == pytest.approx(250.5)
     assert fake.initialised == 0  # NVML shut down again
@@ -73,6 +74,7 @@ def test_nvml_counts_the_millijoules_its_gpu_used_between_start_and_end():
 
 @pytest.mark.parametrize(("fake", "device", "reason"), [
     (FakeNvml({}), "cpu", "no GPU in this run"),
+    (FakeNvml({}), "cudax", "no GPU in this run"),
     (FakeNvml({}, init_error=FakeNvml.NVMLError("Driver Not Loaded")), Cuda(),
      "NVML did not start (Driver Not Loaded)"),
     (FakeNvml({"0000:3b:00.0": [None]}), Cuda(), "has no energy counter (NVML needs Volta or newer)"),

@@ -94,7 +94,8 @@ class NvmlSource:
         self.key = ""
 
     def begin(self) -> None:
-        if getattr(self.device, "type", str(self.device)) != "cuda":
+        # A torch.device, or its name as text ("cuda:0", as Lab-01's environment check passes it).
+        if getattr(self.device, "type", str(self.device).partition(":")[0]) != "cuda":
             raise EnergyUnavailable("no GPU in this run")
         nvml = self._nvml = self._nvml or _import_pynvml()
         try:
