@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="which checks: tier 1 (what a student meets first, and the speed targets), tier 2 "
                              "(every other GPU path), or all, tier 1 first (default: %(default)s)")
     parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
-                        help="check names, separated by spaces or commas; 'failed': those of the last summary that did not pass "
-                             "(failed, not run, or new); 'pending': those not run yet. The last summary is "
+                        help="check names, separated by spaces or commas; 'failed': those of the last summary that "
+                             "did not pass (failed, not run, or new); 'pending': those not run yet. The last summary is "
                              "OUT/summary.json, else the newest committed reference-results/*/gpu-proof/summary.json")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: the rehearsal, the same checks' CPU paths with tiny settings (default: %(default)s)")

@@ -712,7 +712,8 @@ def test_a_distributed_checkpoint_round_trips_in_one_process_without_warnings(tm
         reader.restore(fresh)
     assert (state["epoch"], state["step"]) == (1, 3)
     assert torch.equal(fresh["model"].weight, saved["model"].weight)
-    assert fresh["optimizer"].state_dict()["state"][0]["exp_avg"].equal(saved["optimizer"].state_dict()["state"][0]["exp_avg"])
+    moments = [tracked["optimizer"].state_dict()["state"][0]["exp_avg"] for tracked in (fresh, saved)]
+    assert moments[0].equal(moments[1])
     assert [str(w.message) for w in caught] == []
 
 

@@ -239,7 +239,8 @@ def test_what_the_gpu_must_prove_is_listed_with_a_release_this_one_agrees_with()
 
 
 #: torch names the course reaches only after asking this release whether it has them (common.runtime.compat's
-#: ``new_tf32_api()``, ``hasattr(dist, "set_timeout")``): newer than the floor. Every other name must be in each release.
+#: ``new_tf32_api()``, ``hasattr(dist, "set_timeout")``): newer than the floor. Every other name must be in each
+#: release.
 NEWER_THAN_THE_FLOOR = {"torch.backends.fp32_precision", "torch.backends.cudnn.fp32_precision",
                         "torch.backends.cudnn.conv", "torch.backends.cudnn.rnn.fp32_precision",
                         "torch.distributed.set_timeout"}
@@ -265,8 +266,9 @@ def missing_names(source: str) -> dict[str, int]:
     for node in ast.walk(tree):  # the names imports bind, in any scope
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.split(".")[0] in PACKAGES:
-                    names[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+                top = alias.name.split(".")[0]
+                if top in PACKAGES:
+                    names[alias.asname or top] = alias.name if alias.asname else top
                     if module(alias.name) is None:
                         missing[alias.name] = node.lineno
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] in PACKAGES:
