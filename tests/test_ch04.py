@@ -166,6 +166,7 @@ def test_ddp_script_is_the_single_device_script_plus_the_ddp_lines():
 @pytest.mark.parametrize("argv, message", [
     (["--device", "cuda"], "no CUDA GPU"),
     (["--batch-size", "0"], "must be at least 1"),
+    (["--clip-grad-norm", "-1"], "--clip-grad-norm: must be a number >= 0, got -1"),  # a negative norm trains backwards
     (["--model", "resnet51"], "unknown model 'resnet51'"),
     (["--dataset", "imagenet"], "invalid choice: 'imagenet'"),
     (["--dataset", "mnist", "--data-dir", "/nonexistent/data"], "mnist not found under /nonexistent/data"),

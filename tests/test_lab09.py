@@ -112,6 +112,30 @@ def test_a_slurm_without_a_controller_is_one_line_before_anything_is_written(tmp
     assert not folder.exists()
 
 
+def test_each_run_of_a_task_is_the_next_attempt(tmp_path, monkeypatch, capsys):
+    """A task run three times (the training here a stand-in that exits 0, 0, then 1): attempts 1, 2, 3, each
+    started and ended once in attempts.jsonl, and the status counts three attempts and takes the last one's state."""
+    plan = shared.prepare_folder(tmp_path / "sweep", SWEEPS / "tiny.toml")
+    shared.write_plan(plan)
+    exits = iter([0, 0, 1])
+    monkeypatch.setattr(shared, "task_command", lambda plan, index, extra=(): [
+        os.sys.executable, "-c", f"raise SystemExit({next(exits)})"])
+    assert [shared.run_task(plan, 0) for _ in range(3)] == [0, 0, 1]
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("task 0 attempt")]
+    assert [line.split()[3] for line in printed] == ["1", "2", "3"]
+    lines = shared.local_attempts(plan.task_dir(0))
+    assert [(a["attempt"], "started" in a, a.get("exit")) for a in lines] == [
+        (1, True, None), (1, False, 0), (2, True, None), (2, False, 0), (3, True, None), (3, False, 1)]
+    statuses, _ = shared.sweep_status(plan)
+    assert (statuses[0].attempts, statuses[0].state) == (3, "FAILED")
+
+
+def test_status_refuses_a_negative_wait(tmp_path, capsys):
+    assert run_main(STATUS, ["--sweep-dir", str(tmp_path), "--wait", "-5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "-5" in err, err
+
+
 @pytest.mark.slow
 def test_a_local_sweep_writes_each_task_into_its_own_folder_with_curves_that_match_its_record(tmp_path, capsys):
     folder = tmp_path / "tiny"

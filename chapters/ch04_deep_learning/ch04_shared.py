@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Collection
 
-from common.cli import add_precision_arg, positive_int
+from common.cli import add_precision_arg, non_negative_float, positive_int
 from common.data.datasets import DATASETS, RESIDENT_CHOICES, RESIDENT_SHARE
 from common.train.flags import add_adadelta_args, add_training_args
 
@@ -41,7 +41,7 @@ def add_mnist_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = add_data_args(parser)
     add_adadelta_args(group)
     add_precision_arg(group, "--amp")
-    group.add_argument("--clip-grad-norm", type=float, default=1.0,
+    group.add_argument("--clip-grad-norm", type=non_negative_float, default=1.0,
                        help="clip gradients to this norm after unscaling; 0 turns it off (default: %(default)s)")
     group.add_argument("--test-batch-size", type=positive_int, default=1000,
                        help="evaluation batch (default: %(default)s)")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 
-from common.cli import input_dir, script_parser
+from common.cli import input_dir, non_negative_float, script_parser
 from common.errors import UserError, run_main
 from labs.lab09_many_jobs.lab09_shared import (ENDED, RETRY, read_plan, slurm, status_table, submitted_job_id,
                                                sweep_status, write_sweep_record)
@@ -36,7 +36,7 @@ def build_parser():
                         help="submit the failed and timed-out tasks again, as one array of just those (default: off)")
     parser.add_argument("--record", action="store_true",
                         help="write the sweep's record (states, accuracy, cost) into the sweep folder (default: off)")
-    parser.add_argument("--wait", type=float, default=0, metavar="SECONDS",
+    parser.add_argument("--wait", type=non_negative_float, default=0, metavar="SECONDS",
                         help="first wait until every task has ended, at most this long (default: no wait)")
     return parser
 

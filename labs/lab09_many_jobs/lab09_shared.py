@@ -322,7 +322,7 @@ def run_task(plan: Plan, index: int, extra: Sequence[str] = (), *, replace_proce
     folder = plan.task_dir(index)
     folder.mkdir(parents=True, exist_ok=True)
     attempts = folder / "attempts.jsonl"
-    attempt = 1 + (len(attempts.read_text().splitlines()) if attempts.is_file() else 0)
+    attempt = 1 + sum(1 for a in local_attempts(folder) if "started" in a)  # each attempt writes two lines
     job = os.environ.get("SLURM_JOB_ID", "local")
     with open(attempts, "a", encoding="utf-8") as out:
         out.write(json.dumps({"attempt": attempt, "job": job, "started": time.time(), "host": os.uname().nodename}) + "\n")
