@@ -379,7 +379,9 @@ def read_only_record(folder: str | os.PathLike[str]) -> dict[str, Any]:
 
 def load_records(folder: str | os.PathLike[str], recursive: bool = True) -> LoadResult:
     """Read every ``*.json`` record under ``folder``; bad files are reported, not fatal. Files of
-    another of the course's schemas (``hpc-dl-labs/gpu-proof``, say) are left out without a word.
+    another of the course's schemas (``hpc-dl-labs/gpu-proof``, say) are left out without a word, and so
+    are profiler traces (``*trace.json``: Chrome's trace format, which the profiling lessons write into the
+    results folder), unread: a trace can be hundreds of megabytes.
 
     Raises ``FileNotFoundError`` when ``folder`` does not exist or is not a directory.
     """
@@ -390,7 +392,7 @@ def load_records(folder: str | os.PathLike[str], recursive: bool = True) -> Load
     records: list[dict[str, Any]] = []
     errors: list[tuple[Path, str]] = []
     for path in sorted(root.glob(pattern)):
-        if path.name.startswith("."):  # temporary files of an atomic write in progress
+        if path.name.startswith(".") or path.name.endswith("trace.json"):  # an atomic write in progress; a trace
             continue
         try:
             data = json.loads(path.read_text(encoding="utf-8"))

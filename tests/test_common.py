@@ -116,6 +116,7 @@ def test_reader_skips_and_names_bad_files(tmp_path):
     future["schema_version"] = 99
     (tmp_path / "future.json").write_text(json.dumps(future))
     (tmp_path / ".partial.json.tmp").write_text("{")
+    (tmp_path / "ch16_profile_trace.json").write_text('{"traceEvents": [')  # a trace, even one cut short: no record
     loaded = results.load_records(tmp_path)
     assert len(loaded.records) == 1
     reasons = {path.name: reason for path, reason in loaded.errors}
