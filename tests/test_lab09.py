@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, load_script, run_main, run_script
+from helpers import REPO, load_script, run_main, run_script, script_env
 
 LAB = "labs/lab09_many_jobs"
 SWEEP = f"{LAB}/01_sweep.py"
@@ -134,6 +135,33 @@ def test_status_refuses_a_negative_wait(tmp_path, capsys):
     assert run_main(STATUS, ["--sweep-dir", str(tmp_path), "--wait", "-5"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "-5" in err, err
+
+
+def test_run_lab_without_a_controller_runs_here_and_says_why(tmp_path):
+    """sbatch and scontrol installed, no controller answering: ``run_lab.sh`` says so in one line and takes the
+    laptop path (01_sweep.py --local ...) instead of failing at its first submission. python is a stand-in that
+    writes down each command: the steps run for real in the tests above and on the Slurm test cluster."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    for name in ("sbatch", "scontrol"):
+        (bin_dir / name).write_text('#!/bin/sh\necho "$0: fatal: Could not establish a configuration source" >&2\n'
+                                    f'echo "$0 $*" >> {tmp_path / "slurm_calls"}\nexit 1\n')
+        (bin_dir / name).chmod(0o755)
+    stand_in = tmp_path / "python"
+    stand_in.write_text(f'#!/bin/sh\nfor arg in "$@"; do printf "%s\\n" "$arg"; done >> {calls}\necho "--end--" >> {calls}\n')
+    stand_in.chmod(0o755)
+    done = subprocess.run(["bash", str(REPO / LAB / "run_lab.sh"), str(tmp_path / "results")], cwd=tmp_path,
+                          env=script_env(PYTHON=str(stand_in), PATH=f"{bin_dir}:{os.environ['PATH']}"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].startswith("note: sbatch is installed but no Slurm controller answers (scontrol ping)"), lines
+    assert "without Slurm" in lines[1] and lines[-1].startswith("report: "), lines
+    assert (tmp_path / "slurm_calls").read_text() == f"{bin_dir / 'scontrol'} ping\n"  # asked once, nothing submitted
+    commands = [command.strip("\n").split("\n") for command in calls.read_text().split("--end--\n") if command][1:]
+    scripts = [next(Path(arg).name for arg in command if arg.endswith(".py")) for command in commands]
+    assert scripts == ["01_sweep.py", "02_status.py", "03_chain.py", "03_chain.py", "compare_results.py"]
+    assert "--local" in commands[0] and "--local" in commands[2]
 
 
 @pytest.mark.slow

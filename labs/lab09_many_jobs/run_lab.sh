@@ -4,7 +4,8 @@
 # Usage:
 #   bash labs/lab09_many_jobs/run_lab.sh [RESULTS_DIR]     # default: $RESULTS_DIR, else results/lab09
 #
-# On a machine with Slurm (sbatch on PATH; on the test cluster also SLURM_CONF), from a login node:
+# On a machine with Slurm (sbatch on PATH and a controller answering `scontrol ping`; on the test cluster
+# also SLURM_CONF), from a login node:
 #   1. the faults sweep (3 tasks: one completes, one fails, one stalls into its 1-minute time limit) as a
 #      pipeline: train (job array) -> evaluate (afterany) -> report (afterok) (04_pipeline.py);
 #   2. the tiny sweep submitted with submitit (05_submitit.py), while the pipeline runs;
@@ -47,7 +48,19 @@ wait_for_record() {
     done
 }
 
+# Slurm is here when sbatch is and a controller answers: the client alone (a laptop with slurm-client, a
+# login node whose controller is down) would fail at the first submission.
+with_slurm=0
 if [[ "${LAB09_LOCAL:-0}" != 1 ]] && command -v sbatch >/dev/null 2>&1; then
+    if timeout 30 scontrol ping >/dev/null 2>&1; then
+        with_slurm=1
+    else
+        echo "note: sbatch is installed but no Slurm controller answers (scontrol ping): running here instead" \
+             "(LAB09_LOCAL=1 asks for that)"
+    fi
+fi
+
+if ((with_slurm)); then
     echo "Lab-09 on $(hostname) with Slurm (site $SITE); results: $RESULTS_DIR"
     step "1/5 the faults sweep as a pipeline: train (array, 1-minute limit) -> evaluate -> report"
     "$PYTHON" "$LAB_DIR/04_pipeline.py" "$LAB_DIR/sweeps/faults.toml" --sweep-dir "$RESULTS_DIR/faults" \
