@@ -125,6 +125,23 @@ def test_sweep_rejects_an_unknown_step(capsys):
     assert err.startswith("error: unknown step(s) warp-drive") and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--stages", "baseline,amp", "--precision", "fp16"], "error: step amp: fp16 autocast needs a CUDA GPU"),
+    (["--stages", "baseline", "--device", "cuda"], "error: --device cuda was requested but PyTorch sees no CUDA GPU"),
+])
+def test_sweep_refuses_a_step_this_machine_cannot_run_before_any_starts(argv, message, tmp_path, capsys):
+    """Checked with the training script's own parser and checks before the first step: one line, exit 2, no
+    record, no line profile (it used to run each step, fail it, and write a failed record for each)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: both run")
+    assert run_main(f"{LAB}/sweep.py", [*argv, "--results-dir", str(tmp_path / "results")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and captured.err.startswith(message), captured.err
+    assert "$ " not in captured.out and not (tmp_path / "results").exists()
+
+
 def test_profile_trace_writes_a_valid_trace_with_labelled_regions(tmp_path, capsys):
     trace = tmp_path / "trace.json"
     status = run_main(f"{LAB}/profile_trace.py", ["--device", "cpu", "--pipeline", "tensor", "--num-workers", "0",

@@ -16,7 +16,9 @@ the data-loading line (the USC lab's 84.5 %) is stored in the step's result reco
 per epoch, samples/s and speed-up over the USC lab's starting point. ``compare_results.py`` draws the
 progression from those records.
 
-The sweep itself does not import torch: every step is a fresh process, as a student would run it.
+Every step is a fresh process, as a student would run it. Before the first one starts, the sweep reads each
+step's flags with the training script's parser and checks its device and precision (the one time it imports
+torch): a setting no step could run is one line, with nothing written.
 """
 
 from __future__ import annotations
@@ -104,6 +106,22 @@ def run_step(step: Step, flags: list[str], lprof: Path, records_dir: Path) -> tu
     return process.returncode, list(tail)
 
 
+def preflight(steps: list[tuple[Step, list[str]]]) -> None:
+    """Each step's flags as the training script reads them, its device and precision checked on this machine:
+    :class:`UserError` for the first that cannot run (a GPU that is not there, fp16 on a CPU)."""
+    from common.runtime.device import resolve_device
+    from common.train.amp import check_precision
+
+    parser = add_train_args(script_parser(None))  # mnist_classify.py's flags
+    for step, flags in steps:
+        args = parser.parse_args(flags)
+        device = resolve_device(args.device)
+        try:
+            check_precision(args.precision, device)
+        except UserError as err:
+            raise UserError(f"step {step.name}: {err}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     return add_sweep_args(script_parser(__doc__))
 
@@ -118,26 +136,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = " (add --include-compile for the compile step)" if "compile" in unknown else ""
         raise UserError(f"unknown step(s) {', '.join(unknown) or '(none given)'}; "
                         f"the path is: {', '.join(names)}{hint}")
+    shared = forwarded_flags(args)
+    planned, settings = [], {}
+    for step in path:  # a later step's value of a flag replaces an earlier one's
+        settings.update(step.settings)
+        if step.name in wanted:
+            planned.append((step, [*shared, *command_line(settings)]))
+    preflight(planned)
     profile_dir = args.profile_dir or args.results_dir / "lab02_lprof"
     profile_dir.mkdir(parents=True, exist_ok=True)
     sweep_id = uuid.uuid4().hex[:8]
-    shared = forwarded_flags(args)
 
     rows: list[dict[str, Any]] = []
     baseline_rate = None
     failures = 0
     with tempfile.TemporaryDirectory(prefix="lab02_sweep_") as scratch:
-        settings: dict[str, Any] = {}  # a later step's value of a flag replaces an earlier one's
-        for index, step in enumerate(path):
-            settings.update(step.settings)
-            if step.name not in wanted:
-                continue
+        for step, flags in planned:
+            index = path.index(step)
             lprof = profile_dir / f"{sweep_id}_{index:02d}_{step.name}.lprof"
             records_dir = Path(scratch) / step.name
-            flags = [*shared, *command_line(settings)]
             status, tail = run_step(step, flags, lprof, records_dir)
             sweep_info = {"sweep_id": sweep_id, "index": index, "step": step.name, "change": step.change,
-                          "step_flags": command_line(dict(step.settings)), "flags": command_line(settings),
+                          "step_flags": command_line(dict(step.settings)), "flags": flags[len(shared):],
                           "lprof": str(lprof), "script": SCRIPT}
             if status != 0:
                 failures += 1
