@@ -137,6 +137,18 @@ def test_status_refuses_a_negative_wait(tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("error: ") and "-5" in err, err
 
 
+def test_a_local_sweep_on_a_gpu_that_is_not_there_is_one_line_before_anything_is_written(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    folder = tmp_path / "sweep"
+    assert run_main(SWEEP, [str(SWEEPS / "tiny.toml"), "--local", "--device", "cuda", "--sweep-dir", str(folder)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "PyTorch sees no CUDA GPU" in captured.err, captured.err
+    assert "task(s)" not in captured.out and not folder.exists()
+
+
 def test_run_lab_without_a_controller_runs_here_and_says_why(tmp_path):
     """sbatch and scontrol installed, no controller answering: ``run_lab.sh`` says so in one line and takes the
     laptop path (01_sweep.py --local ...) instead of failing at its first submission. python is a stand-in that

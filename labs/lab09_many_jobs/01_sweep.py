@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         if len(plan.tasks) > limit:
             raise UserError(f"the sweep has {len(plan.tasks)} tasks, more than this cluster's MaxArraySize of {limit} "
                             "(scontrol show config): split it into several sweep files")
+    if args.local and args.device == "cuda":  # every task would fail in turn: say it once, before anything is written
+        from common.runtime.device import resolve_device
+
+        resolve_device("cuda")
     seconds = check_with_script(plan.script, plan.tasks)  # the script's own parser: before anything is written
     print(f"{len(plan.tasks)} task(s) of {display(plan.script)}, flags checked by its parser in {seconds:.1f} s:")
     for task in plan.tasks[:10]:
