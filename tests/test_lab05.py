@@ -190,6 +190,18 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, script, argv
     assert not results.exists()
 
 
+def test_training_flags_the_training_refuses_are_one_line_before_any_point_runs(tmp_path, capsys):
+    """The flags after -- go to every point's training: checked with its parser first, not found wrong by each point
+    (which wrote a failed record per point, exit 1, and a summary line that read like a finished study)."""
+    results = tmp_path / "results"
+    argv = ["--device", "cpu", "--processes", "1,2", "--results-dir", str(results), "--", "--lr", "0.1", "--bogus", "3"]
+    assert run_main(SCALING, argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err == ("error: the training (labs/lab01_dp_vs_ddp/04_ddp_training.py) refuses its flags: "
+                            "unrecognized arguments: --bogus 3\n"), captured.err
+    assert "scaling study" not in captured.out and not results.exists()
+
+
 # --- real runs ---------------------------------------------------------------------------------------
 
 def _records(folder: Path) -> list[dict]:

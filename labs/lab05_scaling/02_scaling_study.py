@@ -132,9 +132,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         points = [points[args.point]]
     allocation = allocation_for(args)
     check_points(points, allocation)
-    for processes in points:  # every batch split is checked before anything runs
+    training = importlib.import_module(TRAINING_MODULE).build_parser()
+
+    def refused(message: str) -> None:  # the flags after -- are the training's: say so, in one line
+        raise UserError(f"the training ({TRAINING}) refuses its flags: {message}")
+
+    training.error = refused
+    scratch = Path(tempfile.gettempdir())  # where the points will write (nothing is created to check)
+    for processes in points:  # every batch split and every point's training flags are checked before anything runs
         for mode in modes:
-            per_process_batch(mode, processes, args.batch_size, args.global_batch_size)
+            batch = per_process_batch(mode, processes, args.batch_size, args.global_batch_size)
+            training.parse_args(training_flags(args, batch, scratch / "records", scratch / "checkpoint.pt"))
 
     study = {"id": uuid.uuid4().hex[:8], "processes": parse_points(args.processes), "modes": modes,
              "allocation": allocation.what}
