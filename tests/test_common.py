@@ -789,17 +789,20 @@ def test_the_stop_flag_is_agreed_only_where_a_handler_is_armed_and_on_the_cpus(t
         teardown_distributed(ctx)
 
 
-def test_the_flight_recorder_is_turned_on_under_every_name_a_release_reads_and_a_user_setting_wins():
+def test_the_flight_recorder_is_turned_on_under_its_current_name_and_a_user_setting_wins():
     from common.runtime.compat import enable_flight_recorder
 
     env = {"TORCH_FR_BUFFER_SIZE": "2000"}
     enable_flight_recorder(64, env=env, dump_prefix="/run/ledger/nccl-watchdog-rank")
-    assert env == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "64",
+    assert env == {"TORCH_FR_BUFFER_SIZE": "2000",
                    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": "/run/ledger/nccl-watchdog-rank",
                    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/run/ledger/nccl-watchdog-rank"}
+    old_name = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500"}  # exported under the old name: still the user's size
+    enable_flight_recorder(64, env=old_name)
+    assert old_name == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500"}
     quiet = {}
     enable_flight_recorder(8, env=quiet)
-    assert quiet == {"TORCH_FR_BUFFER_SIZE": "8", "TORCH_NCCL_TRACE_BUFFER_SIZE": "8"}
+    assert quiet == {"TORCH_FR_BUFFER_SIZE": "8"}  # not the old name too: torch 2.15 warned about it on every rank
 
 
 RANK0_ONLY_SAVE = """import sys

@@ -15,8 +15,9 @@ it used, so a record or a test can tell.
 - The flight recorder (each rank's last collectives, kept by PyTorch): recent releases read
   ``TORCH_FR_BUFFER_SIZE`` for every backend, older ones ``TORCH_NCCL_TRACE_BUFFER_SIZE`` for NCCL;
   the dump is ``_dump_nccl_trace_json`` for NCCL's recorder and ``_dump_fr_trace_json`` for the
-  backend-neutral one (Gloo's). :func:`enable_flight_recorder` sets both variables,
-  :func:`dump_flight_recorder` asks the dump that belongs to the backend first. Measured on one H100
+  backend-neutral one (Gloo's). :func:`enable_flight_recorder` sets the new name only (every release from the
+  floor on reads it, and the old one makes 2.15 warn on every rank), :func:`dump_flight_recorder` asks the dump
+  that belongs to the backend first. Measured on one H100
   (torch 2.11, the GPU proof's ``nccl_flight_recorder`` check): either variable alone made NCCL keep
   its collectives; ``_dump_nccl_trace_json`` returned them (3 of 3), ``_dump_fr_trace_json`` none;
   ``set_timeout`` was missing and ``_set_pg_timeout`` present.
@@ -51,7 +52,7 @@ __all__ = ["set_collective_timeout", "FLIGHT_RECORDER_BUFFER_VARIABLES", "WATCHD
            "enable_flight_recorder", "flight_recorder_dumps", "dump_flight_recorder", "ddp_buffer_sync",
            "clear_dtensor_caches", "new_tf32_api", "RECOMPILE_LIMIT_HIT", "GpuOnly", "GPU_ONLY", "paths"]
 
-#: The variables that size the flight recorder, newest name first (both are set: each release reads its own).
+#: The variables that size the flight recorder, newest name first (2.8 and later read both; 2.15 warns about the old).
 FLIGHT_RECORDER_BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
 
@@ -89,8 +90,8 @@ def enable_flight_recorder(entries: int, env: MutableMapping[str, str] | None = 
     on an H100 with torch 2.11 the watchdog aborted the rank (SIGABRT) and Python's ``except`` never
     ran, so that file is the only recorder a timed-out NCCL rank leaves."""
     env = os.environ if env is None else env
-    for name in FLIGHT_RECORDER_BUFFER_VARIABLES:
-        env.setdefault(name, str(entries))
+    if not any(name in env for name in FLIGHT_RECORDER_BUFFER_VARIABLES):
+        env[FLIGHT_RECORDER_BUFFER_VARIABLES[0]] = str(entries)
     if dump_prefix is not None:
         env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         for name in WATCHDOG_DUMP_VARIABLES:
@@ -199,7 +200,7 @@ GPU_ONLY = (
     GpuOnly("NCCL flight recorder: _dump_nccl_trace_json returns a rank's last collectives", (2, 5),
             "no recorder: Lab-06's ledger alone", "nccl_flight_recorder", ("2.11",)),
     GpuOnly("flight recorder sized by TORCH_FR_BUFFER_SIZE, watchdog dump to TORCH_FR_DUMP_TEMP_FILE", (2, 8),
-            "the TORCH_NCCL_* names, set beside them (enable_flight_recorder)", "nccl_flight_recorder", ("2.11",)),
+            "the TORCH_NCCL_* names (below the floor)", "nccl_flight_recorder", ("2.11",)),
     # Not yet seen on NCCL either way: that takes two GPUs (Lab-06's --collective-timeout under NCCL);
     # the probe of nccl_flight_recorder records which of the two calls the release has.
     GpuOnly("a short timeout on an NCCL group that exists: torch.distributed.set_timeout", (2, 14),
