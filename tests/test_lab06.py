@@ -124,6 +124,23 @@ def test_bad_input_is_one_error_line_and_writes_nothing(argv, message, tmp_path,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "4"], "checkpoint.pt is at step 6: a run of --steps 4 has nothing left to train"),
+    (["--width", "8"], "checkpoint.pt was written with other settings (width 4 there, 8 here)"),
+])
+def test_a_resume_that_cannot_go_on_is_one_line_and_writes_no_record(argv, message, tmp_path, capsys):
+    """A finished run resumed with fewer steps printed "final loss nan" and wrote an ok record with no loss; a
+    resume with another width ended in load_state_dict's traceback. Both are one line now, before any step."""
+    folders = ["--run-dir", str(tmp_path / "run"), "--results-dir", str(tmp_path / "res")]
+    assert run_main(INJECT, [*TINY, *folders]) == 0
+    written = sorted((tmp_path / "res").iterdir())
+    capsys.readouterr()
+    assert run_main(INJECT, [*TINY, *folders, "--resume", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err
+    assert sorted((tmp_path / "res").iterdir()) == written
+
+
 def test_a_rank_beyond_the_world_of_a_torchrun_launch_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -37,9 +37,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from common.checkpoint.single_file import load_checkpoint, save_checkpoint
+from common.checkpoint.single_file import check_same_settings, load_checkpoint, save_checkpoint
 from common.cli import config_dict, script_parser
-from common.errors import run_main
+from common.errors import UserError, run_main
 from common.models import PlainCNN
 from common.runtime.compat import enable_flight_recorder
 from common.runtime.device import device_type
@@ -125,7 +125,12 @@ def train(args, ctx, plan: FaultPlan) -> int:
     numel = sum(p.numel() for p in model.parameters()) + 1 + ctx.world_size
     start = 0
     state = load_checkpoint(checkpoint_path) if resuming else None
-    if state is not None:
+    if state is not None:  # the same model and data, and steps left to train: else one line, not a traceback
+        check_same_settings(state, {key: getattr(args, key) for key in ("width", "batch_size", "lr", "seed")},
+                            checkpoint_path)
+        if state["step"] >= args.steps:
+            raise UserError(f"{checkpoint_path} is at step {state['step']}: a run of --steps {args.steps} has nothing "
+                            "left to train; give more --steps, or start afresh without --resume")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]
