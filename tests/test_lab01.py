@@ -160,6 +160,17 @@ def test_preempted_ddp_run_resumes_to_the_same_parameters(tmp_path, monkeypatch,
     assert _record(tmp_path / "cut")["metrics"]["loss_at_step"] == _record(tmp_path / "whole")["metrics"]["loss_at_step"]
 
 
+@pytest.mark.parametrize("argv, method", [
+    ([], "ddp"), (["--precision", "bf16"], "ddp-bf16"), (["--bucket-cap-mb", "100"], "ddp+bucket100mb"),
+    (["--no-gradient-as-bucket-view", "--broadcast-buffers"], "ddp+no-bucket-view+broadcast-buffers"),
+    (["--accumulation-steps", "4", "--find-unused-parameters"], "ddp+find-unused+accumulate4"),
+])
+def test_each_ddp_option_the_readme_suggests_names_its_own_method(argv, method):
+    """The report combines runs of one method as repeats: the step-3 options must not all be "ddp"."""
+    shared = load_script("labs/lab01_dp_vs_ddp/lab01_shared.py")
+    assert shared.ddp_method(load_script(DDP).build_parser().parse_args(argv)) == method
+
+
 def test_each_script_is_the_previous_one_plus_its_lesson():
     """Students diff 02 -> 03 -> 04: each diff must be the lesson (DataParallel, then DDP) and little else."""
     dp = code_diff(BASELINE, DP)

@@ -405,6 +405,18 @@ def test_repeats_are_combined_with_the_median(tmp_path: Path) -> None:
     assert len(page.tables["configurations-table"]) == 2
 
 
+def test_runs_with_another_global_batch_are_another_configuration_not_a_repeat(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    for rate in (90.0, 110.0):
+        write_run(folder, method="baseline", samples_per_s=rate)
+    write_run(folder, method="baseline", samples_per_s=700.0, metrics={"global_batch_size": 1438})
+    configs = configurations_frame(runs_frame([json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]))
+    by_batch = configs.set_index("global_batch_size")
+    assert sorted(by_batch.index) == [64, 1438]
+    assert by_batch.loc[64, "runs"] == 2 and by_batch.loc[64, "samples_per_s"] == 100.0
+    assert by_batch.loc[1438, "runs"] == 1 and by_batch.loc[1438, "samples_per_s"] == 700.0
+
+
 def test_a_lab_registers_its_own_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A copy of every lab's builders, so the ones registered here are gone after the test.
     monkeypatch.setattr(report_sections, "_LAB_SECTIONS",

@@ -22,8 +22,9 @@ BASELINE_METHOD = "baseline"
 DDP_MIN_EFFICIENCY = 0.80
 #: A run is compared only with runs that share these: same lab, model, kind of device and machine.
 COMPARISON_KEYS = ("lab", "model", "device_type", "machine")
-#: One configuration is one line of the Lab-01 handout's table; its repeats are combined with the median.
-CONFIGURATION_KEYS = (*COMPARISON_KEYS, "method", "world_size", "devices")
+#: One configuration is one line of the Lab-01 handout's table; its repeats are combined with the median (runs with
+#: another global batch are another configuration, not a repeat).
+CONFIGURATION_KEYS = (*COMPARISON_KEYS, "method", "world_size", "devices", "global_batch_size")
 #: Names of the runs table and the record key each is read from.
 TEXT_COLUMNS = {"run_id": "run_id", "lab": "lab", "method": "method", "status": "status", "script": "script",
                 "created": "created", "model": "config.model", "device_type": "provenance.device.type",
@@ -47,7 +48,7 @@ def number(value: Any) -> float | None:
 
 
 def is_ddp(method: object) -> bool:
-    return isinstance(method, str) and (method == "ddp" or method.startswith(("ddp-", "ddp_")))
+    return isinstance(method, str) and (method == "ddp" or method.startswith(("ddp-", "ddp_", "ddp+")))
 
 
 def text(value: Any) -> str | None:
@@ -215,7 +216,7 @@ def _median_per_device(memories: pd.Series) -> list[tuple[str, float]]:
 def configurations_frame(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration (successful runs only): repeats combined with the median."""
     groups = runs[runs["status"] == "ok"].groupby("configuration", sort=False)
-    median = ("global_batch_size", "time_per_epoch_s", "samples_per_s", "speedup", "scaling_efficiency", "final_loss")
+    median = ("time_per_epoch_s", "samples_per_s", "speedup", "scaling_efficiency", "final_loss")
     configs = groups.agg(**{key: (key, "first") for key in (*CONFIGURATION_KEYS, "memory_source")},
                          runs=("run_id", "size"), **{key: (key, "median") for key in median},
                          samples_per_s_min=("samples_per_s", "min"), samples_per_s_max=("samples_per_s", "max"),

@@ -57,7 +57,7 @@ from common.models import build_model
 from common.checkpoint.single_file import save_checkpoint
 from common.train.flags import add_checkpoint_args
 from common.train.run import TrainingRun
-from labs.lab01_dp_vs_ddp.lab01_shared import LAB, add_lab_args, lab_data
+from labs.lab01_dp_vs_ddp.lab01_shared import DDP_BUCKET_CAP_MB, LAB, add_lab_args, ddp_method, lab_data
 
 SCRIPT = "labs/lab01_dp_vs_ddp/04_ddp_training.py"
 
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction, default=True,
                        help="gradients are views into the all-reduce buckets, saving a copy; PyTorch's own "
                             "default is off (default: %(default)s)")
-    group.add_argument("--bucket-cap-mb", type=positive_float, default=25.0,
+    group.add_argument("--bucket-cap-mb", type=positive_float, default=DDP_BUCKET_CAP_MB,
                        help="size of one gradient bucket (one all-reduce) in MiB (default: %(default)s)")
     group.add_argument("--broadcast-buffers", action=argparse.BooleanOptionalAction, default=False,
                        help="copy rank 0's buffers (BatchNorm running statistics) to all ranks before every "
@@ -112,8 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    method = "ddp" if args.precision == "fp32" else f"ddp-{args.precision}"
-    with TrainingRun(args, lab=LAB, script=SCRIPT, method=method, distributed=True,
+    with TrainingRun(args, lab=LAB, script=SCRIPT, method=ddp_method(args), distributed=True,
                      resume_settings=("model", "dataset", "seed", "batch_size", "accumulation_steps")) as run:
         device = run.device
         args.precision = amp.check_precision(args.precision, device)

@@ -65,6 +65,22 @@ def add_lab_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+#: 04_ddp_training.py's --bucket-cap-mb by default (PyTorch's own default too).
+DDP_BUCKET_CAP_MB = 25.0
+
+
+def ddp_method(args: argparse.Namespace) -> str:
+    """The record's method for 04_ddp_training.py: ``ddp`` (``ddp-bf16`` ...), plus each DDP option that differs
+    from the handout's optimised settings (``ddp+bucket100mb``): the report combines runs of one method as repeats,
+    so the step-3 options must not all read ``ddp``."""
+    parts = ["ddp" if args.precision == "fp32" else f"ddp-{args.precision}"]
+    parts += ["no-bucket-view"] * (not args.gradient_as_bucket_view) + ["broadcast-buffers"] * args.broadcast_buffers
+    parts += ["find-unused"] * args.find_unused_parameters
+    parts += [f"bucket{args.bucket_cap_mb:g}mb"] * (args.bucket_cap_mb != DDP_BUCKET_CAP_MB)
+    parts += [f"accumulate{args.accumulation_steps}"] * (args.accumulation_steps > 1)
+    return "+".join(parts)
+
+
 def lab_data(args: argparse.Namespace) -> DataSplits:
     """The data set the flags name, shaped by ``--image-size`` and ``--synthetic-size``."""
     from common.data.datasets import get_dataset
