@@ -439,6 +439,15 @@ def blocked_process(tmp_path):
     process.wait()
 
 
+def test_the_doctor_starts_without_importing_torch():
+    """It looks at a hang inside the collective timeout (30 s by default): seconds of ``import torch`` on a loaded
+    node once cost it the live hang (a shared helper that imported the checkpoint module did)."""
+    code = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('doctor', {str(REPO / DOCTOR)!r}); "
+            "spec.loader.exec_module(importlib.util.module_from_spec(spec)); print('torch' in sys.modules)")
+    done = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=script_env(), timeout=60)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
+
+
 def test_the_doctor_reads_where_a_process_waits_with_py_spy(blocked_process, tmp_path):
     doctor = load_script(DOCTOR)
     frames, how = doctor.stack_of(blocked_process.pid, 0, tmp_path)

@@ -22,8 +22,7 @@ BASELINE_METHOD = "baseline"
 DDP_MIN_EFFICIENCY = 0.80
 #: A run is compared only with runs that share these: same lab, model, kind of device and machine.
 COMPARISON_KEYS = ("lab", "model", "device_type", "machine")
-#: One configuration is one line of the Lab-01 handout's table; its repeats are combined with the median (runs with
-#: another global batch are another configuration, not a repeat).
+#: One configuration (another global batch is another) is a line of the Lab-01 handout's table; repeats: the median.
 CONFIGURATION_KEYS = (*COMPARISON_KEYS, "method", "world_size", "devices", "global_batch_size")
 #: Names of the runs table and the record key each is read from.
 TEXT_COLUMNS = {"run_id": "run_id", "lab": "lab", "method": "method", "status": "status", "script": "script",

@@ -37,18 +37,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from common.checkpoint.single_file import check_same_settings, load_checkpoint, save_checkpoint
+from common.checkpoint.single_file import load_checkpoint, save_checkpoint
 from common.cli import config_dict, script_parser
-from common.errors import UserError, run_main
+from common.errors import run_main
 from common.models import PlainCNN
 from common.runtime.compat import enable_flight_recorder
 from common.runtime.device import device_type
 from common.runtime.distributed import open_process, print0, print_rank, teardown_distributed
 from common.runtime.launch import detect_launch
 from labs.lab06_failures.lab06_shared import (
-    CHECKPOINT, END_OF_RUN, GRADIENTS, RUN_META, FaultPlan, Ledger, add_inject_args, block_until_parent_dies, diagnose,
-    dump_flight_recorder, read_history, read_ledger, restart_count, start_afresh, timeout_fired,
-    write_inject_record, write_run_meta,
+    CHECKPOINT, END_OF_RUN, GRADIENTS, RUN_META, FaultPlan, Ledger, add_inject_args, block_until_parent_dies,
+    check_resumable, diagnose, dump_flight_recorder, read_history, read_ledger, restart_count, start_afresh,
+    timeout_fired, write_inject_record, write_run_meta,
 )
 
 IMAGE_SIZE, CLASSES = 8, 4
@@ -124,13 +124,8 @@ def train(args, ctx, plan: FaultPlan) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     numel = sum(p.numel() for p in model.parameters()) + 1 + ctx.world_size
     start = 0
-    state = load_checkpoint(checkpoint_path) if resuming else None
-    if state is not None:  # the same model and data, and steps left to train: else one line, not a traceback
-        check_same_settings(state, {key: getattr(args, key) for key in ("width", "batch_size", "lr", "seed")},
-                            checkpoint_path)
-        if state["step"] >= args.steps:
-            raise UserError(f"{checkpoint_path} is at step {state['step']}: a run of --steps {args.steps} has nothing "
-                            "left to train; give more --steps, or start afresh without --resume")
+    state = check_resumable(load_checkpoint(checkpoint_path), args, checkpoint_path) if resuming else None
+    if state is not None:  # the same model and data, with steps left to train (else one line, not a traceback)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = state["step"]

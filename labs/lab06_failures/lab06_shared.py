@@ -401,6 +401,21 @@ def start_afresh(run_dir: Path) -> None:
         (Path(run_dir) / name).unlink(missing_ok=True)
 
 
+def check_resumable(state: dict[str, Any] | None, args: argparse.Namespace, path: Path) -> dict[str, Any] | None:
+    """``state`` (``None``: no checkpoint yet) if 01_inject.py can resume from it: the same model and data (else
+    load_state_dict's traceback, or another run silently), and steps left before ``--steps`` (else a run that
+    trains nothing); one line if not."""
+    from common.checkpoint.single_file import check_same_settings  # imports torch: the doctor (02) must not
+
+    if state is None:
+        return None
+    check_same_settings(state, {key: getattr(args, key) for key in ("width", "batch_size", "lr", "seed")}, path)
+    if state["step"] >= args.steps:
+        raise UserError(f"{path} is at step {state['step']}: a run of --steps {args.steps} has nothing left to "
+                        "train; give more --steps, or start afresh without --resume")
+    return state
+
+
 def write_run_meta(args: argparse.Namespace, ctx: Any, gradient_numel: int) -> None:
     """Rank 0 writes what the doctor (and a rank that times out) needs to know about the run (:data:`RUN_META`);
     then the run's first line (rank 0)."""
