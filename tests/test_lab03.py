@@ -37,6 +37,7 @@ import pytest
 from helpers import REPO, fake_cpuinfo, load_script, run_main, run_script
 
 SCRIPT = "labs/lab03_precision_benchmark/benchmark_models.py"
+SHARED = "labs/lab03_precision_benchmark/lab03_shared.py"
 TINY = ["--device", "cpu", "--models", "resnet18", "--image-size", "64", "-b", "2", "-w", "1", "-n", "2",
         "--check-steps", "3", "--seed", "1"]
 CPU_RUNS = ("fp64", "fp32", "half", "amp-bf16")
@@ -289,6 +290,16 @@ def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, argv, 
     assert not (tmp_path / "csv").exists() and not (tmp_path / "records").exists()
     if "resnet9000" in message:
         assert "resnet18" in err and "wide_resnet101_2" in err  # the valid names are listed
+
+
+def test_the_csv_folder_is_beside_the_records_by_default(tmp_path, monkeypatch):
+    """Not results/lab03_csv in whatever folder the command was typed in (the other scripts' side files are under
+    RESULTS_DIR too)."""
+    monkeypatch.chdir(tmp_path)
+    args = load_script(SHARED).read_args(load_script(SCRIPT).build_parser(), ["--results-dir", "elsewhere/records"])
+    assert args.folder == Path("elsewhere/records/lab03_csv")
+    given = load_script(SHARED).read_args(load_script(SCRIPT).build_parser(), ["--folder", "csv"])
+    assert given.folder == Path("csv")
 
 
 def test_two_processes_run_ddp_on_the_cpu(lab03_ddp_run):
