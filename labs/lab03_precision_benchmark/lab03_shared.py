@@ -89,8 +89,8 @@ LAUNCH_BOUND_FRACTION = 0.05
 def add_benchmark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The SJTU page's flags, what to measure, the correctness check, then ``common.cli.add_run_args``."""
     sjtu_flags = parser.add_argument_group("the SJTU page's flags")
-    sjtu_flags.add_argument("--folder", type=output_dir, default=None,
-                            help="folder for the CSV files; not given: RESULTS_DIR/lab03_csv, beside the records")
+    sjtu_flags.add_argument("--folder", type=output_dir, default=argparse.SUPPRESS,  # read_args fills it in
+                            help="folder for the CSV files (default: RESULTS_DIR/lab03_csv, beside the records)")
     sjtu_flags.add_argument("-w", "--warmup", type=non_negative_int, default=10,
                             help="iterations run but not timed: cuDNN autotuning, allocator growth, torch.compile")
     add_former_names(sjtu_flags, sjtu_flags.add_argument("-n", "--repeats", type=positive_int, default=20,
@@ -126,7 +126,7 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def read_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse ``argv``; ``--dry-run`` shortens the run; the comma lists become checked lists."""
     args = parser.parse_args(argv)
-    args.folder = args.folder or args.results_dir / "lab03_csv"  # beside the records, wherever the command is typed
+    args.folder = getattr(args, "folder", None) or args.results_dir / "lab03_csv"  # wherever the command is typed
     if args.dry_run:
         args.warmup, args.repeats, args.check_steps = 1, 2, 2
     args.models = parse_list(args.models, zoo_models(), "models")
