@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, REPO, load_script, run_main, script_env, torchrun, wait_for
+from helpers import PYTHON, REPO, load_script, run_main, run_script, script_env, torchrun, wait_for
 
 LAB = "labs/lab06_failures"
 INJECT = f"{LAB}/01_inject.py"
@@ -437,6 +437,25 @@ def blocked_process(tmp_path):
     yield process
     process.kill()
     process.wait()
+
+
+def test_the_doctor_on_a_run_that_finished_says_it_finished(tmp_path, capsys):
+    """No rank alive and every rank at the end of the run: it finished (the doctor said "all wait in barrier(end of
+    run) ... look outside the program"). A rank file of a wider run before it (a resume on fewer ranks) is not this
+    run's: left out of the verdict."""
+    run = ["--run-dir", str(tmp_path / "run")]
+    done = run_script(INJECT, *TINY, *run, "--results-dir", str(tmp_path / "res"))  # its own process: gone now
+    assert done.returncode == 0, done.stdout + done.stderr
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a process id that no longer runs
+    (tmp_path / "run" / "ledger" / "rank1.json").write_text(json.dumps({**entry(1, 3), "pid": gone.pid}))
+    capsys.readouterr()
+    assert run_main(DOCTOR, [*run, "--results-dir", str(tmp_path / "doctor")]) == 0
+    out = capsys.readouterr().out
+    assert "looked at 0 rank(s)" in out and "no live rank" in out, out
+    assert "verdict: no rank is alive, and all 1 reached the end of the run: it finished; nothing hangs" in out, out
+    assert shared.after_the_end({0: entry(0, 3)}, 2, "rank(s) 1 never ...") == \
+        "no rank is alive: the run has ended; where its ledger left the ranks: rank(s) 1 never ..."
 
 
 def test_the_doctor_starts_without_importing_torch():

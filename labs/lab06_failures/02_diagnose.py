@@ -36,8 +36,8 @@ from common.cli import add_run_args, config_dict, input_dir, positive_int, scrip
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
 from labs.lab06_failures.lab06_shared import (
-    LAB, diagnose, ranks_from_ledger, ranks_of_job, read_history, read_ledger, read_meta, run_dir_of, table,
-)
+    LAB, after_the_end, diagnose, ranks_from_ledger, ranks_of_job, read_history, read_ledger, read_meta,
+    run_dir_of, table)
 
 SCRIPT = "labs/lab06_failures/02_diagnose.py"
 #: Frames that mean "inside a collective" (torch.distributed's Python functions).
@@ -157,17 +157,20 @@ def main(argv: list[str] | None = None) -> int:
     meta = read_meta(args.run_dir) if args.run_dir else None
     if meta is None:
         raise UserError("no run.json in the run folder: the verdict needs the run's world size and steps")
-    verdict = diagnose(read_ledger(args.run_dir), meta["world_size"], meta["steps"], meta["gradient_numel"], stacks,
+    ledger = {rank: entry for rank, entry in read_ledger(args.run_dir).items()  # not a wider run's leftovers
+              if rank < meta["world_size"]}
+    verdict = diagnose(ledger, meta["world_size"], meta["steps"], meta["gradient_numel"], stacks,
                        read_history(args.run_dir))
+    line = verdict.line if stacks else after_the_end(ledger, meta["world_size"], verdict.line)
     recorder = flight_recorder(args.run_dir)
     for row in verdict.rows:
         row["flight recorder"] = recorder.get(row["rank"], "")
     print(f"looked at {len(stacks)} rank(s) on {', '.join(v['host'] for v in views)}: "
           f"{', '.join(sorted(set(how.values()))) or 'no live rank'}")
     print(table(verdict.rows))
-    print(f"verdict: {verdict.line}")
+    print(f"verdict: {line}")
     record = make_record(lab=LAB, script=SCRIPT, method="diagnosis", config=config_dict(args),
-                         metrics={"verdict": verdict.line, "culprits": verdict.ranks, "step": verdict.step,
+                         metrics={"verdict": line, "culprits": verdict.ranks, "step": verdict.step,
                                   "ranks": verdict.rows, "stack_source": how, "run": meta},
                          provenance=provenance(None, meta["world_size"]))
     write_record(record, args.results_dir)

@@ -175,6 +175,13 @@ def dump_flight_recorder(run_dir: Path, rank: int, backend: str | None) -> Path 
     return path
 
 
+def after_the_end(ledger: dict[int, dict[str, Any]], world_size: int, line: str) -> str:
+    """The verdict when no rank is alive: the run has ended, and its ledger says only where each rank last was."""
+    if len(ledger) == world_size and all(entry.get("op") == END_OF_RUN for entry in ledger.values()):
+        return f"no rank is alive, and all {world_size} reached the end of the run: it finished; nothing hangs"
+    return f"no rank is alive: the run has ended; where its ledger left the ranks: {line}"
+
+
 def read_ledger(run_dir: Path) -> dict[int, dict[str, Any]]:
     """Every rank's last ledger entry, by rank (ranks that never entered a collective are absent)."""
     entries = {}
