@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                            "expected_opens": opens, "data_wait_s": waited,
                            "data_wait_share": waited / epoch_s, "predicted_epoch_s": predicted["epoch_s"],
                            "predicted_bound": predicted["bound"]})
-            run.print(f"epoch {epoch}: {samples:,} samples in {epoch_s:.2f} s = {samples / epoch_s:,.0f} samples/s | "
+            run.print(f"epoch {epoch}: {samples:,} samples in {epoch_s:.2f} s = {samples / epoch_s:,.0f} samples/s "
+                      "(the whole epoch; the final line times the steps after warm-up) | "
                       f"opened {counted['opens']:,} file(s), {counted['stats']:,} stat call(s), read "
                       f"{format_bytes(counted['bytes'])} | waiting for data {waited / epoch_s:.0%} of step time | "
                       f"predicted {predicted['epoch_s']:.2f} s ({predicted['bound']}), measured ÷ predicted "
