@@ -163,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                     twice = sum(1 for n in seen.values() if n > 1)
                     run.print(f"epoch {epoch}: {len(seen):,} of {plan['samples']:,} samples read, {twice} more than once "
                               f"({'every sample exactly once' if len(seen) == plan['samples'] and not twice else 'not exactly once'}"
-                              f"; policy {args.shard_policy}: {stream.describe(epoch)['padded']} blank(s), "
-                              f"{stream.describe(epoch)['dropped']} left out) | rank 0: {padded} blank(s) | {skipped_all} skipped on all ranks | rank 0 opened "
+                              f"; policy {args.shard_policy} planned {stream.describe(epoch)['padded']} blank(s), "
+                              f"{stream.describe(epoch)['dropped']} left out) | rank 0: {padded} blank(s) (planned, or in "
+                              f"place of a skipped sample) | {skipped_all} skipped on all ranks | rank 0 opened "
                               f"{counted['opens']} shard file(s), waiting for data {waited / epoch_s:.0%} of step time")
                 run.save_checkpoint()  # model, optimiser and, from every rank, the loader's position
                 epochs.append({"epoch": epoch, "plan": stream.describe(epoch), "samples": sum(1 for i in ids if i >= 0),
