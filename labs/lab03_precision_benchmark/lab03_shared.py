@@ -46,6 +46,7 @@ from common.cli import (BENCHMARK_MODES as MODES, BENCHMARK_PRECISIONS as PRECIS
 from common.errors import UserError
 from common.models import build_model, zoo_models
 from common.runtime.device import describe, resolve_device
+from common.runtime.machine import cpu_description
 from common.train.amp import announce_bf16_emulation
 from common.results import fp32_math_info, make_record, provenance, write_record
 from common.runtime.compat import RECOMPILE_LIMIT_HIT
@@ -508,7 +509,7 @@ class Output:
         if metrics["launch_bound"]:
             notes.append(f"launch-bound: {fraction:.1%} of the {peak:g} TFLOP/s peak, below "
                          f"{LAUNCH_BOUND_FRACTION:.0%}: raise -b, or cut the kernel launches (--compile, CUDA graphs)")
-        if precision == "half" and self.device.type == "cpu":
+        if precision == "half" and self.device.type == "cpu" and cpu_description()["fp16"] != "native":
             notes.append("float16 on a CPU without float16 arithmetic is converted to float32 inside each kernel: "
                          "expect it slower than fp32")
         self._record(mode, precision, model, metrics, notes=notes, energy=energy)
