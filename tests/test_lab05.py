@@ -367,6 +367,28 @@ def test_every_record_has_an_energy_entry_and_says_why_when_it_is_unavailable(ru
     assert overlap["sources"]["nvml"] == {"status": "unavailable", "reason": "no GPU in this run"}
 
 
+def test_the_report_s_overlap_table_says_noise_and_marks_a_clamped_share_as_the_script_does(tmp_path):
+    """What 03_overlap.py prints, "noise" and "0%*", the report's table shows too, the reason on hover."""
+    from common.report.labs.lab05 import overlap_section
+    from common.report.runs import runs_frame
+    from common.report.sections import SectionContext
+    from common.results import make_record, provenance
+
+    overlap = load_script(OVERLAP)
+    ms = [0.001 * t for t in range(10, 14)]
+    buckets = [{"bucket_cap_mb": cap, "buckets": 3, "step_s": 0.012, "no_sync_step_s": 0.011, "comm_alone_s": 0.004,
+                **overlap.overlap_figures([t + shift for t in ms], ms, 0.004)} for cap, shift in ((1, -0.001),
+                                                                                                  (25, 0.010))]
+    record = make_record(lab="lab05", script=OVERLAP, method="overlap", config={"model": "resnet18"},
+                         metrics={"buckets": buckets, "world_size": 2}, provenance=provenance(world_size=2))
+    section = overlap_section(SectionContext(runs=runs_frame([record]), all_runs=runs_frame([record]), plots=False))
+    (table,) = section.tables
+    cells = [dict(zip(table.columns, row)) for row in table.rows]
+    assert [row["exposed comm. (ms)"].text for row in cells] == ["noise", "10.0"]
+    assert [row["hidden"].text for row in cells] == ["100%*", "0%*"]
+    assert "no slower" in cells[0]["hidden"].title and "more time than" in cells[1]["hidden"].title
+
+
 def test_the_report_shows_bandwidth_both_scaling_curves_and_overlap(runs, tmp_path):
     from common.report import build_report
 

@@ -10,9 +10,8 @@ from common.report.plots import axes, plain, png_figure
 from common.report.runs import (
     entries, flags, group_key, largest, largest_loss_difference, losses, numbers, shape, step_differences,
 )
-from common.report.sections import (
-    Cell, Figure, Row, Section, SectionContext, fmt, is_missing, register_section, table_from_frame,
-)
+from common.report.sections import (Cell, Figure, Row, Section, SectionContext, fmt, is_missing, register_section,
+                                    table_from_frame)
 
 PARTS = ("parameters", "gradients", "optimizer", "activations")
 #: Training methods of 02_sharded_training.py start with one of these.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pandas as pd
 
 from common.report.plots import axes, finish_axes, plain, png_figure
-from common.report.runs import entries, numbers, texts
+from common.report.runs import entries, numbers, text, texts
 from common.report.sections import (Cell, Figure, Row, Section, SectionContext, Table, fmt, register_section,
                                     table_from_frame)
 
@@ -225,10 +225,13 @@ def overlap_section(ctx: SectionContext) -> Section | None:
             "bucket_cap_mb", "hidden_fraction", "step_s", "no_sync_step_s", "exposed_comm_s", "comm_alone_s")})
         run = group.iloc[0]
         where = f"{run['machine']} · {fmt(run['world_size'], 'int')} ranks · {fmt(run['model'])} (run {run['run_id']})"
-        tables.append(table_from_frame(group, {
+        clamped = lambda r: text(r["hidden_clamped_because"])  # noqa: E731  why "hidden" was kept within 0-100%
+        tables.append(table_from_frame(group, {  # as 03_overlap.py prints them: "noise", and "*" (why: on hover)
             "bucket_cap_mb": ("bucket_cap_mb", "num"), "buckets": ("buckets", "int"), "step (ms)": ("step_s", ms),
-            "no_sync step (ms)": ("no_sync_step_s", ms), "exposed comm. (ms)": ("exposed_comm_s", ms),
-            "comm. alone (ms)": ("comm_alone_s", ms), "hidden": ("hidden_fraction", "%")},
+            "no_sync step (ms)": ("no_sync_step_s", ms), "exposed comm. (ms)": lambda r: Cell(
+                "noise" if r["exposed_is_noise"] is True else fmt(r["exposed_comm_s"], ms), style="num"),
+            "comm. alone (ms)": ("comm_alone_s", ms), "hidden": lambda r: Cell(
+                fmt(r["hidden_fraction"], "%") + "*" * bool(clamped(r)), title=clamped(r), style="num")},
             caption=f"{where}: median step times", row_id_column=None))
         if ctx.plots:
             figures.append(_overlap_figure(group, where))

@@ -5,9 +5,8 @@ verdicts (``02_diagnose.py``) and the preflight checks (``04_preflight.py``).
 from __future__ import annotations
 
 from common.report.runs import number
-from common.report.sections import (
-    Cell, Row, Section, SectionContext, fmt, is_missing, register_section, table_from_frame,
-)
+from common.report.sections import (Cell, Row, Section, SectionContext, fmt, is_missing, register_section,
+                                    table_from_frame)
 
 
 def _outcome(run: Row) -> str:

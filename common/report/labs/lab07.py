@@ -9,9 +9,8 @@ import pandas as pd
 
 from common.report.plots import axes, plain, png_figure
 from common.report.runs import group_key, largest, largest_loss_difference, losses, numbers, shape
-from common.report.sections import (
-    Cell, Figure, Section, SectionContext, fmt, is_missing, register_section, table_from_frame,
-)
+from common.report.sections import (Cell, Figure, Section, SectionContext, fmt, is_missing, register_section,
+                                    table_from_frame)
 
 #: When each strategy is the one to reach for, and what it costs; the numbers beside come from records.
 WHEN = {
