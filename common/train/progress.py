@@ -52,13 +52,14 @@ class Progress:
         self.epoch_losses = []
 
     def line(self, epoch: int, rate: str, *, job: bool) -> str:
-        """The progress line after ``epoch``: its loss, the held-out numbers, its time and samples/s."""
+        """The progress line after ``epoch``: its loss, the held-out numbers, its time, and samples/s of the timed
+        steps so far (every epoch's, warm-up left out: the run's figure as it builds up, not this epoch's alone)."""
         loss = self.train_loss[-1]
         line = f"epoch {epoch}: " + ("no loss logged" if loss is None else f"train loss {loss:.4f}")
         last = self.eval_history[-1] if self.eval_history else None
         if last is not None and last["epoch"] == epoch:
             line += f" | test loss {last['test_loss']:.4f} | accuracy {100 * last['test_accuracy']:.2f}%"
-        return line + f" | {self.epoch_time_s[-1]:.2f} s | {rate} samples/s" + (" (job)" if job else "")
+        return line + f" | {self.epoch_time_s[-1]:.2f} s | {rate} samples/s so far" + (" (job)" if job else "")
 
     def evaluated(self, epoch: int, test_loss: float, test_accuracy: float) -> None:
         self.eval_history.append({"epoch": epoch, "elapsed_s": self.train_time_s,
