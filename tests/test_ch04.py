@@ -93,6 +93,23 @@ def test_preempted_single_device_run_resumes_to_the_same_weights(device, tmp_pat
     assert len(err) == 1 and "old.pt lacks optimizer, scheduler, scaler, rng, step" in err[0], err
     assert not (tmp_path / "none").exists()
 
+    # The same command again (a requeued job that had finished): nothing to train, exit 0, no second record.
+    assert run("cut", "--resume") == 0
+    assert "nothing left to train" in capsys.readouterr().out
+    assert len(_records(tmp_path / "cut")) == 1
+    # Asked for fewer epochs than the checkpoint holds: one line, nothing written.
+    assert run("cut", "--resume", "--epochs", "1") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has trained 2 epochs, more than --epochs 1" in err[0], err
+    # A finished run whose job ended before its record: resuming writes that record, saying why it has no throughput.
+    for path in (tmp_path / "cut").glob("*.json"):
+        path.unlink()
+    assert run("cut", "--resume") == 0
+    (written,) = _records(tmp_path / "cut")
+    assert written["metrics"]["test_accuracy"] == whole_record["metrics"]["test_accuracy"]
+    assert written["metrics"]["samples_per_s"] is None
+    assert any("finished run that had left no record" in note for note in written["notes"]), written["notes"]
+
 
 def test_bf16_autocast_on_cpu_follows_the_fp32_run_step_by_step(fp32_run, tmp_path):
     """Same seed, same batches: bf16 autocast's first losses stay within bf16's rounding of fp32's.

@@ -29,6 +29,7 @@ from torch import nn
 from common.checkpoint.single_file import (capture_rng_state, check_same_settings, load_checkpoint,
                                            restore_rng_state, save_checkpoint)
 from common.errors import Stopped, UserError
+from common.results import load_records
 from common.runtime.distributed import any_rank_on_host, gather_objects, print0
 from common.train.progress import Progress
 
@@ -186,6 +187,30 @@ class Preemption:
         if not self.checkpointer.reshards:  # every rank its own generators (dropout masks differ by rank)
             restore_rng_state(state["rng"][rank], device)
         return state["epoch"], state["step"], Progress.from_dict(state["progress"])
+
+    def past_the_end(self, epoch: int, epochs: int, steps: int, *, script: str, results_dir: Path) -> str | None:
+        """After resuming at ``epoch`` (counted from 1) a run asked for ``epochs``: ``None`` when epochs are left.
+        A checkpoint of more epochs than that is one line. One of the finished run stops this one (exit 0) when
+        ``results_dir`` holds that run's record (this script, this checkpoint, its ``steps``); else the run goes on
+        to write the record it lacks (the job ended between the last save and the record), and this is its note."""
+        done, path = epoch - 1, self.checkpointer.path
+        if done < epochs:
+            return None
+        if done > epochs:
+            raise UserError(f"{path} has trained {done} epochs, more than --epochs {epochs}: give --epochs {done} or "
+                            "more to go on from it, or leave out --resume to start fresh")
+        records = load_records(results_dir, recursive=False).records if results_dir.is_dir() else []
+        found = [record["_path"] for record in records
+                 if record.get("script") == script and record["metrics"].get("steps") == steps
+                 and Path(str(record["config"].get("checkpoint"))).resolve() == Path(path).resolve()]
+        if found:
+            print0(f"nothing left to train: {path} is from the run that finished its {epochs} epoch(s), and its record "
+                   f"is {found[-1]} (no new record); leave out --resume to train again")
+            raise Stopped(f"{path}: finished")
+        print0(f"{path} is from a run that finished its {epochs} epoch(s) but left no record in {results_dir}: "
+               "writing it now")
+        return ("resumed from the checkpoint of a finished run that had left no record: nothing was trained in this "
+                "process, so no step was timed (no throughput); the losses and accuracy are the finished run's")
 
     def state(self, epoch: int, step: int, progress: Progress, *, config: dict[str, Any],
               device: torch.device) -> dict[str, Any]:

@@ -73,6 +73,7 @@ class TrainingRun:
         self.progress = Progress()
         self.losses = LossLog(self.settings.record_steps)
         self.epoch, self.start_step, self._epoch_open = 1, 0, False
+        self.notes: list[str] = []  # the run's own notes for the record, beside the script's
 
     def __enter__(self) -> "TrainingRun":
         self.ctx = open_process(self.settings.device, distributed=self.distributed,
@@ -134,6 +135,9 @@ class TrainingRun:
         if resumed is not None:
             self.epoch, self.start_step, self.progress = resumed
             self.print(f"resumed from {self.checkpointer.path}: epoch {self.epoch}, step {self.start_step}")
+            finished = self.preemption.past_the_end(self.epoch, self.settings.epochs, self.progress.steps,
+                                                    script=self.script, results_dir=self.settings.results_dir)
+            self.notes += [finished] if finished else []  # a finished run with its record stops there (exit 0)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """A one-file checkpoint after this epoch, for a script that writes it itself: the tracked state dicts
@@ -230,6 +234,6 @@ class TrainingRun:
                                 distributed=self.distributed, progress=self.progress, meter=self.meter,
                                 model=self.preemption.tracked.get("model"),
                                 config=self.settings.config(**(config or {})),  # the flags as the script ran
-                                metrics=metrics or {}, notes=notes, epochs=self.settings.epochs,
+                                metrics=metrics or {}, notes=[*self.notes, *notes], epochs=self.settings.epochs,
                                 results_dir=self.settings.results_dir,
                                 checkpoint=None if self.checkpointer is None else self.checkpointer.path)
