@@ -284,6 +284,7 @@ def test_a_precision_over_the_tolerance_is_flagged(tmp_path):
     (["--models", "resnet18,resnet9000"], "error: unknown models 'resnet9000'; valid models: "),
     (["--precision", "fp32,fp8"], "error: unknown precisions 'fp8'; valid precisions: fp64, fp32, tf32"),
     (["--models", "vit_b_16", "--image-size", "64"], "error: vit_b_16 cannot run on 64x64 images: "),
+    (["--precision", "tf32,amp-fp16"], "error: no precision asked for runs on "),  # on a CPU
 ])
 def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, argv, message):
     status = run_main(SCRIPT, [*argv, "--device", "cpu", "--folder", str(tmp_path / "csv"),
@@ -294,6 +295,25 @@ def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, argv, 
     assert not (tmp_path / "csv").exists() and not (tmp_path / "records").exists()
     if "resnet9000" in message:
         assert "resnet18" in err and "wide_resnet101_2" in err  # the valid names are listed
+
+
+def test_a_run_adds_its_models_to_the_csvs_an_earlier_run_left(tmp_path):
+    """One job per model into one folder: the second run keeps the first one's columns and rows, and a model
+    measured again replaces its own (no second column, no second row)."""
+    argv = [*TINY, "--image-size", "32", "--check-steps", "2", "--modes", "train", "--precision", "fp32",
+            "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path / "records")]
+    times = tmp_path / "csv" / "cpu_1_procs_fp32_model_train_benchmark.csv"
+    with quiet() as out:
+        assert run_main(SCRIPT, argv) == 0
+        first = read_csv(times)
+        assert run_main(SCRIPT, [*argv, "--models", "resnet34"]) == 0
+        assert run_main(SCRIPT, [*argv, "--models", "resnet34"]) == 0
+    second = read_csv(times)
+    assert first[0] == ["resnet18"] and second[0] == ["resnet18", "resnet34"], second
+    assert [row[0] for row in second[1:]] == [row[0] for row in first[1:]]  # the earlier run's times, as they were
+    with open(tmp_path / "csv" / "cpu_1_procs_summary.csv", newline="") as handle:
+        assert [row["model"] for row in csv.DictReader(handle)] == ["resnet18", "resnet34"]
+    assert "(with an earlier run's resnet18)" in out.getvalue().splitlines()[-1]
 
 
 def test_the_csv_folder_is_beside_the_records_by_default(tmp_path, monkeypatch):

@@ -18,7 +18,8 @@ Differences from the SJTU page's ``benchmark_models.py``: a training iteration i
 (SGD with momentum); the batch stays on the device (this times the model, not host-to-device copies);
 several GPUs run DDP with one process per GPU and ``-b`` per process, not DataParallel: under
 ``torchrun`` or ``srun``, or with the SJTU page's ``-g N``, which prints the ``torchrun`` command and runs
-it; precisions the device cannot run are skipped with the reason, in the summary CSV and the records.
+it; precisions the device cannot run are skipped with the reason, in the summary CSV and the records
+(none that can: one line, exit 2).
 
 Output (``lab03_shared.Output``): in ``--folder``, the SJTU page's CSV layout (one file per mode and
 precision, a column per model, a row per timed iteration, milliseconds per batch) plus

@@ -376,6 +376,22 @@ def summary_csv(rows: Iterable[Mapping[str, Any]]) -> str:
     return out.getvalue()
 
 
+def earlier_results(folder: Path, tag: str) -> tuple[list[dict[str, str]], dict[tuple[str, str], dict[str, list[float]]]]:
+    """What an earlier run left in ``folder`` under ``tag``: its summary rows and its per-iteration times,
+    ``{(mode, precision): {model: [ms, ...]}}``. A run adds its models to these files instead of overwriting
+    them (one job per model into one folder is the usual way past a time limit)."""
+    summary = folder / f"{tag}_summary.csv"
+    rows = list(csv.DictReader(io.StringIO(summary.read_text(encoding="utf-8")))) if summary.is_file() else []
+    times: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for mode, precision in {(row.get("mode"), row.get("precision")) for row in rows}:
+        path = folder / csv_name(tag, str(precision), str(mode))
+        if path.is_file():
+            columns = list(csv.reader(io.StringIO(path.read_text(encoding="utf-8"))))
+            times[(mode, precision)] = {model: [float(r[i]) for r in columns[1:] if i < len(r) and r[i]]
+                                        for i, model in enumerate(columns[0] if columns else [])}
+    return rows, times
+
+
 def _cell(value: Any) -> str:
     if value is None:
         return ""
@@ -406,6 +422,8 @@ class Output:
         self.ms_by_run: dict[tuple[str, str], dict[str, list[float]]] = {}
         self.rows: list[dict[str, Any]] = []
         self.records = self.failures = 0
+        # What an earlier run wrote into --folder: kept, but for the models this run measures again.
+        self.earlier_rows, self.earlier_ms = earlier_results(args.folder, self.tag) if ctx.is_main else ([], {})
 
     def print(self, line: str) -> None:
         if self.ctx.is_main:
@@ -443,11 +461,15 @@ class Output:
         Each of the others is printed with the reason and written as one ``skipped`` record per mode
         (the reason is the device's, not a model's) and as rows of the summary CSV.
         """
-        runnable = []
-        for precision in self.args.precision:
-            reason = unsupported_reason(precision, self.device.type, self.device_name, capability)
+        reasons = {precision: unsupported_reason(precision, self.device.type, self.device_name, capability)
+                   for precision in self.args.precision}
+        runnable = [precision for precision, reason in reasons.items() if reason is None]
+        if not runnable:  # nothing would be measured: say so before a file is written
+            raise UserError(f"no precision asked for runs on {self.device_name}: "
+                            + "; ".join(f"{precision}: {reason}" for precision, reason in reasons.items())
+                            + " (--precision fp32 runs everywhere)")
+        for precision, reason in reasons.items():
             if reason is None:
-                runnable.append(precision)
                 announce_bf16_emulation(precision, self.device)  # one line where the CPU has no bf16 units
                 continue
             self.print(f"skipping {precision}: {reason}")
@@ -534,10 +556,12 @@ class Output:
     def write_csvs(self) -> None:
         if not self.ctx.is_main:
             return
-        folder = self.args.folder
+        folder, now = self.args.folder, set(self.args.models)
         for (mode, precision), ms_by_model in self.ms_by_run.items():
-            write_text_atomic(iterations_csv(ms_by_model), folder / csv_name(self.tag, precision, mode))
-        write_text_atomic(summary_csv(self.rows), folder / f"{self.tag}_summary.csv")
+            earlier = {model: ms for model, ms in self.earlier_ms.get((mode, precision), {}).items() if model not in now}
+            write_text_atomic(iterations_csv({**earlier, **ms_by_model}), folder / csv_name(self.tag, precision, mode))
+        kept = [row for row in self.earlier_rows if row.get("model") not in now]
+        write_text_atomic(summary_csv([*kept, *self.rows]), folder / f"{self.tag}_summary.csv")
 
     def finish(self) -> int:
         """Write the CSVs, print the SJTU page's table; exit status 1 when something failed."""
@@ -547,7 +571,9 @@ class Output:
             launch_bound = launch_bound_line(self.rows, self.args.batch_size)
             if launch_bound:
                 print(launch_bound, flush=True)
-        self.print(f"csv: {self.args.folder}/{self.tag}_*.csv | {self.records} record(s) in {self.args.results_dir}")
+        kept = sorted({row["model"] for row in self.earlier_rows} - set(self.args.models))
+        self.print(f"csv: {self.args.folder}/{self.tag}_*.csv" + (f" (with an earlier run's {', '.join(kept)})" if kept else "")
+                   + f" | {self.records} record(s) in {self.args.results_dir}")
         if self.failures:
             self.print(f"{self.failures} result(s) failed; their records say why")
         return 1 if self.failures else 0
