@@ -67,6 +67,20 @@ def test_runs_under_plain_python_with_each_pipeline(tmp_path, capsys, pipeline, 
     assert record["method"] == ("baseline" if pipeline == "pil" else "custom")
 
 
+@pytest.mark.parametrize("flags, method", [
+    ([], "workers"),  # off a cluster the script's default is 2 workers: the sweep's "workers" step
+    (["--num-workers", "1"], "baseline"), (["--num-workers", "0"], "custom"),
+    (["--num-workers", "4", "--pin-memory"], "custom"), (["--num-workers", "1", "--method", "mine"], "mine"),
+])
+def test_a_run_is_named_after_the_sweep_step_it_matches(monkeypatch, flags, method):
+    from labs.lab02_profiling.lab02_shared import default_method
+
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    args = load_script(TRAIN).build_parser().parse_args(flags)
+    assert (args.method or default_method(args)) == method
+
+
 def test_the_three_pipelines_give_the_same_numbers():
     import torch
 

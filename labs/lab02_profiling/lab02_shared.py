@@ -75,15 +75,19 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "GPU shows each line's own GPU time; slower overall (default: off)")
     parser.add_argument("--method", default=None,
                         help="name of this run in its result record (default: 'baseline' for the USC lab's "
-                             "configuration, else 'custom')")
+                             "configuration, 'workers' for it with more than one worker, else 'custom')")
     add_common_args(parser, epochs=3, batch_size=64)
     return parser
 
 
 def default_method(args) -> str:
-    """``baseline`` for the USC lab's configuration, ``custom`` for anything else (``--method`` names it)."""
+    """``baseline`` for the USC lab's configuration; ``workers`` for it with more DataLoader workers (the
+    script's default off a cluster, and the sweep's second step); ``custom`` for anything else."""
     current = {key: getattr(args, key) for key in USC_CONFIGURATION}
-    return "baseline" if current == USC_CONFIGURATION else "custom"
+    if current == USC_CONFIGURATION:
+        return "baseline"
+    return "workers" if current == {**USC_CONFIGURATION, "num_workers": current["num_workers"]} and \
+        current["num_workers"] > 1 else "custom"
 
 
 def flag_notes(args: argparse.Namespace, device: Any) -> list[str]:
