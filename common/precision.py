@@ -125,6 +125,12 @@ def set_fp32_math(mode: str) -> None:
         torch.backends.cuda.matmul.fp32_precision = mode
         torch.backends.cudnn.conv.fp32_precision = mode
         torch.backends.cudnn.rnn.fp32_precision = mode
+        # torch.set_float32_matmul_precision("high") also sets the CPU's (oneDNN's) matmuls to TF32; left so beside
+        # IEEE CUDA matmuls, torch.get_float32_matmul_precision() raises ("a mix of the legacy and new APIs"),
+        # and inductor reads it. The CPU's matmuls go back to PyTorch's default, real fp32, in either mode.
+        mkldnn = getattr(torch.backends.mkldnn, "matmul", None)
+        if getattr(mkldnn, "fp32_precision", "none") != "none":
+            mkldnn.fp32_precision = "none"
 
 
 # --------------------------------------------------------------------------------------------

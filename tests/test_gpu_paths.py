@@ -251,6 +251,7 @@ def test_legacy_tf32_readers_work_and_agree_with_the_record_after_the_maths_is_s
 
     fake_gpus(count=1)
     for mode, matmul_precision in (("tf32", "high"), ("ieee", "highest")):
+        torch.set_float32_matmul_precision("high")  # what a library may have done first (it sets oneDNN's level too)
         set_fp32_math(mode)
         # code outside the course (and older lessons) still reads the old flags: they must not raise
         assert torch.backends.cuda.matmul.allow_tf32 is (mode == "tf32")
