@@ -201,23 +201,31 @@ def add_common_args(
     data_dir: str = "data",
     results_dir: str = "results",
     num_workers: int | None = None,
+    epochs_and_steps: bool = True,
+    data: bool = True,
 ) -> argparse.ArgumentParser:
     """Add the flags every training script shares, with the script's own defaults shown in ``--help``.
 
-    Those of :func:`add_run_args`, then ``--epochs --batch-size --max-steps --data-dir --num-workers``.
+    Those of :func:`add_run_args`, then ``--epochs --batch-size --max-steps --data-dir --num-workers``. A script
+    without epochs (a profiler's fixed number of steps) leaves out ``--epochs --max-steps`` with
+    ``epochs_and_steps=False``, one without a data set ``--data-dir --num-workers`` with ``data=False``: a flag
+    that would change nothing is not offered.
     """
     group = add_run_args(parser, seed=seed, results_dir=results_dir)
-    group.add_argument("--epochs", type=positive_int, default=epochs,
-                       help="number of epochs to train (default: %(default)s)")
+    if epochs_and_steps:
+        group.add_argument("--epochs", type=positive_int, default=epochs,
+                           help="number of epochs to train (default: %(default)s)")
     group.add_argument("--batch-size", type=positive_int, default=batch_size,
                        help="samples per step on each process (default: %(default)s)")
-    group.add_argument("--max-steps", type=positive_int, default=None,
-                       help="stop each epoch after this many steps, for tiny runs (default: whole epoch)")
-    group.add_argument("--data-dir", type=input_dir, default=Path(data_dir),
-                       help="folder holding downloaded data sets (default: %(default)s)")
-    workers = default_num_workers() if num_workers is None else num_workers
-    group.add_argument("--num-workers", type=non_negative_int, default=workers,
-                       help="DataLoader worker processes; from SLURM_CPUS_PER_TASK when set (default: %(default)s)")
+    if epochs_and_steps:
+        group.add_argument("--max-steps", type=positive_int, default=None,
+                           help="stop each epoch after this many steps, for tiny runs (default: whole epoch)")
+    if data:
+        group.add_argument("--data-dir", type=input_dir, default=Path(data_dir),
+                           help="folder holding downloaded data sets (default: %(default)s)")
+        workers = default_num_workers() if num_workers is None else num_workers
+        group.add_argument("--num-workers", type=non_negative_int, default=workers,
+                           help="DataLoader worker processes; from SLURM_CPUS_PER_TASK when set (default: %(default)s)")
     return parser
 
 
@@ -283,8 +291,9 @@ def apply_dry_run(args: argparse.Namespace, **at_most: int) -> argparse.Namespac
     """``--dry-run`` means one epoch of at most two steps, and each of a script's own counts named in
     ``at_most`` (e.g. ``iterations=2, warmup=1``) at most that value. Without ``--dry-run``: unchanged."""
     if getattr(args, "dry_run", False):
-        args.epochs = 1
-        args.max_steps = min(args.max_steps or 2, 2)
+        if hasattr(args, "epochs"):
+            args.epochs = 1
+            args.max_steps = min(args.max_steps or 2, 2)
         for name, most in at_most.items():
             value = getattr(args, name)
             setattr(args, name, most if value is None else min(value, most))

@@ -141,3 +141,26 @@ def test_a_wrong_path_is_one_error_line_and_writes_nothing(relpath, tmp_path, mo
     assert sorted(os.walk(root)) == before, f"{relpath} wrote something"
     if refused == 0:
         pytest.skip(f"{relpath} takes no path")
+
+
+#: Scripts that do not go through a data set epoch by epoch, or read no data set at all, and the common
+#: flags they therefore do not offer (an offered flag that changes nothing reads as if it had worked).
+NOT_OFFERED = {
+    "chapters/ch16_gpu_distributed/profiling.py": ("--epochs", "--max-steps", "--data-dir", "--num-workers"),
+    "chapters/ch16_gpu_distributed/benchmark_cpu_vs_gpu.py": ("--epochs", "--max-steps", "--data-dir", "--num-workers"),
+    "chapters/ch16_gpu_distributed/efficient_loading.py": ("--epochs", "--max-steps"),
+    "labs/lab02_profiling/profile_trace.py": ("--epochs", "--max-steps"),
+    "labs/lab04_sharded_training/01_memory_budget.py": ("--epochs", "--max-steps", "--data-dir", "--num-workers"),
+    "labs/lab04_sharded_training/03_largest_model.py": ("--epochs", "--max-steps", "--data-dir", "--num-workers"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(NOT_OFFERED))
+def test_a_flag_that_would_change_nothing_is_refused(script, capsys):
+    parser = script_parser_of(script)
+    for flag in NOT_OFFERED[script]:
+        with pytest.raises(SystemExit) as stopped:
+            parser.parse_args([flag, "1"])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and f"unrecognized arguments: {flag} 1" in err, (flag, err)
+    assert parser.parse_args(["--batch-size", "4"]).batch_size == 4  # the flags it reads are still there

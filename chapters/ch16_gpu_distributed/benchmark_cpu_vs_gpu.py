@@ -64,14 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     add_image_model_args(parser, model="mnist_cnn", image_size=32)
     add_timing_args(parser, warmup=10, repeats=100, what="training steps per device", former=("--iterations",))
-    add_common_args(parser, batch_size=64)
+    add_common_args(parser, batch_size=64, epochs_and_steps=False, data=False)  # random inputs, --repeats steps
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = apply_dry_run(build_parser().parse_args(argv), repeats=2, warmup=1)
-    if args.max_steps is not None:  # --max-steps (and --dry-run) caps the timed steps
-        args.repeats = min(args.repeats, args.max_steps)
     seed_everything(args.seed)
     threads = configure_threads()
     # The GPU side when --device asks for one (auto: when there is one); --device cuda without one: a clear error.

@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     add_former_names(parser, parser.add_argument("--repeats", type=positive_int, default=10,
                                                  help="timed steps per setting (default: %(default)s)"), "--steps")
-    add_common_args(parser, batch_size=64)
+    add_common_args(parser, batch_size=64, epochs_and_steps=False)  # --repeats steps; the loader test: two epochs
     return parser
 
 

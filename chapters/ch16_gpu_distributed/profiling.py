@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--with-stack", action="store_true",
                         help="record Python stacks (larger trace, slower) (default: off)")
     add_trace_args(parser, row_limit=10, trace="ch16_profile_trace.json")
-    add_common_args(parser, batch_size=32)
+    add_common_args(parser, batch_size=32, epochs_and_steps=False, data=False)  # random images, --repeats steps
     return parser
 
 

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="steps traced and discarded (default: %(default)s)")
     parser.add_argument("--active", type=positive_int, default=5, help="steps recorded (default: %(default)s)")
     add_trace_args(parser, row_limit=15, trace="lab02_trace.json")
-    add_common_args(parser, batch_size=64, num_workers=1)
+    add_common_args(parser, batch_size=64, num_workers=1, epochs_and_steps=False)  # --wait, --warmup, --active
     return parser
 
 

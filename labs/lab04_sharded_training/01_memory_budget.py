@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: the processes of this launch)")
     group.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=["ddp", "fsdp", "fsdp+ac", "fsdp+bf16"],
                        help="which strategies to predict and measure (default: %(default)s)")
-    add_common_args(parser, batch_size=8)
+    add_common_args(parser, batch_size=8, epochs_and_steps=False, data=False)  # one measured step, random tokens
     return parser
 
 

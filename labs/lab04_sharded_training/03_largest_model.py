@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop after this many doublings even if the step still fits (default: %(default)s)")
     group.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=["ddp", "fsdp", "fsdp+ac"],
                        help="strategies to compare (default: %(default)s)")
-    add_common_args(parser, batch_size=8)
+    add_common_args(parser, batch_size=8, epochs_and_steps=False, data=False)  # one step per size, random tokens
     return parser
 
 
