@@ -521,3 +521,20 @@ def test_gpu_small_batch_says_launch_bound_and_fp16_is_compared_after_applied_st
         assert metrics["peak_tflops"] and 0 < metrics["mfu"] < 1
         assert metrics["loss_check"]["verdict"] != "diverged", metrics["loss_check"]
         assert metrics["loss_check"]["compared_after_steps"] == metrics["loss_check"]["check_steps"] - 1
+
+
+def test_a_long_silence_says_what_is_still_being_measured_and_the_thread_ends(tmp_path, monkeypatch):
+    """Rank 0 prints a line after QUIET_S seconds without one (here 0.2 s; the run takes seconds), naming the model
+    and precision it is measuring; its thread is gone when the run ends, after a success and after an error."""
+    import threading
+
+    monkeypatch.setattr(shared().Output, "QUIET_S", 0.2)
+    argv = [*TINY, "--image-size", "32", "--modes", "train", "--precision", "fp32,fp64",
+            "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path / "records")]
+    with quiet() as out:
+        assert run_main(SCRIPT, argv) == 0
+        assert run_main(SCRIPT, [*argv, "--precision", "tf32"]) == 2  # nothing runnable on a CPU: an error
+    lines = [line for line in out.getvalue().splitlines() if "still measuring" in line]
+    assert lines and all(re.fullmatch(r"  \.\.\. still measuring resnet18 at fp(32|64): \d+ s since the last line", line)
+                         for line in lines), lines
+    assert not [thread for thread in threading.enumerate() if thread.name == "lab03-progress"]

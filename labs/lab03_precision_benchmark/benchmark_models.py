@@ -162,39 +162,40 @@ def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: D
     device, distributed = ctx.device, ctx.world_size > 1
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # cuDNN tries its algorithms per shape, in the warm-up
-    out = Output(args, ctx)
-    runnable = out.start()  # prints what runs; a precision this device cannot run is skipped, saying why
+    with Output(args, ctx) as out:  # every 30 s without a line, it says what it is still measuring
+        runnable = out.start()  # prints what runs; a precision this device cannot run is skipped, saying why
 
-    for model_name in args.models:
-        seed_everything(args.seed)  # the same initial weights and batch for every precision
-        base = build_model(model_name, num_classes=NUM_CLASSES)
-        images, labels = fixed_batch(args, device)
+        for model_name in args.models:
+            seed_everything(args.seed)  # the same initial weights and batch for every precision
+            base = build_model(model_name, num_classes=NUM_CLASSES)
+            images, labels = fixed_batch(args, device)
+            set_fp32_math("ieee")
+            reference, _, _ = check_losses(base, images, labels, "fp32", device, args)
+            for precision in runnable:
+                # PyTorch runs cuDNN convolutions on TF32 tensor cores (Ampere and newer) by default, so
+                # "float32" on an A100 is TF32 unless switched off: the fp32 rows switch it off, tf32 rows on.
+                set_fp32_math("tf32" if precision == "tf32" else "ieee")
+                done: list[str] = []
+                try:
+                    losses, attempts, skipped = ((reference, len(reference), 0) if precision == "fp32"
+                                                 else check_losses(base, images, labels, precision, device, args))
+                    check = compare_losses(losses, reference, args.loss_tolerance, attempts=attempts,
+                                           skipped_steps=skipped)
+                    for mode in args.modes:
+                        with EnergyMeter(device) as meter:
+                            timer, memory, compilation = time_mode(mode, base, images, labels, precision, device, args,
+                                                                   distributed)
+                        energy = meter.result(samples=(args.warmup + args.repeats) * args.batch_size * ctx.world_size)
+                        out.measured(model_name, mode, precision, timer, memory, check, flops[model_name][mode],
+                                     compilation, energy=energy)
+                        done.append(mode)
+                except RuntimeError as err:  # out of memory, or an operator without a kernel for this dtype
+                    if distributed:
+                        raise  # the other ranks would wait for this one forever: let the launcher stop them all
+                    out.failed(model_name, [mode for mode in args.modes if mode not in done], precision, err)
+            out.write_csvs()  # after every model, so a job that runs out of time keeps what it measured
         set_fp32_math("ieee")
-        reference, _, _ = check_losses(base, images, labels, "fp32", device, args)
-        for precision in runnable:
-            # PyTorch runs cuDNN convolutions on TF32 tensor cores (Ampere and newer) by default, so
-            # "float32" on an A100 is TF32 unless switched off: the fp32 rows switch it off, tf32 rows on.
-            set_fp32_math("tf32" if precision == "tf32" else "ieee")
-            done: list[str] = []
-            try:
-                losses, attempts, skipped = ((reference, len(reference), 0) if precision == "fp32"
-                                             else check_losses(base, images, labels, precision, device, args))
-                check = compare_losses(losses, reference, args.loss_tolerance, attempts=attempts, skipped_steps=skipped)
-                for mode in args.modes:
-                    with EnergyMeter(device) as meter:
-                        timer, memory, compilation = time_mode(mode, base, images, labels, precision, device, args,
-                                                               distributed)
-                    energy = meter.result(samples=(args.warmup + args.repeats) * args.batch_size * ctx.world_size)
-                    out.measured(model_name, mode, precision, timer, memory, check, flops[model_name][mode],
-                                 compilation, energy=energy)
-                    done.append(mode)
-            except RuntimeError as err:  # out of memory, or an operator without a kernel for this dtype
-                if distributed:
-                    raise  # the other ranks would wait for this one forever: let the launcher stop them all
-                out.failed(model_name, [mode for mode in args.modes if mode not in done], precision, err)
-        out.write_csvs()  # after every model, so a job that runs out of time keeps what it measured
-    set_fp32_math("ieee")
-    return out.finish()
+        return out.finish()
 
 
 def build_parser() -> argparse.ArgumentParser:  # --help shows the defaults without "(default: ...)" in each help

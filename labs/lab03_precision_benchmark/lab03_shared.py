@@ -33,6 +33,8 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -421,11 +423,37 @@ class Output:
         self.tag = device_tag(self.device.type, self.device_name, ctx.world_size)
         self.ms_by_run: dict[tuple[str, str], dict[str, list[float]]] = {}
         self.rows: list[dict[str, Any]] = []
-        self.records = self.failures = 0
+        self.records = self.failures = self.results = 0
+        self.plan: list[tuple[str, str]] = []  # (model, precision) in the order they run, set by start()
+        self._said = time.monotonic()  # when the last line was printed
         # What an earlier run wrote into --folder: kept, but for the models this run measures again.
         self.earlier_rows, self.earlier_ms = earlier_results(args.folder, self.tag) if ctx.is_main else ([], {})
 
+    #: Seconds without a printed line after which rank 0 says what it is still measuring (half precision on a CPU
+    #: without float16 arithmetic takes seconds per iteration: a tiny run would otherwise sit silent for a minute).
+    QUIET_S = 30.0
+
+    def __enter__(self) -> "Output":
+        self._said, self._done = time.monotonic(), threading.Event()
+        self._thread = threading.Thread(target=self._still_measuring, name="lab03-progress", daemon=True)
+        if self.ctx.is_main:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _still_measuring(self) -> None:
+        while not self._done.wait(min(self.QUIET_S / 3, 5.0)):
+            quiet = time.monotonic() - self._said
+            if quiet >= self.QUIET_S and self.plan:
+                model, precision = self.plan[min(self.results // len(self.args.modes), len(self.plan) - 1)]
+                self.print(f"  ... still measuring {model} at {precision}: {quiet:.0f} s since the last line")
+
     def print(self, line: str) -> None:
+        self._said = time.monotonic()
         if self.ctx.is_main:
             print(line, flush=True)
 
@@ -468,9 +496,14 @@ class Output:
             raise UserError(f"no precision asked for runs on {self.device_name}: "
                             + "; ".join(f"{precision}: {reason}" for precision, reason in reasons.items())
                             + " (--precision fp32 runs everywhere)")
+        self.plan = [(model, precision) for model in self.args.models for precision in runnable]
         for precision, reason in reasons.items():
             if reason is None:
                 announce_bf16_emulation(precision, self.device)  # one line where the CPU has no bf16 units
+                if precision == "half" and self.device.type == "cpu" and cpu_description()["fp16"] != "native":
+                    self.print("half on this CPU: it has no float16 arithmetic, so every kernel converts to float32 "
+                               "and back; expect seconds per training iteration (leave half out of --precision to "
+                               "skip it)")
                 continue
             self.print(f"skipping {precision}: {reason}")
             for mode in self.args.modes:
@@ -483,7 +516,7 @@ class Output:
         """``model`` at ``precision`` raised ``err`` (out of memory, no kernel for a dtype) before ``modes`` ran."""
         reason = f"{type(err).__name__}: {str(err).splitlines()[0]}"
         for mode in modes:
-            self.failures += 1
+            self.failures, self.results = self.failures + 1, self.results + 1
             self.print(f"{model:<18} {mode:<9} {precision:<9} FAILED: {reason}")
             self._record(mode, precision, model, {}, status="failed", notes=[reason])
             self.rows.append({"mode": mode, "precision": precision, "model": model, "status": "failed",
@@ -493,7 +526,7 @@ class Output:
                  check: dict[str, Any], flops: int, compilation: dict[str, Any] | None = None, *,
                  energy: dict[str, Any] | None = None) -> None:
         """One result: ``energy`` is ``common.measure.energy.EnergyMeter.result()`` over its warm-up and timed iterations."""
-        world = self.ctx.world_size
+        world, self.results = self.ctx.world_size, self.results + 1
         step_time = timer.summary()
         ms = {key: step_time[f"{key}_s"] * 1000 for key in ("median", "mean", "std", "min", "max")}
         # Per device: each process ran its own batch. No MFU where no peak is known: mfu_reason says why.
