@@ -2,8 +2,9 @@
 
 Scripts raise :class:`UserError` for anything the user can fix (a flag, a path, a missing data
 set) and wrap their entry point with :func:`run_main`, which prints ``error: <message>`` on
-stderr and exits with status 2. A run that stopped on purpose (:class:`Stopped`: pre-empted, its
-checkpoint saved) exits 0. Bugs still raise normally so they keep their tracebacks.
+stderr and exits with status 2. Running out of memory (CUDA's or the CPU's allocator) is one line
+too, exit 1. A run that stopped on purpose (:class:`Stopped`: pre-empted, its checkpoint saved)
+exits 0. Bugs still raise normally so they keep their tracebacks.
 
 This module must not import torch: the report tool and the test suite use it too.
 """
@@ -11,11 +12,17 @@ This module must not import torch: the report tool and the test suite use it too
 from __future__ import annotations
 
 import gc
+import re
 import sys
 from typing import Callable, NoReturn, Sequence
 
+from common.units import format_bytes
+
 EXIT_USER_ERROR = 2
+EXIT_OUT_OF_MEMORY = 1
 EXIT_INTERRUPTED = 130
+#: How the CPU's allocator says it could not allocate (a RuntimeError; CUDA's is torch.OutOfMemoryError).
+CPU_ALLOCATION_FAILED = "DefaultCPUAllocator: can't allocate memory"
 
 
 class UserError(Exception):
@@ -32,6 +39,18 @@ def fail(message: str) -> NoReturn:
     raise UserError(message)
 
 
+def out_of_memory(err: BaseException) -> str | None:
+    """What an allocator's out-of-memory error says, in one line (CUDA's first three sentences: what it tried to
+    allocate, and what the GPU has), or ``None`` when ``err`` is something else."""
+    text = " ".join(str(err).split())
+    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":
+        return ". ".join(text.split(". ")[:3]).rstrip(".") or type(err).__name__
+    if CPU_ALLOCATION_FAILED in text:
+        tried = re.search(r"you tried to allocate (\d+) bytes", text)
+        return "the CPU's allocator could not allocate " + (format_bytes(int(tried[1])) if tried else "memory")
+    return None
+
+
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> NoReturn:
     """Run ``main(argv)`` and exit with its status; a :class:`UserError` becomes one line on stderr."""
     try:
@@ -44,6 +63,13 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
+    except (MemoryError, RuntimeError) as err:
+        said = out_of_memory(err)
+        if said is None:
+            raise  # a bug keeps its traceback
+        print(f"error: out of memory: {said}; a smaller --batch-size (or model, or input) fits", file=sys.stderr,
+              flush=True)
+        sys.exit(EXIT_OUT_OF_MEMORY)
     # What main held in reference cycles (an FSDP2 model: its hooks point back at it) is freed only
     # by a collection; without one, the process group it still references would keep its threads
     # running into interpreter shutdown, which can abort the process after a successful run.

@@ -882,3 +882,33 @@ def test_every_count_a_script_caps_under_dry_run_is_one_of_its_flags():
         assert caps <= flags, (script, sorted(caps - flags))
         checked += 1
     assert checked >= 5
+
+
+def test_running_out_of_memory_is_one_line_and_exit_1_and_a_bug_keeps_its_traceback(capsys):
+    """A real allocation the CPU's allocator refuses (4 PiB: past any machine's address space), and CUDA's
+    torch.OutOfMemoryError as its allocator words it: one ``error: out of memory`` line each, exit 1."""
+    import torch
+
+    from common.errors import run_main
+
+    def allocate(argv):
+        torch.empty(1 << 50)  # floats
+
+    def cuda_refuses(argv):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity "
+                                     "of 79.19 GiB of which 1.02 GiB is free. Including non-PyTorch memory, this "
+                                     "process has 78.16 GiB memory in use.\nOf the allocated memory ...")
+
+    def bug(argv):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)")
+
+    expected = {allocate: "error: out of memory: the CPU's allocator could not allocate 4096.0 TiB",
+                cuda_refuses: "error: out of memory: CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a "
+                              "total capacity of 79.19 GiB of which 1.02 GiB is free; a smaller --batch-size"}
+    for main, line in expected.items():
+        with pytest.raises(SystemExit) as stopped:
+            run_main(main, [])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 1 and err.count("\n") == 1 and err.startswith(line), err
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        run_main(bug, [])
