@@ -314,6 +314,10 @@ def test_a_run_adds_its_models_to_the_csvs_an_earlier_run_left(tmp_path):
     with open(tmp_path / "csv" / "cpu_1_procs_summary.csv", newline="") as handle:
         assert [row["model"] for row in csv.DictReader(handle)] == ["resnet18", "resnet34"]
     assert "(with an earlier run's resnet18)" in out.getvalue().splitlines()[-1]
+    times.write_text("resnet18,resnet34\n1.0,oops\n")  # edited by hand: not read back as if it were numbers
+    with quiet():
+        assert run_main(SCRIPT, argv) == 2
+    assert times.read_text() == "resnet18,resnet34\n1.0,oops\n"
 
 
 def test_the_csv_folder_is_beside_the_records_by_default(tmp_path, monkeypatch):
@@ -535,6 +539,6 @@ def test_a_long_silence_says_what_is_still_being_measured_and_the_thread_ends(tm
         assert run_main(SCRIPT, argv) == 0
         assert run_main(SCRIPT, [*argv, "--precision", "tf32"]) == 2  # nothing runnable on a CPU: an error
     lines = [line for line in out.getvalue().splitlines() if "still measuring" in line]
-    assert lines and all(re.fullmatch(r"  \.\.\. still measuring resnet18 at fp(32|64): \d+ s since the last line", line)
-                         for line in lines), lines
+    said = re.compile(r"  \.\.\. still measuring resnet18 at fp(32|64): \d+ s since the last line")
+    assert lines and all(said.fullmatch(line) for line in lines), lines
     assert not [thread for thread in threading.enumerate() if thread.name == "lab03-progress"]

@@ -378,19 +378,26 @@ def summary_csv(rows: Iterable[Mapping[str, Any]]) -> str:
     return out.getvalue()
 
 
-def earlier_results(folder: Path, tag: str) -> tuple[list[dict[str, str]], dict[tuple[str, str], dict[str, list[float]]]]:
-    """What an earlier run left in ``folder`` under ``tag``: its summary rows and its per-iteration times,
-    ``{(mode, precision): {model: [ms, ...]}}``. A run adds its models to these files instead of overwriting
-    them (one job per model into one folder is the usual way past a time limit)."""
-    summary = folder / f"{tag}_summary.csv"
-    rows = list(csv.DictReader(io.StringIO(summary.read_text(encoding="utf-8")))) if summary.is_file() else []
-    times: dict[tuple[str, str], dict[str, list[float]]] = {}
-    for mode, precision in {(row.get("mode"), row.get("precision")) for row in rows}:
-        path = folder / csv_name(tag, str(precision), str(mode))
-        if path.is_file():
-            columns = list(csv.reader(io.StringIO(path.read_text(encoding="utf-8"))))
-            times[(mode, precision)] = {model: [float(r[i]) for r in columns[1:] if i < len(r) and r[i]]
-                                        for i, model in enumerate(columns[0] if columns else [])}
+Times = dict[tuple[str, str], dict[str, list[float]]]  # (mode, precision) -> model -> ms per timed iteration
+
+
+def earlier_results(folder: Path, tag: str) -> tuple[list[dict[str, str]], Times]:
+    """What an earlier run left in ``folder`` under ``tag``: its summary rows and its per-iteration times. A run
+    adds its models to these files instead of overwriting them (one job per model into one folder is the usual
+    way past a time limit); a file it cannot read back is one error line, before anything is written."""
+    summary, path = folder / f"{tag}_summary.csv", None
+    times: Times = {}
+    try:
+        rows = list(csv.DictReader(io.StringIO(summary.read_text(encoding="utf-8")))) if summary.is_file() else []
+        for mode, precision in {(row["mode"], row["precision"]) for row in rows}:
+            path = folder / csv_name(tag, precision, mode)
+            if path.is_file():
+                columns = list(csv.reader(io.StringIO(path.read_text(encoding="utf-8"))))
+                times[(mode, precision)] = {model: [float(r[i]) for r in columns[1:] if i < len(r) and r[i]]
+                                            for i, model in enumerate(columns[0] if columns else [])}
+    except (KeyError, ValueError, UnicodeDecodeError) as err:
+        raise UserError(f"{path or summary} is not a CSV this script wrote ({type(err).__name__}: {err}): move it "
+                        "away or give another --folder") from None
     return rows, times
 
 
@@ -591,7 +598,8 @@ class Output:
             return
         folder, now = self.args.folder, set(self.args.models)
         for (mode, precision), ms_by_model in self.ms_by_run.items():
-            earlier = {model: ms for model, ms in self.earlier_ms.get((mode, precision), {}).items() if model not in now}
+            earlier = {model: ms for model, ms in self.earlier_ms.get((mode, precision), {}).items()
+                       if model not in now}
             write_text_atomic(iterations_csv({**earlier, **ms_by_model}), folder / csv_name(self.tag, precision, mode))
         kept = [row for row in self.earlier_rows if row.get("model") not in now]
         write_text_atomic(summary_csv([*kept, *self.rows]), folder / f"{self.tag}_summary.csv")
@@ -605,8 +613,9 @@ class Output:
             if launch_bound:
                 print(launch_bound, flush=True)
         kept = sorted({row["model"] for row in self.earlier_rows} - set(self.args.models))
-        self.print(f"csv: {self.args.folder}/{self.tag}_*.csv" + (f" (with an earlier run's {', '.join(kept)})" if kept else "")
-                   + f" | {self.records} record(s) in {self.args.results_dir}")
+        earlier = f" (with an earlier run's {', '.join(kept)})" if kept else ""
+        self.print(f"csv: {self.args.folder}/{self.tag}_*.csv{earlier} | {self.records} record(s) in "
+                   f"{self.args.results_dir}")
         if self.failures:
             self.print(f"{self.failures} result(s) failed; their records say why")
         return 1 if self.failures else 0
