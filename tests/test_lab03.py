@@ -285,6 +285,8 @@ def test_a_precision_over_the_tolerance_is_flagged(tmp_path):
     (["--precision", "fp32,fp8"], "error: unknown precisions 'fp8'; valid precisions: fp64, fp32, tf32"),
     (["--models", "vit_b_16", "--image-size", "64"], "error: vit_b_16 cannot run on 64x64 images: "),
     (["--precision", "tf32,amp-fp16"], "error: no precision asked for runs on "),  # on a CPU
+    pytest.param(["-g", "100000"], "error: -g 100000 on the CPU: 100000 processes of at least ",
+                 marks=pytest.mark.skipif(sys.platform != "linux", reason="the memory check reads /proc")),
 ])
 def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, argv, message):
     status = run_main(SCRIPT, [*argv, "--device", "cpu", "--folder", str(tmp_path / "csv"),
@@ -318,6 +320,22 @@ def test_a_run_adds_its_models_to_the_csvs_an_earlier_run_left(tmp_path):
     with quiet():
         assert run_main(SCRIPT, argv) == 2
     assert times.read_text() == "resnet18,resnet34\n1.0,oops\n"
+
+
+def test_g_on_a_cpu_starts_only_as_many_processes_as_the_available_memory_holds(tmp_path):
+    """Each process at least this one's resident size (PyTorch imported), against MemAvailable: 512 MiB each in
+    8 GiB available is 16 processes; a 17th is one error line that says how many fit."""
+    import os
+
+    (tmp_path / "meminfo").write_text("MemTotal:       16777216 kB\nMemAvailable:    8388608 kB\n")
+    (tmp_path / "statm").write_text(f"999999 {2**29 // os.sysconf('SC_PAGE_SIZE')} 0 0 0 0 0\n")
+    files = {"meminfo": str(tmp_path / "meminfo"), "statm": str(tmp_path / "statm")}
+    shared().check_processes_fit(16, **files)
+    with pytest.raises(shared().UserError, match=r"^-g 17 on the CPU: 17 processes of at least 512\.0 MiB each "
+                                                 r"\(PyTorch alone\) need 8\.5 GiB, and this machine has 8\.0 GiB "
+                                                 r"available: at most 16 fit$"):
+        shared().check_processes_fit(17, **files)
+    shared().check_processes_fit(10**6, meminfo=str(tmp_path / "absent"))  # no /proc (not Linux): nothing to check
 
 
 def test_the_csv_folder_is_beside_the_records_by_default(tmp_path, monkeypatch):

@@ -51,6 +51,7 @@ from common.runtime.device import describe, resolve_device
 from common.runtime.machine import cpu_description
 from common.train.amp import announce_bf16_emulation
 from common.results import fp32_math_info, make_record, provenance, write_record
+from common.units import format_bytes
 from common.runtime.compat import RECOMPILE_LIMIT_HIT
 
 LAB = "lab03"
@@ -141,7 +142,9 @@ def read_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
 def run_under_torchrun(args: argparse.Namespace, argv: list[str], script_file: str) -> int:
     """The SJTU page's ``-g N`` from a plain ``python``: torchrun starts the N processes, as for every distributed
     script of the course, and the command is printed, so it can be typed directly next time."""
-    resolve_device(args.device, local_world_size=args.num_gpus)  # more processes than GPUs: one error line, now
+    device = resolve_device(args.device, local_world_size=args.num_gpus)  # more processes than GPUs: one error line
+    if device.type == "cpu":
+        check_processes_fit(args.num_gpus)
     script = sys.argv[0] if Path(sys.argv[0]).resolve() == Path(script_file).resolve() else script_file  # as typed
     torchrun = ["--standalone", f"--nproc_per_node={args.num_gpus}", script, *argv]
     print(f"-g {args.num_gpus}: running torchrun {shlex.join(torchrun)}", flush=True)
@@ -149,6 +152,21 @@ def run_under_torchrun(args: argparse.Namespace, argv: list[str], script_file: s
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, torch.get_num_threads() // args.num_gpus))}
     # python -m torch.distributed.run is torchrun, from this Python's environment.
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun], env=env).returncode
+
+
+def check_processes_fit(processes: int, meminfo: str = "/proc/meminfo", statm: str = "/proc/self/statm") -> None:
+    """``-g N`` on a CPU: N processes, each at least as large as this one is now (PyTorch imported), must fit in the
+    memory the machine has available, or the run would end in the kernel's OOM killer (or a laptop swapping for
+    minutes). Linux only: elsewhere nothing is checked."""
+    try:
+        available = 1024 * int(re.search(r"^MemAvailable:\s+(\d+) kB", Path(meminfo).read_text(), re.M)[1])
+        each = int(Path(statm).read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # resident pages
+    except (OSError, TypeError, ValueError, IndexError):
+        return
+    if processes * each > available:
+        raise UserError(f"-g {processes} on the CPU: {processes} processes of at least {format_bytes(each)} each "
+                        f"(PyTorch alone) need {format_bytes(processes * each)}, and this machine has "
+                        f"{format_bytes(available)} available: at most {max(1, available // each)} fit")
 
 
 def check_num_gpus(args: argparse.Namespace, launch: Any) -> None:
