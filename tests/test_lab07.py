@@ -187,6 +187,16 @@ def test_2d_mesh_matches_the_one_process_run_and_resumes_on_other_meshes(runs):
     assert "saved on mesh 2x2" in runs["output"]
 
 
+def test_resuming_a_2d_run_that_has_no_step_left_is_one_line(runs, capsys):
+    """resume1 ran to --steps and saved after its last step: the same command again would train nothing."""
+    root = runs["root"]
+    argv = _args(root, "resume_done", "--resume", "--checkpoint-dir", str(root / "resume1" / "ckpt"), base=TINY)
+    assert run_main(TWO_D, argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"is at step {STEPS}: a run of --steps {STEPS} has nothing left to train" in err[0], err
+    assert not (root / "resume_done").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # Bad input: one error line, exit status 2, nothing written
 

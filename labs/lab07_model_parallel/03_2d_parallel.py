@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             saved = checkpointer.read()
             if saved is None:
                 raise UserError(f"--resume: no complete checkpoint in {checkpoint_dir}")
+            if int(saved["step"]) >= args.steps:  # else a run that trains nothing and records no loss
+                raise UserError(f"{checkpoint_dir} is at step {saved['step']}: a run of --steps {args.steps} has "
+                                "nothing left to train; give more --steps, or start afresh without --resume")
             checkpointer.restore({"model": model, "optimizer": optimizer})
             first = int(saved["step"])
             print0(f"resumed from {saved['checkpoint_folder']} after step {first} (saved on mesh {saved.get('mesh', '?')})")
