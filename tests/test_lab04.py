@@ -673,3 +673,12 @@ def test_overlapping_windows_give_the_gpu_configuration_enough_steps_for_an_mfu_
     assert overlapping[17][1][-1].item() == 95  # the last window still has its next character
     assert len(load_stdlib_text(1024).train) // 64 < 30
     assert len(load_stdlib_text(1024, stride=128).train) // 64 >= 30
+
+
+def test_resuming_a_finished_sharded_run_trains_nothing_and_writes_no_second_record(runs, capsys):
+    """resume1 finished both epochs (DCP checkpoints in --checkpoint-dir, its record beside): the same command
+    again, as a requeued job that had already finished would run it, stops at once with exit 0."""
+    before = _training(runs, "resume1")
+    assert run_main(TRAIN, _train("resume1", runs["root"], "--resume")) == 0
+    assert "nothing left to train" in capsys.readouterr().out
+    assert _record(runs["root"] / "resume1" / "results") == before  # still the one record

@@ -200,9 +200,10 @@ class Preemption:
             raise UserError(f"{path} has trained {done} epochs, more than --epochs {epochs}: give --epochs {done} or "
                             "more to go on from it, or leave out --resume to start fresh")
         records = load_records(results_dir, recursive=False).records if results_dir.is_dir() else []
-        found = [record["_path"] for record in records
+        found = [record["_path"] for record in records  # --checkpoint FILE, or a sharded one's --checkpoint-dir
                  if record.get("script") == script and record["metrics"].get("steps") == steps
-                 and Path(str(record["config"].get("checkpoint"))).resolve() == Path(path).resolve()]
+                 and any(isinstance(value := record["config"].get(key), str) and Path(value).resolve() ==
+                         Path(path).resolve() for key in ("checkpoint", "checkpoint_dir"))]
         if found:
             print0(f"nothing left to train: {path} is from the run that finished its {epochs} epoch(s), and its record "
                    f"is {found[-1]} (no new record); leave out --resume to train again")
