@@ -193,14 +193,19 @@ def training_metrics(*, train_loss: list[float], loss_at_step: list[float], epoc
                      memory: list[Mapping[str, Any]], global_batch_size: int | None,
                      test_loss: float | None = None, test_accuracy: float | None = None,
                      eval_history: Iterable[Mapping[str, Any]] = (),
-                     replica_digests: list[Mapping[str, str]] | None = None) -> dict[str, Any]:
+                     replica_digests: list[Mapping[str, str]] | None = None,
+                     whole_epochs_from: int = 1) -> dict[str, Any]:
     """The ``metrics`` of a training run, with the names ``docs/results-schema.md`` documents.
 
     Every training script's record is built here (through :class:`common.train.run.TrainingRun`), so
     the report reads the same keys from all of them. ``samples_per_s`` is the whole job's
-    throughput (the step timer counts every rank's samples).
+    throughput (the step timer counts every rank's samples). ``whole_epochs_from``: the first epoch
+    (from 1) this process ran whole; a resumed run's earlier epochs ran in another process (perhaps
+    on other ranks) and the one it resumed inside only in part, so ``time_per_epoch_s`` leaves them out.
     """
     import statistics
+
+    timed = list(epoch_time_s)[max(0, whole_epochs_from - 1):]
 
     metrics: dict[str, Any] = {
         "train_loss": list(train_loss), "final_loss": train_loss[-1] if train_loss else None,
@@ -209,7 +214,7 @@ def training_metrics(*, train_loss: list[float], loss_at_step: list[float], epoc
         "epochs": epochs, "steps": steps, "global_batch_size": global_batch_size,
         "world_size": world_size, "devices": world_size,
         "epoch_time_s": list(epoch_time_s),
-        "time_per_epoch_s": statistics.median(epoch_time_s) if epoch_time_s else None,
+        "time_per_epoch_s": statistics.median(timed) if timed else None,
         "samples_per_s": step_time.get("samples_per_s"), "step_time": dict(step_time),
         "memory": [dict(entry) for entry in memory],
     }

@@ -79,6 +79,8 @@ def test_preempted_single_device_run_resumes_to_the_same_weights(device, tmp_pat
     (whole_record,), (resumed_record,) = _records(tmp_path / "whole"), _records(tmp_path / "cut")
     for key in ("train_loss", "test_loss", "test_accuracy"):
         assert resumed_record["metrics"][key] == whole_record["metrics"][key], key
+    # Resumed inside epoch 2, the last: no epoch ran whole in this process, so there is no time per epoch to give.
+    assert resumed_record["metrics"]["time_per_epoch_s"] is None and whole_record["metrics"]["time_per_epoch_s"] > 0
 
     # Resuming with other settings would train something else: refused, one line, nothing written.
     assert run("cut", "--resume", "--batch-size", "16") == 2

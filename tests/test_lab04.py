@@ -239,6 +239,9 @@ def test_training_records_carry_tokens_per_second_and_no_made_up_peak_on_cpu(run
         assert metrics["mfu"] is None and metrics["peak_tflops"] is None
         assert metrics["mfu_reason"].startswith("no peak known for a CPU")
     assert _training(runs, "resume1")["metrics"]["resumed_at_step"] == 10
+    # Epoch 1 ran on 4 ranks before the checkpoint: time per epoch is the epoch this one process ran, not a mix.
+    resumed = _training(runs, "resume1")["metrics"]
+    assert len(resumed["epoch_time_s"]) == 2 and resumed["time_per_epoch_s"] == resumed["epoch_time_s"][1]
     assert _training(runs, "fsdp4")["metrics"]["resumed_at_step"] is None
 
 

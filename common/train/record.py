@@ -41,7 +41,8 @@ def _replica_digests(model: nn.Module | None) -> list[dict[str, Any]] | None:
 
 def write_run_record(*, lab: str, script: str, method: str, ctx: DistContext, distributed: bool, progress: Progress,
                      meter: RunMeter, model: nn.Module | None, config: dict[str, Any], metrics: dict[str, Any],
-                     notes: Iterable[str], epochs: int, results_dir: Path, checkpoint: Path | None) -> Path | None:
+                     notes: Iterable[str], epochs: int, results_dir: Path, checkpoint: Path | None,
+                     whole_epochs_from: int = 1) -> Path | None:
     """Gather (every rank calls this) and have rank 0 write the record; returns its path on rank 0.
     ``config``: the run's flags and settings (``common.cli.config_dict``), completed here with what the
     run resolved (device, global batch, loader)."""
@@ -55,7 +56,7 @@ def write_run_record(*, lab: str, script: str, method: str, ctx: DistContext, di
         step_time=measured["step_time"], steps=progress.steps, epochs=epochs, world_size=ctx.world_size,
         memory=measured["memory"], test_loss=last_eval.get("test_loss"),
         test_accuracy=last_eval.get("test_accuracy"), eval_history=progress.eval_history,
-        replica_digests=digests, global_batch_size=meter.global_batch)
+        replica_digests=digests, global_batch_size=meter.global_batch, whole_epochs_from=whole_epochs_from)
     all_metrics.update(metrics)
     notes = list(notes)
     if digests is not None and not all_metrics["parameters_identical"]:

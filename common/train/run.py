@@ -74,6 +74,7 @@ class TrainingRun:
         self.losses = LossLog(self.settings.record_steps)
         self.epoch, self.start_step, self._epoch_open = 1, 0, False
         self.notes: list[str] = []  # the run's own notes for the record, beside the script's
+        self.whole_epochs_from = 1  # the first epoch this process runs whole (a resumed run: after the checkpoint's)
 
     def __enter__(self) -> "TrainingRun":
         self.ctx = open_process(self.settings.device, distributed=self.distributed,
@@ -135,6 +136,7 @@ class TrainingRun:
         if resumed is not None:
             self.epoch, self.start_step, self.progress = resumed
             self.print(f"resumed from {self.checkpointer.path}: epoch {self.epoch}, step {self.start_step}")
+            self.whole_epochs_from = self.epoch + (self.start_step > 0)
             finished = self.preemption.past_the_end(self.epoch, self.settings.epochs, self.progress.steps,
                                                     script=self.script, results_dir=self.settings.results_dir)
             self.notes += [finished] if finished else []  # a finished run with its record stops there (exit 0)
@@ -236,4 +238,5 @@ class TrainingRun:
                                 config=self.settings.config(**(config or {})),  # the flags as the script ran
                                 metrics=metrics or {}, notes=[*self.notes, *notes], epochs=self.settings.epochs,
                                 results_dir=self.settings.results_dir,
-                                checkpoint=None if self.checkpointer is None else self.checkpointer.path)
+                                checkpoint=None if self.checkpointer is None else self.checkpointer.path,
+                                whole_epochs_from=self.whole_epochs_from)
