@@ -678,3 +678,18 @@ def test_a_summary_of_runs_from_two_pytorch_releases_says_so(tmp_path: Path) -> 
     records[2]["provenance"]["versions"]["torch"] = "2.8.0+cu128"  # one run on the course's floor
     (note,) = [n for n in summary_section(runs_frame(records)).notes if "PyTorch releases" in n]
     assert "2 PyTorch releases (2.5.1: 2 runs, 2.8.0+cu128: 1 run)" in note
+
+
+def test_a_record_without_a_device_does_not_make_the_report_mix_machines(tmp_path: Path) -> None:
+    """Lab-09's sweep record is written on the login node with no device (its numbers are the tasks' and Slurm's):
+    beside the tasks' records from a compute node it is no second machine; a second device's record is."""
+    folder = tmp_path / "results"
+    write_run(folder, lab="lab09", method="custom", host="gpu-node-1")
+    sweep = provenance(host="login1")
+    del sweep["device"]
+    write_record(make_record(lab="lab09", script="labs/lab09_many_jobs/02_status.py", method="sweep-array",
+                             config={"tasks": 1}, metrics={"core_hours": 0.5}, provenance=sweep), folder)
+    page = report(folder, "--no-plots")
+    assert len(page.tables["summary-table"]) == 2 and "mixes records of different machines" not in page.sections["warnings"]
+    write_run(folder, lab="lab09", method="custom", host="gpu-node-2")
+    assert "2 machines: this report mixes records" in report(folder, "--no-plots").sections["warnings"]

@@ -69,8 +69,8 @@ def out_of_range(runs: pd.DataFrame) -> list[Finding]:
 
 
 def mixed_machines(runs: pd.DataFrame) -> list[Finding]:
-    """One warning when the runs come from several machines: their numbers do not compare."""
-    machines = sorted({str(m) for m in runs["machine"].dropna()})
+    """One warning when runs with a device (not Lab-09's sweep, on a login node) come from several machines."""
+    machines = sorted({str(m) for m in runs.loc[runs["device_type"].notna(), "machine"].dropna()})
     if len(machines) < 2:
         return []
     return [Finding(f"{len(machines)} machines", (
