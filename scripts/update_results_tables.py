@@ -94,7 +94,9 @@ def markdown_table(lab: str, runs, records_dir: Path, doc: Path) -> str:
     for machine in machines:
         detail = subset.loc[subset["machine"] == machine, "machine_detail"].iloc[0]
         lines += [f"Measured on **{machine}**: {detail}.", ""]
-    if len(machines) > 1:
+    from common.report.core import mixed_machines  # the report's rule: records with a device on several machines
+
+    if mixed_machines(subset):
         lines += ["_These records come from different machines: compare numbers only within one machine._", ""]
     lines += [*summary_table(subset, doc), *lab_section_tables(lab, subset, runs)]
     commits = sorted({str(c)[:10] for c in subset["git_commit"].dropna()})
