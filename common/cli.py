@@ -52,6 +52,14 @@ def non_negative_int(text: str) -> int:
     return _whole_number(text, 0)
 
 
+def percent_int(text: str) -> int:
+    """argparse type: an integer from 1 to 100 (a JPEG quality, a percentage)."""
+    value = _whole_number(text, 1)
+    if value > 100:
+        raise argparse.ArgumentTypeError(f"must be at most 100, got {value}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
     return _finite_number(text, above_zero=True)

@@ -27,7 +27,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from common.cli import input_dir, one_line_errors, output_dir
+from common.cli import input_dir, one_line_errors, output_dir, positive_float
 
 try:
     from scripts import gpu_proof_checks as proof
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bash scripts/gpu_proof.sh",
         description="Prove the course on a GPU: the checks of scripts/gpu_proof_checks.py by tier, within a budget.")
-    parser.add_argument("--budget", type=float, default=420.0,
+    parser.add_argument("--budget", type=positive_float, default=420.0,
                         help="seconds for the whole run, from the start of gpu_proof.sh (default: %(default)s)")
     parser.add_argument("--tier", choices=("1", "2", "all"), default="all",
                         help="which checks: tier 1 (what a student meets first, and the speed targets), tier 2 "

@@ -10,6 +10,8 @@ type: the path types of ``common.cli`` say folder or file, read or written. A pa
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import sys
 import tempfile
@@ -164,3 +166,31 @@ def test_a_flag_that_would_change_nothing_is_refused(script, capsys):
         err = capsys.readouterr().err
         assert stopped.value.code == 2 and f"unrecognized arguments: {flag} 1" in err, (flag, err)
     assert parser.parse_args(["--batch-size", "4"]).batch_size == 4  # the flags it reads are still there
+
+
+#: Values no count, size, rate or timeout of a script can take, by flag (every script that has the flag).
+NONSENSE = {"--batch-size": ["0", "-3", "x"], "--epochs": ["0", "-1"], "--max-steps": ["0"], "--num-workers": ["-1"],
+            "--repeats": ["0"], "--warmup": ["-1"], "--steps": ["0"], "--lr": ["-1", "0", "nan", "inf"],
+            "--seed": ["x"], "--image-size": ["0", "-5"], "--log-interval": ["0"], "--width": ["0"], "--layers": ["0"],
+            "--heads": ["0"], "--context": ["0"], "--global-batch-size": ["0"], "--microbatches": ["0"],
+            "--collective-timeout": ["0", "-1", "nan"], "--samples": ["0"], "--shard-size": ["0"],
+            "--quality": ["0", "101"], "--budget": ["0", "-1"], "--warmup-steps": ["-1"], "--test-batch-size": ["0"],
+            "--clip-grad-norm": ["-1"]}
+#: Where a flag of that name means something else: Lab-02's sweep takes step names under --steps (now --stages).
+OTHER_MEANING = {("labs/lab02_profiling/sweep.py", "--steps")}
+
+
+def test_no_script_takes_a_nonsense_count_size_or_rate():
+    accepted = []
+    for script in SCRIPTS:
+        for prefix, parser in parsers(script_parser_of(script)):
+            flags = {flag for action in parser._actions for flag in action.option_strings}
+            for flag in sorted(flags & set(NONSENSE) - {flag for where, flag in OTHER_MEANING if where == script}):
+                for value in NONSENSE[flag]:
+                    try:
+                        with contextlib.redirect_stderr(io.StringIO()):
+                            parser.parse_args([*prefix, flag, value])
+                        accepted.append(f"{script} {' '.join(prefix)} {flag} {value}".replace("  ", " "))
+                    except SystemExit as stopped:
+                        assert stopped.code == 2, (script, flag, value)
+    assert accepted == []

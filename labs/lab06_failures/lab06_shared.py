@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, TextIO
 
-from common.cli import add_collective_timeout_arg, add_run_args, non_negative_int, output_dir, positive_int
+from common.cli import (add_collective_timeout_arg, add_run_args, non_negative_int, output_dir, positive_float,
+                        positive_int)
 from common.errors import UserError
 
 LAB = "lab06"
@@ -385,7 +386,7 @@ def add_inject_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="images per rank and step (default: %(default)s)")
     group.add_argument("--width", type=positive_int, default=4,
                        help="channels of the CNN's first layer (default: %(default)s)")
-    group.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default: %(default)s)")
+    group.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate, momentum 0.9 (default: %(default)s)")
     group.add_argument("--num-workers", type=non_negative_int, default=1,
                        help="DataLoader worker processes; stuck-loader needs one (default: %(default)s)")
     group.add_argument("--log-interval", type=positive_int, default=5,

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.cli import add_run_args, config_dict, output_dir, positive_int, script_parser
+from common.cli import add_run_args, config_dict, output_dir, percent_int, positive_int, script_parser
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
 from common.units import format_bytes
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="images to make; every format holds all of them (default: %(default)s)")
     group.add_argument("--shard-size", type=positive_int, default=1000,
                        help="samples per tar shard (default: %(default)s)")
-    group.add_argument("--quality", type=positive_int, default=90, help="JPEG quality, 1-100 (default: %(default)s)")
+    group.add_argument("--quality", type=percent_int, default=90, help="JPEG quality, 1-100 (default: %(default)s)")
     group.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS),
                        help="which formats to write (default: all three)")
     group.add_argument("--data-dir", type=output_dir, default=default_data_dir(),
