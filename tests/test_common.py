@@ -412,6 +412,16 @@ def test_missing_data_names_the_download_script(tmp_path):
         get_dataset("mnist", tmp_path)
     with pytest.raises(UserError, match="unknown dataset 'imagenet'"):
         get_dataset("imagenet", tmp_path)
+    # An image folder whose class folders hold no image yet (torchvision raises FileNotFoundError): one line too.
+    for name in ("cats", "dogs"):
+        (tmp_path / "train" / name).mkdir(parents=True)
+    with pytest.raises(UserError, match=r"^imagefolder under .*: Found no valid file for the classes cats, dogs"):
+        get_dataset("imagefolder", tmp_path)
+    for name in ("cats", "dogs"):
+        (tmp_path / "train" / name / "a.png").write_bytes(b"")  # a file in each class: train is fine
+    (tmp_path / "val").mkdir()
+    with pytest.raises(UserError, match=r"Couldn't find any class folder in .*val"):
+        get_dataset("imagefolder", tmp_path)
 
 
 def test_models_by_name():

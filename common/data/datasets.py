@@ -228,8 +228,11 @@ def get_dataset(name: str, data_dir: str | Path = "data", *, image_size: int | N
         size = image_size or 224
         tf = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(),
                                  transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
-        train = datasets.ImageFolder(str(train_dir), transform=tf)
-        test = datasets.ImageFolder(str(val_dir), transform=tf) if val_dir.is_dir() else train
+        try:  # no class folder, or a class folder with no image in it: torchvision's FileNotFoundError
+            train = datasets.ImageFolder(str(train_dir), transform=tf)
+            test = datasets.ImageFolder(str(val_dir), transform=tf) if val_dir.is_dir() else train
+        except FileNotFoundError as err:
+            raise UserError(f"imagefolder under {data_dir}: {err}") from None
         return DataSplits(train, test, "imagefolder", (3, size, size), len(train.classes))
     raise UserError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
 
