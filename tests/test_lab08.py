@@ -437,7 +437,7 @@ def test_bad_data_skipped_is_counted_and_named(damaged, tmp_path):
     (SHARDS, ["--metadata-latency", "x"], "--metadata-latency: expected a number"),
     (READ, ["--format", "tfrecord"], "invalid choice"),
     (SHARDS, ["--shard-policy", "round-robin"], "invalid choice"),
-    (MAKE, ["--quality", "101", "--data-dir", "/nonexistent/x"], "--quality must be between 1 and 100"),
+    (MAKE, ["--quality", "101", "--data-dir", "/nonexistent/x"], "--quality: must be at most 100, got 101"),
 ])
 def test_a_bad_flag_is_one_error_line_and_exit_2(script, argv, message, tmp_path, capsys):
     assert run_main(script, [*argv, "--results-dir", str(tmp_path / "r")]) == 2

@@ -141,8 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.dry_run:
         args.samples, args.shard_size = min(args.samples, 200), min(args.shard_size, 50)
-    if not 1 <= args.quality <= 100:
-        raise UserError(f"--quality must be between 1 and 100, got {args.quality}")
     target = args.data_dir
     if target.exists() and not args.overwrite:
         raise UserError(f"{target} already exists; choose another --data-dir or add --overwrite")
