@@ -64,6 +64,7 @@ def download(name: str, data_dir: Path) -> None:
     """Fetch ``name`` into a temporary folder in ``data_dir``, then move the finished set into place."""
     cls = dataset_class(name)
     folder = DATASETS[name][1]
+    created = [path for path in (data_dir, *data_dir.parents) if not path.exists()]  # deepest first
     data_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".download-{name}-", dir=data_dir))
     try:
@@ -71,6 +72,9 @@ def download(name: str, data_dir: Path) -> None:
             cls(str(staging), train=True, download=True)
             cls(str(staging), train=False, download=True)
         except (RuntimeError, OSError) as err:  # URLError is an OSError; torchvision wraps mirror failures
+            shutil.rmtree(staging, ignore_errors=True)
+            for path in created:  # the folders this run made, now empty: a failed download leaves nothing
+                path.rmdir()
             raise UserError(f"could not download {name}: {str(err).splitlines()[0]} "
                             "(compute nodes have no internet: run this on a login node)") from None
         target = data_dir / folder

@@ -63,13 +63,16 @@ def test_check_reports_an_incomplete_mnist(tmp_path, no_network, capsys):
 
 
 def test_download_without_network_fails_cleanly_and_leaves_nothing(tmp_path, no_network, capsys):
-    data = tmp_path / "data"
+    data = tmp_path / "data" / "course"
     assert run_main(SCRIPT, ["mnist", "--data-dir", str(data)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: could not download mnist:")
     assert "run this on a login node" in err
     assert no_network, "the download path should have tried the network"
-    assert list(data.iterdir()) == []  # no MNIST/, no hidden staging folder
+    assert list(tmp_path.iterdir()) == []  # not even the folders it made for the download
+    data.mkdir(parents=True)
+    assert run_main(SCRIPT, ["mnist", "--data-dir", str(data)]) == 2
+    assert list(data.iterdir()) == []  # a folder that was there stays, with no MNIST/ and no staging folder
 
 
 def test_training_side_missing_data_error_names_this_script(tmp_path):
