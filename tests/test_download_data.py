@@ -8,7 +8,6 @@ and the training side's "data missing" error names this script.
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 
 import pytest
 
