@@ -56,7 +56,10 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     try:
         status = main(argv)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        message = str(err)
+        if "\nOriginal Traceback" in message:  # raised in a DataLoader worker, whose traceback torch puts first
+            message = message.rstrip().splitlines()[-1].split(": ", 1)[-1]
+        print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
     except Stopped:
         status = 0

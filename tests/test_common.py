@@ -424,6 +424,32 @@ def test_missing_data_names_the_download_script(tmp_path):
         get_dataset("imagefolder", tmp_path)
 
 
+def test_an_unreadable_image_is_one_line_naming_it_even_from_a_dataloader_worker(tmp_path, capsys):
+    """A file that is no image, read by a DataLoader worker: torch re-raises the worker's UserError with the
+    worker's traceback in its message, and run_main still prints the one line."""
+    from PIL import Image
+    from torch.utils.data import DataLoader
+
+    from common.data.datasets import get_dataset
+    from common.errors import run_main
+
+    for name in ("cats", "dogs"):
+        (tmp_path / "train" / name).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "train" / name / "ok.png")
+    (tmp_path / "train" / "dogs" / "zz.png").write_bytes(b"not an image")
+    splits = get_dataset("imagefolder", tmp_path, image_size=8)
+
+    def main(argv):
+        for _ in DataLoader(splits.train, batch_size=3, num_workers=1):
+            pass
+
+    with pytest.raises(SystemExit) as stopped:
+        run_main(main, [])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: cannot read image {tmp_path / 'train' / 'dogs' / 'zz.png'}: "), err
+
+
 def test_models_by_name():
     import torch
 

@@ -198,6 +198,17 @@ def _torchvision_splits(name: str, data_dir: Path) -> DataSplits:
     return DataSplits(train, test, name, shape, 10)
 
 
+def open_image(path: str) -> Any:
+    """An image folder's file as RGB (torchvision's default loader), or one line naming the file it cannot read."""
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as handle:
+            return Image.open(handle).convert("RGB")
+    except OSError as err:  # PIL's UnidentifiedImageError and a truncated file are OSErrors
+        raise UserError(f"cannot read image {path}: {err}") from None
+
+
 def get_dataset(name: str, data_dir: str | Path = "data", *, image_size: int | None = None,
                 channels: int | None = None, num_classes: int = 10, synthetic_size: int = 2048,
                 seed: int = 0) -> DataSplits:
@@ -229,8 +240,8 @@ def get_dataset(name: str, data_dir: str | Path = "data", *, image_size: int | N
         tf = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(),
                                  transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
         try:  # no class folder, or a class folder with no image in it: torchvision's FileNotFoundError
-            train = datasets.ImageFolder(str(train_dir), transform=tf)
-            test = datasets.ImageFolder(str(val_dir), transform=tf) if val_dir.is_dir() else train
+            train = datasets.ImageFolder(str(train_dir), transform=tf, loader=open_image)
+            test = datasets.ImageFolder(str(val_dir), transform=tf, loader=open_image) if val_dir.is_dir() else train
         except FileNotFoundError as err:
             raise UserError(f"imagefolder under {data_dir}: {err}") from None
         return DataSplits(train, test, "imagefolder", (3, size, size), len(train.classes))
