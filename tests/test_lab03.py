@@ -322,20 +322,14 @@ def test_a_run_adds_its_models_to_the_csvs_an_earlier_run_left(tmp_path):
     assert times.read_text() == "resnet18,resnet34\n1.0,oops\n"
 
 
-def test_g_on_a_cpu_starts_only_as_many_processes_as_the_available_memory_holds(tmp_path):
+def test_g_on_a_cpu_starts_only_as_many_processes_as_the_available_memory_holds():
     """Each process at least this one's resident size (PyTorch imported), against MemAvailable: 512 MiB each in
     8 GiB available is 16 processes; a 17th is one error line that says how many fit."""
-    import os
-
-    (tmp_path / "meminfo").write_text("MemTotal:       16777216 kB\nMemAvailable:    8388608 kB\n")
-    (tmp_path / "statm").write_text(f"999999 {2**29 // os.sysconf('SC_PAGE_SIZE')} 0 0 0 0 0\n")
-    files = {"meminfo": str(tmp_path / "meminfo"), "statm": str(tmp_path / "statm")}
-    shared().check_processes_fit(16, **files)
+    shared().check_processes_fit(16, available=8 * 2**30, each=2**29)
     with pytest.raises(shared().UserError, match=r"^-g 17 on the CPU: 17 processes of at least 512\.0 MiB each "
                                                  r"\(PyTorch alone\) need 8\.5 GiB, and this machine has 8\.0 GiB "
                                                  r"available: at most 16 fit$"):
-        shared().check_processes_fit(17, **files)
-    shared().check_processes_fit(10**6, meminfo=str(tmp_path / "absent"))  # no /proc (not Linux): nothing to check
+        shared().check_processes_fit(17, available=8 * 2**30, each=2**29)
 
 
 def test_the_csv_folder_is_beside_the_records_by_default(tmp_path, monkeypatch):

@@ -154,16 +154,19 @@ def run_under_torchrun(args: argparse.Namespace, argv: list[str], script_file: s
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun], env=env).returncode
 
 
-def check_processes_fit(processes: int, meminfo: str = "/proc/meminfo", statm: str = "/proc/self/statm") -> None:
+def check_processes_fit(processes: int, available: int | None = None, each: int | None = None) -> None:
     """``-g N`` on a CPU: N processes, each at least as large as this one is now (PyTorch imported), must fit in the
-    memory the machine has available, or the run would end in the kernel's OOM killer (or a laptop swapping for
-    minutes). Linux only: elsewhere nothing is checked."""
-    try:
-        available = 1024 * int(re.search(r"^MemAvailable:\s+(\d+) kB", Path(meminfo).read_text(), re.M)[1])
-        each = int(Path(statm).read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # resident pages
-    except (OSError, TypeError, ValueError, IndexError):
-        return
-    if processes * each > available:
+    memory the machine has available (``MemAvailable``), or the run would end in the kernel's OOM killer (or a
+    laptop swapping for minutes). Linux only: where either number cannot be read, nothing is checked."""
+    from common.measure.timing import process_rss_bytes
+
+    if available is None:
+        try:
+            available = 1024 * int(re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)[1])
+        except (OSError, TypeError):
+            return
+    each = process_rss_bytes() if each is None else each
+    if each and processes * each > available:
         raise UserError(f"-g {processes} on the CPU: {processes} processes of at least {format_bytes(each)} each "
                         f"(PyTorch alone) need {format_bytes(processes * each)}, and this machine has "
                         f"{format_bytes(available)} available: at most {max(1, available // each)} fit")

@@ -250,17 +250,6 @@ def tensor_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     return counts
 
 
-def process_rss_bytes() -> int | None:
-    """This process's resident memory now (Linux ``/proc/self/statm``; ``None`` elsewhere)."""
-    import os
-
-    try:
-        with open("/proc/self/statm", encoding="ascii") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def build_model(shape: TransformerShape, strategy: str, device: torch.device, *, precision: str = "fp32",
                 activation_checkpointing: bool = False, seed: int = 0, on_meta: bool = False,
                 reshard_after_forward: bool = True, compile_blocks: bool = False) -> nn.Module:
@@ -307,7 +296,7 @@ def measure_step(shape: TransformerShape, strategy: str, device: torch.device, *
     over the whole step (on CPU the process's peak resident memory, which includes PyTorch itself);
     ``rss_bytes``: the resident memory after the step.
     """
-    from common.measure.timing import peak_memory, reset_peak_memory
+    from common.measure.timing import peak_memory, process_rss_bytes, reset_peak_memory
 
     gc.collect()
     if device.type == "cuda":
