@@ -60,6 +60,14 @@ def check_same_settings(state: dict[str, Any], settings: dict[str, Any], path: s
                         "resume with the same settings or start fresh without --resume")
 
 
+def check_steps_left(step: int, steps: int, path: str | os.PathLike[str]) -> None:
+    """Refuse to resume a run counted in steps (``--steps``) from a checkpoint already at ``step >= steps``: it
+    would train nothing and record no loss."""
+    if step >= steps:
+        raise UserError(f"{path} is at step {step}: a run of --steps {steps} has nothing left to train; give more "
+                        "--steps, or start afresh without --resume")
+
+
 def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:
     """Every random number generator a training step draws from (dropout, shuffling, init).
 

@@ -413,14 +413,12 @@ def check_resumable(state: dict[str, Any] | None, args: argparse.Namespace, path
     """``state`` (``None``: no checkpoint yet) if 01_inject.py can resume from it: the same model and data (else
     load_state_dict's traceback, or another run silently), and steps left before ``--steps`` (else a run that
     trains nothing); one line if not."""
-    from common.checkpoint.single_file import check_same_settings  # imports torch: the doctor (02) must not
+    from common.checkpoint.single_file import check_same_settings, check_steps_left  # torch: not for the doctor
 
     if state is None:
         return None
     check_same_settings(state, {key: getattr(args, key) for key in ("width", "batch_size", "lr", "seed")}, path)
-    if state["step"] >= args.steps:
-        raise UserError(f"{path} is at step {state['step']}: a run of --steps {args.steps} has nothing left to "
-                        "train; give more --steps, or start afresh without --resume")
+    check_steps_left(state["step"], args.steps, path)
     return state
 
 

@@ -28,6 +28,7 @@ import importlib
 import torch
 
 from common.checkpoint.sharded import DistributedCheckpointer
+from common.checkpoint.single_file import check_steps_left
 from common.cli import add_run_args, output_dir, positive_int, script_parser
 from common.errors import UserError, run_main
 from common.measure.memory import local_bytes
@@ -105,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             saved = checkpointer.read()
             if saved is None:
                 raise UserError(f"--resume: no complete checkpoint in {checkpoint_dir}")
-            if int(saved["step"]) >= args.steps:  # else a run that trains nothing and records no loss
-                raise UserError(f"{checkpoint_dir} is at step {saved['step']}: a run of --steps {args.steps} has "
-                                "nothing left to train; give more --steps, or start afresh without --resume")
+            check_steps_left(int(saved["step"]), args.steps, checkpoint_dir)
             checkpointer.restore({"model": model, "optimizer": optimizer})
             first = int(saved["step"])
             print0(f"resumed from {saved['checkpoint_folder']} after step {first} (saved on mesh {saved.get('mesh', '?')})")
