@@ -4,8 +4,10 @@ GPUs beats one GPU) so a student can act on it; it is not an error."""
 
 from __future__ import annotations
 
+import datetime as _dt
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import pandas as pd
@@ -14,7 +16,7 @@ from common.precision import BF16_EMULATION_PREFIX
 from common.report import plots
 from common.report.runs import BASELINE_METHOD, DDP_MIN_EFFICIENCY, SUMMARY_METRICS, is_ddp, number, numbers, texts
 from common.report.sections import (
-    LABS_WITHOUT_SCALING, MISSING, Cell, Row, Section, fmt, fmt_memory, is_missing, table_from_frame,
+    LABS_WITHOUT_SCALING, MISSING, TEMPLATES, Cell, Row, Section, fmt, fmt_memory, is_missing, table_from_frame,
 )
 
 #: How many extra metric columns a lab's "other metrics" table shows at most.
@@ -270,3 +272,18 @@ def provenance_section(runs: pd.DataFrame) -> Section:
         "Where and how each run was measured, from its record. The CUDA and cuDNN versions are those the installed "
         "PyTorch was built with (torch.version.cuda), shown on a CPU run too: they say nothing about the machine's "
         "GPU or driver."], tables=[table])
+
+
+def page(title: str, facts: list[str], sections: list[Section | None], results_dir: Path) -> str:
+    """The page (templates/report.html.j2) with the sections that are there, each id once: "energy", "energy-2"..."""
+    sections = [section for section in sections if section is not None]
+    seen: set[str] = set()
+    for section in sections:
+        base, n = section.id, 1
+        while section.id in seen:  # a title that already ends in "-2" must not collide either
+            n += 1
+            section.id = f"{base}-{n}"
+        seen.add(section.id)
+    return TEMPLATES.get_template("report.html.j2").render(
+        title=title, facts=facts, sections=sections, results_dir=str(results_dir),
+        generated=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))

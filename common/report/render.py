@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import jinja2
 
 from common.atomic import write_text_atomic
 from common.errors import UserError
@@ -18,9 +15,6 @@ from common.report.runs import configurations_frame, csv_frame, runs_frame
 from common.results import load_records
 
 DEFAULT_REPORT_NAME = "comparison_report.html"
-#: Autoescaped whatever the file's name: record fields are untrusted text (the tables: sections.TEMPLATES, the same).
-PAGE = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).resolve().parent / "templates"),
-                          autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 
 
 @dataclass
@@ -83,21 +77,10 @@ def build_report(results_dir: str | os.PathLike[str], output_report: str | os.Pa
     sections = [warned, core.summary_section(runs), core.configurations_section(configs),
                 core.plots_section(configs) if plots else None, *extra_sections, core.energy_section(runs),
                 core.other_metrics_section(runs), core.provenance_section(runs)]
-    sections = [section for section in sections if section is not None]
-    seen: set[str] = set()
-    for section in sections:  # one id each, for the page's links: "energy", "energy-2", ...
-        base, n = section.id, 1
-        while section.id in seen:  # a title that already ends in "-2" must not collide either
-            n += 1
-            section.id = f"{base}-{n}"
-        seen.add(section.id)
-
     facts = [f"{_plural(len(runs), 'run')} from {_plural(runs['lab'].nunique(), 'lab')} on "
              f"{_plural(runs['machine'].nunique(), 'machine')}", _plural(len(skipped), "file") + " skipped",
              _plural(len(warned.items), "warning"), *([] if plots else ["plots not generated (--no-plots)"])]
-    html = PAGE.get_template("report.html.j2").render(
-        title=title or f"Results comparison: {folder.resolve().name}", facts=facts, sections=sections,
-        generated=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), results_dir=str(folder.resolve()))
+    html = core.page(title or f"Results comparison: {folder.resolve().name}", facts, sections, folder.resolve())
     try:
         write_text_atomic(csv_frame(runs).to_csv(index=False), csv_out)
         write_text_atomic(html, report_path)
