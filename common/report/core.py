@@ -35,8 +35,7 @@ class Finding:
 
 
 def _describe(run: Mapping[str, Any]) -> str:
-    parts = [run["lab"], run["model"], run["device_type"], run["machine"]]
-    return ", ".join(str(p) for p in parts if isinstance(p, str))
+    return ", ".join(part for key in ("lab", "model", "device_type", "machine") if isinstance(part := run[key], str))
 
 
 def out_of_range(runs: pd.DataFrame) -> list[Finding]:
@@ -49,9 +48,8 @@ def out_of_range(runs: pd.DataFrame) -> list[Finding]:
             reason = f": {run['notes'][0]}" if run["notes"] else ""
             findings.append(Finding(subject, f"status is '{run['status']}'{reason}"))
             continue
-        for note in run["notes"]:
-            if note.startswith(BF16_EMULATION_PREFIX):  # its bf16 timing is not what bf16 hardware does
-                findings.append(Finding(subject, note))
+        # A CPU that emulates bf16: its bf16 timing is not what bf16 hardware does.
+        findings += [Finding(subject, note) for note in run["notes"] if note.startswith(BF16_EMULATION_PREFIX)]
         efficiency = run["scaling_efficiency"]
         # DDP on CPU: the "devices" are processes sharing one machine's cores, so the GPU expectation
         # does not apply; the Lab-01 section explains the number instead of flagging it.
