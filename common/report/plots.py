@@ -60,11 +60,9 @@ def _configuration_axes(configs: pd.DataFrame, inches_per_bar: float = 0.32) -> 
     return data, note, fig, ax
 
 
-def _method_colors(data: pd.DataFrame) -> list[Any]:
-    from matplotlib import colormaps
-
+def _method_colors(data: pd.DataFrame) -> list[str]:
     methods = sorted(set(map(str, data["method"])))
-    return [colormaps["tab10"](methods.index(str(method)) % 10) for method in data["method"]]
+    return [f"C{methods.index(str(method)) % 10}" for method in data["method"]]  # tab10's ten colours
 
 
 def throughput_figure(configs: pd.DataFrame) -> Figure | None:
@@ -83,8 +81,6 @@ def throughput_figure(configs: pd.DataFrame) -> Figure | None:
 
 def memory_figure(configs: pd.DataFrame) -> Figure | None:
     """Peak memory of every device of each configuration, side by side, so an imbalance shows."""
-    from matplotlib import colormaps
-
     measured = configs[configs["memory_per_device"].map(len) > 0]
     if measured.empty:
         return None
@@ -95,7 +91,7 @@ def memory_figure(configs: pd.DataFrame) -> Figure | None:
     for position in range(shown):
         bars = [(row - 0.4 + height * (position + 0.5), memory[position][1] / 1024**3)
                 for row, memory in enumerate(data["memory_per_device"]) if position < len(memory)]
-        ax.barh(*zip(*bars), height=height, color=colormaps["tab10"](position % 10),
+        ax.barh(*zip(*bars), height=height, color=f"C{position % 10}",
                 label="first device" if position == 0 else f"device {position + 1}")
     ax.set_xlabel("peak memory per device (GiB)")
     if widest > 1:
@@ -121,8 +117,9 @@ def efficiency_figure(configs: pd.DataFrame) -> Figure | None:
                       caption="Scaling efficiency against the single-device baseline on the same machine." + note)
 
 
-def finish_axes(ax: Any, grid: str = "both", **settings: Any) -> None:
-    """A lab plot's usual last steps: ``ax.set(**settings)``, a light grid along ``grid`` and a small legend."""
+def finish_axes(ax: Any, grid: str = "both", legend: str = "best", **settings: Any) -> None:
+    """A lab plot's last steps: ``ax.set(**settings)``, a light grid along ``grid``, a small legend of any labels."""
     ax.set(**settings)
     ax.grid(axis=grid, alpha=0.3)
-    ax.legend(fontsize="small")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small", loc=legend)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from common.report.plots import axes, plain, png_figure
+from common.report.plots import axes, finish_axes, plain, png_figure
 from common.report.runs import (
     entries, flags, group_key, largest, largest_loss_difference, losses, numbers, shape, step_differences,
 )
@@ -67,12 +67,10 @@ def _loss_figure(training: pd.DataFrame) -> Figure:
         if ddp is not None and row is not ddp:
             steps = step_differences(row["losses"], ddp["losses"])
             bottom.plot(list(steps), list(steps.values()), **style)
-    top.set_ylabel("training loss (mean over ranks)")
-    top.legend(fontsize="small", loc="upper right")
+    finish_axes(top, legend="upper right", ylabel="training loss (mean over ranks)")
     bottom.set_yscale("symlog", linthresh=1e-7)
     bottom.set(xlabel="optimiser step", ylabel="|loss − DDP's| / DDP's")
-    for ax in (top, bottom):
-        ax.grid(alpha=0.3)
+    bottom.grid(alpha=0.3)
     caption = ("With the same seed and global batch, DDP (dashed, circles) and FSDP2 (other line styles and "
                "markers) follow the same curve, drawn on top of one another; below, each run's relative "
                "difference from the DDP run of the same model and batch, step by step (0 where they agree exactly).")

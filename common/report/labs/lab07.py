@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from common.report.plots import axes, plain, png_figure
+from common.report.plots import axes, finish_axes, plain, png_figure
 from common.report.runs import group_key, largest, largest_loss_difference, losses, numbers, shape
 from common.report.sections import (Cell, Figure, Section, SectionContext, fmt, is_missing, register_section,
                                     table_from_frame)
@@ -60,10 +60,7 @@ def _bubble_figure(pipeline: pd.DataFrame) -> Figure:
         axis.plot(group["microbatches"], group["bubble"], marker="o", label=plain(f"{method}, {int(ranks)} ranks measured"))
         axis.plot(group["microbatches"], group["bubble_formula"], linestyle="--", color="grey")
     axis.set_xscale("log", base=2)
-    axis.set(xlabel="micro-batches per step (m)", ylabel="idle fraction of a step")
-    axis.grid(alpha=0.3)
-    if axis.get_legend_handles_labels()[0]:
-        axis.legend(fontsize="small")
+    finish_axes(axis, xlabel="micro-batches per step (m)", ylabel="idle fraction of a step")
     return png_figure(fig, alt="Pipeline bubble measured against (p-1)/(m+p-1)",
                       caption="Measured idle fraction per rank (1 − compute time ÷ wall time of the step) "
                               "against the formula (p − 1)/(v m + p − 1) (dashed).")
