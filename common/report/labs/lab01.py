@@ -18,10 +18,9 @@ RUN_COLUMNS = {"run": "run_id", "method": "method", "machine": "machine", "devic
 def _cpu_ddp_notes(runs: pd.DataFrame) -> list[str]:
     """Why DDP on a CPU scales far below the GPU expectation (one paragraph per such run)."""
     notes = []
-    for run in runs.to_dict("records", into=Row):
+    low = runs["method"].map(is_ddp) & runs["device_type"].eq("cpu") & (runs["scaling_efficiency"] < DDP_MIN_EFFICIENCY)
+    for run in runs[low].to_dict("records", into=Row):
         efficiency = run["scaling_efficiency"]
-        if not (is_ddp(run["method"]) and run["device_type"] == "cpu" and efficiency < DDP_MIN_EFFICIENCY):
-            continue
         cores, threads = (number(run[f"provenance.device.{key}"]) for key in ("cpu_count", "threads"))
         shared = (f"its {run['devices']} processes ({threads:.0f} thread(s) each) shared this machine's {cores:.0f} "
                   "cores" if cores and threads else f"its {run['devices']} processes shared one machine")
