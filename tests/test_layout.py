@@ -243,8 +243,8 @@ def test_every_lesson_stays_within_its_line_budget():
 #: the sections of the labs that came after the count (NEW_LAB_SECTIONS) aside; each of those, and each lab's section
 #: to come, adds at most NEW_LAB_SECTION_BUDGET. Issue 29 asks for 1,700: what a kept library already does (pandas'
 #: Styler, groupby, pivot, unstack) is not written by hand here, a lab's pattern that two labs share lives once in
-#: sections.py or runs.py, and what is left is the report's own behaviour; the count reached so far is 1,912.
-REPORT_BUDGET = 1_912
+#: sections.py or runs.py, and what is left is the report's own behaviour; the count reached so far is 1,901.
+REPORT_BUDGET = 1_901
 NEW_LAB_SECTIONS = re.compile(r"common/report/labs/lab(0[89]|[1-9]\d)\.py")  # Lab-08 on
 NEW_LAB_SECTION_BUDGET = 150
 
