@@ -150,13 +150,15 @@ class Proof:
 
     def run_step(self, step: proof.Step, folder: Path, timeout: float, threads: int | None,
                  budget_cut: bool) -> tuple[int, float, bool]:
-        env = {**os.environ, **step.env}
+        env = {"PYTHONUNBUFFERED": "1", **os.environ, **step.env}  # each line in the log when it is printed
         if threads is not None and "OMP_NUM_THREADS" not in step.env:
             env["OMP_NUM_THREADS"] = str(threads)
         log = folder / "log.txt"
         with open(log, "a", encoding="utf-8") as handle:
             handle.write(f"[proof] $ {shlex.join(step.argv)}" + (f"   (in {step.cwd})" if step.cwd else "") + "\n")
         began = time.time()
+        timeline = Timeline(log, folder / "timeline.txt", began, f"$ {shlex.join(step.argv)}")
+        timeline.start()
         with open(log, "a", encoding="utf-8") as errors, \
                 open(folder / step.stdout if step.stdout else log, "a", encoding="utf-8") as output:
             proc = subprocess.Popen(step.argv, cwd=step.cwd or REPO, env=env, stdout=output, stderr=errors,
@@ -168,6 +170,7 @@ class Proof:
                 _kill_group(proc)
                 status, timed_out = 124, True
         seconds = time.time() - began
+        timeline.finish(f"[exit {status}]")
         with open(log, "a", encoding="utf-8") as handle:
             handle.write(f"[proof] exit {status} after {seconds:.1f} s" + (" (timed out)" if timed_out else "") + "\n")
         with open(folder / "status.txt", "a", encoding="utf-8") as handle:
@@ -269,6 +272,48 @@ def _is_record(path: Path) -> bool:
         return "schema_version" in json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, TypeError):
         return False
+
+
+class Timeline(threading.Thread):
+    """Follows a command's ``log.txt`` while it runs and writes each new line to ``timeline.txt`` with the
+    seconds since the command started (read four times a second, so a line shows at most about 0.25 s late,
+    never early): where a check's time went (start-up, first step, the end), at no cost to the check."""
+
+    POLL_S = 0.25
+
+    def __init__(self, log: Path, path: Path, began: float, title: str) -> None:
+        super().__init__(daemon=True)
+        self.log, self.path, self.began, self.title = log, path, began, title
+        self.offset = log.stat().st_size  # what the log held before this command
+        self.done, self.ended = threading.Event(), float("inf")
+
+    def run(self) -> None:
+        pending = b""
+        with open(self.path, "a", encoding="utf-8") as timeline:
+            timeline.write(f"{0:8.2f}  {self.title}\n")
+            while True:
+                last = self.done.is_set()
+                with open(self.log, "rb") as log:
+                    log.seek(self.offset)
+                    chunk = log.read()
+                self.offset += len(chunk)
+                *lines, pending = (pending + chunk).split(b"\n")
+                if last and pending:  # a last line without its newline
+                    lines, pending = [*lines, pending], b""
+                seen = min(time.time() - self.began, self.ended)  # a line read after the end was written before it
+                timeline.writelines(f"{seen:8.2f}  {line.decode(errors='replace')}\n" for line in lines)
+                timeline.flush()
+                if last:
+                    return
+                self.done.wait(self.POLL_S)
+
+    def finish(self, last_line: str) -> None:
+        """After the command ended: what is left of its log, then ``last_line`` with the time now."""
+        self.ended = time.time() - self.began
+        self.done.set()
+        self.join()
+        with open(self.path, "a", encoding="utf-8") as timeline:
+            timeline.write(f"{self.ended:8.2f}  {last_line}\n")
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -485,6 +486,24 @@ def test_a_check_cut_at_the_budget_is_not_run_and_the_summary_is_written_after_e
 
     with tarfile.open(tmp_path / "b" / "proof.tar.gz") as archive:
         assert "gpu-proof/broken/log.txt" in archive.getnames()
+
+
+def test_each_line_of_a_check_s_log_is_timed_from_its_command_s_start(stand_ins, tmp_path):
+    """timeline.txt: every line the commands printed, in order, none earlier than it could have been printed
+    (a line printed after a 1 s sleep is seen at 1 s or later on any machine), a line per command's end."""
+    command = "echo first; sleep 1; echo 'after a second'; printf 'no newline'"
+    stand_ins(proof.Check("timed", 1, "stand-in", lambda c: [proof.Step(["sh", "-c", command]),
+                                                             proof.Step(["sh", "-c", "echo again >&2"])],
+                          lambda run: proof.exited(run, [0, 0])))
+    out = tmp_path / "out"
+    assert gpu_proof.main(["--budget", "60", "--out", str(out)]) == 0
+    rows = [line.split(None, 1) for line in (out / "timed" / "timeline.txt").read_text().splitlines()]
+    assert [text for _, text in rows] == [f"$ sh -c {shlex.quote(command)}", "first", "after a second", "no newline",
+                                          "[exit 0]", "$ sh -c 'echo again >&2'", "again", "[exit 0]"]
+    first, second = [float(seconds) for seconds, _ in rows[:5]], [float(seconds) for seconds, _ in rows[5:]]
+    assert first == sorted(first) and second == sorted(second)  # each command's clock from its own start
+    assert first[2] >= 1.0 and first[4] >= first[3]
+    assert "after a second" in (out / "timed" / "log.txt").read_text()  # the log itself is as it was
 
 
 def test_only_failed_reruns_what_did_not_pass_and_keeps_the_rest_of_the_summary(stand_ins, tmp_path):
