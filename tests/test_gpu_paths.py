@@ -409,6 +409,21 @@ TOPOLOGY = ("\tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\n"
 BUS_IDS = "0, 00000000:18:00.0\n1, 00000000:3B:00.0\n2, 00000000:86:00.0\n3, 00000000:AF:00.0\n"
 
 
+@pytest.mark.parametrize("name, capability, native", [(H100, (9, 0), True), (V100, (7, 0), False)])
+def test_the_environment_describes_each_gpu_with_its_bf16_support_and_datasheet_peaks(fake_gpus, name, capability,
+                                                                                       native):
+    """What the environment check (and every record's provenance) says of a GPU: read from PyTorch's device
+    properties, the capability deciding native bf16 and the name the datasheet peaks (common.precision)."""
+    from common.runtime.envcheck import collect_environment
+
+    fake_gpus(count=2, capability=capability, name=name)
+    gpus = collect_environment(smoke_test=False)["gpus"]
+    assert [(gpu["index"], gpu["name"], gpu["capability"]) for gpu in gpus] == [(0, name, f"{capability[0]}.0"),
+                                                                                 (1, name, f"{capability[0]}.0")]
+    assert all(gpu["bf16_native"] is native for gpu in gpus)
+    assert gpus[0]["peak_tflops"] and gpus[0]["peak_tflops"]["fp32"] > 0  # the datasheet's figures, not empty
+
+
 def test_environment_check_matches_topology_to_cuda_devices_by_pci_bus_id(fake_gpus, tmp_path, monkeypatch):
     smi = tmp_path / "nvidia-smi"
     smi.write_text(f"#!/bin/sh\ncase \"$1\" in\n  topo) printf '{TOPOLOGY}' ;;\n  *) printf '{BUS_IDS}' ;;\nesac\n")

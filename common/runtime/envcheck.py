@@ -135,6 +135,7 @@ def visible_devices_count(value: str | None) -> int | None:
 
 def _gpu_details(torch: Any, index: int, smoke_test: bool) -> dict[str, Any]:
     props = torch.cuda.get_device_properties(index)
+    described = gpu_description(props.name, (props.major, props.minor))
     gpu: dict[str, Any] = {
         "index": index,
         "name": props.name,
@@ -142,8 +143,8 @@ def _gpu_details(torch: Any, index: int, smoke_test: bool) -> dict[str, Any]:
         "capability": f"{props.major}.{props.minor}",
         "multiprocessors": int(props.multi_processor_count),
         # bf16 runs natively from compute capability 8.0 (A100); older GPUs only emulate it, slowly.
-        "bf16_native": gpu_support("bf16", (props.major, props.minor)) == "native",
-        "peak_tflops": gpu_description(props.name)["peak_tflops"],  # datasheet, dense (common.precision)
+        "bf16_native": described["bf16"] == "native",
+        "peak_tflops": described["peak_tflops"],  # datasheet, dense (common.precision)
     }
     if smoke_test:
         try:  # a GPU can be listed and still fail on first use (driver mismatch, a GPU in a bad state)
