@@ -267,10 +267,10 @@ def data_loading_share(lprof_path: str | Path, function: str = "train") -> float
     for (filename, _first_line, name), lines in stats.timings.items():
         if name != function:
             continue
-        total = sum(time for _lineno, _hits, time in lines)
-        for lineno, _hits, time in lines:
+        total = sum(spent for _lineno, _hits, spent in lines)
+        for lineno, _hits, spent in lines:
             if linecache.getline(filename, lineno).strip() == DATA_LOADING_LINE:
-                return time / total if total else 0.0
+                return spent / total if total else 0.0
         raise UserError(f"{lprof_path}: {function}() has no line '{DATA_LOADING_LINE}' (was {filename} edited?)")
     raise UserError(f"{lprof_path} holds no timings for a function named {function}(); "
                     "was it made with kernprof -l and the @profile decorator in place?")
