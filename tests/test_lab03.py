@@ -405,6 +405,20 @@ def test_report_renders_the_precision_section(cpu_run, tmp_path):
     assert page.count(">skipped</td>") == 2 * 2 * 2 + 2
 
 
+def test_report_names_the_peak_each_gpu_figure_is_a_share_of(tmp_path):
+    """The H100 record of the GPU proof (schema 3, upgraded on reading): the TFLOP/s cell says which peak its
+    share is of, on hover."""
+    import shutil
+
+    from common.report import build_report
+
+    for record in (REPO / "reference-results/h100-1gpu/lab03").glob("*.json"):
+        shutil.copy(record, tmp_path)
+    page = build_report(tmp_path, tmp_path / "report.html", plots=False).report_path.read_text()
+    page = page[page.index("achieved TFLOP/s per device"):]
+    assert re.search(r'<td class="num" title="peak: H100 SXM datasheet[^"]*">130 \(13% of 989.5\)', page), page[:3000]
+
+
 def test_shared_rules_without_torch():
     lab = shared()
     assert lab.unsupported_reason("fp64", "cpu") is None and lab.unsupported_reason("amp-bf16", "cpu") is None

@@ -75,7 +75,7 @@ def precision_section(ctx: SectionContext) -> Section | None:
         precision=texts(runs, "config.precision"), mode=texts(runs, "config.mode"),
         processes=runs["world_size"].fillna(1).astype(int), reason=runs["notes"].map("; ".join),
         ms=numbers(runs, "metrics.ms_per_batch.median"), ms_std=numbers(runs, "metrics.ms_per_batch.std"),
-        peak=numbers(runs, "metrics.peak_tflops"), source=texts(runs, "metrics.peak_tflops_source"),
+        peak=numbers(runs, "metrics.peak_tflops"), source=texts(runs, "metrics.peak_source"),
         relative=numbers(runs, "metrics.loss_check.relative_diff"), loss=numbers(runs, "metrics.loss_check.loss"),
         fp32_loss=numbers(runs, "metrics.loss_check.fp32_loss"), diverged=flags(runs, "metrics.loss_check.diverged"),
         inconclusive=texts(runs, "metrics.loss_check.verdict") == "inconclusive",
