@@ -190,6 +190,35 @@ def test_injected_latency_is_waited_once_per_open_and_predicted(reads):
     assert [row["nodes"] for row in cluster] == [1, 8] and cluster[1]["epoch_s"] < cluster[0]["epoch_s"]
 
 
+def test_calibration_reads_its_clock_after_the_decode_device_finished(data, tmp_path, monkeypatch):
+    """--decode device: nvJPEG works on a CUDA stream, so a clock read right after decode_batch returns would time
+    only the launch. Whatever the device, each clock read of the calibration that follows a decode comes after the
+    device was synchronised (a no-op on a CPU; on a GPU the wait for the decode)."""
+    import time as real_time
+    from types import SimpleNamespace
+
+    import labs.lab08_data_at_scale.lab08_shared as shared
+
+    events: list[str] = []
+    decode, synchronize = shared.decode_batch, shared.synchronize
+    monkeypatch.setattr(shared, "decode_batch", lambda *a, **k: events.append("decode") or decode(*a, **k))
+    monkeypatch.setattr(shared, "synchronize", lambda *a, **k: events.append("sync") or synchronize(*a, **k))
+    monkeypatch.setattr(shared, "time", SimpleNamespace(
+        perf_counter=lambda: events.append("clock") or real_time.perf_counter(), sleep=real_time.sleep))
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run_main(READ, ["--format", "array", "--data-dir", str(data), "--results-dir", str(tmp_path),
+                               "--device", "cpu", "--num-workers", "0", "--batch-size", "32", "--read-only",
+                               "--decode", "device", "--calibration-samples", "64", "--nodes", "1"]) == 0
+    assert events.count("decode") >= 3  # the warm-up batch and two timed ones at least
+    last_decode = None
+    for index, event in enumerate(events):
+        if event == "decode":
+            last_decode = index
+        elif event == "clock" and last_decode is not None:
+            assert "sync" in events[last_decode:index], events
+            last_decode = None
+
+
 def test_the_cost_model_adds_without_workers_and_overlaps_with_them():
     model = load_script(READ)
     args = dict(samples=1000, opens=1000, batch=100, sample_s=1e-3, step_s=0.05, open_wait_s=2e-3)

@@ -59,6 +59,7 @@ from webdataset.tariterators import group_by_keys, tar_file_iterator
 from common.checkpoint.single_file import load_checkpoint, save_checkpoint
 from common.cli import add_common_args, positive_float, positive_int
 from common.errors import UserError
+from common.runtime.device import synchronize
 from common.train.flags import add_checkpoint_args, add_training_args
 from common.train.preemption import TorchCheckpointer
 
@@ -781,6 +782,7 @@ def calibrate(make: Any, *, fmt: str, samples: int, workers: int, decode_device:
             check_batch(extras)
             if decode_device is not None:
                 images = decode_batch(images, decode_device)
+                synchronize(decode_device)  # nvJPEG decodes on a CUDA stream: done before the clock is read
             if produced < 0:  # the warm-up batch: the clock starts after it
                 produced, start = 0, time.perf_counter()
                 continue
@@ -803,8 +805,7 @@ def calibrate(make: Any, *, fmt: str, samples: int, workers: int, decode_device:
             optimizer.zero_grad(set_to_none=True)
             F.cross_entropy(probe(to_model_input(images, device)), labels.to(device)).backward()
             optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             times.append(time.perf_counter() - start)
         step_s = statistics.median(times[2:])
     return {"sample_s": sample_s, "samples_timed": produced, "step_s": step_s, "open_wait_s": statistics.mean(waits[1:] or waits),
