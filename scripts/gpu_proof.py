@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "here after every check: few files, as a lease's $OUT takes them (default: none)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="checks that measure nothing run this many at a time; a speed check always runs "
-                             "alone (default: 4 on a GPU machine with 8 or more cores, else 1)")
+                             "alone (default: 4 on a GPU machine with 8 or more cores, else 1; on the CPU 2, one a core)")
     parser.add_argument("--examples", type=input_dir, default=Path(".examples"),
                         help="a checkout of pytorch/examples, for the Chapter 4 comparison (default: %(default)s)")
     parser.add_argument("--list", action="store_true", help="print the checks with their tiers and exit")
@@ -179,7 +179,8 @@ class Proof:
 
     # ------------------------------------------------------------------ all of them
     def run(self, checks: list[proof.Check], skipped: dict[str, str]) -> None:
-        self.jobs = self.args.jobs or (4 if self.args.device == "cuda" and (os.cpu_count() or 1) >= 8 else 1)
+        cores = os.cpu_count() or 1
+        self.jobs = self.args.jobs or (4 if cores >= 8 else 1) if self.args.device == "cuda" else min(2, cores)
         for check in checks:
             if check.name in skipped:
                 self.record(check.name, "skipped", 0.0, skipped[check.name])

@@ -4,7 +4,7 @@
 #   bash scripts/gpu_proof.sh                          # every check, tier 1 first, 420 s; results/gpu_proof/
 #   bash scripts/gpu_proof.sh --tier 1 --budget 450 --bundle "$OUT"   # one lease's first call
 #   bash scripts/gpu_proof.sh --only failed            # what the last summary did not pass
-#   bash scripts/gpu_proof.sh --device cpu --budget 90 # the rehearsal CI runs: the same checks' CPU paths
+#   bash scripts/gpu_proof.sh --device cpu --budget 60 # the rehearsal CI runs: the same checks' CPU paths
 #   bash scripts/gpu_proof.sh --list                   # the checks, their tiers, which run alone
 #
 # Tier 1 (what a student meets first): the main job on the GPU, a short run of every single-process
