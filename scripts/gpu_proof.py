@@ -180,7 +180,7 @@ class Proof:
     # ------------------------------------------------------------------ all of them
     def run(self, checks: list[proof.Check], skipped: dict[str, str]) -> None:
         cores = os.cpu_count() or 1
-        self.jobs = self.args.jobs or (4 if cores >= 8 else 1) if self.args.device == "cuda" else min(2, cores)
+        self.jobs = self.args.jobs or ((4 if cores >= 8 else 1) if self.args.device == "cuda" else min(2, cores))
         for check in checks:
             if check.name in skipped:
                 self.record(check.name, "skipped", 0.0, skipped[check.name])

@@ -506,6 +506,22 @@ def test_each_line_of_a_check_s_log_is_timed_from_its_command_s_start(stand_ins,
     assert "after a second" in (out / "timed" / "log.txt").read_text()  # the log itself is as it was
 
 
+def test_on_the_cpu_two_checks_run_at_a_time_unless_jobs_says_otherwise(stand_ins, tmp_path, monkeypatch):
+    """Each stand-in waits up to 5 s for the other to have started: together when two run at a time (the CPU's
+    default on two cores), alone when --jobs 1 holds the second back until the first has ended."""
+    monkeypatch.setattr(gpu_proof.os, "cpu_count", lambda: 2)
+    meet = "touch {me}; for i in $(seq 50); do [ -e {other} ] && echo together && exit 0; sleep 0.1; done; echo alone"
+    for jobs in ([], ["--jobs", "1"]):
+        folder = tmp_path / ("default" if not jobs else "one")
+        folder.mkdir()
+        stand_ins(*(fake_check(name, 1, meet.format(me=folder / name, other=folder / other))
+                    for name, other in (("a", "b"), ("b", "a"))))
+        assert gpu_proof.main(["--device", "cpu", "--budget", "60", "--out", str(folder / "out"), *jobs]) == 0
+        said = tuple(next(line for line in (folder / "out" / name / "log.txt").read_text().splitlines()
+                          if not line.startswith("[proof]")) for name in ("a", "b"))
+        assert said == (("together", "together") if not jobs else ("alone", "together")), said
+
+
 def test_only_failed_reruns_what_did_not_pass_and_keeps_the_rest_of_the_summary(stand_ins, tmp_path):
     flag = tmp_path / "fixed"
     stand_ins(fake_check("good", 1, "true"), fake_check("flaky", 1, f"test -e {flag}"),
