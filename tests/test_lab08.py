@@ -190,6 +190,8 @@ def test_injected_latency_is_waited_once_per_open_and_predicted(reads):
     assert [row["nodes"] for row in cluster] == [1, 8] and cluster[1]["epoch_s"] < cluster[0]["epoch_s"]
 
 
+# torchvision 0.29 deprecates its image decoders (Lab-08 uses decode_jpeg): said once by the tests above, not per batch here.
+@pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities of TorchVision:DeprecationWarning")
 def test_calibration_reads_its_clock_after_the_decode_device_finished(data, tmp_path, monkeypatch):
     """--decode device: nvJPEG works on a CUDA stream, so a clock read right after decode_batch returns would time
     only the launch. Whatever the device, each clock read of the calibration that follows a decode comes after the
