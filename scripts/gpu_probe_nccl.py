@@ -113,7 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():  # each probe's rank would fail on its first CUDA call: say so once, write nothing
+        parser.error("NCCL needs a CUDA GPU and none is visible here (torch.cuda.is_available() is False)")
     path = args.facts
     facts = json.loads(path.read_text()) if path.is_file() else {}
     facts.update(recorder() if args.probe == "recorder" else watchdog())

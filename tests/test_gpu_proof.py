@@ -564,6 +564,18 @@ def test_without_a_gpu_the_cuda_proof_is_one_line_and_list_shows_every_check_wit
     assert proc.stderr.strip().splitlines()[-1].startswith("gpu_proof: no CUDA GPU visible")
 
 
+def test_the_nccl_probe_without_a_gpu_is_one_line_and_writes_nothing(tmp_path):
+    facts = tmp_path / "probe.json"
+    for probe in ("recorder", "watchdog"):
+        result = subprocess.run([PYTHON, str(REPO / "scripts/gpu_probe_nccl.py"), probe, str(facts)],
+                                capture_output=True, text=True, timeout=120, env=script_env(CUDA_VISIBLE_DEVICES=""))
+        assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+        assert result.stderr.strip().splitlines() == [
+            "error: NCCL needs a CUDA GPU and none is visible here (torch.cuda.is_available() is False) "
+            "(see gpu_probe_nccl.py --help)"], result.stderr
+    assert not facts.exists()
+
+
 @pytest.mark.slow
 def test_the_cpu_rehearsal_runs_the_real_checks_within_its_budget(tmp_path):
     """What CI runs before any GPU is lent: the real checks' CPU paths, tier 1 first, stopped at the budget.
