@@ -37,6 +37,7 @@ shopt -s nullglob
 wheels=()
 for wheel in .whl/*.whl; do
     package=$(basename "$wheel"); package=${package%%-*}
+    case ${package,,} in pyyaml) package=yaml ;; esac  # the module's name where it is not the wheel's
     if [[ $package == py_spy ]]; then
         command -v py-spy >/dev/null 2>&1 || [[ -x $(dirname "$PYTHON")/py-spy ]] || wheels+=("$wheel")
     elif ! "$PYTHON" -c "import $package" >/dev/null 2>&1; then

@@ -1048,6 +1048,8 @@ def _two(_c: Ctx) -> int:
 
 
 REPORT = ("sklearn", "pandas", "jinja2", "matplotlib")
+#: Lab-05 reads the link's peak from the site profiles (YAML, common.slurm.sites).
+LAB05_NEEDS = ("yaml",)
 CHECKS: list[Check] = [
     # --- tier 1: what a student meets first ---
     Check("main_job", 1, "scripts/main_job.sh on the device: Lab-01 end to end, the report's path last",
@@ -1082,7 +1084,8 @@ CHECKS: list[Check] = [
     Check("lab05_scaling", 1, "Lab-05 02_scaling_study.py with one process",
           lambda c: [Step(c.script(LAB05 + "/02_scaling_study.py", "--device", c.device, "--processes", "1",
                                    "--model", "resnet18", "--dataset", "synthetic", "--image-size", "32", "--epochs",
-                                   "1", "--max-steps", "4", "--results-dir", str(c.folder)))], judge_lab05_scaling),
+                                   "1", "--max-steps", "4", "--results-dir", str(c.folder)))], judge_lab05_scaling,
+          needs=LAB05_NEEDS),
     Check("lab06_inject", 1, "Lab-06 01_inject.py on the device: no fault, then a NaN that stops the run at its step",
           steps_lab06_inject, judge_lab06_inject),
     Check("lab06_shared_gpu", 1, "Lab-06 on two ranks sharing one GPU (Gloo): a crash, torchrun's restart, the resume",
@@ -1178,12 +1181,13 @@ CHECKS: list[Check] = [
     Check("lab05_allreduce", 2, "Lab-05 01_allreduce_bench.py (one GPU: no link to measure, said once)",
           lambda c: [Step([*c.torchrun(c.ranks), LAB05 + "/01_allreduce_bench.py", "--device", c.device,
                            "--min-bytes", "1024", "--max-bytes", "1048576", "--step-factor", "16", "--warmup", "2",
-                           "--repeats", "5", "--results-dir", str(c.folder)])], judge_lab05_allreduce),
+                           "--repeats", "5", "--results-dir", str(c.folder)])], judge_lab05_allreduce,
+          needs=LAB05_NEEDS),
     Check("lab05_overlap", 2, "Lab-05 03_overlap.py (one GPU: nothing to overlap, said so)",
           lambda c: [Step([*c.torchrun(c.ranks), LAB05 + "/03_overlap.py", "--device", c.device, "--model",
                            "resnet18", "--image-size", "32" if c.cpu else "64", "--batch-size", "8", "--repeats", "3",
                            "--warmup-steps", "1", "--bucket-cap-mb", "1,25", "--results-dir", str(c.folder)])],
-          judge_lab05_overlap),
+          judge_lab05_overlap, needs=LAB05_NEEDS),
     Check("lab06_preflight", 2, "Lab-06 04_preflight.py over every GPU",
           lambda c: [Step([*c.torchrun(c.ranks), LAB06 + "/04_preflight.py", "--device", c.device, "--results-dir",
                            str(c.folder)])], judge_lab06_preflight),
@@ -1205,13 +1209,13 @@ CHECKS: list[Check] = [
                                      "--read-only", "--decode", decode, "--num-workers", "2", "--batch-size", "128",
                                      "--data-dir", str(c.folder.parent / "lab08-data"), "--results-dir",
                                      str(c.folder))) for decode in ("loader", "device")]],
-          judge_lab08_gpu_decode, needs=("webdataset",)),
+          judge_lab08_gpu_decode, needs=("webdataset", "braceexpand", "yaml")),
     Check("nccl_flight_recorder", 2, "NCCL's flight recorder in this PyTorch, and its watchdog on a stalled rank",
           lambda c: [Step([c.python, "scripts/gpu_probe_nccl.py", "recorder", str(c.folder / "probe.json")]),
                      Step([c.python, "scripts/gpu_probe_nccl.py", "watchdog", str(c.folder / "probe.json")])],
           judge_nccl_flight_recorder, cuda_only="NCCL needs a GPU"),
     Check("pytest_gpu", 2, "every gpu-marked test (pytest -m gpu), each script in a fresh process",
-          steps_pytest_gpu, judge_pytest_gpu, needs=("pytest",), cuda_only="gpu-marked tests skip without a GPU"),
+          steps_pytest_gpu, judge_pytest_gpu, needs=("pytest", "yaml", *REPORT), cuda_only="gpu-marked tests skip without a GPU"),
 ]
 BY_NAME = {check.name: check for check in CHECKS}
 

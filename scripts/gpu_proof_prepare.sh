@@ -2,11 +2,12 @@
 # Fill what the GPU proof needs on a GPU machine without internet; run it where there is internet.
 #
 #   bash scripts/gpu_proof_prepare.sh [PYTHON_VERSION]    # default 3.12, the GPU machine's Python
+#   EXAMPLES_GIT=/path/to/a/clone bash scripts/gpu_proof_prepare.sh   # pytorch/examples from elsewhere
 #
 # - .whl/: wheels (x86_64 Linux, CPython PYTHON_VERSION) of the course's dependencies that a GPU
-#   image often lacks: line_profiler (Lab-02), py-spy (Lab-06's doctor), webdataset with braceexpand
-#   and torchdata (Lab-08), at the versions of uv.lock (no dependencies: webdataset's numpy and PyYAML
-#   are the image's).
+#   image often lacks: line_profiler (Lab-02), py-spy (Lab-06's doctor), PyYAML (the site profiles Lab-05
+#   reads its link's peak from; webdataset's too), webdataset with braceexpand and torchdata (Lab-08), at
+#   the versions of uv.lock (no dependencies: webdataset's numpy is the image's).
 #   scripts/gpu_proof.sh installs them into a private folder before any check.
 # - .examples/: pytorch/examples (a shallow clone), whose mnist/main.py the Chapter 4 speed target
 #   is measured against. Both folders are ignored by git; a device lease carries them (carry: .whl,
@@ -19,7 +20,7 @@ locked() {  # the version uv.lock pins for a package
     awk -v name="$1" '$0 == "name = \"" name "\"" {getline; gsub(/version = |"/, ""); print; exit}' uv.lock
 }
 mkdir -p .whl
-for package in line-profiler py-spy webdataset braceexpand torchdata; do
+for package in line-profiler py-spy pyyaml webdataset braceexpand torchdata; do
     pin=$(locked "$package")
     [[ -n $pin ]] || { echo "error: uv.lock pins no $package" >&2; exit 1; }
     python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "$version" --implementation cp \
@@ -27,12 +28,18 @@ for package in line-profiler py-spy webdataset braceexpand torchdata; do
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 \
         -d .whl "$package==$pin"
 done
+examples_git=${EXAMPLES_GIT:-https://github.com/pytorch/examples}
 if [[ ! -f .examples/mnist/main.py ]]; then
     rm -rf .examples
-    git clone --quiet --depth 1 https://github.com/pytorch/examples .examples
+    # A mirror may lack the repository's large data files: its checkout then fails, and mnist/main.py is still there.
+    git clone --quiet --depth 1 "$examples_git" .examples 2>/dev/null || true
 fi
 wheels=(.whl/*.whl)
-if [[ -d .examples/.git ]]; then  # a clone (not a copy of main.py: git would report this repository's commit)
+if [[ ! -f .examples/mnist/main.py ]]; then
+    echo "gpu_proof_prepare: ${#wheels[@]} wheel(s) in .whl/; error: no pytorch/examples from $examples_git" \
+         "(the proof would skip ch04_vs_examples): set EXAMPLES_GIT to a clone or a mirror of it" >&2
+    exit 1
+elif [[ -d .examples/.git ]]; then  # a clone (not a copy of main.py: git would report this repository's commit)
     examples="pytorch/examples $(git -C .examples rev-parse --short HEAD)"
 else
     examples=$(head -n 1 .examples/SOURCE 2>/dev/null || echo "pytorch/examples' mnist/main.py, commit unknown")

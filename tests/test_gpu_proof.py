@@ -576,6 +576,91 @@ def test_the_nccl_probe_without_a_gpu_is_one_line_and_writes_nothing(tmp_path):
     assert not facts.exists()
 
 
+#: For each group of argv[1] (JSON: [[modules absent, [scripts]], ...]), a child forked after torch and torchvision
+#: are imported imports each script (repo-relative) as a module, its main not run, with none of that group's absent
+#: modules to be found, as on a machine without them. Prints one JSON list: per group, {script: the module whose
+#: absence stopped its import, or null}.
+IMPORT_WITHOUT = r"""
+import importlib.util, json, os, sys
+sys.path[:0] = ["tests", "tests/slurm"]  # what pytest puts first for the test files (helpers, testbed)
+import torch, torchvision  # noqa: E401,F401  what every check may use, imported once
+found = []
+for absent, scripts in json.loads(sys.argv[1]):
+    read, write = os.pipe()
+    if os.fork() == 0:
+        os.close(read)
+        # None in sys.modules: an import of the name raises ModuleNotFoundError, and find_spec says it is not there.
+        sys.modules.update(dict.fromkeys(absent))
+        stopped = {}
+        for number, script in enumerate(scripts):
+            spec = importlib.util.spec_from_file_location(f"_script_{number}", script)
+            sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+            try:
+                spec.loader.exec_module(sys.modules[spec.name])
+                stopped[script] = None
+            except ModuleNotFoundError as error:
+                stopped[script] = error.name.partition(".")[0]
+        os.write(write, json.dumps(stopped).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        found.append(json.loads(pipe.read() or "null"))
+    os.wait()
+print(json.dumps(found))
+"""
+
+
+def absent_beyond(modules: tuple[str, ...]) -> list[str]:
+    """The top-level modules of this environment's packages that neither torch, torchvision nor the packages of
+    ``modules`` bring with them (their requirements followed through): what a GPU image with PyTorch and those may
+    lack."""
+    import importlib.metadata as metadata
+
+    def name(distribution: str) -> str:
+        return re.split(r"[\s;<>=!~\[(]", distribution, maxsplit=1)[0].lower().replace("_", "-")
+
+    owners = metadata.packages_distributions()
+    brought, todo = set(), ["torch", "torchvision", *(name(d) for module in modules for d in owners.get(module, []))]
+    while todo:
+        dist = todo.pop()
+        if dist not in brought:
+            brought.add(dist)
+            try:
+                todo += [name(r) for r in metadata.requires(dist) or [] if "extra ==" not in r]
+            except metadata.PackageNotFoundError:
+                pass
+    return sorted(module for module, dists in owners.items() if not {name(d) for d in dists} & brought
+                  and module.isidentifier() and not module.startswith("_") and not (REPO / module).exists())
+
+
+def test_each_check_declares_every_module_its_scripts_import_beyond_torch(tmp_path):
+    """A GPU image has PyTorch and some of the rest (the last lease's had no line_profiler): a check whose scripts
+    import a module it does not declare in ``needs`` fails there with a traceback, where gpu_proof.sh would have
+    skipped it and said which wheel to bring. Each check's scripts are imported (not run) with every module
+    beyond torch and torchvision absent but those it declares; the import must get through."""
+    assert {"yaml", "pandas", "line_profiler", "webdataset", "pluggy"} <= set(absent_beyond(()))
+    assert "pluggy" not in absent_beyond(("pytest",))  # pytest's own requirement comes with it
+    ctx = proof.Ctx(device="cuda", gpus=1, python=PYTHON, folder=tmp_path / "check", examples=tmp_path / "examples")
+    by_needs: dict[tuple[str, ...], dict[str, str]] = {}  # declared modules -> {script: check}
+    for check in proof.CHECKS:
+        for step in check.steps(ctx):
+            scripts = [part for part in step.argv if part.endswith(".py") and (REPO / part).is_file()]
+            if step.argv[1:3] == ["-m", "pytest"]:  # pytest collects every test file, and its conftest.py files
+                scripts += sorted(str(path.relative_to(REPO)) for pattern in ("conftest.py", "test_*.py")
+                                  for path in (REPO / "tests").rglob(pattern))
+            by_needs.setdefault(tuple(sorted(check.needs)), {}).update(dict.fromkeys(scripts, check.name))
+    assert len({script for scripts in by_needs.values() for script in scripts}) >= 50
+    groups = [[absent_beyond(needs), list(scripts)] for needs, scripts in by_needs.items()]
+    proc = subprocess.run([PYTHON, "-c", IMPORT_WITHOUT, json.dumps(groups)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env=script_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = dict(zip(by_needs, json.loads(proc.stdout.splitlines()[-1])))
+    assert None not in found.values(), proc.stderr[-3000:]  # every child answered
+    undeclared = {by_needs[needs][script]: f"{script} imports {module}"
+                  for needs, stopped in found.items() for script, module in stopped.items() if module}
+    assert not undeclared, f"add to the check's needs (and its wheel to scripts/gpu_proof_prepare.sh): {undeclared}"
+
+
 @pytest.mark.slow
 def test_the_cpu_rehearsal_runs_the_real_checks_within_its_budget(tmp_path):
     """What CI runs before any GPU is lent: the real checks' CPU paths, tier 1 first, stopped at the budget.
