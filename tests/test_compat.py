@@ -180,41 +180,48 @@ STALLED = textwrap.dedent("""
 
 
 def test_a_short_collective_timeout_fails_a_stalled_collective_in_seconds():
-    """Where ``torch.distributed.set_timeout`` exists, a Gloo collective that a rank stays out of fails after
-    the short timeout. Where it does not (the floor), the private call leaves a Gloo group's collectives on
-    the start-up timeout: the compatibility module says so (None), and the private call, tried anyway, lets
-    rank 0's collective wait for rank 1's 6 s."""
+    """A Gloo collective that a rank stays out of fails after the short timeout: through
+    ``torch.distributed.set_timeout`` where it exists (2.14 on), else through the private ``_set_pg_timeout``
+    (2.9 to 2.13). On 2.8 (the floor) the private call leaves a Gloo group's collectives on the start-up
+    timeout: the compatibility module says so (None), and the private call, tried anyway, lets rank 0's
+    collective wait for rank 1's 6 s."""
+    from common.runtime.compat import GLOO_READS_PRIVATE_TIMEOUT
+
     from common.runtime.launch import free_port
 
     port, env = str(free_port()), script_env(OMP_NUM_THREADS="1")
     ranks = [subprocess.Popen([sys.executable, "-c", STALLED, str(rank), port], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     out = [rank.communicate(timeout=180)[0] for rank in ranks][0]
-    if not hasattr(__import__("torch.distributed").distributed, "set_timeout"):
+    if release() < GLOO_READS_PRIVATE_TIMEOUT:
         waited = re.search(r"CALL None PRIVATE CALL WAITED ([\d.]+)", out)
         assert waited and float(waited.group(1)) >= 4.0, out[-2000:]  # past the 2 s it was given
         return
     found = re.search(r"CALL (\S+) FAILED AFTER ([\d.]+)", out)
-    assert found and found.group(1) == "set_timeout", out[-2000:]
+    expected = "set_timeout" if hasattr(__import__("torch.distributed").distributed, "set_timeout") else "_set_pg_timeout"
+    assert found and found.group(1) == expected, out[-2000:]
     assert 1.5 <= float(found.group(2)) < 30, out  # the short timeout, not rank 1's 30 s or the group's minute
 
 
 def test_the_private_timeout_call_is_used_only_where_it_reaches_the_group(monkeypatch):
     """A release without ``torch.distributed.set_timeout``: the private call for an NCCL group (its watchdog
-    reads it), nothing for a Gloo group (the test above: its collectives do not)."""
+    reads it), and for a Gloo group from 2.9 on; nothing for 2.8's Gloo group (the test above: its collectives
+    do not read it)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    from common.runtime.compat import set_collective_timeout
+    from common.runtime import compat
 
     calls = []
     monkeypatch.delattr(dist, "set_timeout", raising=False)
     monkeypatch.setattr(distributed_c10d, "_set_pg_timeout", lambda timeout, group: calls.append(timeout),
                         raising=False)
-    for backend, expected in (("nccl", "_set_pg_timeout"), ("gloo", None)):
+    for version, backend, expected in (("2.8.0", "nccl", "_set_pg_timeout"), ("2.8.0", "gloo", None),
+                                       ("2.11.0+cu130", "gloo", "_set_pg_timeout")):
+        monkeypatch.setattr(compat.torch, "__version__", version)
         monkeypatch.setattr(dist, "get_backend", lambda group=None, backend=backend: backend)
-        assert set_collective_timeout(3.0) == expected
-    assert [timeout.total_seconds() for timeout in calls] == [3.0]
+        assert compat.set_collective_timeout(3.0) == expected, (version, backend)
+    assert [timeout.total_seconds() for timeout in calls] == [3.0, 3.0]
 
 
 def test_what_the_gpu_must_prove_is_listed_with_a_release_this_one_agrees_with():

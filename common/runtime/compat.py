@@ -6,9 +6,10 @@ release: each function below tries the current spelling first, then the older on
 it used, so a record or a test can tell.
 
 - :func:`set_collective_timeout`: shorten the timeout of a process group that already exists.
-  Recent PyTorch has ``torch.distributed.set_timeout``; older releases only the private
-  ``distributed_c10d._set_pg_timeout``, which reaches NCCL's watchdog but not a Gloo group's collectives
-  (measured on torch 2.8: they still waited for the start-up timeout). Where nothing reaches the group,
+  Recent PyTorch has ``torch.distributed.set_timeout`` (2.14 on); older releases only the private
+  ``distributed_c10d._set_pg_timeout``, which reaches NCCL's watchdog, and a Gloo group's collectives from
+  2.9 on (measured with a stalled all-reduce: on 2.8.0 it still waited for the start-up timeout; on 2.9.1,
+  2.10.0, 2.11.0, 2.12.0 and 2.13.0 it failed after the short one). Where nothing reaches the group,
   it keeps the timeout it was created with, and the caller says so: passing the short timeout to
   ``init_process_group`` instead would shorten the start-up rendezvous too, where ranks arrive seconds
   apart (imports, a loaded node) without any hang.
@@ -56,12 +57,21 @@ __all__ = ["set_collective_timeout", "FLIGHT_RECORDER_BUFFER_VARIABLES", "WATCHD
 FLIGHT_RECORDER_BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
 
+#: The first release whose Gloo collectives read the timeout ``_set_pg_timeout`` sets (the module's docstring).
+GLOO_READS_PRIVATE_TIMEOUT = (2, 9)
+
+
+def _torch_release() -> tuple[int, ...]:
+    match = re.match(r"\s*(\d+)\.(\d+)", torch.__version__)
+    return (int(match.group(1)), int(match.group(2))) if match else ()
+
+
 def set_collective_timeout(seconds: float, group: object | None = None) -> str | None:
     """Make collectives of ``group`` (default: the world) fail after ``seconds``, once the group exists.
 
     Returns the call that did it (``"set_timeout"`` or ``"_set_pg_timeout"``), or ``None`` where this
-    PyTorch has no call that reaches the group (neither, or only the private one on a Gloo group): the
-    group then keeps its start-up timeout.
+    PyTorch has no call that reaches the group (neither, or only the private one on a Gloo group of 2.8):
+    the group then keeps its start-up timeout.
     """
     timeout = _dt.timedelta(seconds=seconds)
     if hasattr(dist, "set_timeout"):
@@ -71,8 +81,9 @@ def set_collective_timeout(seconds: float, group: object | None = None) -> str |
 
     private = getattr(distributed_c10d, "_set_pg_timeout", None)
     # Measured on torch 2.8, the floor (tests/test_compat.py): the private call returns, and a Gloo group's
-    # collectives still wait for the timeout the group started with. NCCL's watchdog reads it (GPU_ONLY).
-    if private is None or dist.get_backend(group) == "gloo":
+    # collectives still wait for the timeout the group started with; from 2.9 they read it. NCCL's watchdog
+    # reads it (GPU_ONLY).
+    if private is None or (dist.get_backend(group) == "gloo" and _torch_release() < GLOO_READS_PRIVATE_TIMEOUT):
         return None
     private(timeout, group)
     return "_set_pg_timeout"
