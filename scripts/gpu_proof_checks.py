@@ -1215,7 +1215,8 @@ CHECKS: list[Check] = [
                      Step([c.python, "scripts/gpu_probe_nccl.py", "watchdog", str(c.folder / "probe.json")])],
           judge_nccl_flight_recorder, cuda_only="NCCL needs a GPU"),
     Check("pytest_gpu", 2, "every gpu-marked test (pytest -m gpu), each script in a fresh process",
-          steps_pytest_gpu, judge_pytest_gpu, needs=("pytest", "yaml", *REPORT), cuda_only="gpu-marked tests skip without a GPU"),
+          steps_pytest_gpu, judge_pytest_gpu, needs=("pytest", "yaml", *REPORT),  # what the test files import
+          cuda_only="gpu-marked tests skip without a GPU"),
 ]
 BY_NAME = {check.name: check for check in CHECKS}
 

@@ -186,7 +186,6 @@ def test_a_short_collective_timeout_fails_a_stalled_collective_in_seconds():
     timeout: the compatibility module says so (None), and the private call, tried anyway, lets rank 0's
     collective wait for rank 1's 6 s."""
     from common.runtime.compat import GLOO_READS_PRIVATE_TIMEOUT
-
     from common.runtime.launch import free_port
 
     port, env = str(free_port()), script_env(OMP_NUM_THREADS="1")
