@@ -49,7 +49,7 @@ from typing import MutableMapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["set_collective_timeout", "FLIGHT_RECORDER_BUFFER_VARIABLES", "WATCHDOG_DUMP_VARIABLES",
+__all__ = ["set_collective_timeout", "GLOO_READS_PRIVATE_TIMEOUT", "FLIGHT_RECORDER_BUFFER_VARIABLES", "WATCHDOG_DUMP_VARIABLES",
            "enable_flight_recorder", "flight_recorder_dumps", "dump_flight_recorder", "ddp_buffer_sync",
            "clear_dtensor_caches", "new_tf32_api", "RECOMPILE_LIMIT_HIT", "GpuOnly", "GPU_ONLY", "paths"]
 
