@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["set_collective_timeout", "GLOO_READS_PRIVATE_TIMEOUT", "FLIGHT_RECORDER_BUFFER_VARIABLES",
-           "WATCHDOG_DUMP_VARIABLES", "enable_flight_recorder", "flight_recorder_dumps", "dump_flight_recorder", "ddp_buffer_sync",
-           "clear_dtensor_caches", "new_tf32_api", "RECOMPILE_LIMIT_HIT", "GpuOnly", "GPU_ONLY", "paths"]
+           "WATCHDOG_DUMP_VARIABLES", "enable_flight_recorder", "flight_recorder_dumps", "dump_flight_recorder",
+           "ddp_buffer_sync", "clear_dtensor_caches", "new_tf32_api", "RECOMPILE_LIMIT_HIT", "GpuOnly", "GPU_ONLY", "paths"]
 
 #: The variables that size the flight recorder, newest name first (2.8 and later read both; 2.15 warns about the old).
 FLIGHT_RECORDER_BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
