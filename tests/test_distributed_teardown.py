@@ -146,6 +146,23 @@ def test_the_report_hook_sees_a_group_thread_that_outlives_main(tmp_path):
     assert any(GROUP_THREAD.match(t) for t in report["threads"]), report
 
 
+def test_a_device_mesh_that_outlives_the_teardown_does_not_keep_its_group_s_threads(tmp_path):
+    """On torch 2.11 DTensor's sharding objects keep a device mesh past the teardown where no cache clear reaches
+    them (Lab-04's three scripts and Lab-07's 2-D mesh left Gloo's threads at exit there); a mesh holds its groups.
+    Here the script itself keeps one, on any release: the teardown must still end the group's threads."""
+    (tmp_path / "keep_mesh.py").write_text(
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from common.runtime.distributed import open_process, teardown_distributed\n"
+        "ctx = open_process('cpu', distributed=True)\n"
+        "mesh = init_device_mesh('cpu', (1,))  # still referenced at exit\n"
+        "teardown_distributed(ctx)\n"
+        "print('mesh over', mesh.size(), 'rank(s)')\n")
+    result = run_reporting_threads(str(tmp_path / "keep_mesh.py"), folder=tmp_path, timeout=120)
+    assert result.returncode == 0 and "mesh over 1 rank(s)" in result.stdout, result.stderr[-3000:]
+    (report,) = [json.loads(path.read_text()) for path in (tmp_path / "threads").glob("*.json")]
+    assert not [t for t in report["threads"] if GROUP_THREAD.match(t)], report
+
+
 def test_every_torch_module_that_binds_the_world_group_is_imported_before_the_group():
     """Scan torch.distributed's sources for ``def f(..., group=group.WORLD)``: a torch upgrade that adds
     one must add its module to common.runtime.distributed.MODULES_BINDING_THE_WORLD_GROUP, or its import after

@@ -224,6 +224,15 @@ def _forget_dtensor_caches() -> None:
     if "torch.distributed.tensor" not in sys.modules:  # never used: nothing cached
         return
     clear_dtensor_caches()
+    # A mesh still held after that keeps its groups in its own registry: on torch 2.11 DTensor's sharding objects,
+    # held where no cache clear reaches, kept Lab-04's and Lab-07's mesh (and Gloo's threads) past the end. No
+    # group may be used after destroy_process_group, so every mesh left lets go of them.
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for mesh in [obj for obj in gc.get_objects() if isinstance(obj, DeviceMesh)]:
+        registry = getattr(mesh, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
 
 
 def _global_rank() -> int:
