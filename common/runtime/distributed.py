@@ -229,7 +229,8 @@ def _forget_dtensor_caches() -> None:
     # group may be used after destroy_process_group, so every mesh left lets go of them.
     from torch.distributed.device_mesh import DeviceMesh
 
-    for mesh in [obj for obj in gc.get_objects() if isinstance(obj, DeviceMesh)]:
+    # issubclass on each object's type: isinstance would ask objects themselves (torch's deprecated reduce_op warns).
+    for mesh in [obj for obj in gc.get_objects() if issubclass(type(obj), DeviceMesh)]:
         registry = getattr(mesh, "_pg_registry", None)
         if isinstance(registry, dict):
             registry.clear()
