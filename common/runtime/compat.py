@@ -49,9 +49,12 @@ from typing import MutableMapping
 import torch
 import torch.distributed as dist
 
+from common import _release
+
 __all__ = ["set_collective_timeout", "GLOO_READS_PRIVATE_TIMEOUT", "FLIGHT_RECORDER_BUFFER_VARIABLES",
            "WATCHDOG_DUMP_VARIABLES", "enable_flight_recorder", "flight_recorder_dumps", "dump_flight_recorder",
-           "ddp_buffer_sync", "clear_dtensor_caches", "new_tf32_api", "RECOMPILE_LIMIT_HIT", "GpuOnly", "GPU_ONLY", "paths"]
+           "ddp_buffer_sync", "clear_dtensor_caches", "new_tf32_api", "RECOMPILE_LIMIT_HIT", "GpuOnly", "GPU_ONLY",
+           "paths"]
 
 #: The variables that size the flight recorder, newest name first (2.8 and later read both; 2.15 warns about the old).
 FLIGHT_RECORDER_BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
@@ -62,8 +65,7 @@ GLOO_READS_PRIVATE_TIMEOUT = (2, 9)
 
 
 def _torch_release() -> tuple[int, ...]:
-    match = re.match(r"\s*(\d+)\.(\d+)", torch.__version__)
-    return (int(match.group(1)), int(match.group(2))) if match else ()
+    return _release(torch.__version__)[:2]
 
 
 def set_collective_timeout(seconds: float, group: object | None = None) -> str | None:
