@@ -15,12 +15,14 @@
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
+packages=(line-profiler py-spy pyyaml webdataset braceexpand torchdata)
+if [[ ${1:-} == --no-wheels ]]; then packages=(); shift; fi
 version=${1:-3.12}
 locked() {  # the version uv.lock pins for a package
     awk -v name="$1" '$0 == "name = \"" name "\"" {getline; gsub(/version = |"/, ""); print; exit}' uv.lock
 }
 mkdir -p .whl
-for package in line-profiler py-spy pyyaml webdataset braceexpand torchdata; do
+for package in "${packages[@]}"; do
     pin=$(locked "$package")
     [[ -n $pin ]] || { echo "error: uv.lock pins no $package" >&2; exit 1; }
     python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "$version" --implementation cp \
@@ -29,19 +31,23 @@ for package in line-profiler py-spy pyyaml webdataset braceexpand torchdata; do
         -d .whl "$package==$pin"
 done
 examples_git=${EXAMPLES_GIT:-https://github.com/pytorch/examples}
-if [[ ! -f .examples/mnist/main.py ]]; then
-    rm -rf .examples
-    # A mirror may lack the repository's large data files: its checkout then fails, and mnist/main.py is still there.
-    git clone --quiet --depth 1 "$examples_git" .examples 2>/dev/null || true
+if [[ ! -f .examples/mnist/main.py || ! -f .examples/SOURCE || -d .examples/.git ]]; then
+    rm -rf .examples .examples.clone
+    # Only mnist/ and LICENSE are checked out: a mirror may lack the repository's large data files.
+    if git clone --quiet --depth 1 --no-checkout "$examples_git" .examples.clone 2>/dev/null &&
+            git -C .examples.clone checkout --quiet HEAD -- mnist LICENSE 2>/dev/null &&
+            [[ -f .examples.clone/mnist/main.py ]]; then
+        mkdir .examples
+        cp -R .examples.clone/mnist .examples.clone/LICENSE .examples/
+        echo "pytorch/examples $(git -C .examples.clone rev-parse --short HEAD) ($examples_git)" > .examples/SOURCE
+    fi
+    rm -rf .examples.clone
 fi
 wheels=(.whl/*.whl)
+[[ -e ${wheels[0]} ]] || wheels=()
 if [[ ! -f .examples/mnist/main.py ]]; then
     echo "gpu_proof_prepare: ${#wheels[@]} wheel(s) in .whl/; error: no pytorch/examples from $examples_git" \
          "(the proof would skip ch04_vs_examples): set EXAMPLES_GIT to a clone or a mirror of it" >&2
     exit 1
-elif [[ -d .examples/.git ]]; then  # a clone (not a copy of main.py: git would report this repository's commit)
-    examples="pytorch/examples $(git -C .examples rev-parse --short HEAD)"
-else
-    examples=$(head -n 1 .examples/SOURCE 2>/dev/null || echo "pytorch/examples' mnist/main.py, commit unknown")
 fi
-echo "gpu_proof_prepare: ${#wheels[@]} wheel(s) in .whl/, $examples"
+echo "gpu_proof_prepare: ${#wheels[@]} wheel(s) in .whl/, $(head -n 1 .examples/SOURCE), $(du -sh .examples | cut -f1) in .examples/"

@@ -564,6 +564,47 @@ def test_without_a_gpu_the_cuda_proof_is_one_line_and_list_shows_every_check_wit
     assert proc.stderr.strip().splitlines()[-1].startswith("gpu_proof: no CUDA GPU visible")
 
 
+def test_prepare_keeps_only_the_examples_mnist_script_and_its_commit_small_enough_to_carry(tmp_path):
+    """``gpu_proof_prepare.sh --no-wheels`` against a local stand-in of pytorch/examples with a history and a large
+    file elsewhere: ``.examples/`` holds mnist/, LICENSE and SOURCE (the commit), no .git and nothing else (a lease
+    carries it within 64 MiB with the tree); a second run keeps it; a source that is not a repository is one line,
+    exit 1, nothing left."""
+    source = tmp_path / "examples"
+    (source / "mnist").mkdir(parents=True)
+    (source / "imagenet").mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(source)]
+    subprocess.run(["git", "init", "-q", str(source)], check=True)
+    for generation in range(3):  # a history a clone of a local path would copy whole
+        (source / "imagenet" / "weights.bin").write_bytes(bytes([generation]) * 2**20)
+        (source / "mnist" / "main.py").write_text(f"print('examples {generation}')\n")
+        (source / "LICENSE").write_text("BSD-3-Clause\n")
+        subprocess.run([*git, "add", "-A"], check=True)
+        subprocess.run([*git, "commit", "-q", "-m", f"commit {generation}"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    work = tmp_path / "course"
+    (work / "scripts").mkdir(parents=True)
+    (work / "scripts" / "gpu_proof_prepare.sh").write_bytes((REPO / "scripts/gpu_proof_prepare.sh").read_bytes())
+
+    def prepare(examples_git: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "scripts/gpu_proof_prepare.sh", "--no-wheels"], cwd=work, capture_output=True,
+                              text=True, timeout=60, env=script_env(EXAMPLES_GIT=str(examples_git)))
+
+    for attempt in range(2):  # the second run finds it filled and keeps it, whatever EXAMPLES_GIT says
+        done = prepare(source if attempt == 0 else tmp_path / "gone")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"gpu_proof_prepare: 0 wheel(s) in .whl/, pytorch/examples {head} ("), done.stdout
+        kept = sorted(str(path.relative_to(work / ".examples")) for path in (work / ".examples").rglob("*"))
+        assert kept == ["LICENSE", "SOURCE", "mnist", "mnist/main.py"]
+        assert (work / ".examples/mnist/main.py").read_text() == "print('examples 2')\n"
+    assert sorted(path.name for path in work.iterdir()) == [".examples", ".whl", "scripts"]  # no clone left behind
+
+    (work / ".examples" / "SOURCE").unlink()  # an older fill, without its commit: fetched again
+    failed = prepare(tmp_path / "gone")
+    assert failed.returncode == 1 and failed.stdout == ""
+    assert failed.stderr.count("\n") == 1 and "error: no pytorch/examples from " in failed.stderr
+    assert not (work / ".examples").exists() and not (work / ".examples.clone").exists()
+
+
 def test_the_nccl_probe_without_a_gpu_is_one_line_and_writes_nothing(tmp_path):
     facts = tmp_path / "probe.json"
     for probe in ("recorder", "watchdog"):
