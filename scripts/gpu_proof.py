@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import io
 import json
 import os
 import shlex
@@ -42,6 +43,8 @@ MIN_START_S = 10.0
 #: Files of OUT that go into the bundle's archive (results, logs, tables; no checkpoints, data, traces).
 BUNDLE_SUFFIXES = {".json", ".txt", ".csv", ".md", ".html", ".xml", ".log"}
 BUNDLE_MAX_FILE = 2 * 2**20
+#: The archive's limit: a lease brings back files of at most 16 MiB (a larger one does not come back at all).
+BUNDLE_MAX_ARCHIVE = 15 * 2**20
 BUNDLE_SKIP_DIRS = {"ckpt", "checkpoints", "data", "csv", "run", "run-ok", "run-nan"}
 
 
@@ -236,13 +239,31 @@ class Proof:
         for name in ("summary.json", "summary.md", "proof.log"):
             if (self.out / name).is_file():
                 _write(bundle / name, (self.out / name).read_text(encoding="utf-8"))
-        tmp = bundle / "proof.tar.gz.tmp"
-        with tarfile.open(tmp, "w:gz") as archive:
-            for path in sorted(self.out.rglob("*")):
-                relative = path.relative_to(self.out)
-                if (path.is_file() and path.suffix in BUNDLE_SUFFIXES and path.stat().st_size <= BUNDLE_MAX_FILE
-                        and not BUNDLE_SKIP_DIRS.intersection(relative.parts[:-1])):
-                    archive.add(path, arcname=str(Path("gpu-proof") / relative))
+        sizes: dict[Path, int] = {}  # a check running beside may replace a file meanwhile: what vanished is not kept
+        for path in sorted(self.out.rglob("*")):
+            if path.suffix in BUNDLE_SUFFIXES and not BUNDLE_SKIP_DIRS.intersection(path.relative_to(self.out).parts[:-1]):
+                try:
+                    if path.is_file():
+                        sizes[path] = path.stat().st_size
+                except OSError:
+                    continue
+        tmp, largest = bundle / "proof.tar.gz.tmp", BUNDLE_MAX_FILE
+        while True:  # too large to come back: leave out the largest files, say which, and try again
+            left_out = {path: size for path, size in sizes.items() if size > largest}
+            with tarfile.open(tmp, "w:gz") as archive:
+                for path, size in sizes.items():
+                    if path not in left_out:
+                        try:
+                            archive.add(path, arcname=str(Path("gpu-proof") / path.relative_to(self.out)))
+                        except OSError:
+                            continue
+                note = "".join(f"{path.relative_to(self.out)} {size}\n" for path, size in left_out.items()).encode()
+                info = tarfile.TarInfo("gpu-proof/left-out.txt")  # the files over the size kept, with their bytes
+                info.size, info.mtime = len(note), int(time.time())
+                archive.addfile(info, io.BytesIO(note))
+            if tmp.stat().st_size <= BUNDLE_MAX_ARCHIVE or largest < 1024:
+                break
+            largest //= 8
         tmp.replace(bundle / "proof.tar.gz")
 
 

@@ -488,6 +488,32 @@ def test_a_check_cut_at_the_budget_is_not_run_and_the_summary_is_written_after_e
         assert "gpu-proof/broken/log.txt" in archive.getnames()
 
 
+def test_an_archive_too_large_to_come_back_leaves_out_its_largest_files_and_names_them(stand_ins, tmp_path,
+                                                                                      monkeypatch):
+    """A lease brings back no file over 16 MiB: the archive drops its largest files until it is within its limit
+    (here made small), and lists them with their sizes; what fits is kept whole."""
+    def writes(c):
+        return [proof.Step(["sh", "-c", f"head -c 3000000 /dev/urandom | base64 > {c.folder}/trace.json; "
+                                        f"head -c 400000 /dev/urandom | base64 > {c.folder}/verbose.txt; "
+                                        f"echo small > {c.folder}/note.txt"])]
+    stand_ins(proof.Check("writer", 1, "writes three files", writes, lambda run: proof.exited(run)))
+    monkeypatch.setattr(gpu_proof, "BUNDLE_MAX_ARCHIVE", 300_000)
+    out, bundle = tmp_path / "out", tmp_path / "b"
+    assert gpu_proof.main(["--budget", "30", "--out", str(out), "--bundle", str(bundle)]) == 0
+    import tarfile
+
+    with tarfile.open(bundle / "proof.tar.gz") as archive:
+        names = archive.getnames()
+        left_out = archive.extractfile("gpu-proof/left-out.txt").read().decode().split()
+        assert archive.extractfile("gpu-proof/writer/note.txt").read() == b"small\n"
+    assert (bundle / "proof.tar.gz").stat().st_size <= 300_000
+    assert "gpu-proof/summary.json" in names and "gpu-proof/writer/verbose.txt" not in names
+    sizes = dict(zip(left_out[::2], map(int, left_out[1::2])))
+    assert sizes == {"writer/trace.json": (out / "writer/trace.json").stat().st_size,
+                     "writer/verbose.txt": (out / "writer/verbose.txt").stat().st_size}
+    assert sorted(path.name for path in bundle.iterdir()) == ["proof.log", "proof.tar.gz", "summary.json", "summary.md"]
+
+
 def test_each_line_of_a_check_s_log_is_timed_from_its_command_s_start(stand_ins, tmp_path):
     """timeline.txt: every line the commands printed, in order, none earlier than it could have been printed
     (a line printed after a 1 s sleep is seen at 1 s or later on any machine), a line per command's end."""
