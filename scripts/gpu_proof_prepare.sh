@@ -32,14 +32,22 @@ for package in "${packages[@]}"; do
 done
 examples_git=${EXAMPLES_GIT:-https://github.com/pytorch/examples}
 if [[ ! -f .examples/mnist/main.py || ! -f .examples/SOURCE || -d .examples/.git ]]; then
-    rm -rf .examples .examples.clone
-    # Only mnist/ and LICENSE are checked out: a mirror may lack the repository's large data files.
-    if git clone --quiet --depth 1 --no-checkout "$examples_git" .examples.clone 2>/dev/null &&
-            git -C .examples.clone checkout --quiet HEAD -- mnist LICENSE 2>/dev/null &&
-            [[ -f .examples.clone/mnist/main.py ]]; then
+    rm -rf .examples.clone
+    if [[ -d .examples/.git ]]; then  # an earlier fill, a whole clone: its mnist/ is kept, the rest goes
+        mv .examples .examples.clone
+    else
+        rm -rf .examples
+        # Only mnist/ and LICENSE are checked out: a mirror may lack the repository's large data files.
+        git clone --quiet --depth 1 --no-checkout "$examples_git" .examples.clone 2>/dev/null &&
+            git -C .examples.clone checkout --quiet HEAD -- mnist 2>/dev/null &&
+            git -C .examples.clone checkout --quiet HEAD -- LICENSE 2>/dev/null || true
+    fi
+    if [[ -f .examples.clone/mnist/main.py ]]; then
         mkdir .examples
-        cp -R .examples.clone/mnist .examples.clone/LICENSE .examples/
-        echo "pytorch/examples $(git -C .examples.clone rev-parse --short HEAD) ($examples_git)" > .examples/SOURCE
+        cp -R .examples.clone/mnist .examples/
+        if [[ -f .examples.clone/LICENSE ]]; then cp .examples.clone/LICENSE .examples/; fi
+        from=$(git -C .examples.clone remote get-url origin 2>/dev/null || echo "$examples_git")
+        echo "pytorch/examples $(git -C .examples.clone rev-parse --short HEAD) ($from)" > .examples/SOURCE
     fi
     rm -rf .examples.clone
 fi

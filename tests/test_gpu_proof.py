@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -593,8 +594,8 @@ def test_without_a_gpu_the_cuda_proof_is_one_line_and_list_shows_every_check_wit
 def test_prepare_keeps_only_the_examples_mnist_script_and_its_commit_small_enough_to_carry(tmp_path):
     """``gpu_proof_prepare.sh --no-wheels`` against a local stand-in of pytorch/examples with a history and a large
     file elsewhere: ``.examples/`` holds mnist/, LICENSE and SOURCE (the commit), no .git and nothing else (a lease
-    carries it within 64 MiB with the tree); a second run keeps it; a source that is not a repository is one line,
-    exit 1, nothing left."""
+    carries it within 64 MiB with the tree); a second run keeps it; an earlier fill that was a whole clone is cut down
+    without a source; a source that is not a repository is one line, exit 1, nothing left."""
     source = tmp_path / "examples"
     (source / "mnist").mkdir(parents=True)
     (source / "imagenet").mkdir()
@@ -615,14 +616,18 @@ def test_prepare_keeps_only_the_examples_mnist_script_and_its_commit_small_enoug
         return subprocess.run(["bash", "scripts/gpu_proof_prepare.sh", "--no-wheels"], cwd=work, capture_output=True,
                               text=True, timeout=60, env=script_env(EXAMPLES_GIT=str(examples_git)))
 
-    for attempt in range(2):  # the second run finds it filled and keeps it, whatever EXAMPLES_GIT says
+    for attempt in range(3):  # then: filled, kept whatever EXAMPLES_GIT says; an earlier fill's whole clone, cut down
+        if attempt == 2:
+            shutil.rmtree(work / ".examples")
+            subprocess.run(["git", "clone", "-q", str(source), str(work / ".examples")], check=True)
         done = prepare(source if attempt == 0 else tmp_path / "gone")
         assert done.returncode == 0, done.stderr
-        assert done.stdout.startswith(f"gpu_proof_prepare: 0 wheel(s) in .whl/, pytorch/examples {head} ("), done.stdout
+        assert done.stdout.startswith(f"gpu_proof_prepare: 0 wheel(s) in .whl/, pytorch/examples {head} ({source})"), \
+            done.stdout
         kept = sorted(str(path.relative_to(work / ".examples")) for path in (work / ".examples").rglob("*"))
         assert kept == ["LICENSE", "SOURCE", "mnist", "mnist/main.py"]
         assert (work / ".examples/mnist/main.py").read_text() == "print('examples 2')\n"
-    assert sorted(path.name for path in work.iterdir()) == [".examples", ".whl", "scripts"]  # no clone left behind
+        assert sorted(path.name for path in work.iterdir()) == [".examples", ".whl", "scripts"]  # no clone left
 
     (work / ".examples" / "SOURCE").unlink()  # an older fill, without its commit: fetched again
     failed = prepare(tmp_path / "gone")
