@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
                         help="check names, separated by spaces or commas; 'failed': those of the last summary that "
                              "did not pass (failed, not run, or new); 'pending': those not run yet. The last summary is "
-                             "OUT/summary.json, else the newest committed reference-results/*/gpu-proof/summary.json")
+                             "OUT/summary.json, else the newest committed reference-results/*/gpu-proof/summary.json "
+                             "('pending' only where that one ran this tree's commit)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: the rehearsal, the same checks' CPU paths with tiny settings (default: %(default)s)")
     parser.add_argument("--out", type=output_dir, default=Path("results/gpu_proof"),
@@ -406,21 +407,29 @@ def last_summary(out: Path) -> dict[str, Any] | None:
     return max(summaries, key=lambda s: s.get("started", ""), default=None)
 
 
-def choose(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[proof.Check], dict | None]:
+def choose(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[list[proof.Check], dict | None, str]:
+    """The checks to run, the summary they continue, and a line saying which summary ``--only`` read."""
     tiers = {"1": {1}, "2": {2}, "all": {1, 2}}[args.tier]
     checks = [check for check in proof.CHECKS if check.tier in tiers]
     previous = last_summary(args.out)
     names = [name.strip() for item in args.only or () for name in item.split(",") if name.strip()]
     if names in (["failed"], ["pending"]):
         done = {"ok", "skipped"} if names == ["failed"] else {"ok", "skipped", "failed"}
-        passed = {row["name"] for row in (previous or {}).get("checks", []) if row.get("status") in done}
-        return [check for check in checks if check.name not in passed], previous
+        rows, in_out = (previous or {}).get("checks", []), (args.out / "summary.json").is_file()
+        note = f"gpu_proof: --only {names[0]}: no summary to read, every check" if previous is None else (
+            f"gpu_proof: --only {names[0]}: read {args.out / 'summary.json' if in_out else 'the newest committed summary'}"
+            f" (started {previous.get('started')}, git {previous.get('git')})")
+        # "pending" continues a run: a committed summary of an earlier lease that ran other code did not run this code
+        if names == ["pending"] and previous is not None and not in_out and previous.get("git") != _git_revision():
+            rows, note = [], note + f", of other code than this tree's ({_git_revision()}): every check is pending"
+        passed = {row["name"] for row in rows if row.get("status") in done}
+        return [check for check in checks if check.name not in passed], previous, note
     if names:
         unknown = [name for name in names if name not in proof.BY_NAME]
         if unknown:
             parser.error(f"unknown check(s) {', '.join(unknown)}; --list shows them")
-        return [check for check in checks if check.name in names], previous
-    return checks, previous
+        return [check for check in checks if check.name in names], previous, ""
+    return checks, previous, ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--budget {args.budget:g}: at least {RESERVE_S + MIN_START_S:g} s")
     if args.jobs is not None and args.jobs < 1:
         parser.error("--jobs must be at least 1")
-    checks, previous = choose(args, parser)
+    checks, previous, note = choose(args, parser)
     probe = probe_machine()
     if probe is None:
         print(f"gpu_proof: {sys.executable} cannot import torch; run it with the course's interpreter (PYTHON=...)",
@@ -449,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     runner = Proof(args, probe, started)
     if previous and (args.out / "summary.json").is_file():  # a rerun in the same folder keeps what passed before
         runner.results = {row["name"]: row for row in previous.get("checks", []) if row.get("name") in proof.BY_NAME}
+    if note:
+        runner.say(note)
     skipped = {}
     needed = {module for check in checks for module in check.needs}
     missing = missing_modules(needed) if needed else set()

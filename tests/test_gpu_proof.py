@@ -563,6 +563,28 @@ def test_only_failed_reruns_what_did_not_pass_and_keeps_the_rest_of_the_summary(
     assert (out / "good" / "status.txt").read_text() == "marker"
 
 
+def test_only_pending_on_a_bare_machine_continues_a_committed_run_of_this_commit_only(stand_ins, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """A lease's second call that lands on a bare machine finds no OUT summary: the committed one of an earlier lease
+    continues only if it ran this tree's commit; of other code, every check is pending. Either way it says which."""
+    stand_ins(fake_check("a", 1, "true"), fake_check("b", 2, "true"))
+    committed = tmp_path / "repo" / "reference-results" / "h100-1gpu" / "gpu-proof"
+    committed.mkdir(parents=True)
+    monkeypatch.setattr(gpu_proof, "REPO", tmp_path / "repo")
+    monkeypatch.setattr(gpu_proof, "_git_revision", lambda: "abc1234")
+    ran = {}
+    for git in ("0ld0000", "abc1234"):
+        (committed / "summary.json").write_text(json.dumps({"started": "2026-11-26T11:40:07Z", "git": git, "checks": [
+            {"name": "a", "status": "ok"}, {"name": "b", "status": "not-run"}]}))
+        out = tmp_path / git
+        assert gpu_proof.main(["--budget", "60", "--out", str(out), "--only", "pending"]) == 0
+        ran[git] = sorted(path.name for path in out.iterdir() if path.is_dir())
+        said = capsys.readouterr().out
+        assert f"--only pending: read the newest committed summary (started 2026-11-26T11:40:07Z, git {git})" in said
+        assert ("every check is pending" in said) == (git == "0ld0000")
+    assert ran == {"0ld0000": ["a", "b"], "abc1234": ["b"]}
+
+
 def test_every_check_that_ran_ok_exits_0_and_unknown_names_are_one_usage_line(stand_ins, tmp_path, capsys):
     stand_ins(fake_check("a", 1, "true"), fake_check("b", 2, "true"))
     assert gpu_proof.main(["--budget", "60", "--out", str(tmp_path / "o"), "--only", "b"]) == 0
