@@ -144,6 +144,22 @@ def test_more_processes_on_a_node_than_gpus_is_refused_naming_both_counts(fake_g
         resolve_device("auto", local_rank=0, local_world_size=4)  # rank 0 refuses too, not only the extra ones
 
 
+def test_a_launching_process_checks_the_gpus_without_starting_cuda_on_them(fake_gpus):
+    """start=False (Lab-03's -g, Lab-09's local sweep: a process that only starts the ones that compute) refuses
+    as the ranks would, and holds no CUDA context on GPU 0 while they run."""
+    import torch
+
+    from common.errors import UserError
+    from common.runtime.device import resolve_device
+
+    fake_gpus(count=2)
+    assert str(resolve_device("cuda", local_world_size=2, start=False)) == "cuda:0"
+    with pytest.raises(UserError, match=r"^3 processes on this node but only 2 GPU\(s\) visible"):
+        resolve_device("cuda", local_world_size=3, start=False)
+    assert not torch.cuda.is_initialized()
+    assert str(resolve_device("cuda", local_world_size=2)) == "cuda:0" and torch.cuda.is_initialized()
+
+
 def test_init_distributed_refuses_on_every_rank_when_torchrun_starts_more_processes_than_gpus(
         fake_gpus, launch_env, monkeypatch):
     import torch.distributed as dist

@@ -291,9 +291,10 @@ def test_a_precision_over_the_tolerance_is_flagged(tmp_path):
 def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, argv, message):
     status = run_main(SCRIPT, [*argv, "--device", "cpu", "--folder", str(tmp_path / "csv"),
                                "--results-dir", str(tmp_path / "records")])
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert status == 2
     assert err.startswith(message) and err.count("\n") == 1, err
+    assert out == ""  # said before the run's first line (and before seconds of FLOP counting)
     assert not (tmp_path / "csv").exists() and not (tmp_path / "records").exists()
     if "resnet9000" in message:
         assert "resnet18" in err and "wide_resnet101_2" in err  # the valid names are listed
@@ -383,11 +384,17 @@ def test_g_runs_the_torchrun_command_it_prints_or_is_one_error_line(monkeypatch,
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert run_main(SCRIPT, [*argv[:2], "--device", "cuda", *argv[4:]]) == 2
     assert "error: 4 processes on this node but only 2 GPU(s) visible" in capsys.readouterr().err
+    # -g 2 on the 2 GPUs: torchrun starts, and this process, which only waits for it, never starts CUDA (a context
+    # on GPU 0 beside rank 0's, for the whole run)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *args: started.append("set_device"))
+    monkeypatch.setattr(torch.cuda, "init", lambda: started.append("init"))
+    assert run_main(SCRIPT, ["-g", "2", "--device", "cuda", *argv[4:]]) == 3
+    assert started[1][0][3:5] == ["--standalone", "--nproc_per_node=2"] and len(started) == 2
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)
     assert run_main(SCRIPT, argv) == 2
     assert capsys.readouterr().err == "error: -g 4 but torchrun started 2 processes; under a launcher leave -g out\n"
-    assert len(started) == 1 and not any(tmp_path.iterdir())
+    assert len(started) == 2 and not any(tmp_path.iterdir())
 
 
 def test_report_renders_the_precision_section(cpu_run, tmp_path):

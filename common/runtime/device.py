@@ -51,12 +51,15 @@ def device_type(name: str = "auto") -> str:
     return "cuda" if name.startswith("cuda") else name
 
 
-def resolve_device(name: str = "auto", local_rank: int = 0, local_world_size: int | None = None) -> torch.device:
+def resolve_device(name: str = "auto", local_rank: int = 0, local_world_size: int | None = None, *,
+                   start: bool = True) -> torch.device:
     """Map ``auto|cpu|cuda`` (or ``cuda:N``) to a ``torch.device`` for this process.
 
     ``local_rank`` picks this process's GPU on a multi-GPU node. ``local_world_size`` (processes on
     this node, when the launcher says) must not exceed the visible GPUs: more processes than GPUs
     is refused on every rank, naming both counts, instead of putting two ranks on one GPU.
+    ``start=False`` checks the request and starts nothing on the GPU: for a process that only launches
+    the ones that compute, so that it holds no CUDA context (hundreds of MiB) on their GPU 0 while they run.
     """
     name = (name or "auto").strip().lower()
     if device_type(name) == "cpu":
@@ -84,6 +87,8 @@ def resolve_device(name: str = "auto", local_rank: int = 0, local_world_size: in
                                 f"process, so start at most {count} (e.g. torchrun --nproc_per_node={count}), or "
                                 "use --device cpu for Gloo processes")
             index = local_rank
+        if not start:
+            return torch.device("cuda", index)
         set_fp32_math("ieee")  # fp32 means fp32: see the module docstring
         # Start CUDA here, on this process's GPU: CUDA starts lazily, and a first call that is not a
         # tensor operation (torch.cuda.reset_peak_memory_stats) fails with "Invalid device argument"

@@ -49,7 +49,7 @@ from common.runtime.launch import detect_launch
 from common.models import build_model
 from common.measure.timing import StepTimer, peak_memory, reset_peak_memory
 from labs.lab03_precision_benchmark.lab03_shared import (
-    MAX_SKIPPED_CHECK_STEPS, MOMENTUM, NUM_CLASSES, Output, add_benchmark_args, check_num_gpus, compare_losses,
+    MAX_SKIPPED_CHECK_STEPS, MOMENTUM, NUM_CLASSES, Output, add_benchmark_args, check_request, compare_losses,
     compile_fresh, compile_outcome, count_flops, fixed_batch, logits, read_args, run_under_torchrun,
 )
 
@@ -206,12 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = read_args(build_parser(), argv)
     configure_threads()
+    relaunch = check_request(args, detect_launch())  # -g, the device, a precision that runs: before the FLOPs
     # Every model must take the image size before anything is timed (and the FLOPs are counted once).
     flops = {name: count_flops(name, args.batch_size, args.image_size) for name in args.models}
-    launch = detect_launch()
-    if launch.world_size == 1 and args.num_gpus > 1:
+    if relaunch:
         return run_under_torchrun(args, argv, __file__)
-    check_num_gpus(args, launch)  # under torchrun or srun, -g is left out or agrees
     ctx = init_distributed(args.device)
     try:
         return benchmark(args, flops, ctx)

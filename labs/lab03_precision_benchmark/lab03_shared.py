@@ -4,8 +4,8 @@ rules and tables of its results, and what it writes.
 The benchmark script shows the measuring: what a precision changes (weights, TF32, autocast), the
 timed training and inference loops, the loss check against fp32, DDP. Here:
 
-- :func:`add_benchmark_args`, :func:`read_args` and :func:`run_under_torchrun`: the flags (the SJTU
-  page's among them), their checks, and ``-g N`` run as ``torchrun --nproc_per_node=N``.
+- :func:`add_benchmark_args`, :func:`read_args`, :func:`check_request` and :func:`run_under_torchrun`: the flags
+  (the SJTU page's among them), their checks, and ``-g N`` run as ``torchrun --nproc_per_node=N``.
 - :func:`unsupported_reason`, which says why a precision of :data:`common.cli.BENCHMARK_PRECISIONS`
   cannot run on a device (the reason goes into the CSV summary and the record).
 - :func:`count_flops`: a model's FLOPs per batch, counted on the ``meta`` device, for the MFU.
@@ -50,7 +50,7 @@ from common.models import build_model, zoo_models
 from common.runtime.device import describe, resolve_device
 from common.runtime.machine import cpu_description
 from common.train.amp import announce_bf16_emulation
-from common.results import fp32_math_info, make_record, provenance, write_record
+from common.results import cpu_model_name, fp32_math_info, make_record, provenance, write_record
 from common.units import format_bytes
 from common.runtime.compat import RECOMPILE_LIMIT_HIT
 
@@ -139,12 +139,25 @@ def read_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
     return args
 
 
-def run_under_torchrun(args: argparse.Namespace, argv: list[str], script_file: str) -> int:
-    """The SJTU page's ``-g N`` from a plain ``python``: torchrun starts the N processes, as for every distributed
-    script of the course, and the command is printed, so it can be typed directly next time."""
-    device = resolve_device(args.device, local_world_size=args.num_gpus)  # more processes than GPUs: one error line
+def check_request(args: argparse.Namespace, launch: Any) -> bool:
+    """What ends in one line, said before the FLOP count (seconds for the default models): ``-g`` against the
+    launcher (``launch``: ``common.runtime.launch.detect_launch()``), or from a plain ``python`` against the GPUs
+    or the memory; on a CPU, that a precision asked for runs there. Starts nothing on a GPU. True: ``-g N`` from a
+    plain ``python``, for :func:`run_under_torchrun`."""
+    check_num_gpus(args, launch)
+    relaunch = launch.world_size == 1 and args.num_gpus > 1
+    device = resolve_device(args.device, local_world_size=args.num_gpus if relaunch else None, start=False)
     if device.type == "cpu":
-        check_processes_fit(args.num_gpus)
+        if relaunch:
+            check_processes_fit(args.num_gpus)
+        runnable_precisions(args.precision, "cpu", cpu_model_name(), None)
+    return relaunch
+
+
+def run_under_torchrun(args: argparse.Namespace, argv: list[str], script_file: str) -> int:
+    """The SJTU page's ``-g N`` from a plain ``python`` (checked by :func:`check_request`): torchrun starts the N
+    processes, as for every distributed script of the course, and the command is printed, so it can be typed
+    directly next time. This process starts nothing on a GPU: it only waits for torchrun."""
     script = sys.argv[0] if Path(sys.argv[0]).resolve() == Path(script_file).resolve() else script_file  # as typed
     torchrun = ["--standalone", f"--nproc_per_node={args.num_gpus}", script, *argv]
     print(f"-g {args.num_gpus}: running torchrun {shlex.join(torchrun)}", flush=True)
@@ -200,6 +213,17 @@ def parse_list(text: str, valid: Sequence[str], what: str) -> list[str]:
 
 # --------------------------------------------------------------------------------------------
 # What a precision can run, and how many FLOPs a model does
+
+
+def runnable_precisions(asked: Sequence[str], device_type: str, device_name: str,
+                        capability: tuple[int, int] | None) -> dict[str, str | None]:
+    """:func:`unsupported_reason` of each precision ``asked``; one error line when none of them runs here."""
+    reasons = {precision: unsupported_reason(precision, device_type, device_name, capability) for precision in asked}
+    if all(reasons.values()):  # nothing would be measured: say so before a file is written
+        raise UserError(f"no precision asked for runs on {device_name}: "
+                        + "; ".join(f"{precision}: {reason}" for precision, reason in reasons.items())
+                        + " (--precision fp32 runs everywhere)")
+    return reasons
 
 
 def unsupported_reason(precision: str, device_type: str, device_name: str = "",
@@ -517,13 +541,8 @@ class Output:
         Each of the others is printed with the reason and written as one ``skipped`` record per mode
         (the reason is the device's, not a model's) and as rows of the summary CSV.
         """
-        reasons = {precision: unsupported_reason(precision, self.device.type, self.device_name, capability)
-                   for precision in self.args.precision}
+        reasons = runnable_precisions(self.args.precision, self.device.type, self.device_name, capability)
         runnable = [precision for precision, reason in reasons.items() if reason is None]
-        if not runnable:  # nothing would be measured: say so before a file is written
-            raise UserError(f"no precision asked for runs on {self.device_name}: "
-                            + "; ".join(f"{precision}: {reason}" for precision, reason in reasons.items())
-                            + " (--precision fp32 runs everywhere)")
         self.plan = [(model, precision) for model in self.args.models for precision in runnable]
         for precision, reason in reasons.items():
             if reason is None:
