@@ -33,9 +33,10 @@ def load(relpath: str):
 
 
 def release() -> tuple[int, ...]:
-    import torch
+    """This PyTorch's (major, minor), as compat reads it."""
+    from common.runtime.compat import _torch_release
 
-    return common._release(torch.__version__)[:2]
+    return _torch_release()
 
 
 # --------------------------------------------------------------------------------------------
