@@ -699,3 +699,33 @@ def test_gpu_nccl_group_is_bound_to_its_device_and_fp32_is_real(tmp_path):
         assert fp32_math() == {"matmul": "ieee", "cudnn_conv": "ieee"}
     finally:
         teardown_distributed(ctx)
+
+
+def test_the_bandwidth_bench_on_task_3_of_srun_gpus_per_task_takes_its_own_gpu(fake_gpus, launch_env, monkeypatch,
+                                                                               tmp_path):
+    """Every task of ``srun --gpus-per-task=1`` sees one GPU, its own, as cuda:0: the bench must not take
+    SLURM_LOCALID 3 for a fourth GPU on the node (it refused every task but the first)."""
+    import torch
+    import torch.distributed as dist
+
+    from helpers import load_script
+
+    bench = load_script("labs/lab05_scaling/01_allreduce_bench.py")
+    fake_gpus(count=1)
+    launch_env(SLURM_JOB_ID="77", SLURM_STEP_ID="0", SLURM_PROCID="3", SLURM_LOCALID="3", SLURM_NODEID="0",
+               SLURM_STEP_NUM_TASKS="4", SLURM_STEP_TASKS_PER_NODE="4", SLURM_STEP_NODELIST="gpu01",
+               SLURM_GPUS_PER_TASK="1")
+    monkeypatch.delenv("NCCL_DEBUG_FILE", raising=False)
+    asked = {}
+
+    class Started(Exception):
+        pass
+
+    def init_process_group(*args, **kwargs):  # the group would wait for the other three tasks: stop here
+        asked.update(kwargs, current=torch.cuda.current_device())
+        raise Started
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    with pytest.raises(Started):
+        bench.main(["--device", "cuda", "--max-bytes", "4K", "--results-dir", str(tmp_path)])
+    assert asked["backend"] == "nccl" and asked.get("device_id") in (None, torch.device("cuda", 0)), asked

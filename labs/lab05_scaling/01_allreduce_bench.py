@@ -38,11 +38,10 @@ import torch
 import torch.distributed as dist
 
 from common.cli import script_parser
-from common.runtime.device import configure_threads, resolve_device, synchronize
+from common.runtime.device import configure_threads, device_type as device_kind, synchronize
 from common.runtime.distributed import all_reduce_max, gather_objects, init_distributed, print0, teardown_distributed
 from common.measure.energy import EnergyMeter
 from common.errors import run_main
-from common.runtime.launch import detect_launch
 from common.runtime.placement import record_placement
 from common.units import format_bytes
 from labs.lab05_scaling.lab05_shared import (
@@ -136,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     collectives = parse_collectives(args.collectives)
-    device_type = resolve_device(args.device, local_rank=detect_launch().local_rank).type
+    # The kind only, starting nothing: init_distributed below picks this rank's GPU (also under srun
+    # --gpus-per-task, where every task sees its own GPU as cuda:0) and says in one line when there is none.
+    device_type = device_kind(args.device)
     sizes = checked_sizes(args, device_type)  # also --site and --partition, from the job when not given
     threads = configure_threads()
     with tempfile.TemporaryDirectory(prefix="lab05_nccl_") as nccl_dir:
