@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -91,10 +92,22 @@ def test_the_transport_nccl_chose_is_read_from_its_debug_output():
     assert shared.describe_nccl({"via": []}, nodes=2)[1] == "NCCL's transport could not be read"
 
 
-def test_nccl_writes_its_debug_output_to_a_file_per_process_unless_told_otherwise(tmp_path):
+def test_nccl_writes_its_debug_output_to_a_file_per_process_unless_told_otherwise(tmp_path, monkeypatch):
+    """The file is found under the name NCCL gives it, on a node whose host name has dots too: NCCL's ``%h`` is
+    the name up to the first dot (before, the bench looked for the whole name and read no transport)."""
+    import socket
+
     env = shared.nccl_debug_environment(tmp_path, env={})
-    assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_FILE"].endswith("nccl.%h.%p.log")
+    assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_FILE"] == str(tmp_path / "nccl.%p.log")
     assert shared.nccl_debug_environment(tmp_path, env={"NCCL_DEBUG_FILE": "/elsewhere/%h"}) == {}
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu01.cluster.example.org")
+    written = [tmp_path / f"nccl.{os.getpid()}.log", tmp_path / f"mine.gpu01.{os.getpid()}.txt"]
+    for path in written:
+        path.write_text("NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM\n")
+    assert shared.nccl_log_files(env) == written[:1]
+    assert shared.nccl_log_files({"NCCL_DEBUG_FILE": str(tmp_path / "mine.%h.%p.txt")}) == written[1:]
+    monkeypatch.setenv("NCCL_DEBUG_FILE", env["NCCL_DEBUG_FILE"])
+    assert shared.nccl_found()["via"] == ["P2P"]
 
 
 def test_link_peaks_come_from_the_site_profile_with_their_source():

@@ -132,18 +132,19 @@ def nccl_debug_environment(folder: Path, env: Mapping[str, str] | None = None) -
     if env.get("NCCL_DEBUG_FILE"):
         return {}
     return {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,GRAPH",
-            "NCCL_DEBUG_FILE": str(folder / "nccl.%h.%p.log")}
+            "NCCL_DEBUG_FILE": str(folder / "nccl.%p.log")}
 
 
 def nccl_log_files(env: Mapping[str, str] | None = None) -> list[Path]:
-    """This process's NCCL debug file(s): ``NCCL_DEBUG_FILE`` with ``%h`` (host) and ``%p`` (pid) filled in."""
+    """This process's NCCL debug file(s): ``NCCL_DEBUG_FILE`` with ``%h`` (host) and ``%p`` (pid) filled in as NCCL
+    fills them: the host name up to its first dot (``node01``, not ``node01.cluster.local``)."""
     import socket
 
     env = os.environ if env is None else env
     pattern = env.get("NCCL_DEBUG_FILE")
     if not pattern:
         return []
-    path = Path(pattern.replace("%h", socket.gethostname()).replace("%p", str(os.getpid())))
+    path = Path(pattern.replace("%h", socket.gethostname().split(".")[0]).replace("%p", str(os.getpid())))
     return [path] if path.is_file() else []
 
 
