@@ -117,11 +117,6 @@ def run_lab(slurm_cluster, tmp_path_factory):
     return LAB09_RUN["process"], LAB09_RUN["results"], LAB09_RUN["log"]
 
 
-#: The test that starts the cluster when the session also runs tests outside tests/slurm: it needs nothing but the
-#: cluster and takes a second (:func:`pytest_collection_modifyitems`).
-FIRST_SLURM_TEST = "test_testbed_status_env_and_refusal_to_start_twice"
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     for item in items:
@@ -132,14 +127,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slurm)
         if item.get_closest_marker("slurm") is not None and not uses_cluster:
             item.fixturenames.append("slurm_cluster")
-    # The cluster's background work (the template jobs, Lab-09's run_lab.sh: minutes of CPU) overlaps the tests
-    # outside tests/slurm, which leave the cores idle a quarter of the time: one quick Slurm test first starts
-    # the cluster and that work, the other tests follow, and the rest of the Slurm tests come last.
-    cluster = [item for item in items if "slurm_cluster" in getattr(item, "fixturenames", ())]
-    first = [item for item in cluster if item.name == FIRST_SLURM_TEST]
-    if first and len(cluster) < len(items):
-        rest = [item for item in items if item not in cluster]
-        items[:] = first + rest + [item for item in cluster if item is not first[0]]
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
