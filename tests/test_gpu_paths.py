@@ -160,6 +160,23 @@ def test_a_launching_process_checks_the_gpus_without_starting_cuda_on_them(fake_
     assert str(resolve_device("cuda", local_world_size=2)) == "cuda:0" and torch.cuda.is_initialized()
 
 
+def test_lab02s_sweep_checks_its_steps_on_the_gpu_without_starting_cuda(fake_gpus):
+    """sweep.py only starts kernprof for each step: a CUDA context of its own would sit on the GPU beside every
+    step's (and in the whole-GPU memory figure a step records when NVML cannot name its process)."""
+    import torch
+
+    from common.errors import UserError
+    from helpers import load_script
+
+    sweep = load_script("labs/lab02_profiling/sweep.py")
+    fake_gpus(count=1, capability=(7, 0), name="Tesla V100-SXM2-16GB")
+    step = SimpleNamespace(name="amp")
+    sweep.preflight([(step, ["--device", "cuda", "--precision", "fp16"])])
+    with pytest.raises(UserError, match=r"^step amp: .*bf16"):
+        sweep.preflight([(step, ["--device", "cuda", "--precision", "bf16"])])
+    assert not torch.cuda.is_initialized()
+
+
 def test_init_distributed_refuses_on_every_rank_when_torchrun_starts_more_processes_than_gpus(
         fake_gpus, launch_env, monkeypatch):
     import torch.distributed as dist

@@ -115,7 +115,7 @@ def preflight(steps: list[tuple[Step, list[str]]]) -> None:
     parser = add_train_args(script_parser(None))  # mnist_classify.py's flags
     for step, flags in steps:
         args = parser.parse_args(flags)
-        device = resolve_device(args.device)
+        device = resolve_device(args.device, start=False)  # this process only waits for the steps: no CUDA context
         try:
             check_precision(args.precision, device)
         except UserError as err:
