@@ -52,10 +52,18 @@ def test_kernprof_writes_a_profile_whose_table_names_the_lines_of_train(tmp_path
 
 
 @pytest.mark.parametrize("pipeline,workers", [("pil", "1"), ("tensor", "0"), ("device", "0")])
-def test_runs_under_plain_python_with_each_pipeline(tmp_path, capsys, pipeline, workers):
+def test_runs_under_plain_python_with_each_pipeline(tmp_path, capsys, monkeypatch, pipeline, workers):
+    script, modes = load_script(TRAIN), []  # the floors time a training step: dropout on, after test()'s eval()
+
+    def measure_floors(args, device, model, *rest, **kwargs):
+        modes.append(model.training)
+        return floors(args, device, model, *rest, **kwargs)
+
+    floors = script.measure_floors
+    monkeypatch.setattr(script, "measure_floors", measure_floors)
     status = run_main(TRAIN, [*TINY, "--epochs", "2", "--pipeline", pipeline, "--num-workers", workers,
                               "--results-dir", str(tmp_path)])
-    assert status == 0
+    assert status == 0 and modes == [True]
     out = capsys.readouterr().out
     assert "line profiler off" in out and "Train Epoch: 2" in out
     (record,) = records(tmp_path)

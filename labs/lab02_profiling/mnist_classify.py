@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     energy = meter.stop().result(samples=sum(epochs.samples))
     memory = peak_memory(device)  # before the floors' own steps
     data, target = example_batch(args, device)  # the floors time the step on a batch of the training shape
+    model.train()  # test() left it in eval mode: the floors time a training step, dropout included
     step_floors = measure_floors(args, device, model, lambda m: training_step(args, m, device, optimizer, scaler,
                                                                              data, target),
                                  in_graph=graph is not None, step_time_s=epochs.step_time_s)
