@@ -485,22 +485,27 @@ def test_a_missing_data_set_says_how_to_make_one(tmp_path, capsys):
 # -- run_lab.sh ----------------------------------------------------------------------------------------------
 
 
-def test_run_lab_runs_every_step_with_flags_the_scripts_accept_and_ends_with_the_report(tmp_path):
-    """``run_lab.sh`` with a stand-in for python that writes down each command: every step in order, each script's
-    own parser accepts its flags, one scratch data set for all of them (removed at the end), and the last line is
-    the report's path. The steps themselves run for real in the tests above; a whole run_lab.sh is 15 processes
-    that each import torch (about a minute of CPU), which the lab's share of the suite cannot afford."""
+@pytest.mark.parametrize("device, gpus, ranks", [("cpu", 0, 2), ("cuda", 1, 1), ("auto", 4, 2)])
+def test_run_lab_runs_every_step_with_flags_the_scripts_accept_and_ends_with_the_report(tmp_path, device, gpus, ranks):
+    """``run_lab.sh`` with a stand-in for python that writes down each command (and answers how many GPUs it sees):
+    every step in order, each script's own parser accepts its flags, one scratch data set for all of them (removed
+    at the end), two ranks for the exactly-once run but one on a machine with one GPU, and the last line is the
+    report's path. The steps themselves run for real in the tests above; a whole run_lab.sh is 15 processes that
+    each import torch (about a minute of CPU), which the lab's share of the suite cannot afford."""
     calls = tmp_path / "calls"
     stand_in = tmp_path / "python"
-    stand_in.write_text(f'#!/bin/sh\nfor arg in "$@"; do printf "%s\\n" "$arg"; done >> {calls}\necho "--end--" >> {calls}\n')
+    stand_in.write_text(f'#!/bin/sh\nfor arg in "$@"; do printf "%s\\n" "$arg"; done >> {calls}\necho "--end--" >> {calls}\n'
+                        f'case "$2" in *device_count*) echo {gpus};; esac\n')
     stand_in.chmod(0o755)
     done = subprocess.run(["bash", str(REPO / LAB / "run_lab.sh"), str(tmp_path / "results")], cwd=tmp_path,
-                          env=script_env(PYTHON=str(stand_in), TMPDIR=str(tmp_path)), capture_output=True, text=True,
-                          timeout=60)
+                          env=script_env(PYTHON=str(stand_in), TMPDIR=str(tmp_path), LAB08_DEVICE=device),
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == f"report: {tmp_path / 'results' / 'comparison_report.html'}"
     check, *commands = [command.strip("\n").split("\n") for command in calls.read_text().split("--end--\n") if command]
     assert check[0] == "-c"  # scripts/require_python.sh asks the interpreter first (tests/test_environments.py)
+    if device != "cpu":  # then how many GPUs there are
+        assert commands.pop(0)[0] == "-c"
     scripts = [next(Path(arg).name for arg in command if arg.endswith(".py")) for command in commands]
     assert scripts == ["01_make_dataset.py", *["02_read_formats.py"] * 12, "03_shards_exactly_once.py",
                        "compare_results.py"]
@@ -513,6 +518,7 @@ def test_run_lab_runs_every_step_with_flags_the_scripts_accept_and_ends_with_the
     scratch = parsed[0].data_dir.parent  # made by run_lab.sh under TMPDIR, removed when it ends
     assert {a.data_dir for a in parsed} == {scratch / "lab08"} and scratch.parent == tmp_path and not scratch.exists()
     assert {str(a.results_dir) for a in parsed} == {str(tmp_path / "results")}
-    assert commands[13][:4] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert commands[13][:4] == ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    assert {a.device for a in parsed[1:]} == {device}  # the reads and the exactly-once run
     assert commands[14][-4:] == ["--results-dir", str(tmp_path / "results"), "--output-report",
                                  str(tmp_path / "results" / "comparison_report.html")]

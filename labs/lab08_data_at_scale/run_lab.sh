@@ -18,7 +18,7 @@
 #   LAB08_SHARD_SIZE  images per tar shard [200]
 #   LAB08_WORKERS     DataLoader workers per process [1]
 #   LAB08_LATENCY     ms waited before every open in the "+latency" runs: the README's Lustre-like figure [1.0]
-#   LAB08_NPROC       ranks of the exactly-once run (torchrun) [2]
+#   LAB08_NPROC       ranks of the exactly-once run (torchrun) [2; on GPUs at most one per GPU]
 #   LAB08_DATA        where to write the data set [a scratch folder]
 #   OMP_NUM_THREADS   threads per process on CPU [1]
 set -euo pipefail
@@ -34,6 +34,12 @@ RESULTS_DIR=${1:-${RESULTS_DIR:-results/lab08}}
 LAB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=scripts/require_python.sh
 source "$LAB_DIR/../../scripts/require_python.sh"  # stops here when $PYTHON cannot run the course
+if [[ -z ${LAB08_NPROC:-} && $DEVICE != cpu ]]; then  # a rank per GPU: more would be refused at step 4
+    GPUS=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
+    if (( GPUS == 1 )); then
+        NPROC=1
+    fi
+fi
 
 if [[ $DEVICE == cpu ]]; then
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
