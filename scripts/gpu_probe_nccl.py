@@ -98,7 +98,9 @@ def watchdog() -> dict:
     env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "64", "TORCH_NCCL_TRACE_BUFFER_SIZE": "64",
            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": str(folder / "fr_"),
            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(folder / "fr_")}
-    status, output, seconds = child("watchdog", env, 90)
+    # On the H100 (2026-11-26) the stalled rank ended after 74.6 s: its start, the 5 s timeout and about a minute
+    # of the watchdog writing its dump. 150 s leaves room for a start beside three other checks (--jobs 4).
+    status, output, seconds = child("watchdog", env, 150)
     caught = next((line for line in output.splitlines() if line.startswith("PYTHON CAUGHT")), None)
     return {"watchdog": {"exit_status": status, "ended_within_s": None if status is None else round(seconds, 1),
                          "python_except_ran": caught, "dump_files": sorted(p.name for p in folder.iterdir()),

@@ -349,9 +349,10 @@ def test_gpu_graph_step_is_captured_and_trains_step_by_step_like_the_eager_devic
     assert len(eager_losses) == len(graph_losses) == 46
     # Same weights, batches, dropout masks and lr: step by step alike. On the H100 (2026-11-26) they agreed
     # to 1e-3 for 26 steps, then drifted (6% by step 46): cuDNN's backward kernels are not deterministic,
-    # and training amplifies their last-bit differences. A wrong lr or mask would differ from the first steps.
-    assert graph_losses[:23] == pytest.approx(eager_losses[:23], rel=1e-3)  # the first epoch
-    assert graph_losses[23:] == pytest.approx(eager_losses[23:], rel=0.25)
+    # and training amplifies their last-bit differences, from a step no run can promise. A wrong lr or mask
+    # would differ from the first steps: the first 10 are held to 1e-3, the rest only to the same curve.
+    assert graph_losses[:10] == pytest.approx(eager_losses[:10], rel=1e-3)
+    assert graph_losses[10:] == pytest.approx(eager_losses[10:], rel=0.25)
     for record in found.values():
         metrics = record["metrics"]
         assert metrics["kernels_per_step"] > 20 and record["metrics"]["floors"]["counted"] == "CUDA kernels"
