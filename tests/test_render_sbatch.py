@@ -480,6 +480,15 @@ def test_job_header_shares_the_node_among_its_tasks():
     assert f"RESULT {max(usable // 2, 1)}" in done.stdout
 
 
+def test_job_header_counts_cores_not_an_omp_num_threads_already_exported():
+    """GNU nproc prints OMP_NUM_THREADS when it is set: the generic site's pytorch.sh exports it before the header,
+    and so may a login shell (sbatch passes the environment on). The header counts the cores all the same."""
+    usable = min(2, len(os.sched_getaffinity(0)))
+    for exported in ({"OMP_NUM_THREADS": "1"}, {"OMP_THREAD_LIMIT": "1"}):
+        done = run_header({"SLURM_CPUS_PER_TASK": "2", **exported}, 'echo "RESULT $NUM_WORKERS $OMP_NUM_THREADS"')
+        assert f"RESULT {max(usable - 1, 0)} {usable}" in done.stdout, (exported, done.stdout, done.stderr)
+
+
 def test_job_header_workers_leave_one_core_for_training():
     done = run_header({"SLURM_CPUS_PER_TASK": "2"}, 'echo "RESULT $NUM_WORKERS $OMP_NUM_THREADS"')
     usable = min(2, len(os.sched_getaffinity(0)))

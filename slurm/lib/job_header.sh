@@ -62,7 +62,7 @@ export MASTER_ADDR MASTER_PORT
 # threads and workers never oversubscribe it. (With cgroups, nproc here is the job's cores on this
 # node, and the share is exactly SLURM_CPUS_PER_TASK.)
 _hdl_cpus="${SLURM_CPUS_PER_TASK:-1}"
-_hdl_usable="$(nproc)"
+_hdl_usable="$(OMP_NUM_THREADS='' OMP_THREAD_LIMIT='' nproc)"  # the cores: nproc answers OMP_NUM_THREADS when it is set
 _hdl_tasks="${SLURM_NTASKS_PER_NODE:-1}"
 [[ "$_hdl_tasks" =~ ^[0-9]+$ && "$_hdl_tasks" -gt 0 ]] || _hdl_tasks=1
 _hdl_usable=$((_hdl_usable / _hdl_tasks > 0 ? _hdl_usable / _hdl_tasks : 1))
