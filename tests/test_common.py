@@ -303,6 +303,16 @@ def test_allocation_is_capped_at_usable_cpus(monkeypatch):
     assert cpus.allocated_cpus({}) is None and cpus.default_num_workers({}) == 2
 
 
+def test_processes_torchrun_starts_in_one_task_share_its_cpus_for_workers(monkeypatch):
+    """A torchrun of 4 processes in a task of 64 CPUs: 15 workers each (16 cores a process), not 63 each (252 in
+    all). srun's one task per process sets no LOCAL_WORLD_SIZE and each task has its own CPUs."""
+    monkeypatch.setattr(cpus, "usable_cpus", lambda: 64)
+    assert cpus.default_num_workers({"SLURM_CPUS_PER_TASK": "64", "LOCAL_WORLD_SIZE": "4"}) == 15
+    assert cpus.default_num_workers({"SLURM_CPUS_PER_TASK": "64"}) == 63
+    assert cpus.default_num_workers({"SLURM_CPUS_PER_TASK": "2", "LOCAL_WORLD_SIZE": "4"}) == 0
+    assert cpus.default_num_workers({"LOCAL_WORLD_SIZE": "4"}) == 2  # off-cluster: the laptop's default
+
+
 @pytest.mark.parametrize("flag", [["--batch-size", "0"], ["--epochs", "-1"], ["--batch-size", "abc"],
                                   ["--device", "tpu"]])
 def test_bad_flags_give_one_line(flag, capsys):

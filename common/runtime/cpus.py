@@ -38,10 +38,17 @@ def allocated_cpus(env: dict[str, str] | None = None) -> int | None:
 
 
 def default_num_workers(env: dict[str, str] | None = None) -> int:
-    """DataLoader workers from the allocation: one fewer than its CPUs (one core trains), else 2.
+    """DataLoader workers from the allocation: one fewer than this process's share of its CPUs (one core
+    trains), else 2.
 
-    The main process needs a core of its own to drive the training loop; the rest feed it.
+    The main process needs a core of its own to drive the training loop; the rest feed it. The processes
+    torchrun starts in one Slurm task (``LOCAL_WORLD_SIZE``) share that task's CPUs; srun's tasks have their own.
     Off-cluster we use 2, which suits a laptop and CI.
     """
+    env = dict(os.environ) if env is None else env
     cpus = allocated_cpus(env)
-    return 2 if cpus is None else max(0, cpus - 1)
+    if cpus is None:
+        return 2
+    local = env.get("LOCAL_WORLD_SIZE", "")
+    processes = int(local) if local.isdigit() and int(local) > 0 else 1
+    return max(0, cpus // processes - 1)
