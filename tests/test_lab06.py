@@ -542,6 +542,34 @@ def test_preflight_says_which_task_cannot_reach_rank_0(tmp_path, capsys, monkeyp
     assert not (tmp_path / "res").exists()
 
 
+def test_preflight_ranks_go_on_only_after_rank_0_closed_its_listener():
+    """Under srun rank 0 listens on MASTER_PORT, where the process group's store starts next: a rank that went on
+    to it while rank 0 still waited for a third report knocked on the listener, and rank 0 crashed reading the
+    store's handshake as a report. Rank 1 reports, then waits until every rank is in; then all go on."""
+    from types import SimpleNamespace
+
+    from common.runtime.launch import free_port
+
+    preflight, port, found, done = load_script(PREFLIGHT), free_port(), {}, {}
+
+    def task(rank: int) -> None:
+        launch = SimpleNamespace(launcher="slurm", rank=rank, world_size=3)
+        found[rank] = preflight.gather_at_rank0(launch, "127.0.0.1", port, {"rank": rank}, 60)
+        done[rank] = time.monotonic()
+
+    tasks = {rank: threading.Thread(target=task, args=(rank,)) for rank in range(3)}
+    for rank in (0, 1):
+        tasks[rank].start()
+    tasks[1].join(3)  # rank 1 has reported by now (it retries every 0.5 s until rank 0 listens)
+    assert tasks[1].is_alive() and not done, "rank 1 went on while rank 2 had not reported"
+    third = time.monotonic()
+    tasks[2].start()
+    for thread in tasks.values():
+        thread.join(60)
+    assert [report["rank"] for report in found[0]] == [0, 1, 2] and found[1] is None and found[2] is None
+    assert done[1] > third  # rank 1 went on only after the third task had started and reported
+
+
 def test_preflight_finds_slurm_ids_that_disagree_with_the_launch():
     good = {"rank": 1, "local_rank": 1, "node": 0, "host": "n1",
             "slurm": {"PROCID": "1", "LOCALID": "1", "NODEID": "0"}}

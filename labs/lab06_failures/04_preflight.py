@@ -71,20 +71,29 @@ def my_findings(launch, device: str) -> dict:
 def gather_at_rank0(launch, addr: str, port: int, findings: dict, timeout_s: float) -> list[dict] | None:
     """Every task's findings at rank 0, over a plain TCP connection to the rendezvous address: that the
     connection opens is the reachability check. Rank 0 returns the list (unreached ranks get an entry
-    saying so); other ranks return None."""
+    saying so); other ranks return None, once rank 0 has closed its listener and answered: under srun the
+    process group's store takes the same port next, and a rank that went on early would knock on the
+    listener instead (rank 0 read the store's handshake as a report)."""
     if launch.rank != 0:
         deadline, error = time.monotonic() + timeout_s, None
         while time.monotonic() < deadline:  # rank 0 may not be listening yet
             try:
-                with socket.create_connection((addr, port), timeout=5) as conn:
-                    conn.sendall(json.dumps(findings).encode() + b"\n")
-                    return None
+                conn = socket.create_connection((addr, port), timeout=5)
             except OSError as err:
                 error = err
                 time.sleep(0.5)
+                continue
+            with conn, conn.makefile() as stream:
+                conn.sendall(json.dumps(findings).encode() + b"\n")
+                conn.settimeout(timeout_s + 5)  # rank 0 answers when every task is in or its wait is over
+                try:
+                    stream.readline()
+                except OSError:  # rank 0 has this report or is gone: the process group says which
+                    pass
+            return None
         raise UserError(f"{rank_tag()} cannot reach rank 0 at {addr}:{port} ({error}): a firewall, a wrong "
                         "MASTER_ADDR, or rank 0 not running")
-    reports = {0: findings}
+    reports, reported = {0: findings}, []
     with socket.create_server(("", port)) as server:
         server.settimeout(1.0)
         deadline = time.monotonic() + timeout_s
@@ -96,9 +105,16 @@ def gather_at_rank0(launch, addr: str, port: int, findings: dict, timeout_s: flo
                 conn, _ = server.accept()
             except TimeoutError:
                 continue
-            with conn, conn.makefile() as stream:
-                report = json.loads(stream.readline())
-                reports[report["rank"]] = report
+            stream = conn.makefile()
+            report = json.loads(stream.readline())
+            reports[report["rank"]] = report
+            reported.append((conn, stream))
+    for conn, stream in reported:  # the listener is closed: each may go on to the process group now
+        with conn, stream:
+            try:
+                conn.sendall(b"all in\n")
+            except OSError:
+                pass
     return [reports.get(rank, {"rank": rank, "unreached": True}) for rank in range(launch.world_size)]
 
 
