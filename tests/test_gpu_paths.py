@@ -254,6 +254,40 @@ def test_srun_with_gpus_per_task_gives_each_task_its_own_gpu(fake_gpus, launch_e
     assert local_world_size({"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}) == 4
 
 
+@pytest.mark.parametrize("visible, variables, expected", [
+    # --gpu-bind=closest (a GPU a socket), single:1 or map_gpu: task 2 of 4 sees one GPU of the node's four.
+    (1, {"SLURM_GPUS_ON_NODE": "4", "CUDA_VISIBLE_DEVICES": "2"}, "cuda:0"),
+    # --gpus-per-task=1 with --gpu-bind=none: every task sees every GPU, so its own is its local rank's.
+    (4, {"SLURM_GPUS_PER_TASK": "1", "SLURM_GPUS_ON_NODE": "4"}, "cuda:2"),
+    # Slurm's default: every task sees every GPU of the node.
+    (4, {"SLURM_GPUS_ON_NODE": "4"}, "cuda:2"),
+    # closest with two GPUs a socket: tasks 2 and 3 both see the same two, and which is whose is not said.
+    (2, {"SLURM_GPUS_ON_NODE": "4", "CUDA_VISIBLE_DEVICES": "2,3"},
+     r"4 processes on this node but only 2 GPU\(s\) visible: .* Slurm left this task 2 of the node's 4 GPUs "
+     r"\(CUDA_VISIBLE_DEVICES=2,3\), shared with other tasks: ask srun for --gpus-per-task=1, or --gpu-bind=none$"),
+])
+def test_srun_s_gpu_bindings_give_each_task_a_gpu_of_its_own_or_one_line(fake_gpus, launch_env, monkeypatch,
+                                                                        visible, variables, expected):
+    """Lab-05's README and the placement check advise --gpu-bind=closest: with one GPU a task left, every task
+    refused ("4 processes on this node but only 1 GPU(s) visible"); with --gpus-per-task and --gpu-bind=none
+    every task took cuda:0 (NCCL's "Duplicate GPU")."""
+    import torch.distributed as dist
+
+    from common.errors import UserError
+    from common.runtime.distributed import init_distributed
+
+    monkeypatch.delenv("HPC_DL_LABS_SHARE_GPUS", raising=False)
+    fake_gpus(count=visible)
+    launch_env(SLURM_JOB_ID="78", SLURM_STEP_ID="0", SLURM_PROCID="2", SLURM_LOCALID="2", SLURM_NODEID="0",
+               SLURM_STEP_NUM_TASKS="4", SLURM_STEP_TASKS_PER_NODE="4", SLURM_STEP_NODELIST="gpu01", **variables)
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: None)
+    if expected.startswith("cuda"):
+        assert str(init_distributed("cuda").device) == expected
+    else:
+        with pytest.raises(UserError, match=expected):
+            init_distributed("cuda")
+
+
 # --------------------------------------------------------------------------------------------
 # fp32 means fp32, and every record says which maths was in force
 

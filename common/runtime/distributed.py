@@ -30,9 +30,9 @@ import torch.distributed as dist
 
 from common.errors import UserError
 from common.runtime.compat import clear_dtensor_caches, set_collective_timeout
-from common.runtime.device import (configure_threads, describe, resolve_device, set_device, sharing_gpus,
+from common.runtime.device import (configure_threads, describe, device_type, resolve_device, set_device, sharing_gpus,
                                    use_deterministic_algorithms)
-from common.runtime.launch import LaunchInfo, detect_launch, free_port, gpus_bound_per_task, local_world_size, rank_tag
+from common.runtime.launch import LaunchInfo, detect_launch, free_port, gpus_of_its_own, local_world_size, rank_tag
 
 __all__ = [
     "DistContext", "backend_for", "init_distributed", "open_process", "teardown_distributed",
@@ -111,10 +111,19 @@ def init_distributed(device_name: str = "auto", *, force_process_group: bool = F
                      timeout_s: float | None = None) -> DistContext:
     """Start (or join) the process group this process belongs to and pick its device."""
     launch = detect_launch()
-    if gpus_bound_per_task():  # srun --gpus-per-task: this task sees only its own GPU(s)
+    visible = torch.cuda.device_count() if device_type(device_name) == "cuda" else 0
+    if gpus_of_its_own(visible):  # srun bound this task to its own GPU(s): they are cuda:0..
         device = resolve_device(device_name)
     else:  # more processes on this node than GPUs is one error line here, not "Duplicate GPU" later
-        device = resolve_device(device_name, local_rank=launch.local_rank, local_world_size=local_world_size())
+        try:
+            device = resolve_device(device_name, local_rank=launch.local_rank, local_world_size=local_world_size())
+        except UserError as err:
+            on_node = os.environ.get("SLURM_GPUS_ON_NODE", "")
+            if not (on_node.isdigit() and 0 < visible < int(on_node)):
+                raise
+            raise UserError(f"{err}. Slurm left this task {visible} of the node's {on_node} GPUs (CUDA_VISIBLE_DEVICES="
+                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}), shared with other tasks: ask srun for "
+                            "--gpus-per-task=1, or --gpu-bind=none") from None
     set_device(device)
     backend = backend_for(device)
     if dist.is_available() and dist.is_initialized():
