@@ -182,7 +182,7 @@ def gpus_of_its_own(visible: int, env: Mapping[str, str] | None = None) -> bool:
     default, also ``--gpus-per-task`` with ``--gpu-bind=none``): its GPU is then ``cuda:LOCAL_RANK``."""
     env = os.environ if env is None else env
     tasks = local_world_size(env)
-    if detect_launch(env).launcher != "slurm" or tasks is None or visible >= tasks:
+    if detect_launch(env).launcher != "slurm" or tasks is None or not 0 < visible < tasks:
         return False
     if env.get("SLURM_GPUS_PER_TASK", "").strip():
         return True
