@@ -22,6 +22,7 @@ checks, so they work where the process group would hang.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -86,10 +87,8 @@ def gather_at_rank0(launch, addr: str, port: int, findings: dict, timeout_s: flo
             with conn, conn.makefile() as stream:
                 conn.sendall(json.dumps(findings).encode() + b"\n")
                 conn.settimeout(timeout_s + 5)  # rank 0 answers when every task is in or its wait is over
-                try:
+                with contextlib.suppress(OSError):  # else rank 0 has this report or is gone: the group says which
                     stream.readline()
-                except OSError:  # rank 0 has this report or is gone: the process group says which
-                    pass
             return None
         raise UserError(f"{rank_tag()} cannot reach rank 0 at {addr}:{port} ({error}): a firewall, a wrong "
                         "MASTER_ADDR, or rank 0 not running")
@@ -110,11 +109,8 @@ def gather_at_rank0(launch, addr: str, port: int, findings: dict, timeout_s: flo
             reports[report["rank"]] = report
             reported.append((conn, stream))
     for conn, stream in reported:  # the listener is closed: each may go on to the process group now
-        with conn, stream:
-            try:
-                conn.sendall(b"all in\n")
-            except OSError:
-                pass
+        with conn, stream, contextlib.suppress(OSError):
+            conn.sendall(b"all in\n")
     return [reports.get(rank, {"rank": rank, "unreached": True}) for rank in range(launch.world_size)]
 
 
