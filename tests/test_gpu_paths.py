@@ -543,20 +543,25 @@ def test_launch_blocking_is_set_before_cuda_starts_and_refused_after(monkeypatch
 # run_lab.sh gives DataParallel and DDP the same GPUs
 
 
-def test_run_lab_gives_dataparallel_the_gpus_ddp_uses(tmp_path):
+@pytest.mark.parametrize("nproc, gpus, expected", [("2", 1, 2), ("", 1, 1), ("", 4, 2)])
+def test_run_lab_gives_dataparallel_the_gpus_ddp_uses(tmp_path, nproc, gpus, expected):
+    """DataParallel gets the GPUs of DDP's processes; without LAB01_NPROC a machine with one GPU runs one (two
+    were refused at step 3, after the baseline)."""
     log = tmp_path / "calls.log"
     fake_python = tmp_path / "python"
-    fake_python.write_text(f"#!/bin/sh\necho \"$*\" >> {log}\ncase \"$1\" in -c) echo cuda ;; esac\n")
+    fake_python.write_text(f"#!/bin/sh\necho \"$*\" >> {log}\n"
+                           f"case \"$2\" in *device_count*) echo {gpus} ;; *device_type*) echo cuda ;; esac\n")
     fake_python.chmod(0o755)
-    env = script_env(PYTHON=str(fake_python), LAB01_DEVICE="auto", LAB01_NPROC="2", LAB01_GLOBAL_BATCH="8")
+    env = script_env(PYTHON=str(fake_python), LAB01_DEVICE="auto", LAB01_NPROC=nproc, LAB01_GLOBAL_BATCH="8")
     proc = subprocess.run(["bash", str(REPO / "labs/lab01_dp_vs_ddp/run_lab.sh"), str(tmp_path / "r")], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     calls = log.read_text().splitlines()
     dp = next(line for line in calls if "03_dataparallel_training.py" in line)
     ddp = next(line for line in calls if "04_ddp_training.py" in line)
-    assert "--gpus 0,1" in dp and "--device cuda" in dp
-    assert "--nproc_per_node=2" in ddp and "--device cuda" in ddp
+    assert f"--gpus {','.join(map(str, range(expected)))}" in dp and "--device cuda" in dp
+    assert f"--nproc_per_node={expected}" in ddp and "--device cuda" in ddp
+    assert f"--batch-size {8 // expected}" in ddp
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@
 #                       data set is made exactly LAB01_STEPS global batches long [empty]
 #   LAB01_EPOCHS        epochs [3]
 #   LAB01_GLOBAL_BATCH  samples per optimiser step, all processes together [32]
-#   LAB01_NPROC         DDP processes [2]
+#   LAB01_NPROC         DDP processes [2; one on a machine with one GPU]
 #   LAB01_DEVICE        cpu, cuda or auto [cpu]
 #   LAB01_IMAGE_SIZE    image side: digits are resized to it; synthetic 32 is CIFAR-shaped, 224 ImageNet [16]
 #   LAB01_LR            SGD learning rate [0.05]
@@ -50,16 +50,21 @@ LAB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=scripts/require_python.sh
 source "$LAB_DIR/../../scripts/require_python.sh"  # stops here when $PYTHON cannot run the course
 
+# auto is decided once, here, so that 03 and 04 get the same GPUs (below) or both run on the CPU.
+if [[ $DEVICE == auto ]]; then
+    DEVICE=$("$PYTHON" -c 'from common.runtime.device import device_type; print(device_type("auto"))')
+fi
+if [[ -z ${LAB01_NPROC:-} && $DEVICE == cuda ]]; then  # a DDP process per GPU: more would be refused at step 3
+    GPUS=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
+    if (( GPUS == 1 )); then
+        NPROC=1
+    fi
+fi
 if (( GLOBAL_BATCH % NPROC != 0 )); then
     echo "error: LAB01_GLOBAL_BATCH=$GLOBAL_BATCH does not divide between LAB01_NPROC=$NPROC processes" >&2
     exit 2
 fi
 PER_PROCESS_BATCH=$((GLOBAL_BATCH / NPROC))
-
-# auto is decided once, here, so that 03 and 04 get the same GPUs (below) or both run on the CPU.
-if [[ $DEVICE == auto ]]; then
-    DEVICE=$("$PYTHON" -c 'from common.runtime.device import device_type; print(device_type("auto"))')
-fi
 # DDP's NPROC processes take cuda:0 .. cuda:NPROC-1 (one per LOCAL_RANK); DataParallel would take
 # every visible GPU unless told otherwise, so it is given exactly that set.
 DP_GPUS=()
