@@ -32,7 +32,8 @@ from common.errors import UserError
 from common.runtime.compat import clear_dtensor_caches, set_collective_timeout
 from common.runtime.device import (configure_threads, describe, device_type, resolve_device, set_device, sharing_gpus,
                                    use_deterministic_algorithms)
-from common.runtime.launch import LaunchInfo, detect_launch, free_port, gpus_of_its_own, local_world_size, rank_tag
+from common.runtime.envcheck import slurm_gpu_count
+from common.runtime.launch import LaunchInfo, detect_launch, free_port, local_world_size, rank_tag
 
 __all__ = [
     "DistContext", "backend_for", "init_distributed", "open_process", "teardown_distributed",
@@ -107,19 +108,33 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" and not sharing_gpus() else "gloo"
 
 
+def _gpus_of_its_own(visible: int) -> bool:
+    """True where srun gave this task GPUs of its own, which it sees from ``cuda:0`` on, among ``visible`` GPUs:
+    ``--gpus-per-task``, or a binding that left it one of the node's GPUs (``--gpu-bind=closest`` with a GPU
+    a socket, ``single:1``, ``map_gpu``). False where it sees as many GPUs as the node has tasks (Slurm's
+    default, also ``--gpus-per-task`` with ``--gpu-bind=none``): its GPU is then ``cuda:LOCAL_RANK``."""
+    tasks = local_world_size()
+    if detect_launch().launcher != "slurm" or tasks is None or not 0 < visible < tasks:
+        return False
+    if os.environ.get("SLURM_GPUS_PER_TASK", "").strip():
+        return True
+    on_node, _ = slurm_gpu_count(os.environ)
+    return visible == 1 and (on_node or 0) > 1
+
+
 def init_distributed(device_name: str = "auto", *, force_process_group: bool = False,
                      timeout_s: float | None = None) -> DistContext:
     """Start (or join) the process group this process belongs to and pick its device."""
     launch = detect_launch()
     visible = torch.cuda.device_count() if device_type(device_name) == "cuda" else 0
-    if gpus_of_its_own(visible):  # srun bound this task to its own GPU(s): they are cuda:0..
+    if _gpus_of_its_own(visible):  # srun bound this task to its own GPU(s): they are cuda:0..
         device = resolve_device(device_name)
     else:  # more processes on this node than GPUs is one error line here, not "Duplicate GPU" later
         try:
             device = resolve_device(device_name, local_rank=launch.local_rank, local_world_size=local_world_size())
         except UserError as err:
-            on_node = os.environ.get("SLURM_GPUS_ON_NODE", "")
-            if not (on_node.isdigit() and 0 < visible < int(on_node)):
+            on_node, _ = slurm_gpu_count(os.environ)
+            if not 0 < visible < (on_node or 0):
                 raise
             raise UserError(f"{err}. Slurm left this task {visible} of the node's {on_node} GPUs (CUDA_VISIBLE_DEVICES="
                             f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}), shared with other tasks: ask srun for "

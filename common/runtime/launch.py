@@ -175,21 +175,6 @@ def _tasks_per_node(spec: str) -> list[int]:
     return counts
 
 
-def gpus_of_its_own(visible: int, env: Mapping[str, str] | None = None) -> bool:
-    """True where srun gave this task GPUs of its own, which it sees from ``cuda:0`` on, among ``visible`` GPUs:
-    ``--gpus-per-task``, or a binding that left it one of the node's GPUs (``--gpu-bind=closest`` with a GPU
-    a socket, ``single:1``, ``map_gpu``). False where it sees as many GPUs as the node has tasks (Slurm's
-    default, also ``--gpus-per-task`` with ``--gpu-bind=none``): its GPU is then ``cuda:LOCAL_RANK``."""
-    env = os.environ if env is None else env
-    tasks = local_world_size(env)
-    if detect_launch(env).launcher != "slurm" or tasks is None or not 0 < visible < tasks:
-        return False
-    if env.get("SLURM_GPUS_PER_TASK", "").strip():
-        return True
-    on_node = env.get("SLURM_GPUS_ON_NODE", "").strip()
-    return visible == 1 and on_node.isdigit() and int(on_node) > 1
-
-
 def local_world_size(env: Mapping[str, str] | None = None) -> int | None:
     """Processes of this job on this node (torchrun's ``LOCAL_WORLD_SIZE``, Slurm's tasks per node).
 
