@@ -64,12 +64,18 @@ def list_sites() -> None:
 
 
 def render_every_site(templates: Sequence[Path], out_dir: Path, settings: dict[str, Any]) -> None:
-    entries, errors = render_all(templates, out_dir, settings, load_sites())
+    sites = load_sites()
+    entries, errors, skipped = render_all(templates, out_dir, settings, sites)
     if errors:
         for line in errors[:-1]:
             print(f"error: {line}", file=sys.stderr)
-        raise UserError(f"{errors[-1]} ({len(errors)} template/site pair(s) failed; nothing written)")
-    print(f"rendered {len(entries)} script(s) into {out_dir} (list: {out_dir / 'manifest.json'})")
+        raise UserError(f"{errors[-1]} ({len(errors)} template(s) failed; nothing written)")
+    for line in skipped:
+        print(f"skipped {line}")
+    print(f"rendered {len(entries)} script(s) for {len(sites)} site(s) into {out_dir} (list: "
+          f"{out_dir / 'manifest.json'})" + (f"; skipped {len(skipped)} pair(s) a site cannot run, listed above "
+                                            "(render one with --site NAME --set ..., e.g. --set gpus_per_node=2)"
+                                            if skipped else ""))
 
 
 def render_one(template: Path, site_name: str, settings: dict[str, Any], output: Path | None) -> None:

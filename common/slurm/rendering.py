@@ -19,10 +19,10 @@ from common.atomic import write_text_atomic
 from common.errors import UserError
 from common.slurm.sites import REPO_ROOT, Site, display_path, find_site
 
-from .jobs import TEMPLATE_SUFFIX, Template, read_template, resolve_job, template_stem
+from .jobs import TEMPLATE_SUFFIX, SiteLacks, Template, read_template, resolve_job, template_stem
 
 __all__ = ["COMMITTED_RENDERINGS", "FOLDER_PATTERN", "committed_path", "committed_text", "find_templates",
-           "preamble", "render", "render_all", "write_committed", "write_script"]
+           "preamble", "render", "render_all", "renderings", "write_committed", "write_script"]
 
 FOLDER_PATTERN = ".sbatch.j2"  # what --all-sites picks up in a folder (not, e.g., report.html.j2)
 #: Templates whose rendering for a site is also committed next to them, for READMEs that say
@@ -95,8 +95,8 @@ def render(template: Template, site: Site, settings: dict[str, Any] | None = Non
     request = {**template.request, **(settings or {})}
     try:
         job = resolve_job(site, request, template_stem(template.path))
-    except UserError as err:
-        raise UserError(f"{where} for site {site.name}: {err}") from None
+    except UserError as err:  # SiteLacks stays SiteLacks: --all-sites skips that site
+        raise type(err)(f"{where} for site {site.name}: {err}") from None
     context = {"site": site.as_dict(), "job": job, "preamble": preamble(site)}
     try:
         text = _environment(template.path).get_template(template.path.name).render(context)
@@ -143,40 +143,73 @@ def find_templates(paths: Sequence[Path]) -> list[tuple[Path, Path]]:
     return found
 
 
-def render_all(paths: Sequence[Path], out_dir: Path, settings: dict[str, Any],
-               sites: dict[str, Site]) -> tuple[list[dict[str, Any]], list[str]]:
-    """Render every template under ``paths`` for every site into ``out_dir/<site>/...``.
+def renderings(template: Template, sites: dict[str, Site], settings: dict[str, Any] | None = None
+               ) -> tuple[dict[str, tuple[str, dict[str, Any]]], dict[str, str]]:
+    """``template`` rendered for every site that can run it, ``{site: (script, job)}``, and the sites skipped,
+    ``{site: why}``: not among the job block's ``sites``, or lacking what the job asks for (:class:`SiteLacks`:
+    4 GPUs per node on a site whose nodes have 2). Any other problem raises its one line."""
+    only = template.request.get("sites")
+    if only is not None and not (isinstance(only, list) and all(isinstance(name, str) for name in only)):
+        raise UserError(f"{display_path(template.path)}: 'sites' must be a list of site names, e.g. [generic, lanta]")
+    rendered, skipped = {}, {}
+    for site in sites.values():
+        if only is not None and site.name not in only:
+            skipped[site.name] = f"its job block names only the sites {', '.join(only)}"
+            continue
+        try:
+            rendered[site.name] = render(template, site, settings)
+        except SiteLacks as err:
+            skipped[site.name] = str(err).rpartition(f"for site {site.name}: ")[2]
+    return rendered, skipped
 
-    Returns the manifest entries and the errors (one line each); nothing is written when any
-    template fails, so a half-rendered folder is never submitted.
+
+def _blocked(target: Path, root: Path) -> Path | None:
+    """A path that would stop ``target`` from being written: a file where a folder of it goes, or a folder at it."""
+    if target.is_dir():
+        return target
+    return next((folder for folder in target.parents if folder.exists() and not folder.is_dir()
+                 and (folder == root or root in folder.parents)), None)
+
+
+def render_all(paths: Sequence[Path], out_dir: Path, settings: dict[str, Any],
+               sites: dict[str, Site]) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """Render every template under ``paths`` for every site that can run it into ``out_dir/<site>/...``.
+
+    Returns the manifest entries, the errors and the skipped pairs (``site/path: why``), one line each;
+    nothing is written when any template fails or a file stands where a script or folder goes, so a
+    half-rendered folder is never submitted.
     """
     templates = [(read_template(path), relative) for path, relative in find_templates(paths)]
     if not templates:
         raise UserError(f"no *{FOLDER_PATTERN} templates under {', '.join(map(str, paths))}")
-    entries, errors, outputs = [], [], []
+    entries, errors, skipped, outputs = [], [], [], []
     for template, relative in templates:
-        only = template.request.get("sites")
-        if only is not None and not (isinstance(only, list) and set(only) <= set(sites)):
-            errors.append(f"{display_path(template.path)}: 'sites' must list known sites ({', '.join(sites)})")
+        try:
+            rendered, passed_over = renderings(template, sites, settings)
+        except UserError as err:
+            errors.append(str(err))
             continue
-        for site in sites.values():
-            if only is not None and site.name not in only:
-                continue
-            try:
-                text, job = render(template, site, settings)
-            except UserError as err:
-                errors.append(str(err))
-                continue
-            target = out_dir / site.name / relative
-            outputs.append((target, text))
-            entries.append({"site": site.name, "template": display_path(template.path),
-                            "script": str(Path(site.name) / relative),
+        skipped += [f"{name}/{relative}: {why}" for name, why in passed_over.items()]
+        for name, (text, job) in rendered.items():
+            outputs.append((out_dir / name / relative, text))
+            entries.append({"site": name, "template": display_path(template.path), "script": str(Path(name) / relative),
                             "job": {key: value for key, value in job.items() if key != "sbatch"}})
-    if not errors:
+    if errors:
+        return entries, errors, skipped
+    manifest = out_dir / "manifest.json"
+    for target in [target for target, _ in outputs] + [manifest]:
+        if (blocked := _blocked(target, out_dir)) is not None:
+            what = "the script" if blocked == target and target != manifest else "a folder"
+            raise UserError(f"{blocked}: is a {'folder' if blocked.is_dir() else 'file'}, where "
+                            f"{'the list' if blocked == manifest else what} {target.relative_to(out_dir)} goes; "
+                            "move it away or choose another OUT_DIR (nothing written)")
+    try:
         for target, text in outputs:
             write_script(target, text)
-        write_text_atomic(json.dumps(entries, indent=2) + "\n", out_dir / "manifest.json")
-    return entries, errors
+        write_text_atomic(json.dumps(entries, indent=2) + "\n", manifest)
+    except OSError as err:
+        raise UserError(f"cannot write into {out_dir}: {err}") from None
+    return entries, errors, skipped
 
 
 # ---------------------------------------------------------------------------------------------

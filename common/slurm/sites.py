@@ -26,8 +26,12 @@ Link peaks (``partitions.<name>.links``) are bandwidth in GB/s (10^9 bytes per s
 direction, the unit of nccl-tests' ``busbw``: ``nvlink`` and ``pcie`` per GPU, ``infiniband``,
 ``slingshot`` and ``ethernet`` per node (:data:`LINK_SCOPES`). Every peak carries its ``source``.
 
-The YAML reader keeps Slurm's times as text: YAML 1.1 would read ``time: 10:00`` as the base-60
-number 600. This module must not import torch (the sbatch renderer and the tests use it).
+The YAML reader keeps Slurm's times and names as text: YAML 1.1 would read ``time: 10:00`` as the
+base-60 number 600, ``account: 012345`` as the octal 5349 and ``reservation: 2024_05`` as 202405; a
+number here is plain decimal. A key given twice is an error (YAML would keep the last silently), and
+so is ``true``/``false`` (or YAML 1.1's ``yes``/``no``/``on``/``off``) where text belongs. Text that
+goes into a script's ``#SBATCH`` or comment lines is one line. This module must not import torch (the
+sbatch renderer and the tests use it).
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ from common.errors import UserError
 
 __all__ = [
     "LINK_SCOPES", "REPO_ROOT", "SITES_DIR", "Link", "Partition", "Site", "check_keys", "display_path",
-    "find_site", "load_site", "load_sites", "load_yaml", "memory_to_mb", "site_names", "text_or_none",
-    "time_to_seconds", "whole_number",
+    "find_site", "flag", "load_site", "load_sites", "load_yaml", "memory_to_mb", "one_line", "site_names",
+    "slurm_name", "text_or_none", "time_to_seconds", "whole_number",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -62,21 +66,37 @@ def display_path(path: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# YAML without YAML 1.1's base-60 integers: `time: 10:00` stays the text "10:00", not 600.
+# YAML whose numbers are plain decimals: `time: 10:00` stays the text "10:00" (not base-60 600),
+# `account: 012345` the text "012345" (not octal 5349), `reservation: 2024_05` the text (not 202405).
 
 class _Loader(yaml.SafeLoader):
-    pass
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        """A mapping whose keys are each given once: YAML would keep the last of two ``setup:`` silently."""
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: SafeLoader says so itself
+                continue
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice (first on line {first + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
+_NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 _Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:int"]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _NUMBERS]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:int",
-    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
-    list("-+0123456789"),
-)
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"), list("-+0123456789"))
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$"),
+                              list("-+.0123456789"))
 
 
 def load_yaml(text: str, where: str) -> Any:
@@ -203,13 +223,47 @@ def whole_number(value: Any, where: str, minimum: int = 0) -> int:
     return value
 
 
+def one_line(value: str, where: str) -> str:
+    """``value`` without the line end a YAML block (``|``, ``>``) adds; a line break inside is one line naming
+    ``where``: it would start a new line of the script (a command before the ``#SBATCH`` lines ends them)."""
+    value = value.strip()
+    if "\n" in value or "\r" in value:
+        raise UserError(f"{where} must be one line (it goes into the scripts' #SBATCH and comment lines), "
+                        f"got {value!r}")
+    return value
+
+
 def text_or_none(value: Any, where: str) -> str | None:
-    """Text (numbers become text) or None; anything else is one line naming ``where``."""
-    if value is None or isinstance(value, str):
+    """One line of text (numbers become text) or None; anything else is one line naming ``where``."""
+    if value is None:
         return value
-    if isinstance(value, (int, float)):
-        return str(value)
+    if isinstance(value, bool):
+        raise UserError(f"{where} must be text or null, got {value!r} (YAML reads yes/no/on/off/true/false as "
+                        "true or false: write null for none, or quote a name)")
+    if isinstance(value, (str, int, float)):
+        return one_line(str(value), where)
     raise UserError(f"{where} must be text or null, got {value!r}")
+
+
+def flag(value: Any, where: str, default: bool = False) -> bool:
+    """``true`` or ``false`` (``default`` when missing); quoted text is one line naming ``where``."""
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise UserError(f"{where} must be true or false, got {value!r}")
+    return value
+
+
+#: A name Slurm and a shell read as one word: a site, a partition, a GPU model, a feature, an account.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]*")
+
+
+def slurm_name(value: Any, where: str) -> str:
+    """``value`` when it is one word of letters, digits and ``. _ : + -``, else one line naming ``where``."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or not _NAME.fullmatch(str(value)):
+        raise UserError(f"{where} must be one word of letters, digits and . _ : + - (it goes into #SBATCH and "
+                        f"shell lines), got {value!r}")
+    return str(value)
 
 
 def _string_list(value: Any, where: str) -> tuple[str, ...]:
@@ -217,7 +271,7 @@ def _string_list(value: Any, where: str) -> tuple[str, ...]:
         return ()
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise UserError(f"{where} must be a list of names, e.g. [a100], got {value!r}")
-    return tuple(value)
+    return tuple(slurm_name(item, where) for item in value)
 
 
 def _checked_time(value: Any, where: str) -> str:
@@ -264,23 +318,29 @@ def _parse_partition(name: str, data: Any, where: str) -> Partition:
             memory_to_mb(mem)
         except ValueError as err:
             raise UserError(f"{where}.mem_per_node: {err}") from None
+    cpus_per_node = whole_number(data["cpus_per_node"], f"{where}.cpus_per_node", 1)
     cpus_per_gpu = data.get("cpus_per_gpu")
     if gpus and cpus_per_gpu is None:
         raise UserError(f"{where}: a partition with GPUs needs cpus_per_gpu")
+    if cpus_per_gpu is not None:
+        cpus_per_gpu = whole_number(cpus_per_gpu, f"{where}.cpus_per_gpu", 1)
+        if cpus_per_gpu * gpus > cpus_per_node:
+            raise UserError(f"{where}: cpus_per_gpu {cpus_per_gpu} x gpus_per_node {gpus} is "
+                            f"{cpus_per_gpu * gpus} cores, more than cpus_per_node {cpus_per_node}")
     max_time = data.get("max_time")
     links = _parse_links(data.get("links"), f"{where}.links")
     if not gpus and any(link.per == "gpu" for link in links.values()):
         raise UserError(f"{where}.links: GPU links ({', '.join(links)}) on a partition without GPUs")
     return Partition(
         name=name,
-        description=str(data.get("description") or name),
-        cpus_per_node=whole_number(data["cpus_per_node"], f"{where}.cpus_per_node", 1),
+        description=text_or_none(data.get("description"), f"{where}.description") or name,
+        cpus_per_node=cpus_per_node,
         mem_per_node=mem,
         gpus_per_node=gpus,
         gpu_types=_string_list(data.get("gpu_types"), f"{where}.gpu_types"),
         gpu_memory=text_or_none(data.get("gpu_memory"), f"{where}.gpu_memory"),
-        typed_gres=bool(data.get("typed_gres", False)),
-        cpus_per_gpu=None if cpus_per_gpu is None else whole_number(cpus_per_gpu, f"{where}.cpus_per_gpu", 1),
+        typed_gres=flag(data.get("typed_gres"), f"{where}.typed_gres"),
+        cpus_per_gpu=cpus_per_gpu,
         features=_string_list(data.get("features"), f"{where}.features"),
         max_time=None if max_time is None else _checked_time(max_time, f"{where}.max_time"),
         links=links,
@@ -299,9 +359,11 @@ def load_site(path: Path) -> Site:
             raise UserError(f"{where}: '{key}' is required")
     if data["name"] != path.stem:
         raise UserError(f"{where}: name is {data['name']!r} but must match the file name {path.stem!r}")
+    slurm_name(data["name"], f"{where}: name")
     if not isinstance(data["partitions"], dict) or not data["partitions"]:
         raise UserError(f"{where}: partitions must map partition names to their sizes")
-    partitions = {str(name): _parse_partition(str(name), part, f"{where}: partitions.{name}")
+    partitions = {slurm_name(name, f"{where}: partitions.{name}"):
+                  _parse_partition(str(name), part, f"{where}: partitions.{name}")
                   for name, part in data["partitions"].items()}
     defaults = data["default_partitions"]
     if not isinstance(defaults, dict) or set(defaults) != {"cpu", "gpu"}:
@@ -314,13 +376,16 @@ def load_site(path: Path) -> Site:
     setup = data.get("setup") or []
     if not isinstance(setup, list) or not all(isinstance(line, str) for line in setup):
         raise UserError(f"{where}: setup must be a list of shell lines")
+    account, reservation = (data.get(key) for key in ("account", "reservation"))
     return Site(
         name=data["name"],
-        title=str(data.get("title") or data["name"]),
-        source=str(data.get("source") or ""),
-        account=text_or_none(data.get("account"), f"{where}: account"),
-        account_required=bool(data.get("account_required", False)),
-        reservation=text_or_none(data.get("reservation"), f"{where}: reservation"),
+        title=text_or_none(data.get("title"), f"{where}: title") or data["name"],
+        source=text_or_none(data.get("source"), f"{where}: source") or "",
+        account=None if account is None else slurm_name(text_or_none(account, f"{where}: account"),
+                                                         f"{where}: account"),
+        account_required=flag(data.get("account_required"), f"{where}: account_required"),
+        reservation=None if reservation is None else slurm_name(text_or_none(reservation, f"{where}: reservation"),
+                                                                 f"{where}: reservation"),
         max_time=_checked_time(data["max_time"], f"{where}: max_time"),
         default_partitions=dict(defaults),
         partitions=partitions,
@@ -342,8 +407,12 @@ def load_sites(sites_dir: Path = SITES_DIR) -> dict[str, Site]:
 
 def find_site(name: str, sites_dir: Path = SITES_DIR) -> Site:
     """The profile called ``name``; an unknown name is one line listing the known ones."""
+    known = site_names(sites_dir)
+    stem = Path(name).name.removesuffix(".yaml").removesuffix(".yml")
+    if stem != name and stem in known:  # `--site aurora.yaml` or `--site slurm/sites/aurora.yaml`
+        raise UserError(f"site {name!r}: give the profile's name, {stem!r}, not its file")
     path = sites_dir / f"{name}.yaml"
     if not path.is_file():
-        known = ", ".join(site_names(sites_dir)) or "none"
-        raise UserError(f"unknown site {name!r} (known sites: {known}; add slurm/sites/{name}.yaml)")
+        raise UserError(f"unknown site {name!r} (known sites: {', '.join(known) or 'none'}; "
+                        f"add slurm/sites/{stem}.yaml)")
     return load_site(path)

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from common.slurm.rendering import find_templates
-from common.slurm.sites import site_names
+from common.slurm.rendering import find_templates, renderings
+from common.slurm.sites import load_sites, site_names
 from helpers import load_script
 from testbed import Submission
 
@@ -34,11 +34,11 @@ SITES = site_names()
 
 
 def site_template_pairs() -> list[tuple[str, str]]:
-    """(site, rendered script path) for every template and every site it is for, as --all-sites does."""
-    pairs = []
+    """(site, rendered script path) for every template and every site that can run it, as --all-sites does."""
+    pairs, profiles = [], load_sites()
     for template, relative in find_templates(TEMPLATE_FOLDERS):
-        only = render_sbatch.read_template(template).request.get("sites")
-        pairs += [(site, str(relative)) for site in SITES if only is None or site in only]
+        rendered, _ = renderings(render_sbatch.read_template(template), profiles)
+        pairs += [(site, str(relative)) for site in rendered]
     return pairs
 
 
@@ -46,7 +46,7 @@ PAIRS = site_template_pairs()
 
 
 def training_site(script: str) -> str:
-    """The site whose rendering of ``script`` trains for real: generic, else the first site it is for."""
+    """The site whose rendering of ``script`` trains for real: generic, else the first site that can run it."""
     sites = [site for site, rendered in PAIRS if rendered == script]
     return "generic" if "generic" in sites else sorted(sites)[0]
 
