@@ -223,3 +223,24 @@ def test_a_local_sweep_writes_each_task_into_its_own_folder_with_curves_that_mat
     assert costs == sorted(costs)
     assert "Every task completed." in section.paragraphs
     assert json.loads(json.dumps(sweep))  # the record is plain JSON
+
+
+def test_submitit_when_sbatch_refuses_is_one_line_and_the_plan_stays_for_the_next_try(tmp_path, monkeypatch, capsys):
+    """A login node whose Slurm does not answer: submitit prints sbatch's words and raises them with a
+    traceback; the lab ends after them in one line, exit 2, and a second try goes as far again."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name, body in (("srun", "exit 0"),  # submitit picks Slurm where srun is on PATH
+                       ("sbatch", 'echo "sbatch: error: Batch job submission failed: Unable to contact slurm '
+                                  'controller (connect failure)" >&2; exit 1')):
+        (tools / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tools / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    folder = tmp_path / "sweep"
+    for _ in range(2):
+        assert run_main("labs/lab09_many_jobs/05_submitit.py", [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert err == ("sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)\n"
+                       "error: sbatch refused the array (exit status 1; its words above), nothing was submitted: the "
+                       f"plan in {folder} stays, run this again once `sinfo` answers\n")
+        assert shared.read_plan(folder).submissions() == []

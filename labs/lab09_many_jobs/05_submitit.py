@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from common.cli import input_file, output_dir, positive_int, script_parser
-from common.errors import run_main
+from common.errors import UserError, run_main
 from labs.lab09_many_jobs.lab09_shared import (ENDED, check_with_script, prepare_folder, read_plan, run_task, status_table,
                                                sweep_status, write_plan, write_sweep_record)
 
@@ -70,8 +70,13 @@ def main(argv: list[str] | None = None) -> int:
                                slurm_array_parallelism=args.parallel,
                                **({"slurm_partition": args.partition} if args.partition else {}))
     began = time.perf_counter()
-    jobs = executor.map_array(train_one, [str(plan.folder)] * len(plan.tasks), [t.index for t in plan.tasks],
-                              [extra] * len(plan.tasks))  # one sbatch --array, one task per argument
+    try:
+        jobs = executor.map_array(train_one, [str(plan.folder)] * len(plan.tasks), [t.index for t in plan.tasks],
+                                  [extra] * len(plan.tasks))  # one sbatch --array, one task per argument
+    except submitit.core.utils.FailedJobError as err:  # submitit has printed sbatch's own words; no traceback
+        status = getattr(err.__cause__, "returncode", "?")
+        raise UserError(f"sbatch refused the array (exit status {status}; its words above), nothing was submitted: "
+                        f"the plan in {plan.folder} stays, run this again once `sinfo` answers") from None
     submitted = time.perf_counter() - began
     array_id = jobs[0].job_id.split("_")[0]
     plan.add_submission("submitit", array_id, [t.index for t in plan.tasks], seconds=submitted)
