@@ -77,7 +77,9 @@ def readme_outputs(readme: Path) -> list[tuple[str, Path]]:
     """(command, output) for every write flag a README's bash commands give a relative path."""
     found = []
     text = readme.read_text(encoding="utf-8")
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    blocks += re.findall(r"(?<!`)`((?:python|bash|torchrun) [^`]*)`", text)  # commands in the prose
+    for block in blocks:
         for command in block.replace("\\\n", " ").splitlines():
             try:
                 words = shlex.split(command, comments=True)
@@ -89,8 +91,13 @@ def readme_outputs(readme: Path) -> list[tuple[str, Path]]:
             for flag, value in zip(words, words[1:]):
                 if flag == "--results-dir":
                     results_dir = Path(value)
+            report = any(word.endswith("compare_results.py") for word in words)  # it reads --results-dir
+            if report and "--output-report" not in words and not re.fullmatch(r"[A-Z_]+", str(results_dir)):
+                found.append((command.strip(), results_dir / "comparison_report.html"))  # the report's default
             for flag, value in zip(words, words[1:]):
                 if flag not in WRITE_FLAGS or value.startswith(("/", "~", "$", "<")) or "$" in value:
+                    continue
+                if re.fullmatch(r"[A-Z_]+", value) or (report and flag == "--results-dir"):  # DIR: yours to name
                     continue
                 path = Path(value)
                 if flag in ("--output-report", "--csv"):  # what the report's command line makes of it
