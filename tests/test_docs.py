@@ -40,6 +40,15 @@ def test_readme_links_point_at_files_that_exist():
             assert (readme.parent / target).exists(), f"{readme.relative_to(REPO)} links to missing {target}"
 
 
+def test_the_course_map_has_a_row_for_every_chapter_and_lab():
+    readme = (REPO / "README.md").read_text()
+    course_map = readme.split("## Course map", 1)[1].split("\n\n", 2)[1]
+    rows = re.findall(r"^\| .*?\]\(((?:chapters|labs)/[^/)]+)/README\.md\)", course_map, re.M)
+    folders = sorted(str(path.parent.relative_to(REPO)) for part in ("chapters", "labs")
+                     for path in (REPO / part).glob("*/README.md"))
+    assert len(folders) >= 11 and sorted(rows) == folders
+
+
 def test_every_reference_record_reads_and_says_where_its_energy_is():
     """The docs quote these records: each one reads, has an energy entry (version 2 on: a measured
     number or why none could be read), and the docs name the machine each came from. Records of
