@@ -224,6 +224,14 @@ def test_a_local_sweep_writes_each_task_into_its_own_folder_with_curves_that_mat
     assert "Every task completed." in section.paragraphs
     assert json.loads(json.dumps(sweep))  # the record is plain JSON
 
+    # Recorded again (as after a resubmission): one section, from the latest record, which says so.
+    assert run_main(STATUS, ["--sweep-dir", str(folder), "--record"]) == 0
+    again = [r for r in load_records(folder, recursive=False).records if r["lab"] == "lab09"]
+    sections, _ = lab_sections(runs_frame(again, folder), plots=False)
+    (section,) = [s for s in sections if s.title.startswith("Lab 09: sweep")]
+    assert len(again) == 2 and section.title == f"Lab 09: sweep {sweep['config']['sweep_id']} (local)"
+    assert section.paragraphs[0].endswith("(every attempt); the latest of 2 records of it.")
+
 
 def test_submitit_when_sbatch_refuses_is_one_line_and_the_plan_stays_for_the_next_try(tmp_path, monkeypatch, capsys):
     """A login node whose Slurm does not answer: submitit prints sbatch's words and raises them with a

@@ -12,6 +12,8 @@ and when they were submitted.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 
 from common.report.plots import axes, plain, png_figure
@@ -91,6 +93,11 @@ def _way(sweep: Row, tasks: pd.DataFrame) -> dict:
 @register_section("lab09", scaling=False)
 def lab09_sections(ctx: SectionContext) -> list[Section]:
     sweeps = ctx.runs[ctx.runs["method"].fillna("").str.startswith("sweep-")].sort_values("created", kind="stable")
+    sweeps = sweeps.assign(folder=sweeps["file"].map(lambda f: str(Path(f).parent) if isinstance(f, str) else ""))
+    same = ["config.sweep_id", "config.how", "folder"]  # a sweep recorded again (after a resubmission): its last record
+    records = sweeps.groupby(same).size() if len(sweeps) else pd.Series(dtype=int)
+    sweeps = sweeps.drop_duplicates(same, keep="last") if len(sweeps) else sweeps
+    folders = sweeps.groupby(same[:2])["folder"].transform("size") if len(sweeps) else pd.Series(dtype=int)
     every_task, sections, ways = entries(sweeps, "metrics.tasks"), [], {}
     for label, sweep in zip(sweeps.index, sweeps.to_dict("records", into=Row)):
         tasks = _tasks(every_task[every_task["_run"] == label], sweep["metrics.varied_flags"])
@@ -100,13 +107,16 @@ def lab09_sections(ctx: SectionContext) -> list[Section]:
         paragraphs = [
             f"Sweep {sweep_id} of {script}, submitted as {how}: {len(tasks)} task(s); "
             f"{number(sweep['metrics.core_hours']) or 0:.4g} core-hours and "
-            f"{number(sweep['metrics.gpu_hours']) or 0:.4g} GPU-hours in all (every attempt).",
+            f"{number(sweep['metrics.gpu_hours']) or 0:.4g} GPU-hours in all (every attempt)"
+            + (f"; the latest of {n} records of it." if (n := records.get((sweep_id, how, sweep["folder"]), 1)) > 1
+               else "."),
             ("Tasks that did not complete: " + ", ".join(failed) + ".") if failed else "Every task completed.",
         ]
-        sections.append(Section(f"Lab 09: sweep {sweep_id} ({how})", id=f"lab09-{sweep['run_id']}",
+        where = f" in {sweep['folder']}" if folders[label] > 1 else ""  # the same sweep run in two folders
+        sections.append(Section(f"Lab 09: sweep {sweep_id} ({how}){where}", id=f"lab09-{sweep['run_id']}",
                                 paragraphs=paragraphs, figures=[cost_figure(tasks)] if ctx.plots else [],
                                 tables=[ranking_table(sweep, tasks, "accuracy"), ranking_table(sweep, tasks, "cost")]))
-        ways[sweep_id] = {"how": how, **_way(sweep, tasks)}  # a sweep recorded again after resubmission: its last word
+        ways[sweep_id] = {"how": how, **_way(sweep, tasks)}
     if len(ways) > 1:
         sections.append(Section("Lab 09: sbatch --array or submitit", tables=[table_from_frame(pd.DataFrame(list(
             ways.values())), {
