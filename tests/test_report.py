@@ -179,7 +179,13 @@ def test_report_and_csv_list_every_run_with_plots(tmp_path: Path, capsys: pytest
     assert "bubble_fraction" in page.sections["other-metrics"] and "0.27" in page.sections["other-metrics"]
     assert by_id[records[3]["run_id"]]["test accuracy"] == "97.5%"
 
-    assert len(page.images) == 3  # throughput, memory per device, scaling efficiency
+    # A figure of each kind per lab, each on its own scale: throughput, memory per device and scaling
+    # efficiency of lab01; throughput and memory of ch04 (one device: no efficiency); lab02's memory alone.
+    plots = page.sections["plots"]
+    assert len(page.images) == 6 and [plots.count(f"{lab}: throughput") for lab in ("lab01", "ch04", "lab02")] == [1, 1, 0]
+    assert [plots.count(f"{lab}: peak memory") for lab in ("lab01", "ch04", "lab02")] == [1, 1, 1]
+    assert "lab01: scaling efficiency" in plots and "ch04: scaling efficiency" not in plots
+    assert "expected for DDP" not in plots  # a legend inside the PNG; the caption does not name it
     for src in page.images:
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1]).startswith(b"\x89PNG\r\n\x1a\n")
@@ -385,7 +391,7 @@ def test_a_record_with_almost_nothing_shows_dashes(tmp_path: Path) -> None:
     # A column no run has a value in is not shown at all (a column of dashes teaches nothing).
     assert set(cells) == {"run", "lab", "method", "machine", "devices", "status"}
     assert page.images == []  # nothing to plot
-    assert "nothing to plot" in page.sections["plots"]
+    assert "No run recorded throughput or memory for these plots" in page.sections["plots"]
 
 
 def test_repeats_are_combined_with_the_median(tmp_path: Path) -> None:
@@ -691,5 +697,44 @@ def test_a_record_without_a_device_does_not_make_the_report_mix_machines(tmp_pat
                              config={"tasks": 1}, metrics={"core_hours": 0.5}, provenance=sweep), folder)
     page = report(folder, "--no-plots")
     assert len(page.tables["summary-table"]) == 2 and "mixes records of different machines" not in page.sections["warnings"]
+    header = (folder.parent / "results-report.html").read_text(encoding="utf-8")
+    assert ": 2 runs from 1 lab on 1 machine · " in header  # the page's count is the warning's
     write_run(folder, lab="lab09", method="custom", host="gpu-node-2")
     assert "2 machines: this report mixes records" in report(folder, "--no-plots").sections["warnings"]
+    assert ": 3 runs from 1 lab on 2 machines · " in (folder.parent / "results-report.html").read_text(encoding="utf-8")
+
+
+def test_text_where_the_summary_reads_a_number_is_warned_with_its_key(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    run = write_run(folder, metrics={"samples_per_s": "fast", "final_loss": [1.0]})
+    warnings = report(folder, "--no-plots").sections["warnings"]
+    assert f"run {run['run_id']} (lab01 baseline): metrics.samples_per_s is 'fast', not a number" in warnings
+    assert "metrics.final_loss is [1.0], not a number: the tables show —" in warnings
+    assert "No warnings" not in warnings
+
+
+def test_a_read_only_results_folder_is_said_before_the_report_is_built(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A folder of someone else's records (a course's shared results) takes no report beside them."""
+    folder = tmp_path / "results"
+    write_run(folder)
+    writable = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if Path(path) == folder else writable(path, mode))
+    with pytest.raises(SystemExit) as stopped:
+        run_main(compare_results.main, ["--results-dir", str(folder), "--no-plots"])
+    assert stopped.value.code == 2 and capsys.readouterr().err == (
+        f"error: cannot write into {folder} (read-only here): give --output-report and --csv elsewhere\n")
+    assert sorted(p.suffix for p in folder.iterdir()) == [".json"]
+
+
+def test_energy_without_any_measurement_is_one_paragraph_not_a_table_of_dashes(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    write_run(folder)
+    page = report(folder, "--no-plots")
+    assert page.sections["energy"].split()[:8] == ["Energy", "0", "of", "1", "run(s)", "measured", "their", "energy:"]
+    assert "Why energy was unavailable: this script does not measure energy" in page.sections["energy"]
+    assert "energy-table" not in page.tables and "Hover" not in page.sections["energy"]
+    write_record(make_record(lab="lab01", script="labs/lab01/train.py", method="ddp", config={}, metrics={},
+                             energy={"status": "ok", "joules": 120.0, "joules_per_sample": 0.5, "watts": 60.0,
+                                     "source": "nvml"}, provenance=provenance()), folder)
+    page = report(folder, "--no-plots")
+    assert [row["cells"]["energy"] for row in page.tables["energy-table"]].count("ok") == 1

@@ -123,7 +123,8 @@ def test_report_renders_in_chromium(tmp_path: Path) -> None:
     result = json.loads(html.unescape(found.group(1)))
     assert result["title"] == "Results comparison: results"
     assert result["alerts"] == 0 and result["scripts"] == 2  # only the two the test added
-    assert len(result["images"]) == 3
+    drawn = outcome.report_path.read_text(encoding="utf-8").count("<img ")  # a figure of each kind per lab
+    assert len(result["images"]) == drawn >= 3
     assert all(image["ok"] for image in result["images"]), result["images"]
     assert sorted(result["row_ids"]) == sorted(r["run_id"] for r in records)
     assert ALERT_NAME in result["method_cells"]

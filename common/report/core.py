@@ -24,6 +24,8 @@ MAX_EXTRA_METRICS = 14
 #: Longer text in "Other metrics" is cut here, the whole of it on hover: a sentence in a cell made its row 200 px tall.
 MAX_METRIC_TEXT = 40
 DP_METHODS = ("dp", "dataparallel")
+#: The record keys the summary reads as numbers: a record that holds text there gets a warning, not a silent dash.
+NUMBER_KEYS = [f"metrics.{name}" for name in SUMMARY_METRICS if name not in ("devices", "memory")]
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ def out_of_range(runs: pd.DataFrame) -> list[Finding]:
     findings = []
     for run in runs.to_dict("records"):
         subject = f"run {run['run_id']} ({run['lab']} {run['method']})"
+        findings += [Finding(subject, f"{key} is {run[key]!r}, not a number: the tables show {MISSING}") for key in
+                     NUMBER_KEYS if number(run.get(key)) is None and not is_missing(run.get(key))]
         if run["status"] != "ok":
             reason = f": {run['notes'][0]}" if run["notes"] else ""
             findings.append(Finding(subject, f"status is '{run['status']}'{reason}"))
@@ -68,9 +72,14 @@ def out_of_range(runs: pd.DataFrame) -> list[Finding]:
     return findings
 
 
+def measuring_machines(runs: pd.DataFrame) -> list[str]:
+    """The machines of the runs with a device: not Lab-09's sweep records, made on a login node."""
+    return sorted({str(m) for m in runs.loc[runs["device_type"].notna(), "machine"].dropna()})
+
+
 def mixed_machines(runs: pd.DataFrame) -> list[Finding]:
-    """One warning when runs with a device (not Lab-09's sweep, on a login node) come from several machines."""
-    machines = sorted({str(m) for m in runs.loc[runs["device_type"].notna(), "machine"].dropna()})
+    """One warning when runs with a device come from several machines."""
+    machines = measuring_machines(runs)
     if len(machines) < 2:
         return []
     return [Finding(f"{len(machines)} machines", (
@@ -188,11 +197,12 @@ def configurations_section(configs: pd.DataFrame) -> Section | None:
 
 
 def plots_section(configs: pd.DataFrame) -> Section:
-    figures = [fig for fig in (plots.throughput_figure(configs), plots.memory_figure(configs),
-                               plots.efficiency_figure(configs)) if fig is not None]
-    if not figures:
-        return Section("Plots", paragraphs=["No run recorded throughput or memory, so there is nothing to plot."])
-    return Section("Plots", figures=figures)
+    """Throughput, memory and efficiency per configuration, a figure of each per lab (their units and scales differ)."""
+    figures = [fig for lab, group in configs.groupby(configs["lab"].fillna(MISSING)) for fig in (
+        plots.throughput_figure(group, lab), plots.memory_figure(group, lab), plots.efficiency_figure(group, lab))
+        if fig is not None]
+    return Section("Plots", figures=figures, paragraphs=[] if figures else [
+        "No run recorded throughput or memory for these plots; a lab's own figures are in its section."])
 
 
 def _metric(value: object) -> Cell:
@@ -243,10 +253,11 @@ def energy_section(runs: pd.DataFrame) -> Section:
         **RUN, "lab": "lab", "method": "method", "energy": _energy, "joules": ("joules", "num"), "source": "source",
         "J / sample": ("joules_per_sample", "{:.3g}"), "mean W": ("watts", "{:.3g}")}, id="energy-table")
     reasons = sorted({row[3].title for row in table.rows if row[3].text == "unavailable" and row[3].title})
-    return Section("Energy", paragraphs=[
+    return Section("Energy", paragraphs=[  # no table of dashes where no run measured any
         f"{ok.sum()} of {len(runs)} run(s) measured their energy: NVML's counter of each GPU plus the RAPL counters "
-        "of each node's CPU packages where readable, else Slurm's ConsumedEnergy (common/measure/energy.py). Hover "
-        "over 'unavailable' for the reason; no number is estimated."], tables=[table],
+        "of each node's CPU packages where readable, else Slurm's ConsumedEnergy (common/measure/energy.py)."
+        + (" Hover over 'unavailable' for the reason." if ok.any() else "") + " No number is estimated."],
+        tables=[table] if ok.any() else [],
         notes=[f"Why energy was unavailable: {reason}" for reason in reasons[:5]])
 
 

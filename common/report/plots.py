@@ -45,12 +45,12 @@ def plain(label: str) -> str:
 
 
 def _configuration_axes(configs: pd.DataFrame, inches_per_bar: float = 0.32) -> tuple[pd.DataFrame, str, MplFigure, Any]:
-    """At most MAX_BARS configurations, a caption's note when some were left out, and a figure with a labelled row
-    per configuration, first at the top."""
+    """At most MAX_BARS configurations (of one lab), a caption's note when some were left out, and a figure with a
+    labelled row per configuration, first at the top."""
     note = f" Showing the first {MAX_BARS} of {len(configs)} configurations; the tables list all." \
         if len(configs) > MAX_BARS else ""
     data = configs.head(MAX_BARS)
-    parts = (["lab"] if data["lab"].nunique() > 1 else []) + ["method", "devices", "model", "machine"]
+    parts = ["method", "devices", "model", "machine"]
     labels = [plain(" · ".join(f"{v} dev" if key == "devices" else str(v) for key, v in zip(parts, row)
                                if not is_missing(v))) for row in data[parts].itertuples(index=False)]
     fig, ax = axes(9, 1.2 + inches_per_bar * len(data))
@@ -65,7 +65,7 @@ def _method_colors(data: pd.DataFrame) -> list[str]:
     return [f"C{methods.index(str(method)) % 10}" for method in data["method"]]  # tab10's ten colours
 
 
-def throughput_figure(configs: pd.DataFrame) -> Figure | None:
+def throughput_figure(configs: pd.DataFrame, lab: str) -> Figure | None:
     """Median samples/s per configuration, with the range over repeats as an error bar."""
     if configs["samples_per_s"].isna().all():
         return None
@@ -75,11 +75,11 @@ def throughput_figure(configs: pd.DataFrame) -> Figure | None:
               (data["samples_per_s_max"].to_numpy() - median).clip(min=0)]
     ax.barh(range(len(data)), median, xerr=errors, color=_method_colors(data), capsize=3)
     ax.set_xlabel("throughput (samples/s, whole job)")
-    return png_figure(fig, alt="Bar chart of throughput in samples per second for each configuration",
-                      caption="Throughput per configuration: median over repeats, bar = min to max." + note)
+    return png_figure(fig, alt=f"Bar chart of throughput in samples per second for each configuration of {lab}",
+                      caption=f"{lab}: throughput per configuration, median over repeats, bar = min to max." + note)
 
 
-def memory_figure(configs: pd.DataFrame) -> Figure | None:
+def memory_figure(configs: pd.DataFrame, lab: str) -> Figure | None:
     """Peak memory of every device of each configuration, side by side, so an imbalance shows."""
     measured = configs[configs["memory_per_device"].map(len) > 0]
     if measured.empty:
@@ -98,23 +98,25 @@ def memory_figure(configs: pd.DataFrame) -> Figure | None:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     note += f" Only the first {shown} devices of each configuration are drawn." if widest > shown else ""
     sources = "; ".join(sorted({s for s in data["memory_source"] if s})) or "source not recorded"
-    return png_figure(fig, alt="Bar chart of peak memory per device for each configuration",
-                      caption=f"Peak memory per device ({sources})." + note)
+    return png_figure(fig, alt=f"Bar chart of peak memory per device for each configuration of {lab}",
+                      caption=f"{lab}: peak memory per device ({sources})." + note)
 
 
-def efficiency_figure(configs: pd.DataFrame) -> Figure | None:
-    """Scaling efficiency of multi-device configurations against the ideal and the expected floor."""
+def efficiency_figure(configs: pd.DataFrame, lab: str) -> Figure | None:
+    """Scaling efficiency of multi-device configurations against the ideal, and DDP's floor where GPUs ran: processes
+    sharing a CPU's cores are not expected to reach it (the warnings exempt them too)."""
     if configs["scaling_efficiency"].isna().all():
         return None
     data, note, fig, ax = _configuration_axes(configs[configs["scaling_efficiency"].notna()])
     ax.barh(range(len(data)), data["scaling_efficiency"] * 100, color=_method_colors(data))
     ax.axvline(100, color="black", linewidth=1, label="ideal (100%)")
-    ax.axvline(DDP_MIN_EFFICIENCY * 100, color="tab:red", linestyle="--", linewidth=1,
-               label=f"expected for DDP (≥ {DDP_MIN_EFFICIENCY:.0%})")
+    if (data["device_type"].fillna("cpu") != "cpu").any():
+        ax.axvline(DDP_MIN_EFFICIENCY * 100, color="tab:red", linestyle="--", linewidth=1,
+                   label=f"expected for DDP on GPUs (≥ {DDP_MIN_EFFICIENCY:.0%})")
     ax.set_xlabel("scaling efficiency (%) = throughput / (devices × baseline throughput)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
-    return png_figure(fig, alt="Bar chart of scaling efficiency for each multi-device configuration",
-                      caption="Scaling efficiency against the single-device baseline on the same machine." + note)
+    return png_figure(fig, alt=f"Bar chart of scaling efficiency for each multi-device configuration of {lab}",
+                      caption=f"{lab}: scaling efficiency against the single-device baseline on the same machine." + note)
 
 
 def finish_axes(ax: Any, grid: str = "both", legend: str = "best", **settings: Any) -> None:

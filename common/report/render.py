@@ -52,6 +52,9 @@ def build_report(results_dir: str | os.PathLike[str], output_report: str | os.Pa
         raise UserError(f"{report_path if report_path.is_dir() else csv_out} is a folder; give a file name")
     if report_path.resolve() == csv_out.resolve():
         raise UserError(f"the report and the CSV would both be {report_path}; give --csv another name")
+    for place in {report_path.parent, csv_out.parent}:
+        if place.is_dir() and not os.access(place, os.W_OK):  # said now, not after the whole report is built
+            raise UserError(f"cannot write into {place} (read-only here): give --output-report and --csv elsewhere")
 
     loaded = load_records(folder)
     # A skipped file's name as the user knows it: relative to the results folder when inside it.
@@ -77,8 +80,9 @@ def build_report(results_dir: str | os.PathLike[str], output_report: str | os.Pa
     sections = [warned, core.summary_section(runs), core.configurations_section(configs),
                 core.plots_section(configs) if plots else None, *extra_sections, core.energy_section(runs),
                 core.other_metrics_section(runs), core.provenance_section(runs)]
+    machines = len(core.measuring_machines(runs)) or runs["machine"].nunique()  # as the mixed-machines warning counts
     facts = [f"{_plural(len(runs), 'run')} from {_plural(runs['lab'].nunique(), 'lab')} on "
-             f"{_plural(runs['machine'].nunique(), 'machine')}", _plural(len(skipped), "file") + " skipped",
+             f"{_plural(machines, 'machine')}", _plural(len(skipped), "file") + " skipped",
              _plural(len(warned.items), "warning"), *([] if plots else ["plots not generated (--no-plots)"])]
     html = core.page(title or f"Results comparison: {folder.resolve().name}", facts, sections, folder.resolve())
     try:

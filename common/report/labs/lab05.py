@@ -169,7 +169,7 @@ def _accuracy_figure(points: pd.DataFrame, title: str) -> Figure | None:
                       "the first crossing of the dotted line is the time to target.")
 
 
-@register_section("lab05")
+@register_section("lab05", scaling=False)  # each curve against its smallest point here, not against a baseline run
 def scaling_section(ctx: SectionContext) -> Section | None:
     points = _points(ctx.runs)
     if points.empty:
