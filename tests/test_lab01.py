@@ -160,6 +160,43 @@ def test_preempted_ddp_run_resumes_to_the_same_parameters(tmp_path, monkeypatch,
     assert _record(tmp_path / "cut")["metrics"]["loss_at_step"] == _record(tmp_path / "whole")["metrics"]["loss_at_step"]
 
 
+def test_scancel_s_sigterm_to_every_process_saves_even_with_loader_workers(tmp_path):
+    """``scancel``, pre-emption and torchrun's stop send SIGTERM to every process of the job, the DataLoader's workers
+    too: the workers leave it to the training process (``worker_ignores_sigterm``), which saves and exits 0, instead
+    of dying and making it raise "DataLoader worker ... is killed by signal: Terminated" with nothing saved."""
+    import os
+    import signal
+
+    import torch
+
+    argv = [PYTHON, str(REPO / DDP), "--device", "cpu", "--model", "plain_cnn", "--dataset", "synthetic",
+            "--image-size", "16", "--synthetic-size", "4096", "--batch-size", "16", "--epochs", "50",
+            "--num-workers", "2", "--log-interval", "1", "--results-dir", str(tmp_path / "r"),
+            "--checkpoint", str(tmp_path / "c.pt")]
+    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=script_env(),
+                           start_new_session=True)  # its own process group, as a job step's processes are
+    seen = []
+    for line in job.stdout:
+        seen.append(line)
+        if line.startswith("epoch 2 step"):  # the workers are up and serving batches
+            os.killpg(job.pid, signal.SIGTERM)  # what scancel does: every process of the step
+            break
+    out = "".join(seen) + job.communicate(timeout=180)[0]
+    assert job.returncode == 0, out[-3000:]
+    assert re.search(r"^received SIGTERM: saved \S+c\.pt at epoch 2 step \d+", out, re.M), out[-3000:]
+    assert "killed by signal" not in out and "Traceback" not in out
+    assert "model" in torch.load(tmp_path / "c.pt", weights_only=False)
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path) in _cmdline(pid)]
+    assert left == [] and not (tmp_path / "r").exists()  # stopped before the end: no record
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 @pytest.mark.parametrize("argv, method", [
     ([], "ddp"), (["--precision", "bf16"], "ddp-bf16"), (["--bucket-cap-mb", "100"], "ddp+bucket100mb"),
     (["--no-gradient-as-bucket-view", "--broadcast-buffers"], "ddp+no-bucket-view+broadcast-buffers"),

@@ -28,9 +28,10 @@ operation. :func:`make_loader` feeds them through a DataLoader (``num_workers`` 
 from __future__ import annotations
 
 import math
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, TensorDataset
@@ -38,6 +39,20 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, S
 from common.errors import UserError
 
 DATASETS = ("mnist", "digits", "cifar10", "imagefolder", "synthetic")
+
+
+def worker_ignores_sigterm(worker_id: int, then: Callable[[int], None] | None = None) -> None:
+    """A DataLoader's ``worker_init_fn``: the worker leaves SIGTERM to the training process, then runs ``then``.
+
+    ``scancel``, Slurm's pre-emption and torchrun's own stop send SIGTERM to every process of the job, the
+    loader's workers included. A worker dies of it (PyTorch's handler), and the training process, told by
+    SIGCHLD, raises "DataLoader worker ... is killed by signal: Terminated" wherever it is, before its
+    own SIGTERM handler can save a checkpoint. Ignoring it here, the worker lives until the training process
+    has saved and shut the loader down (or, were that process gone, until the worker sees its parent gone).
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if then is not None:
+        then(worker_id)
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 #: Above this many bytes a synthetic set is generated per sample instead of kept in memory.
@@ -273,7 +288,7 @@ def make_loader(dataset: Dataset, batch_size: int, *, shuffle: bool, sampler: Sa
     # global generator, and dropout masks would depend on the number of workers and of epochs begun.
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                         pin_memory=pin_memory, drop_last=drop_last, generator=torch.Generator().manual_seed(seed),
-                        **loader_kwargs)
+                        **{"worker_init_fn": worker_ignores_sigterm, **loader_kwargs})
     return loader, sampler
 
 
@@ -423,7 +438,7 @@ def make_global_batch_loader(dataset: Dataset, global_batch_size: int, *, rank: 
     sampler = GlobalBatchSampler(len(dataset), global_batch_size, rank=rank,  # type: ignore[arg-type]
                                  world_size=world_size, seed=seed)
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-                      persistent_workers=num_workers > 0)
+                      persistent_workers=num_workers > 0, worker_init_fn=worker_ignores_sigterm)
 
 
 # --------------------------------------------------------------------------------------------

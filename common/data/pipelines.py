@@ -36,7 +36,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, TensorDataset
 
-from common.data.datasets import MNIST_MEAN, MNIST_STD, get_dataset
+from common.data.datasets import MNIST_MEAN, MNIST_STD, get_dataset, worker_ignores_sigterm
 from common.errors import UserError
 from common.cli import DATASETS, PIPELINES
 
@@ -181,6 +181,7 @@ def make_loader(pipeline: str, data: Uint8Images, batch_size: int, *, shuffle: b
         worker_options["persistent_workers"] = persistent_workers
         if prefetch_factor is not None:
             worker_options["prefetch_factor"] = prefetch_factor
+    worker_options["worker_init_fn"] = worker_ignores_sigterm  # scancel's SIGTERM is the training process's
     if pipeline == "pil":
         return DataLoader(PilImages(data), batch_size=batch_size, shuffle=shuffle, num_workers=num_workers,
                           pin_memory=pin_memory, generator=generator, **worker_options)

@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader, Subset
 
 from common.train import amp
 from common.cli import add_common_args, add_precision_arg, positive_float, positive_int, script_parser
-from common.data.datasets import GlobalBatchSampler, make_loader
+from common.data.datasets import GlobalBatchSampler, make_loader, worker_ignores_sigterm
 from common.runtime.device import seed_everything
 from common.runtime.compat import ddp_buffer_sync
 from common.errors import run_main
@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         sampler = GlobalBatchSampler(len(splits.train), global_batch, rank=run.rank, world_size=run.world_size,
                                      seed=args.seed)
         train_loader = DataLoader(splits.train, batch_sampler=sampler, num_workers=args.num_workers,
-                                  pin_memory=device.type == "cuda", persistent_workers=args.num_workers > 0)
+                                  pin_memory=device.type == "cuda", persistent_workers=args.num_workers > 0,
+                                  worker_init_fn=worker_ignores_sigterm)  # scancel's SIGTERM: this process saves
         test_slice = Subset(splits.test, range(run.rank, len(splits.test), run.world_size))
         test_loader, _ = make_loader(test_slice, args.batch_size, shuffle=False, num_workers=args.num_workers)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,

@@ -42,7 +42,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from common.cli import add_common_args, add_precision_arg, positive_float, positive_int, script_parser
-from common.data.datasets import GlobalBatchSampler, load_stdlib_text
+from common.data.datasets import GlobalBatchSampler, load_stdlib_text, worker_ignores_sigterm
 from common.runtime.distributed import gather_objects
 from common.errors import UserError, run_main
 from common.train.evaluation import evaluate
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         sampler = GlobalBatchSampler(len(splits.train), args.global_batch_size, rank=run.rank,
                                      world_size=run.world_size, seed=args.seed)
         train_loader = DataLoader(splits.train, batch_sampler=sampler, num_workers=args.num_workers,
-                                  pin_memory=device.type == "cuda")
+                                  pin_memory=device.type == "cuda", worker_init_fn=worker_ignores_sigterm)
         validation = GlobalBatchSampler(len(splits.test), min(args.global_batch_size, len(splits.test)),
                                         rank=run.rank, world_size=run.world_size, shuffle=False)
         validation_loader = DataLoader(splits.test, batch_sampler=validation)

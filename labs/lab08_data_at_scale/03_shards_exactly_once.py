@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from common.atomic import write_text_atomic
+from common.data.datasets import worker_ignores_sigterm
 from common.cli import non_negative_float, output_dir, positive_int, script_parser
 from common.errors import UserError, run_main
 from common.runtime.distributed import gather_objects
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 
             # Whole batches come from each worker (batch_size=None); the loader keeps every worker's position.
             loader = StatefulDataLoader(stream, batch_size=None, num_workers=args.num_workers,
-                                        worker_init_fn=partial(set_metadata_latency, args.metadata_latency),
+                                        worker_init_fn=partial(worker_ignores_sigterm, then=partial(
+                                            set_metadata_latency, args.metadata_latency)),
                                         pin_memory=device.type == "cuda")
             plan = stream.describe(run.epoch)
             run.print(f"{plan['shards']} shard(s), {plan['samples']:,} samples, over {plan['slots']} reader slot(s) "

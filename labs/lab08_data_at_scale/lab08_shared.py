@@ -58,6 +58,7 @@ from webdataset.tariterators import group_by_keys, tar_file_iterator
 
 from common.checkpoint.single_file import load_checkpoint, save_checkpoint
 from common.cli import add_common_args, positive_float, positive_int
+from common.data.datasets import worker_ignores_sigterm
 from common.errors import UserError
 from common.runtime.device import synchronize
 from common.train.flags import add_checkpoint_args, add_training_args
@@ -724,7 +725,7 @@ def make_loader(fmt: str, data_dir: Path, *, batch_size: int, num_workers: int, 
     """The format's dataset and its loader; what it holds (``samples``, ``files``). Shards come as whole batches
     from each worker (:class:`ShardStream` deals them out); the other two through a seeded ``RandomSampler``,
     which draws only ``limit`` samples when given (the cost model's calibration: no batch made beyond it)."""
-    init = partial(set_metadata_latency, metadata_latency_ms)  # also in workers started with spawn
+    init = partial(worker_ignores_sigterm, then=partial(set_metadata_latency, metadata_latency_ms))  # spawn too
     common = dict(num_workers=num_workers, worker_init_fn=init, pin_memory=pin_memory)
     if fmt == "webdataset":
         stream = ShardStream(data_dir / "shards", batch_size=batch_size, num_workers=num_workers, seed=seed,
