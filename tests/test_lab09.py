@@ -9,13 +9,14 @@ The job array, the resubmission, the chain, the pipeline and submitit run on the
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, load_script, run_main, run_script, script_env
+from helpers import PYTHON, REPO, load_script, run_main, run_script, script_env
 
 LAB = "labs/lab09_many_jobs"
 SWEEP = f"{LAB}/01_sweep.py"
@@ -66,7 +67,7 @@ def test_bad_sweep_input_is_one_line_and_exit_2_with_nothing_written(tmp_path, b
     done = run_script(SWEEP, str(write_sweep(tmp_path, body)), "--sweep-dir", str(sweep_dir), "--local")
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
-    assert __import__("re").match(message, done.stderr), done.stderr
+    assert re.match(message, done.stderr), done.stderr
     assert not sweep_dir.exists()
 
 
@@ -252,3 +253,41 @@ def test_submitit_when_sbatch_refuses_is_one_line_and_the_plan_stays_for_the_nex
                        "error: sbatch refused the array (exit status 1; its words above), nothing was submitted: the "
                        f"plan in {folder} stays, run this again once `sinfo` answers\n")
         assert shared.read_plan(folder).submissions() == []
+
+
+def test_a_local_sweep_sent_sigterm_passes_it_to_the_training_which_saves_and_the_status_says_so(tmp_path):
+    """``kill`` on the sweep runner (or a job's end): the training it runs gets the signal and saves, the runner writes
+    the attempt's end and stops there (exit 0, one line), no training is left behind, and the status tells that
+    task from the ones never started; the same command later goes on from the checkpoint."""
+    import signal
+
+    sweep = write_sweep(tmp_path, "seed = 1\n[fixed]\ndataset = \"digits\"\nepochs = 40\nlog-interval = 1\n"
+                                  "[grid]\nlr = [0.3, 1.0]\n")
+    folder = tmp_path / "sweep"
+    runner = subprocess.Popen([PYTHON, str(REPO / SWEEP), str(sweep), "--local", "--device", "cpu", "--sweep-dir",
+                               str(folder)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=script_env())
+    seen = []
+    for line in runner.stdout:
+        seen.append(line)
+        if line.startswith("epoch 2 step"):  # task 0 trains
+            runner.send_signal(signal.SIGTERM)  # the runner alone, as `kill PID` sends it
+            break
+    out = "".join(seen) + runner.communicate(timeout=120)[0]
+    assert runner.returncode == 0, out[-3000:]
+    assert re.search(r"^received SIGTERM: saved \S+tasks/000/checkpoint\.pt at epoch 2 step \d+", out, re.M)
+    assert out.rstrip().endswith("task 0: stopped by SIGTERM; run the same command again to go on from here")
+    assert "task 1 attempt" not in out
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(folder) in _cmdline(pid)]
+    assert left == []
+    ended = json.loads((folder / "tasks" / "000" / "attempts.jsonl").read_text().splitlines()[-1])
+    assert (ended["exit"], ended["stopped_by"]) == (0, "SIGTERM")
+    statuses, _ = shared.sweep_status(shared.read_plan(folder))
+    assert [s.state for s in statuses] == ["UNFINISHED", "NOT SUBMITTED"]
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""

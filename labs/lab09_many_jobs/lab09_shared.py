@@ -36,7 +36,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import yaml
 
 from common.atomic import write_text_atomic
-from common.errors import UserError
+from common.errors import Stopped, UserError
 from common.results import load_records, make_record, provenance, write_record
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -345,10 +345,37 @@ def run_task(plan: Plan, index: int, extra: Sequence[str] = (), *, replace_proce
             while True:
                 time.sleep(60)
     else:
-        status = subprocess.run(command, check=False).returncode
+        status, stopped_by = run_passing_signals_on(command)
     with open(attempts, "a", encoding="utf-8") as out:
-        out.write(json.dumps({"attempt": attempt, "job": job, "ended": time.time(), "exit": status}) + "\n")
+        out.write(json.dumps({"attempt": attempt, "job": job, "ended": time.time(), "exit": status,
+                              **({"stopped_by": stopped_by} if stopped_by else {})}) + "\n")
+    if stopped_by == "SIGINT":
+        raise KeyboardInterrupt
+    if stopped_by:  # the training saved what it had (its own line says so); the tasks after it wait for the next run
+        print(f"task {index}: stopped by {stopped_by}; run the same command again to go on from here", flush=True)
+        raise Stopped
     return status
+
+
+def run_passing_signals_on(command: Sequence[str]) -> tuple[int, str | None]:
+    """Run ``command`` and wait for it; SIGTERM and SIGUSR1 sent to this process (``kill``, a job's end) go on
+    to it, so it saves and stops rather than train on alone; Ctrl-C reaches it from the terminal. Its exit
+    status, and the signal that stopped it, if any."""
+    child, received = subprocess.Popen(command), []
+
+    def pass_on(sig: int, _frame: object) -> None:
+        received.append(signal.Signals(sig).name)
+        child.send_signal(sig)
+
+    previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        status = child.wait()
+    except KeyboardInterrupt:  # the terminal sent SIGINT to both: the training stops by itself
+        status, received = child.wait(), ["SIGINT"]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return status, received[0] if received else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,8 +580,11 @@ def sweep_status(plan: Plan) -> tuple[list[TaskStatus], str | None]:
                 status.core_hours += seconds * len(os.sched_getaffinity(0)) / 3600
                 status.elapsed_s = seconds
             if ended:
-                status.state = "COMPLETED" if ended[-1]["exit"] == 0 else "FAILED"
+                last = ended[-1]  # exit 0 without a record is UNFINISHED (below): stopped by a signal, saved
+                status.state = "COMPLETED" if last["exit"] == 0 else "CANCELLED" if "stopped_by" in last else "FAILED"
                 status.cost_source = "local wall time x this machine's usable cores"
+            elif started:  # begun, no end written: running now, or its runner was killed
+                status.state = UNFINISHED
         losses, accuracy = read_curves(folder / "tensorboard")
         if losses:
             status.last_step = losses[-1][0]
