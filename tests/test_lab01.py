@@ -166,6 +166,7 @@ def test_scancel_s_sigterm_to_every_process_saves_even_with_loader_workers(tmp_p
     of dying and making it raise "DataLoader worker ... is killed by signal: Terminated" with nothing saved."""
     import os
     import signal
+    import time
 
     import torch
 
@@ -176,17 +177,22 @@ def test_scancel_s_sigterm_to_every_process_saves_even_with_loader_workers(tmp_p
     job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=script_env(),
                            start_new_session=True)  # its own process group, as a job step's processes are
     seen = []
-    for line in job.stdout:
-        seen.append(line)
-        if line.startswith("epoch 2 step"):  # the workers are up and serving batches
-            os.killpg(job.pid, signal.SIGTERM)  # what scancel does: every process of the step
-            break
-    out = "".join(seen) + job.communicate(timeout=180)[0]
+    try:
+        for line in job.stdout:
+            seen.append(line)
+            if line.startswith("epoch 2 step"):  # the workers are up and serving batches
+                os.killpg(job.pid, signal.SIGTERM)  # what scancel does: every process of the step
+                break
+        out = "".join(seen) + job.communicate(timeout=120)[0]
+        time.sleep(1)  # a worker notices its parent gone within a second
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path) in _cmdline(pid)]
+    finally:  # a run that does not stop must not train on beside the rest of the suite
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 0, out[-3000:]
     assert re.search(r"^received SIGTERM: saved \S+c\.pt at epoch 2 step \d+", out, re.M), out[-3000:]
     assert "killed by signal" not in out and "Traceback" not in out
     assert "model" in torch.load(tmp_path / "c.pt", weights_only=False)
-    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path) in _cmdline(pid)]
     assert left == [] and not (tmp_path / "r").exists()  # stopped before the end: no record
 
 

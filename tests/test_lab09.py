@@ -8,6 +8,7 @@ The job array, the resubmission, the chain, the pipeline and submitit run on the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import os
@@ -266,20 +267,23 @@ def test_a_local_sweep_sent_sigterm_passes_it_to_the_training_which_saves_and_th
     folder = tmp_path / "sweep"
     runner = subprocess.Popen([PYTHON, str(REPO / SWEEP), str(sweep), "--local", "--device", "cpu", "--sweep-dir",
                                str(folder)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=script_env())
+                              env=script_env(), start_new_session=True)
     seen = []
-    for line in runner.stdout:
-        seen.append(line)
-        if line.startswith("epoch 2 step"):  # task 0 trains
-            runner.send_signal(signal.SIGTERM)  # the runner alone, as `kill PID` sends it
-            break
-    out = "".join(seen) + runner.communicate(timeout=120)[0]
+    try:
+        for line in runner.stdout:
+            seen.append(line)
+            if line.startswith("epoch 2 step"):  # task 0 trains
+                runner.send_signal(signal.SIGTERM)  # the runner alone, as `kill PID` sends it
+                break
+        out = "".join(seen) + runner.communicate(timeout=120)[0]
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(folder) in _cmdline(pid)]
+    finally:  # nothing of it may train on beside the rest of the suite
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(runner.pid, signal.SIGKILL)
     assert runner.returncode == 0, out[-3000:]
     assert re.search(r"^received SIGTERM: saved \S+tasks/000/checkpoint\.pt at epoch 2 step \d+", out, re.M)
     assert out.rstrip().endswith("task 0: stopped by SIGTERM; run the same command again to go on from here")
-    assert "task 1 attempt" not in out
-    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(folder) in _cmdline(pid)]
-    assert left == []
+    assert "task 1 attempt" not in out and left == []
     ended = json.loads((folder / "tasks" / "000" / "attempts.jsonl").read_text().splitlines()[-1])
     assert (ended["exit"], ended["stopped_by"]) == (0, "SIGTERM")
     statuses, _ = shared.sweep_status(shared.read_plan(folder))
