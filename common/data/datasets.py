@@ -39,6 +39,15 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, S
 from common.errors import UserError
 
 DATASETS = ("mnist", "digits", "cifar10", "imagefolder", "synthetic")
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+#: Above this many bytes a synthetic set is generated per sample instead of kept in memory.
+SYNTHETIC_CACHE_LIMIT = 512 * 2**20
+#: ``--data-on-device auto`` keeps a data set on a GPU when it takes at most this share of the free
+#: memory: the rest is left for the model, its gradients, the optimiser and the activations.
+RESIDENT_SHARE = 0.5
+#: The choices of ``--data-on-device`` (:func:`resident_device`).
+RESIDENT_CHOICES = ("auto", "yes", "no")
 
 
 def worker_ignores_sigterm(worker_id: int, then: Callable[[int], None] | None = None) -> None:
@@ -53,15 +62,6 @@ def worker_ignores_sigterm(worker_id: int, then: Callable[[int], None] | None = 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if then is not None:
         then(worker_id)
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-#: Above this many bytes a synthetic set is generated per sample instead of kept in memory.
-SYNTHETIC_CACHE_LIMIT = 512 * 2**20
-#: ``--data-on-device auto`` keeps a data set on a GPU when it takes at most this share of the free
-#: memory: the rest is left for the model, its gradients, the optimiser and the activations.
-RESIDENT_SHARE = 0.5
-#: The choices of ``--data-on-device`` (:func:`resident_device`).
-RESIDENT_CHOICES = ("auto", "yes", "no")
 
 
 @dataclass
