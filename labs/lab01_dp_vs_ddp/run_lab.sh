@@ -55,10 +55,7 @@ if [[ $DEVICE == auto ]]; then
     DEVICE=$("$PYTHON" -c 'from common.runtime.device import device_type; print(device_type("auto"))')
 fi
 if [[ -z ${LAB01_NPROC:-} && $DEVICE == cuda ]]; then  # a DDP process per GPU: more would be refused at step 3
-    GPUS=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
-    if (( GPUS == 1 )); then
-        NPROC=1
-    fi
+    NPROC=$(ranks_on_gpus "$NPROC")
 fi
 if (( GLOBAL_BATCH % NPROC != 0 )); then
     echo "error: LAB01_GLOBAL_BATCH=$GLOBAL_BATCH does not divide between LAB01_NPROC=$NPROC processes" >&2

@@ -35,10 +35,7 @@ LAB_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=scripts/require_python.sh
 source "$LAB_DIR/../../scripts/require_python.sh"  # stops here when $PYTHON cannot run the course
 if [[ -z ${LAB08_NPROC:-} && $DEVICE != cpu ]]; then  # a rank per GPU: more would be refused at step 4
-    GPUS=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
-    if (( GPUS == 1 )); then
-        NPROC=1
-    fi
+    NPROC=$(ranks_on_gpus "$NPROC")
 fi
 
 if [[ $DEVICE == cpu ]]; then
