@@ -402,6 +402,15 @@ def test_syntax_error_names_the_line(tmp_path):
 
 # -- every template for every site (what CI submits) ---------------------------------------------
 
+def template_folder(tmp_path: Path, **job_blocks: str) -> Path:
+    """``tmp_path/templates`` holding a template per keyword: its job block's YAML, then its #SBATCH lines."""
+    folder = tmp_path / "templates"
+    folder.mkdir()
+    for name, block in job_blocks.items():
+        (folder / f"{name}.sbatch.j2").write_text("{# job:\n  " + block + "\n#}\n#!/bin/bash\n{{ job.sbatch }}\n")
+    return folder
+
+
 def test_all_sites_renders_every_pair_and_a_manifest(tmp_path, capsys):
     out = tmp_path / "out"
     assert rs.main(["--all-sites", str(out), str(HELLO.parent)]) == 0
@@ -415,10 +424,7 @@ def test_all_sites_renders_every_pair_and_a_manifest(tmp_path, capsys):
 
 
 def test_all_sites_skips_a_site_that_cannot_run_a_template_and_says_why(tmp_path, capsys):
-    templates = tmp_path / "templates"
-    templates.mkdir()
-    (templates / "eight_gpus.sbatch.j2").write_text(
-        "{# job:\n  gpus_per_node: 8\n  cpus_per_task: 1\n#}\n#!/bin/bash\n{{ job.sbatch }}\n")
+    templates = template_folder(tmp_path, eight_gpus="gpus_per_node: 8\n  cpus_per_task: 1")
     out = tmp_path / "out"
     assert rs.main(["--all-sites", str(out), str(templates)]) == 0
     printed = capsys.readouterr().out
@@ -472,10 +478,7 @@ def test_all_sites_renders_for_a_new_site_beside_the_generic_one_alone(tmp_path)
 
 
 def test_all_sites_fails_whole_when_a_template_is_wrong(tmp_path, capsys):
-    templates = tmp_path / "templates"
-    templates.mkdir()
-    (templates / "fine.sbatch.j2").write_text("{# job:\n  nodes: 1\n#}\n#!/bin/bash\n{{ job.sbatch }}\n")
-    (templates / "typo.sbatch.j2").write_text("{# job:\n  kind: tpu\n#}\n#!/bin/bash\n{{ job.sbatch }}\n")
+    templates = template_folder(tmp_path, fine="nodes: 1", typo="kind: tpu")
     out = tmp_path / "out"
     with pytest.raises(UserError, match=r"failed; nothing written") as raised:
         rs.main(["--all-sites", str(out), str(templates)])
@@ -501,10 +504,7 @@ def test_all_sites_writes_nothing_when_something_stands_where_it_writes(tmp_path
 
 
 def test_a_template_may_name_the_sites_it_is_for(tmp_path):
-    templates = tmp_path / "templates"
-    templates.mkdir()
-    (templates / "dgx2_only.sbatch.j2").write_text(
-        "{# job:\n  gpus_per_node: 16\n  sites: [sjtu-pi]\n#}\n#!/bin/bash\n{{ job.sbatch }}\n")
+    templates = template_folder(tmp_path, dgx2_only="gpus_per_node: 16\n  sites: [sjtu-pi]")
     out = tmp_path / "out"
     assert rs.main(["--all-sites", str(out), str(templates)]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
