@@ -151,8 +151,14 @@ def test_every_repository_template_renders_for_every_site_and_keeps_the_contract
         assert launches, f"{template.name}: no srun"
         # Every launch stops the others when one task fails; only staging data (Lab-08's copy to each node, whose
         # failing node's exit status must stay the job's) lets each node's task end on its own.
-        assert all("--kill-on-bad-exit=1" in line or ("--kill-on-bad-exit=0" in line and "stage_shards.sh copy" in line)
-                   for line in launches), launches
+        unstoppable = [line for line in launches if "--kill-on-bad-exit=1" not in line
+                       and not ("--kill-on-bad-exit=0" in line and "stage_shards.sh copy" in line)]
+        assert not unstoppable, (f"{template.name}: every srun needs --kill-on-bad-exit=1 (docs/conventions.md, "
+                                 f"Jobs), so that one failed task ends the step: {unstoppable}")
+        # sbatch job.sbatch --epochs 10: the flags after the script's name reach its training (the template
+        # contract, slurm/sites/README.md), unless the template reads its own arguments (Lab-09's stage name).
+        assert any('"$@"' in line for line in commands) or '"${1' in text, (
+            f'{template.name}: no command passes "$@" on, so flags given to sbatch after the script are lost')
         assert "MASTER_PORT=" not in "\n".join(commands), "the port comes from the job header, never fixed"
         directives = "\n".join(line for line in lines if line.startswith("#SBATCH"))
         if resumes(text) and chains(text):  # Lab-09's chain: each link hands over to the next job, never requeues
@@ -776,3 +782,20 @@ def test_lab02_jobs_end_with_seff(tmp_path, has_seff):
             assert lines[-1] == "SEFF 88"
         else:
             assert "seff" in lines[-1] and "sacct -j 88 --format=JobID,Elapsed,TotalCPU,MaxRSS" in lines[-1]
+
+
+def test_the_sites_readme_lists_every_template_of_the_course():
+    """slurm/sites/README.md's "The course's templates" table, where an instructor looks for a job: every template
+    of chapters/ and labs/ has a row (a row may name a second template of the same folder by its file name)."""
+    table = (REPO_ROOT / "slurm" / "sites" / "README.md").read_text().split("## The course's templates", 1)[1]
+    table = table.split("\n\n", 2)[1]
+    listed = set()
+    for first_cell in re.findall(r"^\| (.*?) \|", table, re.M):
+        paths = re.findall(r"`([^`]+\.sbatch\.j2)`", first_cell)
+        folder = paths[0].rsplit("/", 1)[0] if paths else ""
+        listed |= {path if "/" in path else f"{folder}/{path}" for path in paths}
+    templates = {str(path.relative_to(REPO_ROOT)) for path in repository_templates()
+                 if path.relative_to(REPO_ROOT).parts[0] in ("chapters", "labs")}
+    assert len(templates) >= 25
+    assert not templates - listed, f"slurm/sites/README.md's template table lacks a row for {sorted(templates - listed)}"
+    assert not listed - templates, f"slurm/sites/README.md's template table names templates that are gone: {listed - templates}"
