@@ -89,7 +89,12 @@ def test_every_lesson_script_has_a_shortest_run_at_the_floor():
     runs = load("scripts/torch_floor.py").RUNS
     lessons = sorted(str(p.relative_to(REPO)) for p in [*REPO.glob("chapters/*/*.py"), *REPO.glob("labs/*/*.py")]
                      if 'if __name__ == "__main__"' in p.read_text())
-    assert sorted({run.script for run in runs.values()}) == lessons
+    listed = {run.script for run in runs.values()}
+    assert not set(lessons) - listed, (f"lesson scripts with no shortest run at the floor: {sorted(set(lessons) - listed)}; "
+                                       "add a LessonRun for each to RUNS in scripts/torch_floor.py")
+    assert not listed - set(lessons), f"RUNS in scripts/torch_floor.py names scripts that are not lessons: {listed - set(lessons)}"
+    stated = re.search(r"(\d+) of \1 lesson runs ok", (REPO / "README.md").read_text())  # the line the floor ends with
+    assert stated and int(stated[1]) == len(runs), f"README.md should quote '{len(runs)} of {len(runs)} lesson runs ok'"
     assert all(not run.folder or list(runs).index(run.folder) < list(runs).index(name) for name, run in runs.items())
 
 

@@ -46,7 +46,10 @@ def test_the_course_map_has_a_row_for_every_chapter_and_lab():
     rows = re.findall(r"^\| .*?\]\(((?:chapters|labs)/[^/)]+)/README\.md\)", course_map, re.M)
     folders = sorted(str(path.parent.relative_to(REPO)) for part in ("chapters", "labs")
                      for path in (REPO / part).glob("*/README.md"))
-    assert len(folders) >= 11 and sorted(rows) == folders
+    assert len(folders) >= 11
+    assert sorted(rows) == folders, (
+        f"README.md's '## Course map' table lacks a row for {sorted(set(folders) - set(rows))} (a row links "
+        f"[..](labs/<folder>/README.md) in its first cell) or has one for a folder that is gone: {sorted(set(rows) - set(folders))}")
 
 
 def test_every_reference_record_reads_and_says_where_its_energy_is():
@@ -278,3 +281,15 @@ def test_the_doc_checks_find_what_they_forbid():
     assert "--collective-timout" not in script_flags()["labs/lab06_failures/01_inject.py"]
     overlap = script_flags()["labs/lab05_scaling/03_overlap.py"]  # --steps: a former name of --repeats
     assert "--repeats" in overlap and "--steps" not in overlap
+
+
+def test_the_results_schema_doc_states_the_version_records_are_written_with():
+    from common.results import SCHEMA_VERSION
+
+    doc = (REPO / "docs" / "results-schema.md").read_text()
+    heading = re.match(r"# Result records \(schema `hpc-dl-labs/result`, version (\d+)\)", doc)
+    row = re.search(r"^\| `schema_version` \| int \| `(\d+)`", doc, re.M)
+    assert heading and row, "docs/results-schema.md lost its heading or its schema_version row"
+    assert int(heading[1]) == int(row[1]) == SCHEMA_VERSION, (
+        f"docs/results-schema.md says version {heading[1]} (heading) and {row[1]} (schema_version row); "
+        f"common.results writes version {SCHEMA_VERSION}")
