@@ -18,6 +18,8 @@ main has returned; none may be a process group's.
 from __future__ import annotations
 
 import ast
+import contextlib
+import io
 import json
 import re
 import subprocess
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import LAB03_DDP_ARGS, REPO, run_reporting_threads, run_script, script_env, torchrun
+from helpers import LAB03_DDP_ARGS, REPO, run_main, run_reporting_threads, run_script, script_env, torchrun
 
 #: Thread names (``/proc/<pid>/task/<tid>/comm``, at most 15 characters) of a process group's threads.
 GROUP_THREAD = re.compile(r"^(pt_gloo|gloo_tcp|pt_tcpstore|pt_nccl)")
@@ -46,12 +48,17 @@ class EntryPoint:
     ranks: int = 0      # started by torchrun with this many processes (a script that makes no group alone)
 
 
-#: Every distributed entry point of the course. A new distributed script (one that calls
-#: common.runtime.distributed.init_distributed) adds one line here: its path, the smallest arguments that
-#: still create a process group on the CPU (a script that forces a group even alone runs as one
-#: process; others need -g 2 or the like, or ``ranks`` to be started by torchrun), how many Python
-#: processes run the script, and a line of its output that only a run under a process group prints.
+#: Every distributed entry point of the course. A new distributed script (one that makes a process group:
+#: ``TrainingRun(..., distributed=True)``, ``open_process(..., distributed=True)``, ``init_distributed`` or
+#: ``init_process_group``; test_every_script_that_makes_a_process_group_is_checked finds it) adds one line here:
+#: its path, the smallest arguments that still create a process group on the CPU (a script that forces a group
+#: even alone runs as one process; others need -g 2 or the like, or ``ranks`` to be started by torchrun), how
+#: many Python processes run the script, and a line of its output that only a run under a process group prints.
+#: ``{lab08_data}`` in the arguments is a tiny shard data set made once (Lab-08's 01_make_dataset.py).
 ENTRY_POINTS = {
+    # Its own one-process group, as a student's first check of an allocation does: torch's destroy_process_group.
+    "lab01-01_environment_check": EntryPoint("labs/lab01_dp_vs_ddp/01_environment_check.py", ("--no-smoke-test",),
+                                             1, "gloo: all-reduce on cpu: ok"),
     "ch04-multi_gpu_ddp": EntryPoint("chapters/ch04_deep_learning/multi_gpu_ddp.py",
                                      (*TINY_TRAINING, "--checkpoint", "ckpt.pt"), 1, "backend gloo"),
     "lab01-04_ddp_training": EntryPoint("labs/lab01_dp_vs_ddp/04_ddp_training.py",
@@ -89,6 +96,16 @@ ENTRY_POINTS = {
                                        ("--device", "cpu", "--dry-run", "--layers", "2", "--width", "32", "--heads",
                                         "4", "--context", "16", "--batch-size", "4", "--mesh", "1x2"),
                                        2, "= 2 process(es)", ranks=2),
+    # Shards read exactly once under a group: StatefulDataLoader workers beside the group's threads.
+    "lab08-03_shards_exactly_once": EntryPoint("labs/lab08_data_at_scale/03_shards_exactly_once.py",
+                                               ("--data-dir", "{lab08_data}", "--device", "cpu", "--num-workers", "1",
+                                                "--batch-size", "8", "--epochs", "1", "--checkpoint", "ckpt.pt"),
+                                               1, "placement: cores"),
+}
+#: Scripts that make a process group but are not in ENTRY_POINTS, and why.
+NOT_CHECKED = {
+    "labs/lab07_model_parallel/01_tensor_parallel.py": "needs a launch of two ranks of its own (torchrun), not yet here",
+    "labs/lab07_model_parallel/02_pipeline_parallel.py": "needs a launch of two ranks of its own (torchrun), not yet here",
 }
 
 
@@ -99,18 +116,29 @@ def entry_runs(request, tmp_path_factory) -> dict[str, tuple[subprocess.Complete
     nothing but the machine, and each finds its own free port."""
     # The folders first, in this thread: tmp_path_factory is not thread-safe (two threads that make the
     # session's first temporary folder at once each make a base folder of their own).
+    # Only the entry points of the tests this session runs (``-k lab08`` runs one script, not all of them).
+    wanted = {item.callspec.params["name"] for item in request.session.items
+              if getattr(item, "originalname", "") == "test_no_process_group_thread_is_left_at_exit"}
     folders = {name: tmp_path_factory.mktemp(name) for name, entry in ENTRY_POINTS.items()
-               if entry.args != LAB03_DDP_ARGS}
+               if entry.args != LAB03_DDP_ARGS and name in wanted}
+
+    lab08_data = tmp_path_factory.mktemp("lab08") / "data"
+    if any("{lab08_data}" in ENTRY_POINTS[name].args for name in folders):
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert run_main("labs/lab08_data_at_scale/01_make_dataset.py", [
+                "--samples", "48", "--shard-size", "16", "--data-dir", str(lab08_data),
+                "--results-dir", str(lab08_data.parent / "made")]) == 0
 
     def run(name: str) -> tuple[subprocess.CompletedProcess, Path]:
         entry, folder = ENTRY_POINTS[name], folders[name]
-        return run_reporting_threads(entry.script, *entry.args, "--results-dir", str(folder / "results"),
+        args = [str(lab08_data) if arg == "{lab08_data}" else arg for arg in entry.args]
+        return run_reporting_threads(entry.script, *args, "--results-dir", str(folder / "results"),
                                      folder=folder, launcher=torchrun(entry.ranks) if entry.ranks else None), folder
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(run, name) for name, entry in ENTRY_POINTS.items() if entry.args != LAB03_DDP_ARGS}
+        futures = {name: pool.submit(run, name) for name in folders}
         runs = {name: request.getfixturevalue("lab03_ddp_run")
-                for name, entry in ENTRY_POINTS.items() if entry.args == LAB03_DDP_ARGS}
+                for name, entry in ENTRY_POINTS.items() if entry.args == LAB03_DDP_ARGS and name in wanted}
         runs.update({name: future.result() for name, future in futures.items()})
     return runs
 
@@ -129,6 +157,32 @@ def test_no_process_group_thread_is_left_at_exit(name, entry_runs):
     assert len(ran_script) == entry.processes, f"{len(ran_script)} of {entry.processes} processes reported: {found}"
     left = {report["pid"]: [t for t in report["threads"] if GROUP_THREAD.match(t)] for report in found}
     assert not any(left.values()), f"{name}: process group threads alive at exit, by process: {left}"
+
+
+def makes_a_process_group(script: Path) -> bool:
+    """Whether a script calls what makes a process group: init_distributed, init_process_group, or TrainingRun or
+    open_process with ``distributed=True``."""
+    for node in ast.walk(ast.parse(script.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            forced = any(k.arg == "distributed" and isinstance(k.value, ast.Constant) and k.value.value is True
+                         for k in node.keywords)
+            if name in ("init_distributed", "init_process_group") or (name in ("TrainingRun", "open_process") and forced):
+                return True
+    return False
+
+
+def test_every_script_that_makes_a_process_group_is_checked():
+    """A new distributed lesson is in ENTRY_POINTS (or NOT_CHECKED, with the reason), not silently outside the check."""
+    lessons = [p for p in [*REPO.glob("chapters/*/*.py"), *REPO.glob("labs/*/*.py")]
+               if 'if __name__ == "__main__"' in p.read_text(encoding="utf-8")]
+    making = {str(p.relative_to(REPO)) for p in lessons if makes_a_process_group(p)}
+    assert {"labs/lab01_dp_vs_ddp/04_ddp_training.py", "labs/lab04_sharded_training/01_memory_budget.py",
+            "labs/lab06_failures/01_inject.py"} <= making  # the three ways in are found
+    checked = {entry.script for entry in ENTRY_POINTS.values()} | set(NOT_CHECKED)
+    assert not making - checked, (f"scripts that make a process group but are not in ENTRY_POINTS of "
+                                  f"tests/test_distributed_teardown.py: {sorted(making - checked)}")
+    assert not checked - making, f"listed but they make no process group: {sorted(checked - making)}"
 
 
 def test_the_report_hook_sees_a_group_thread_that_outlives_main(tmp_path):
