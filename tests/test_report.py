@@ -423,6 +423,25 @@ def test_runs_with_another_global_batch_are_another_configuration_not_a_repeat(t
     assert by_batch.loc[1438, "runs"] == 1 and by_batch.loc[1438, "samples_per_s"] == 700.0
 
 
+def test_the_section_example_of_docs_architecture_md_builds_its_table(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example a maintainer copies to add a lab's section runs as written and shows its table."""
+    monkeypatch.setattr(report_sections, "_LAB_SECTIONS",
+                        {lab: dict(builders) for lab, builders in report_sections._LAB_SECTIONS.items()})
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    example = doc.split("A lab adds its section in one module", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(example, "docs/architecture.md", "exec"), {"__name__": "labNN_example"})
+    folder = tmp_path / "results"
+    write_run(folder, lab="labNN", method="shards", metrics={"data_wait_s": 2.5})  # 12.5 s an epoch
+    write_run(folder, lab="labNN", method="other")
+
+    page = report(folder, "--no-plots")
+
+    (row,) = page.tables["labNN-loader"]
+    assert row["cells"]["waiting for data"] == "20.0%" and row["cells"]["workers"] == "—"
+    assert "What the table shows." in page.sections["lab-nn-what-the-loader-cost"]
+
+
 def test_a_lab_registers_its_own_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A copy of every lab's builders, so the ones registered here are gone after the test.
     monkeypatch.setattr(report_sections, "_LAB_SECTIONS",
