@@ -28,7 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from common.cli import input_dir, one_line_errors, output_dir, positive_float
+from common.cli import input_dir, one_line_errors, output_dir, positive_float, positive_int
 
 try:
     from scripts import gpu_proof_checks as proof
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bundle", type=output_dir, default=None,
                         help="also copy summary.json, summary.md, proof.log and proof.tar.gz (records and logs) "
                              "here after every check: few files, as a lease's $OUT takes them (default: none)")
-    parser.add_argument("--jobs", type=int, default=None,
+    parser.add_argument("--jobs", type=positive_int, default=None,
                         help="checks that measure nothing run this many at a time; a speed check always runs "
                              "alone (default: 4 on a GPU machine with 8 or more cores, else 1; on the CPU 2, one a core)")
     parser.add_argument("--examples", type=input_dir, default=Path(".examples"),

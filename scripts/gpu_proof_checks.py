@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from common.cli import one_line_errors, output_dir
+from common.cli import one_line_errors, output_dir, positive_int
 from common.results import load_records
 
 ALLOCATOR = "cuda_max_memory_allocated"
@@ -1287,8 +1287,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     standin = sub.add_parser("mnist-standin", help="write MNIST-format data made from scikit-learn's digits")
     standin.add_argument("root", type=output_dir, help="folder that gets MNIST/raw/")
-    standin.add_argument("--train", type=int, default=60_000, help="training images (default: %(default)s)")
-    standin.add_argument("--test", type=int, default=10_000, help="test images (default: %(default)s)")
+    standin.add_argument("--train", type=positive_int, default=60_000, help="training images (default: %(default)s)")
+    standin.add_argument("--test", type=positive_int, default=10_000, help="test images (default: %(default)s)")
     one_line_errors(standin)
     return parser
 

@@ -193,4 +193,21 @@ def test_no_script_takes_a_nonsense_count_size_or_rate():
                         accepted.append(f"{script} {' '.join(prefix)} {flag} {value}".replace("  ", " "))
                     except SystemExit as stopped:
                         assert stopped.code == 2, (script, flag, value)
-    assert accepted == []
+    assert accepted == [], ("a count, size, rate or timeout takes one of common.cli's checked types "
+                            "(positive_int, non_negative_int, positive_float, non_negative_float): "
+                            f"these values were accepted: {accepted}")
+
+
+#: Numbers any value of which means something: a seed, and the rank an old launcher passes.
+ANY_NUMBER = {"--seed", "--local-rank", "--local_rank"}
+
+
+def test_every_number_flag_takes_a_checked_type():
+    """A new count, size, rate or timeout uses common.cli's checked types, not a plain int or float that takes -1 or
+    nan (``01_sweep.py --task -1`` ran the sweep's last task, ``--weight-decay -1`` trained): NONSENSE above then needs
+    no entry for the new flag to be checked."""
+    plain = sorted({f"{script} {max(action.option_strings, key=len)}" for script in SCRIPTS
+                    for _, parser in parsers(script_parser_of(script)) for action in parser._actions
+                    if action.type in (int, float) and not set(action.option_strings) & ANY_NUMBER})
+    assert plain == [], ("give these flags one of common.cli's checked types (positive_int, non_negative_int, "
+                         f"positive_float, non_negative_float): {plain}")

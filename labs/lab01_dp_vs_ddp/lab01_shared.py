@@ -26,7 +26,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from common.cli import positive_float, positive_int
+from common.cli import non_negative_float, positive_float, positive_int
 from common.errors import UserError
 from common.train.flags import add_training_args
 
@@ -59,8 +59,9 @@ def add_lab_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="training samples of the synthetic data set; the test split is a quarter of it "
                             "(default: %(default)s)")
     group.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (default: %(default)s)")
-    group.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: %(default)s)")
-    group.add_argument("--weight-decay", type=float, default=5e-4, help="SGD weight decay (default: %(default)s)")
+    group.add_argument("--momentum", type=non_negative_float, default=0.9, help="SGD momentum (default: %(default)s)")
+    group.add_argument("--weight-decay", type=non_negative_float, default=5e-4,
+                       help="SGD weight decay (default: %(default)s)")
     add_training_args(parser)  # --deterministic among them: on GPUs the three methods then agree step by step
     return parser
 

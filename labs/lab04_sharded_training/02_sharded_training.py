@@ -41,7 +41,7 @@ from contextlib import nullcontext
 import torch
 from torch.utils.data import DataLoader
 
-from common.cli import add_common_args, add_precision_arg, positive_float, positive_int, script_parser
+from common.cli import add_common_args, add_precision_arg, non_negative_float, positive_float, positive_int, script_parser
 from common.data.datasets import GlobalBatchSampler, load_stdlib_text, worker_ignores_sigterm
 from common.runtime.distributed import gather_objects
 from common.errors import UserError, run_main
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--global-batch-size", type=positive_int, default=64,
                        help="sequences per optimiser step over all ranks, whatever their number (default: %(default)s)")
     group.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
-    group.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default: %(default)s)")
+    group.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="AdamW weight decay (default: %(default)s)")
     group.add_argument("--window-stride", type=positive_int, default=None,
                        help="characters between the starts of two training sequences; below --context they "
                             "overlap, so a long context still gets enough steps per epoch from the small "

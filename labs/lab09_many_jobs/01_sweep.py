@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.cli import input_file, output_dir, positive_int, script_parser
+from common.cli import input_file, non_negative_int, output_dir, positive_int, script_parser
 from common.errors import UserError, run_main
 from common.slurm.rendering import read_template, render, write_script
 from common.slurm.sites import find_site
@@ -44,7 +44,7 @@ def build_parser():
     how.add_argument("--plan", action="store_true", help="print the runs and the sbatch command; submit nothing "
                      "(default: submit)")
     how.add_argument("--local", action="store_true", help="run the tasks here, one after another (default: submit)")
-    how.add_argument("--task", type=int, default=None, metavar="INDEX",
+    how.add_argument("--task", type=non_negative_int, default=None, metavar="INDEX",
                      help="run one task of the sweep (what each array task does, with $SLURM_ARRAY_TASK_ID)")
     slurm_flags = parser.add_argument_group("the job array (Slurm)")
     slurm_flags.add_argument("--parallel", type=positive_int, default=4,

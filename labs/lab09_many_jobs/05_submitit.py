@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.cli import input_file, output_dir, positive_int, script_parser
+from common.cli import input_file, non_negative_int, output_dir, positive_int, script_parser
 from common.errors import UserError, run_main
 from labs.lab09_many_jobs.lab09_shared import (ENDED, check_with_script, prepare_folder, read_plan, run_task, status_table,
                                                sweep_status, write_plan, write_sweep_record)
@@ -42,7 +42,8 @@ def build_parser():
     parser.add_argument("sweep_file", type=input_file, help="the sweep (see sweeps/tiny.toml)")
     parser.add_argument("--sweep-dir", type=output_dir, required=True, help="the sweep's folder")
     parser.add_argument("--partition", default=None, help="Slurm partition (default: the cluster's default)")
-    parser.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per task (default: %(default)s)")
+    parser.add_argument("--gpus-per-node", type=non_negative_int, default=0,
+                        help="GPUs per task (default: %(default)s)")
     parser.add_argument("--cpus-per-task", type=positive_int, default=1, help="cores per task (default: %(default)s)")
     parser.add_argument("--timeout-min", type=positive_int, default=30, help="each task's time limit (default: %(default)s)")
     parser.add_argument("--parallel", type=positive_int, default=4, help="tasks at once (default: %(default)s)")
