@@ -38,8 +38,6 @@ def _training(runs: pd.DataFrame) -> pd.DataFrame:
         saves=lambda t: t["saves"].fillna(0), held=largest(runs, "metrics.tensor_bytes", "total"), shape=shape(runs),
         losses=losses(runs), mode=flags(runs, "config.async_checkpoint").map({True: "async", False: "sync"}),
         resumed_at=numbers(runs, "metrics.resumed_at_step").where(lambda v: v > 0))
-    if training.empty:
-        return training
     training["key"] = group_key(training, ["machine", "shape", "global_batch_size", "config.seed", "config.lr"])
     return training.assign(vs_ddp=largest_loss_difference(training, training["method"] == "ddp"))
 
@@ -69,8 +67,7 @@ def _loss_figure(training: pd.DataFrame) -> Figure:
             bottom.plot(list(steps), list(steps.values()), **style)
     finish_axes(top, legend="upper right", ylabel="training loss (mean over ranks)")
     bottom.set_yscale("symlog", linthresh=1e-7)
-    bottom.set(xlabel="optimiser step", ylabel="|loss − DDP's| / DDP's")
-    bottom.grid(alpha=0.3)
+    finish_axes(bottom, xlabel="optimiser step", ylabel="|loss − DDP's| / DDP's")
     caption = ("With the same seed and global batch, DDP (dashed, circles) and FSDP2 (other line styles and "
                "markers) follow the same curve, drawn on top of one another; below, each run's relative "
                "difference from the DDP run of the same model and batch, step by step (0 where they agree exactly).")
