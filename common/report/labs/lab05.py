@@ -67,8 +67,7 @@ def bandwidth_section(ctx: SectionContext) -> Section | None:
         found = {key: list(dict.fromkeys(texts(group, f"metrics.{key}").dropna())) for key in said}
         name, source = (found[key][0] if found[key] else None for key in said[:2])
         reference = numbers(group, "metrics.reference.gb_per_s").median()
-        described = (f"reference {name} {reference:.3g} GB/s ({source})" if reference > 0
-                     else "no reference peak recorded")
+        described = f"reference {name} {reference:.3g} GB/s ({source})" if reference > 0 else "no reference peak recorded"
         tables.append(_bandwidth_table(group, reference, f"{where}: median busbw per message size; {described}"))
         notes += [f"{where}: {t}" for t in found["transport.summary"]]
         notes += [f"WARNING {where}: {w}" for w in found["transport.warning"]]
@@ -111,11 +110,10 @@ def scaling_curves(points: pd.DataFrame) -> pd.DataFrame:
         energy=("energy", "median"), titles=("run_id", lambda ids: "run(s) " + ", ".join(ids))).reset_index()
     base = curves.dropna(subset=["samples_per_s"]).groupby(keys, dropna=False)[["processes", "samples_per_s"]].first()
     curves = curves.merge(base, on=keys, how="left", suffixes=("", "_base"))
-    curves["speedup"] = curves["samples_per_s"] / curves["samples_per_s_base"]
     first = curves.groupby(keys, dropna=False)["processes"].transform("min")
-    curves["ideal"] = curves["processes"] / curves["processes_base"].fillna(first)
-    curves["efficiency"] = curves["speedup"] / curves["ideal"]
-    return curves
+    return curves.assign(speedup=curves["samples_per_s"] / curves["samples_per_s_base"],
+                         ideal=curves["processes"] / curves["processes_base"].fillna(first),
+                         efficiency=lambda c: c["speedup"] / c["ideal"])
 
 
 def _reached(point: Row) -> Cell:
@@ -175,8 +173,7 @@ def scaling_section(ctx: SectionContext) -> Section | None:
     if points.empty:
         return None
     tables, figures = [], []
-    curves = scaling_curves(points)
-    for (machine, model, dataset), group in curves.groupby(["machine", "model", "dataset"], dropna=False):
+    for (machine, model, dataset), group in scaling_curves(points).groupby(["machine", "model", "dataset"], dropna=False):
         where = f"{machine} · {model} on {dataset}"
         batches = "; ".join(f"{mode}: {'global batch' if mode == 'strong' else 'batch per process'} {fmt(key, 'int')}"
                             for mode, key in dict(zip(group["mode"], group["batch_key"])).items())
