@@ -30,14 +30,12 @@ def _grid(group: pd.DataFrame, caption: str, measured: Callable[[pd.Series, floa
     skipped = dict(group.loc[group["status"] == "skipped", ["precision", "reason"]].values)
     failed = {(m, p): r for m, p, r in group.loc[group["status"] == "failed", ["model", "precision", "reason"]].values}
     models, precisions = list(dict.fromkeys(group["model"].dropna())), _ordered(group["precision"], PRECISIONS)
-    rows = []
-    for model in models:
-        fp32 = cells["ms"].get((model, "fp32"))
-        rows.append([Cell(model)] + [
-            Cell("skipped", title=skipped[precision]) if precision in skipped else
-            measured(cells.loc[(model, precision)], fp32) if (model, precision) in cells.index else
-            Cell("failed", title=failed[(model, precision)], style="warn") if (model, precision) in failed else
-            Cell(MISSING) for precision in precisions])
+    rows = [[Cell(model)] + [
+        Cell("skipped", title=skipped[precision]) if precision in skipped else
+        measured(cells.loc[(model, precision)], cells["ms"].get((model, "fp32")))
+        if (model, precision) in cells.index else
+        Cell("failed", title=failed[(model, precision)], style="warn") if (model, precision) in failed else
+        Cell(MISSING) for precision in precisions] for model in models]
     if mean and len(models) > 1:
         means = [cells["ms"].reindex([(m, p) for m in models]).mean(skipna=False) for p in precisions]
         rows.append([Cell("mean of models")] + [Cell(fmt(value, "{:.2f}"), style="num") for value in means])
@@ -95,7 +93,7 @@ def precision_section(ctx: SectionContext) -> Section | None:
                                    "initial loss", _loss))
         flagged += [f"{where}: {m} at {p}" for m, p in first.loc[(first["status"] == "ok") & first["diverged"],
                                                                  ["model", "precision"]].values]
-    paragraphs = [
+    return Section("Lab 03: precision benchmark", paragraphs=[
         "Each model ran at each precision from the same initial weights on the same fixed batch. ms/batch is the "
         "median over the timed iterations (warm-up dropped, the GPU synchronised before each clock read); "
         "the factor after it is fp32's time divided by this precision's (above 1 is faster). fp32 means TF32 off.",
@@ -104,6 +102,4 @@ def precision_section(ctx: SectionContext) -> Section | None:
         "Correctness: after a few SGD steps the loss of each precision is compared with fp32's after as many applied "
         "steps (amp-fp16's GradScaler may skip some); a difference above the run's tolerance (5% of the initial loss "
         "by default) or a NaN/inf flags the precision (⚠); when every step was skipped the check is inconclusive.",
-    ]
-    notes = [f"Flagged by the loss check: {', '.join(dict.fromkeys(flagged))}."] if flagged else []
-    return Section("Lab 03: precision benchmark", paragraphs=paragraphs, tables=tables, notes=notes)
+    ], tables=tables, notes=[f"Flagged by the loss check: {', '.join(dict.fromkeys(flagged))}."] if flagged else [])
