@@ -85,8 +85,7 @@ def optimisation_path(ctx: SectionContext) -> Section | None:
         "Each step of a sweep runs mnist_classify.py under kernprof with one more optimisation than the step "
         "before. Speed-up is samples/s over the sweep's own baseline step (the USC lab's configuration) on the same "
         "machine; the data-loading line is the share of train()'s time spent on "
-        "'for batch_idx, (data, target) in enumerate(train_loader)'.",
-    ]
+        "'for batch_idx, (data, target) in enumerate(train_loader)'."]
     tables, figures, notes = [], [], []
     newest = sweeps.groupby("sweep_id")["created"].max().sort_values(ascending=False).index
     for sweep_id in newest[:MAX_SWEEPS]:

@@ -14,32 +14,29 @@ def _outcome(run: Row) -> str:
     if run["status"] == "ok":
         restarts = int(number(run["metrics.restarts"]) or 0)
         return "finished" + (f" after {restarts} restart(s)" if restarts else "")
-    if not is_missing(run["metrics.nan_stop.step"]):
-        return (f"every rank stopped at step {run['metrics.nan_stop.step']} (NaN on rank(s) "
-                f"{run['metrics.nan_stop.ranks']}); last good checkpoint: step {run['metrics.nan_stop.checkpoint_step']}")
-    diagnosis = run["metrics.diagnosis"]
-    return "failed" if is_missing(diagnosis) else str(diagnosis)
+    step, ranks, checkpoint = (run[f"metrics.nan_stop.{key}"] for key in ("step", "ranks", "checkpoint_step"))
+    if not is_missing(step):
+        return f"every rank stopped at step {step} (NaN on rank(s) {ranks}); last good checkpoint: step {checkpoint}"
+    return "failed" if is_missing(run["metrics.diagnosis"]) else str(run["metrics.diagnosis"])
 
 
 @register_section("lab06", scaling=False)
 def lab06_sections(ctx: SectionContext) -> Section | None:
-    runs, tables = ctx.runs, []
-    faults = runs[runs["script"] == "labs/lab06_failures/01_inject.py"]
-    if len(faults):
-        tables.append(table_from_frame(faults, {
-            "fault": "method", "ranks": ("world_size", "int"),
-            "rank / step": lambda r: "-" if r["method"] == "uninterrupted" else
-            f"{fmt(r['config.rank'])} / {fmt(r['config.step'])}",
-            "ended in": _outcome, "final loss": ("metrics.final_loss", "{:.6g}"), "training time": ("metrics.wall_s", "s"),
-        }, id="lab06-faults", caption="Each run of 01_inject.py: a restarted run that finished must show the "
-                                      "uninterrupted run's final loss."))
+    runs = ctx.runs
+    tables = [table_from_frame(runs[runs["script"] == "labs/lab06_failures/01_inject.py"], {
+        "fault": "method", "ranks": ("world_size", "int"),
+        "rank / step": lambda r: "-" if r["method"] == "uninterrupted" else
+        f"{fmt(r['config.rank'])} / {fmt(r['config.step'])}",
+        "ended in": _outcome, "final loss": ("metrics.final_loss", "{:.6g}"), "training time": ("metrics.wall_s", "s"),
+    }, id="lab06-faults", caption="Each run of 01_inject.py: a restarted run that finished must show the "
+                                  "uninterrupted run's final loss.")]
     for method, caption in (("diagnosis", "The hang doctor (02_diagnose.py): its verdict on a live or dead run."),
                             ("preflight", "The preflight checklist (04_preflight.py), one line per allocation.")):
-        if (runs["method"] == method).any():
-            tables.append(table_from_frame(runs[runs["method"] == method], {
-                "machine": "machine", "ranks": ("world_size", "int"),
-                "verdict": lambda r: Cell(fmt(r["metrics.verdict"]), style="" if r["status"] == "ok" else "warn"),
-            }, id=f"lab06-{method}", caption=caption))
+        tables.append(table_from_frame(runs[runs["method"] == method], {
+            "machine": "machine", "ranks": ("world_size", "int"),
+            "verdict": lambda r: Cell(fmt(r["metrics.verdict"]), style="" if r["status"] == "ok" else "warn"),
+        }, id=f"lab06-{method}", caption=caption))
+    tables = [table for table in tables if table.rows]  # a table only for what was run
     if not tables:
         return None
     return Section("Lab 06: when distributed training breaks", paragraphs=[
