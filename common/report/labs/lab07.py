@@ -25,7 +25,7 @@ WHEN = {
     "2-D (FSDP x TP)": "the largest models: tensor parallel inside a node, FSDP2 across nodes; the checkpoint "
                        "reshards onto any other mesh",
 }
-#: The strategy of a method: Lab-04's by name, Lab-07's by the method itself (tp, tp+sp) or its prefix (2d-2x2).
+#: A method's strategy: Lab-04's by name; Lab-07's by the method (tp, tp+sp) or its prefix (pp-gpipe, 2d-2x2).
 LAB04 = {"ddp": "DP (DDP, Lab-04)", "fsdp": "FSDP (FSDP2, Lab-04)"}
 KINDS = {"tp": "TP (tensor parallel)", "tp+sp": "TP (tensor parallel)", "pp": "PP (pipeline)", "2d": "2-D (FSDP x TP)"}
 KEY = ("script", *(f"config.{name}" for name in ("layers", "width", "heads", "context", "batch_size", "seed", "lr")))
