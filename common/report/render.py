@@ -11,7 +11,7 @@ from common.atomic import write_text_atomic
 from common.errors import UserError
 from common.report import core
 from common.report.labs import lab_sections
-from common.report.runs import configurations_frame, csv_frame, runs_frame
+from common.report.runs import configurations_frame, csv_frame, runs_frame, shown_path
 from common.results import load_records
 
 DEFAULT_REPORT_NAME = "comparison_report.html"
@@ -57,9 +57,7 @@ def build_report(results_dir: str | os.PathLike[str], output_report: str | os.Pa
             raise UserError(f"cannot write into {place} (read-only here): give --output-report and --csv elsewhere")
 
     loaded = load_records(folder)
-    # A skipped file's name as the user knows it: relative to the results folder when inside it.
-    skipped = [(str(path.relative_to(folder) if path.is_relative_to(folder) else path), reason)
-               for path, reason in loaded.errors]
+    skipped = [(shown_path(path, folder), reason) for path, reason in loaded.errors]
     for name, reason in skipped:
         print(f"warning: skipped {name}: {reason}", file=sys.stderr)
     records = loaded.records if lab is None else [record for record in loaded.records if record.get("lab") == lab]

@@ -137,6 +137,11 @@ def _memory(memory: pd.DataFrame, key: str, source: str, index: pd.Index) -> tup
             pd.Series([named.get(label, "") for label in index], index=index, dtype=object))
 
 
+def shown_path(path: Path, results_dir: Path | None) -> str:
+    """A file's name as the user knows it: relative to the results folder when inside it."""
+    return str(path.relative_to(results_dir) if results_dir is not None and path.is_relative_to(results_dir) else path)
+
+
 def shape(frame: pd.DataFrame, prefix: str = "config.") -> pd.Series:
     """A transformer's size as shown and compared: ``"4 × 64"`` (``<prefix>layers`` × ``<prefix>width``), else None."""
     layers, width = numbers(frame, f"{prefix}layers"), numbers(frame, f"{prefix}width")
@@ -173,9 +178,10 @@ def runs_frame(records: Iterable[Mapping[str, Any]], results_dir: Path | None = 
     # A run no longer than its warm-up timed nothing: its throughput is "n/a", not missing.
     runs["not_timed"] = _column(flat, "metrics.step_time.steps_timed").map(lambda v: v == 0)
     runs["notes"] = _column(flat, "notes").map(lambda v: [str(n) for n in v if n] if isinstance(v, list) else [])
-    runs["file"] = [_file(record, results_dir) for record in records]
-    runs["slurm_job_id"] = [f"{job}_{task}" if job and task else job for job, task in
-                            zip(texts(flat, "provenance.slurm.SLURM_JOB_ID"), texts(flat, "provenance.slurm.SLURM_ARRAY_TASK_ID"))]
+    runs["file"] = [shown_path(Path(record["_path"]), results_dir) if record.get("_path") else None
+                    for record in records]
+    job, task = texts(flat, "provenance.slurm.SLURM_JOB_ID"), texts(flat, "provenance.slurm.SLURM_ARRAY_TASK_ID")
+    runs["slurm_job_id"] = [f"{j}_{t}" if j and t else j for j, t in zip(job, task)]
     runs["git_dirty"] = _column(flat, "provenance.git.dirty").map(lambda v: v if isinstance(v, bool) else None)
     runs["command"] = _column(flat, "provenance.command").map(
         lambda v: [str(part) for part in v] if isinstance(v, list) else text(v))
@@ -197,13 +203,6 @@ def runs_frame(records: Iterable[Mapping[str, Any]], results_dir: Path | None = 
     order = ["lab", "model", "device_type", "machine", "devices", "_order", "method", "created", "run_id"]
     runs = runs.sort_values(order, na_position="last", kind="stable").drop(columns="_order")
     return runs.reset_index(drop=True).copy()  # one block per type: sections add columns to it
-
-
-def _file(record: Mapping[str, Any], results_dir: Path | None) -> str | None:
-    path = Path(record["_path"]) if record.get("_path") else None
-    if path is not None and results_dir is not None and path.is_relative_to(results_dir):
-        path = path.relative_to(results_dir)
-    return str(path) if path is not None else None
 
 
 def _median_per_device(memories: pd.Series) -> list[tuple[str, float]]:
