@@ -63,7 +63,7 @@ def _column(frame: pd.DataFrame, key: str) -> pd.Series:
 
 def numbers(frame: pd.DataFrame, key: str) -> pd.Series:
     """``frame[key]`` as floats (NaN where missing or not a finite number); all NaN when no row has the key."""
-    return _column(frame, key).map(lambda v: math.nan if number(v) is None else number(v)).astype("float64")
+    return _column(frame, key).map(number).astype("float64")
 
 
 def texts(frame: pd.DataFrame, key: str) -> pd.Series:
@@ -76,15 +76,12 @@ def flags(frame: pd.DataFrame, key: str) -> pd.Series:
     return _column(frame, key).map(lambda v: v is True).astype(bool)
 
 
-def flatten(value: dict[str, Any], prefix: str = "", into: dict[str, Any] | None = None) -> dict[str, Any]:
+def flatten(value: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: objects (JSON's, so dicts) are opened, lists and values stay whole."""
-    into = {} if into is None else into
+    flat: dict[str, Any] = {}
     for name, item in value.items():
-        if isinstance(item, dict):
-            flatten(item, f"{prefix}{name}.", into)
-        else:
-            into[f"{prefix}{name}"] = item
-    return into
+        flat.update(flatten(item, f"{prefix}{name}.") if isinstance(item, dict) else {f"{prefix}{name}": item})
+    return flat
 
 
 def entries(frame: pd.DataFrame, key: str, *keep: str) -> pd.DataFrame:
@@ -215,11 +212,10 @@ def configurations_frame(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration (successful runs only): repeats combined with the median."""
     groups = runs[runs["status"] == "ok"].groupby("configuration", sort=False)
     median = ("time_per_epoch_s", "samples_per_s", "speedup", "scaling_efficiency", "final_loss")
-    configs = groups.agg(**{key: (key, "first") for key in (*CONFIGURATION_KEYS, "memory_source")},
-                         runs=("run_id", "size"), **{key: (key, "median") for key in median},
-                         samples_per_s_min=("samples_per_s", "min"), samples_per_s_max=("samples_per_s", "max"),
-                         memory_per_device=("memory_per_device", _median_per_device))
-    return configs.reset_index(drop=True)
+    return groups.agg(**{key: (key, "first") for key in (*CONFIGURATION_KEYS, "memory_source")},
+                      runs=("run_id", "size"), **{key: (key, "median") for key in median},
+                      samples_per_s_min=("samples_per_s", "min"), samples_per_s_max=("samples_per_s", "max"),
+                      memory_per_device=("memory_per_device", _median_per_device)).reset_index(drop=True)
 
 
 def csv_frame(runs: pd.DataFrame) -> pd.DataFrame:
