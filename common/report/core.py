@@ -62,8 +62,7 @@ def out_of_range(runs: pd.DataFrame) -> list[Finding]:
             findings.append(Finding(subject, (
                 f"DDP scaling efficiency {efficiency:.0%} on {run['devices']} devices is under the expected "
                 f"{DDP_MIN_EFFICIENCY:.0%} ({_describe(run)})")))
-        # DataParallel on one device (the CPU case) is the baseline plus overhead; only a
-        # multi-device DP run is expected to be faster.
+        # DataParallel on one device (the CPU case) is the baseline plus overhead: only on several should it be faster.
         speedup = run["speedup"]
         if run["method"] in DP_METHODS and run["devices"] > 1 and pd.notna(speedup) and speedup < 1:
             findings.append(Finding(subject, (
@@ -164,14 +163,13 @@ def summary_section(runs: pd.DataFrame) -> Section:
                      "times). Speed-up = samples/s ÷ that baseline."
                      + (f" DDP is expected to reach {DDP_MIN_EFFICIENCY:.0%}." if ddp.any() else ""))
     notes += [note for column, note in SUMMARY_NOTES.items() if column in table.columns]
-    notes += [f"Note from run {run_id} ({lab} {method}): {note}"
-              for run_id, lab, method, run_notes in runs[["run_id", "lab", "method", "notes"]].itertuples(index=False)
-              for note in run_notes]
+    notes += [f"Note from run {run.run_id} ({run.lab} {run.method}): {run.notes}" for run in
+              runs[["run_id", "lab", "method", "notes"]].explode("notes").dropna(subset="notes").itertuples()]
     releases = texts(runs, "provenance.versions.torch").fillna("unknown").value_counts().sort_index()
     if len(releases) > 1:  # a comparison across PyTorch releases measures the releases too
-        notes.append(f"These runs used {len(releases)} PyTorch releases ("
-                     + ", ".join(f"{release}: {count} run{'s' if count != 1 else ''}" for release, count in releases.items())
-                     + "): part of a difference between them may be the release. Each run's is in the provenance table.")
+        counts = ", ".join(f"{release}: {count} run{'s' if count != 1 else ''}" for release, count in releases.items())
+        notes.append(f"These runs used {len(releases)} PyTorch releases ({counts}): part of a difference between them "
+                     "may be the release. Each run's is in the provenance table.")
     lacking = missing_baselines(runs) if scaling else []
     if lacking:
         notes.append(f"No '{BASELINE_METHOD}' run to compute an efficiency for: " + "; ".join(lacking) + ".")
@@ -222,7 +220,7 @@ def other_metrics_section(runs: pd.DataFrame) -> Section | None:
     for lab, lab_runs in runs.groupby(runs["lab"].fillna(MISSING), sort=True):
         keys = [key for key in lab_runs if key.startswith("metrics.") and key.count(".") <= 2
                 and key.split(".")[1] not in SUMMARY_METRICS]
-        scalar = lab_runs[keys].map(lambda v: isinstance(v, (int, float, str)) and v == v) if keys else pd.DataFrame()
+        scalar = lab_runs[keys].map(lambda v: isinstance(v, (int, float, str)) and v == v)
         counts = {key[len("metrics."):]: count for key, count in scalar.sum().items() if count}
         if not counts:
             continue
@@ -232,10 +230,8 @@ def other_metrics_section(runs: pd.DataFrame) -> Section | None:
         columns = {"run": "run_id", "method": "method",
                    **{key: lambda r, key=key: _metric(r[f"metrics.{key}"]) for key in shown}}
         tables.append(table_from_frame(lab_runs, columns, caption=caption))
-    if not tables:
-        return None
     return Section("Other metrics", paragraphs=["What each lab's scripts measured beyond the summary's columns."],
-                   tables=tables)
+                   tables=tables) if tables else None
 
 
 def _energy(run: Row) -> Cell:
@@ -257,8 +253,7 @@ def energy_section(runs: pd.DataFrame) -> Section:
         f"{ok.sum()} of {len(runs)} run(s) measured their energy: NVML's counter of each GPU plus the RAPL counters "
         "of each node's CPU packages where readable, else Slurm's ConsumedEnergy (common/measure/energy.py)."
         + (" Hover over 'unavailable' for the reason." if ok.any() else "") + " No number is estimated."],
-        tables=[table] if ok.any() else [],
-        notes=[f"Why energy was unavailable: {reason}" for reason in reasons[:5]])
+        tables=[table] if ok.any() else [], notes=[f"Why energy was unavailable: {reason}" for reason in reasons[:5]])
 
 
 def provenance_section(runs: pd.DataFrame) -> Section:
