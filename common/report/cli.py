@@ -52,10 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = args.results_dir / f"{args.lab}_{DEFAULT_REPORT_NAME}"
     outcome = build_report(args.results_dir, report, beside_records(args.csv, args.results_dir), plots=args.plots,
                            title=args.title, lab=args.lab)
-    problems = len(outcome.warnings)
     print(f"read {outcome.runs} run{'s' if outcome.runs != 1 else ''}"
           f"{f', skipped {len(outcome.skipped)} file(s)' if outcome.skipped else ''}"
-          f"{f'; {problems} warning(s), listed in the report' if problems else ''}")
+          f"{f'; {len(outcome.warnings)} warning(s), listed in the report' if outcome.warnings else ''}")
     if len(outcome.labs) > 1:
         print(f"note: runs of {len(outcome.labs)} labs in one report ({', '.join(outcome.labs)}); "
               f"--lab {outcome.labs[0]} makes a report of one lab")

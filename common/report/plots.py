@@ -70,9 +70,8 @@ def throughput_figure(configs: pd.DataFrame, lab: str) -> Figure | None:
     if configs["samples_per_s"].isna().all():
         return None
     data, note, fig, ax = _configuration_axes(configs[configs["samples_per_s"].notna()])
-    median = data["samples_per_s"].to_numpy()
-    errors = [(median - data["samples_per_s_min"].to_numpy()).clip(min=0),
-              (data["samples_per_s_max"].to_numpy() - median).clip(min=0)]
+    median = data["samples_per_s"]
+    errors = [(median - data["samples_per_s_min"]).clip(lower=0), (data["samples_per_s_max"] - median).clip(lower=0)]
     ax.barh(range(len(data)), median, xerr=errors, color=_method_colors(data), capsize=3)
     ax.set_xlabel("throughput (samples/s, whole job)")
     return png_figure(fig, alt=f"Bar chart of throughput in samples per second for each configuration of {lab}",

@@ -54,8 +54,8 @@ class Table:
         """The table laid out by pandas' Styler: the cells' texts, their styles as CSS classes, their hover texts."""
         texts, styles, titles = ([[getattr(cell, part) for cell in row] for row in self.rows]
                                  for part in ("text", "style", "title"))
-        styler = _Layout(pd.DataFrame(texts, columns=range(len(self.columns))), caption=self.caption, cell_ids=False)
-        styler = styler.hide(axis="index").relabel_index(self.columns, axis=1)
+        styler = _Layout(pd.DataFrame(texts, columns=self.columns), caption=self.caption, cell_ids=False)
+        styler = styler.hide(axis="index")
         # Styler trims a table past styler.render.max_elements cells (262,144): every run keeps its row here.
         with pd.option_context("styler.render.max_elements", len(self.rows) * len(self.columns) + 1):
             html = styler.to_html(table_id=self.id, row_ids=self.row_ids, titles=titles, styles=styles)
@@ -184,8 +184,7 @@ def table_from_frame(frame: pd.DataFrame, columns: Mapping[str, ColumnSpec], *,
                      id: str | None = None, caption: str | None = None, row_id_column: str | None = "run_id",
                      drop_empty: bool = False) -> Table:
     """A :class:`Table` with one row per row of ``frame``, each header's cells as its :data:`ColumnSpec` says.
-    ``drop_empty`` leaves out every column in which no row has a value: no column of dashes for what no run recorded.
-    """
+    ``drop_empty`` leaves out each column no row has a value in: no column of dashes for what no run recorded."""
     rows = [[_cell(row, spec) for spec in columns.values()] for row in frame.to_dict("records", into=Row)]
     headers = list(columns)
     if drop_empty and rows:

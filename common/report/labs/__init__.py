@@ -20,11 +20,11 @@ def load_builtin_lab_sections() -> list[tuple[str, str]]:
     """Import every module in this folder so their ``@register_section`` calls run; returns ``(module, error)`` for
     each that failed to import: one lab's broken section must not cost every other lab its report."""
     failed = []
-    for module in pkgutil.iter_modules(__path__):
+    for module in pkgutil.iter_modules(__path__, prefix=f"{__name__}."):
         try:
-            importlib.import_module(f"{__name__}.{module.name}")
+            importlib.import_module(module.name)
         except Exception as err:
-            failed.append((f"{__name__}.{module.name}", f"{type(err).__name__}: {err}"))
+            failed.append((module.name, f"{type(err).__name__}: {err}"))
     return failed
 
 
