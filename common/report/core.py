@@ -125,7 +125,8 @@ RUN = {"run": lambda r: Cell(fmt(r["run_id"]), title=r["file"], style="id")}
 SUMMARY_COLUMNS = {
     **RUN, "lab": "lab", "method": "method", "model": "model", "machine": "machine",
     "device": ("device_type", "text", "device_name"), "world size": ("world_size", "int"),
-    "devices": ("devices", "int"), "global batch": ("global_batch_size", "int"), "time / epoch": ("time_per_epoch_s", "s"),
+    "devices": ("devices", "int"), "global batch": ("global_batch_size", "int"),
+    "time / epoch": ("time_per_epoch_s", "s"),
     "peak memory per device": lambda r: fmt_memory(r["memory_per_device"], r["memory_source"]),
     # After the allocator's peak: what the driver counts, which the allocator does not see.
     "GPU memory in use per device": lambda r: fmt_memory(r["device_memory_per_device"], r["device_memory_source"]),
@@ -181,7 +182,8 @@ def configurations_section(configs: pd.DataFrame) -> Section | None:
     if configs.empty or configs["runs"].max() < 2:
         return None
     spread = lambda c: Cell(MISSING if is_missing(c["samples_per_s"]) else  # noqa: E731
-                            f"{fmt(c['samples_per_s_min'], 'rate')} – {fmt(c['samples_per_s_max'], 'rate')}", style="num")
+                            f"{fmt(c['samples_per_s_min'], 'rate')} – {fmt(c['samples_per_s_max'], 'rate')}",
+                            style="num")
     table = table_from_frame(configs, {
         "lab": "lab", "method": "method", "model": "model", "machine": "machine", "devices": ("devices", "int"),
         "runs": ("runs", "int"), "global batch": ("global_batch_size", "int"),

@@ -44,7 +44,8 @@ def plain(label: str) -> str:
     return label.replace("$", r"\$")
 
 
-def _configuration_axes(configs: pd.DataFrame, inches_per_bar: float = 0.32) -> tuple[pd.DataFrame, str, MplFigure, Any]:
+def _configuration_axes(configs: pd.DataFrame,
+                        inches_per_bar: float = 0.32) -> tuple[pd.DataFrame, str, MplFigure, Any]:
     """At most MAX_BARS configurations (of one lab), a caption's note when some were left out, and a figure with a
     labelled row per configuration, first at the top."""
     note = f" Showing the first {MAX_BARS} of {len(configs)} configurations; the tables list all." \
@@ -114,8 +115,9 @@ def efficiency_figure(configs: pd.DataFrame, lab: str) -> Figure | None:
                    label=f"expected for DDP on GPUs (≥ {DDP_MIN_EFFICIENCY:.0%})")
     ax.set_xlabel("scaling efficiency (%) = throughput / (devices × baseline throughput)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    caption = f"{lab}: scaling efficiency against the single-device baseline on the same machine." + note
     return png_figure(fig, alt=f"Bar chart of scaling efficiency for each multi-device configuration of {lab}",
-                      caption=f"{lab}: scaling efficiency against the single-device baseline on the same machine." + note)
+                      caption=caption)
 
 
 def finish_axes(ax: Any, grid: str = "both", legend: str = "best", **settings: Any) -> None:
