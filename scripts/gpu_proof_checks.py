@@ -828,6 +828,22 @@ def judge_lab08_gpu_decode(run: Run) -> list[str]:
     return problems
 
 
+def judge_lab08_shards(run: Run) -> list[str]:
+    """Lab-08's shards read exactly once by two loader workers while DDP trains on the device (pinned batches on a
+    GPU): every sample of the epoch read once, the loader's position in the checkpoint, identical replicas."""
+    problems = exited(run)
+    records, more = records_of(run, "shards-pad")
+    problems += more + on_device(run, records) + status_ok(records)
+    for record in records:
+        io = get(record, "metrics", "epochs_io", -1) or {}
+        if get(record, "metrics", "exactly_once") is not True or io.get("distinct_all_ranks") != io.get("samples"):
+            problems.append(f"{name_of(record)}: read {io.get('distinct_all_ranks')} distinct of {io.get('samples')} "
+                            "samples: not every sample exactly once")
+        if get(record, "metrics", "parameters_identical") is not True:
+            problems.append(f"{name_of(record)}: the replicas' parameters differ")
+    return problems
+
+
 def judge_nccl_flight_recorder(run: Run) -> list[str]:
     """The flight recorder on NCCL in this PyTorch (which variable sizes it, which dump reads it) and
     what NCCL's watchdog does to a rank whose collective never finishes (see scripts/gpu_probe_nccl.py)."""
@@ -1210,6 +1226,14 @@ CHECKS: list[Check] = [
                                      "--data-dir", str(c.folder.parent / "lab08-data"), "--results-dir",
                                      str(c.folder))) for decode in ("loader", "device")]],
           judge_lab08_gpu_decode, needs=("webdataset", "braceexpand", "yaml")),
+    Check("lab08_shards", 2, "Lab-08 03_shards_exactly_once.py on the device: two loader workers, pinned batches, "
+          "every sample once, the loader's position checkpointed",
+          lambda c: [Step(c.script(LAB08 + "/01_make_dataset.py", "--samples", "512", "--shard-size", "64",
+                                   "--data-dir", str(c.folder / "data"), "--results-dir", str(c.folder / "made"))),
+                     Step(c.script(LAB08 + "/03_shards_exactly_once.py", "--device", c.device, "--num-workers", "2",
+                                   "--batch-size", "64", "--epochs", "1", "--data-dir", str(c.folder / "data"),
+                                   "--checkpoint", str(c.folder / "shards.pt"), "--results-dir", str(c.folder)))],
+          judge_lab08_shards, needs=("webdataset", "braceexpand", "yaml", "torchdata")),
     Check("nccl_flight_recorder", 2, "NCCL's flight recorder in this PyTorch, and its watchdog on a stalled rank",
           lambda c: [Step([c.python, "scripts/gpu_probe_nccl.py", "recorder", str(c.folder / "probe.json")]),
                      Step([c.python, "scripts/gpu_probe_nccl.py", "watchdog", str(c.folder / "probe.json")])],

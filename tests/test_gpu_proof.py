@@ -201,6 +201,10 @@ def good_run(check: str, folder: Path) -> None:
         (folder / "status.txt").write_text("0\n0\n0\n")
         for method, rate in (("webdataset+read-only", 2000.0), ("webdataset+read-only+decode-on-device", 5000.0)):
             record(folder, method, lab="lab08", metrics={"epochs_io": [{"samples": 2048, "samples_per_s": rate}]})
+    elif check == "lab08_shards":
+        (folder / "status.txt").write_text("0\n0\n")
+        record(folder, "shards-pad", lab="lab08", metrics={"exactly_once": True, "parameters_identical": True,
+                                                           "epochs_io": [{"samples": 512, "distinct_all_ranks": 512}]})
     elif check == "main_job":
         for method in ("env", "baseline", "dp", "ddp"):
             record(folder, method, provenance=ddp if method == "ddp" else None,
@@ -219,7 +223,7 @@ def good_run(check: str, folder: Path) -> None:
 @pytest.mark.parametrize("check", ["lab01_dp", "ch04_ddp", "amp_training", "ch16_memory", "lab02_sweep", "gpu_check",
                                    "lab01_env", "lab04_memory", "lab04_ddp", "lab04_fsdp_resume", "lab04_largest",
                                    "lab05_allreduce", "lab05_scaling", "lab05_overlap", "lab07_model_parallel",
-                                   "lab08_gpu_decode",
+                                   "lab08_gpu_decode", "lab08_shards",
                                    "main_job", "pytest_gpu"])
 def test_a_healthy_run_passes_its_check(check, tmp_path):
     folder = run_folder(tmp_path, [0])
@@ -788,3 +792,28 @@ def test_the_cpu_rehearsal_runs_the_real_checks_within_its_budget(tmp_path):
     started = [row["status"] for row in rows if row["status"] != "skipped"]
     assert started == sorted(started, key=lambda status: status != "ok")  # the budget cut a tail, not a middle
     assert re.search(r"\| main_job \| 1 \| (ok|not-run) \| \d+ \|", (out / "summary.md").read_text())
+
+
+#: Lesson scripts no check of the GPU proof starts itself, and why.
+NOT_STARTED_BY_A_CHECK = {
+    "labs/lab01_dp_vs_ddp/05_performance_comparison.py": "the main job runs it (scripts/main_job.sh, Lab-01's run_lab.sh)",
+    "labs/lab06_failures/02_diagnose.py": "reads a run's files and processes (py-spy), on no device",
+    **{f"labs/lab09_many_jobs/{name}": "Slurm's tools (sbatch, sacct): a GPU machine without Slurm cannot run them; "
+       "the trainings they submit are Lab-01's, which tier 1 runs"
+       for name in ("01_sweep.py", "02_status.py", "03_chain.py", "04_pipeline.py", "05_submitit.py")},
+}
+
+
+def test_every_lesson_script_is_in_the_gpu_proof_or_says_why_not(tmp_path):
+    """A new lab's scripts join a check (scripts/gpu_proof_checks.py), or NOT_STARTED_BY_A_CHECK says why: the proof
+    no longer silently covers less of the course than docs/gpu-proof.md says."""
+    ctx = proof.Ctx(device="cuda", gpus=1, python=PYTHON, folder=tmp_path / "check", examples=tmp_path / "examples")
+    started = {part for check in proof.CHECKS for step in check.steps(ctx) for part in step.argv
+               if part.endswith(".py") and (REPO / part).is_file()}
+    lessons = {str(path.relative_to(REPO)) for path in [*REPO.glob("chapters/*/*.py"), *REPO.glob("labs/*/*.py")]
+               if 'if __name__ == "__main__"' in path.read_text(encoding="utf-8")}
+    assert len(lessons) >= 38
+    missing = lessons - started - set(NOT_STARTED_BY_A_CHECK)
+    assert not missing, f"add a check to scripts/gpu_proof_checks.py (or a reason here) for {sorted(missing)}"
+    assert not set(NOT_STARTED_BY_A_CHECK) & started, "a script a check starts has a reason for not being started"
+    assert set(NOT_STARTED_BY_A_CHECK) <= lessons
