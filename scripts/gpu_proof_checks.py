@@ -1110,7 +1110,7 @@ CHECKS: list[Check] = [
           steps_lab01_ddp_shared_gpu, _judge_ddp("ddp", shared=True), ranks=_two),
     # --- tier 1: the speed targets, cheapest first; each runs alone ---
     Check("lab02_graph", 1, "Lab-02's step as one CUDA graph: 3 epochs of MNIST at batch 64 in <= 2.0 s",
-          steps_lab02_graph, judge_lab02_graph, exclusive=True, needs=("line_profiler",)),
+          steps_lab02_graph, judge_lab02_graph, exclusive=True, needs=("line_profiler", "sklearn")),
     Check("ch04_vs_examples", 1, "Chapter 4 against pytorch/examples mnist/main.py, 3 epochs each: >= 2x faster",
           steps_ch04_vs_examples, judge_ch04_vs_examples, exclusive=True, needs=("sklearn",)),
     Check("lab04_fsdp_vs_ddp", 1, "Lab-04 303 M model, fp32, micro-batch 8 (2 a step): FSDP2 step <= 1.15x DDP's",

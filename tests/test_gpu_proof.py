@@ -9,6 +9,7 @@ real checks' CPU paths under the budget CI gives it.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shlex
@@ -817,3 +818,38 @@ def test_every_lesson_script_is_in_the_gpu_proof_or_says_why_not(tmp_path):
     assert not missing, f"add a check to scripts/gpu_proof_checks.py (or a reason here) for {sorted(missing)}"
     assert not set(NOT_STARTED_BY_A_CHECK) & started, "a script a check starts has a reason for not being started"
     assert set(NOT_STARTED_BY_A_CHECK) <= lessons
+
+
+def imports_inside_functions(path: Path) -> set[str]:
+    """The top-level packages ``path`` imports inside a function body (a lazy import, which importing the file does
+    not reach), unless a ``try`` around it catches ImportError: such a script fails only when it gets there."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    guarded = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.Try) and any(
+        "ImportError" in ast.unparse(handler.type or ast.Name("BaseException")) for handler in node.handlers)
+        for statement in node.body for inner in ast.walk(statement)}
+    found = set()
+    for function in ast.walk(tree):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(function):
+                if id(node) not in guarded and isinstance(node, ast.Import):
+                    found |= {alias.name.split(".")[0] for alias in node.names}
+                elif id(node) not in guarded and isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    found.add(node.module.split(".")[0])
+    return found
+
+
+def test_each_check_declares_what_its_scripts_import_inside_functions(tmp_path):
+    """The import test above imports each check's scripts, which does not reach an import inside ``main`` (Lab-08's
+    StatefulDataLoader from torchdata): read the scripts and their folder's ``*_shared.py`` for those, and hold them to
+    the check's ``needs`` the same way."""
+    ctx = proof.Ctx(device="cuda", gpus=1, python=PYTHON, folder=tmp_path / "check", examples=tmp_path / "examples")
+    undeclared = {}
+    for check in proof.CHECKS:
+        absent = set(absent_beyond(tuple(check.needs)))
+        scripts = {REPO / part for step in check.steps(ctx) for part in step.argv
+                   if part.endswith(".py") and (REPO / part).is_file()}
+        for script in sorted(scripts | {shared for s in scripts for shared in s.parent.glob("*_shared.py")}):
+            if missing := imports_inside_functions(script) & absent:
+                undeclared[f"{check.name}: {script.relative_to(REPO)}"] = sorted(missing)
+    assert "torchdata" in imports_inside_functions(REPO / "labs/lab08_data_at_scale/03_shards_exactly_once.py")
+    assert not undeclared, f"add to the check's needs (and its wheel to scripts/gpu_proof_prepare.sh): {undeclared}"
