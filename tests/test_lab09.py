@@ -72,6 +72,19 @@ def test_bad_sweep_input_is_one_line_and_exit_2_with_nothing_written(tmp_path, b
     assert not sweep_dir.exists()
 
 
+def test_a_demonstration_fault_ends_its_task_with_status_3_and_records_the_attempt(tmp_path, monkeypatch, capsys):
+    """faults.toml's task 1 fails on purpose on its first attempt: exit status 3 and an attempt that ended (it raised
+    UnboundLocalError there, which made the array task exit 1 and a --local sweep stop at task 1); the second attempt
+    trains normally. The training is a stand-in that exits 0 at once."""
+    plan = shared.prepare_folder(tmp_path / "faults", SWEEPS / "faults.toml")
+    monkeypatch.setattr(shared, "task_command", lambda plan, index, extra=(): [PYTHON, "-c", "pass"])
+    assert shared.run_task(plan, 1) == 3
+    assert "task 1: demonstration fault: failing after 3 step(s)" in capsys.readouterr().out
+    assert shared.run_task(plan, 1) == 0
+    attempts = shared.local_attempts(plan.task_dir(1))
+    assert [(a["attempt"], a["exit"]) for a in attempts if "ended" in a] == [(1, 3), (2, 0)]
+
+
 def test_a_sweep_folder_of_another_sweep_is_refused_before_anything_is_written(tmp_path, capsys):
     folder = tmp_path / "sweep"
     plan = shared.prepare_folder(folder, SWEEPS / "tiny.toml")

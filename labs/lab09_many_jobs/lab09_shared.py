@@ -332,6 +332,7 @@ def run_task(plan: Plan, index: int, extra: Sequence[str] = (), *, replace_proce
     if fault is None and replace_process:
         sys.stdout.flush()
         os.execv(command[0], command)
+    stopped_by = None  # the signal that stopped the training, if one did
     if fault is not None:
         kind, steps = fault
         status = subprocess.run([*command, "--step-budget", str(steps)], check=False).returncode

@@ -171,6 +171,8 @@ def test_pipeline_report_ran_after_failures_and_resubmission_resumed_only_those(
     # Only those were resubmitted, as one array of just their indices; each resumed from its checkpoint.
     submissions = [json.loads(line) for line in (folder / "submissions.jsonl").read_text().splitlines()]
     assert [s["how"] for s in submissions] == ["sbatch-array", "resubmit"]
+    failed_log = (folder / "logs" / f"{submissions[0]['job_id']}_1.out").read_text()  # the fault's own line, no traceback
+    assert "demonstration fault: failing after 3 step(s)" in failed_log and "Traceback" not in failed_log, failed_log
     assert submissions[1]["indices"] == not_done
     assert f"--array={','.join(map(str, not_done))}" in submissions[1]["command"]
     logs = "".join(p.read_text() for p in (folder / "logs").glob(f"{submissions[1]['job_id']}_*.out"))
