@@ -190,7 +190,8 @@ def test_scancel_s_sigterm_to_every_process_saves_even_with_loader_workers(tmp_p
         with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 0, out[-3000:]
-    assert re.search(r"^received SIGTERM: saved \S+c\.pt at epoch 2 step \d+", out, re.M), out[-3000:]
+    assert re.search(r"^received SIGTERM: saved (\S+c\.pt) at epoch 2 step \d+; to go on from there: the same command "
+                     r"with --resume --checkpoint \1$", out, re.M), out[-3000:]  # no job to requeue it
     assert "killed by signal" not in out and "Traceback" not in out
     assert "model" in torch.load(tmp_path / "c.pt", weights_only=False)
     assert left == [] and not (tmp_path / "r").exists()  # stopped before the end: no record

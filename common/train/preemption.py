@@ -18,6 +18,7 @@ writes it) or a checkpointer that writes from every rank (PyTorch Distributed Ch
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 from types import FrameType
@@ -162,6 +163,16 @@ class Preemption:
         if self.signal.requested is not None:
             return f"received {self.signal.name}"
         return f"step budget of {self.budget} step(s) reached"
+
+    def what_next(self, path: object) -> str:
+        """How the run goes on from the checkpoint at ``path``, in words: a job signalled before its time limit
+        (SIGUSR1) requeues itself and resumes; otherwise (scancel, a time limit, ``kill``, a step budget) a new
+        submission starts fresh unless it is given that checkpoint."""
+        if self.signal.name == "SIGUSR1":
+            return "exiting so the job can requeue itself and resume from it"
+        if "SLURM_JOB_ID" in os.environ:
+            return f"a requeued job resumes from it; to go on in a new job: CHECKPOINT={path} sbatch <the same script>"
+        return f"to go on from there: the same command with --resume --checkpoint {path}"
 
     def resume(self, objects: dict[str, Any], *, settings: dict[str, Any], rank: int, world_size: int,
                device: torch.device) -> tuple[int, int, Progress] | None:

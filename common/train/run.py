@@ -92,7 +92,7 @@ class TrainingRun:
             if isinstance(error, Preempted):  # saved here; the exception goes on (run_main exits 0 on it)
                 self.save_checkpoint(self.epoch, error.step)
                 self.print(f"{self.preemption.why_stopped()}: saved {self.checkpointer.path} at epoch "
-                           f"{self.epoch} step {error.step}; exiting so the job can be requeued (resume with --resume)")
+                           f"{self.epoch} step {error.step}; {self.preemption.what_next(self.checkpointer.path)}")
             return False
         finally:
             try:
