@@ -241,7 +241,7 @@ def sbatch_directives(site: Site, partition: Partition, job: dict[str, Any]) -> 
         lines.append((f"--mem={job['mem']}", "memory per node"))
     lines += [
         (f"--time={job['time']}", "wall-clock limit: the job is stopped after this"),
-        (f"--output={job['output']}", "log file (%x = job name, %j = job id), stdout and stderr"),
+        (f"--output={job['output']}", "log file (%x job name, %j job id, %A_%a array job_task), stdout and stderr"),
     ]
     width = max(len(directive) for directive, _ in lines) + len("#SBATCH ") + 2
     return "\n".join(f"{('#SBATCH ' + directive).ljust(width)}# {comment}" for directive, comment in lines)

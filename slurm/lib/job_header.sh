@@ -27,7 +27,12 @@
 # so that its processes split the task's cores instead of each taking all of them.
 # Works outside Slurm too (bash job.sbatch on a laptop): the values fall back to one local process.
 
-echo "== job ${SLURM_JOB_ID:-(not in Slurm)} '${SLURM_JOB_NAME:-}' on $(hostname) at $(date '+%Y-%m-%d %H:%M:%S %Z')"
+# An array task says its array job and index: sacct and the log's name (%A_%a) know it by those.
+_job="${SLURM_JOB_ID:-(not in Slurm)}"
+if [[ -n "${SLURM_ARRAY_JOB_ID:-}" ]]; then
+    _job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID} (job id $SLURM_JOB_ID)"
+fi
+echo "== job $_job '${SLURM_JOB_NAME:-}' on $(hostname) at $(date '+%Y-%m-%d %H:%M:%S %Z')"
 echo "== SLURM_* variables:"
 while read -r _hdl_name; do
     printf '   %s=%s\n' "$_hdl_name" "${!_hdl_name}"

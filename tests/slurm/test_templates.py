@@ -100,7 +100,7 @@ def test_rendering_for_every_other_site_is_accepted_and_launches_its_steps(slurm
             steps.setdefault((tool, launched), []).append((task, tasks))
     assert steps, f"{site}/{script}: no step was launched\n{log[-3000:]}"
     # A job array's log is every array task's that Slurm still lists, each opened by the job header's line.
-    copies = len(re.findall(r"^== job \d+ ", log, re.M)) if "#SBATCH --array=" in job.script.read_text() else 1
+    copies = len(re.findall(r"^== job \d+_\d+ \(job id \d+\) ", log, re.M)) if "#SBATCH --array=" in job.script.read_text() else 1
     assert copies >= 1, log[-3000:]
     for (tool, launched), tasks in steps.items():
         if all(of == "none" for _, of in tasks):  # the batch script's own call: no step, so no step size
