@@ -77,9 +77,13 @@ def test_a_demonstration_fault_ends_its_task_with_status_3_and_records_the_attem
     UnboundLocalError there, which made the array task exit 1 and a --local sweep stop at task 1); the second attempt
     trains normally. The training is a stand-in that exits 0 at once."""
     plan = shared.prepare_folder(tmp_path / "faults", SWEEPS / "faults.toml")
+    shared.write_plan(plan)
+    plan.add_submission("local", "local", [0, 1, 2])
     monkeypatch.setattr(shared, "task_command", lambda plan, index, extra=(): [PYTHON, "-c", "pass"])
     assert shared.run_task(plan, 1) == 3
     assert "task 1: demonstration fault: failing after 3 step(s)" in capsys.readouterr().out
+    assert run_main(STATUS, ["--sweep-dir", str(plan.folder)]) == 0  # the status says what to do next
+    assert "task(s) 1 did not complete: 01_sweep.py --local with the same sweep goes on" in capsys.readouterr().out
     assert shared.run_task(plan, 1) == 0
     attempts = shared.local_attempts(plan.task_dir(1))
     assert [(a["attempt"], a["exit"]) for a in attempts if "ended" in a] == [(1, 3), (2, 0)]

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.plan or args.local):
         if plan.submissions():
             raise UserError(f"{folder} was submitted already (job {plan.submissions()[-1]['job_id']}): follow it or "
-                            f"resubmit what failed with 02_status.py --sweep-dir {folder} [--resubmit]")
+                            f"resubmit what failed with 02_status.py --sweep-dir {folder} [--resubmit], or give a new "
+                            "--sweep-dir to start again")
         limit = max_array_size()  # array indices run from 0 to MaxArraySize - 1
         if len(plan.tasks) > limit:
             raise UserError(f"the sweep has {len(plan.tasks)} tasks, more than this cluster's MaxArraySize of {limit} "

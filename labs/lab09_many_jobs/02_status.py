@@ -74,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
           f"(every attempt) | read in {time.perf_counter() - began:.2f} s")
     if problem:
         print(f"note: {problem}; states from squeue (queued and running jobs only)")
+    retry = [str(s.index) for s in statuses if s.state in RETRY]
+    if retry and not args.resubmit:  # what to do next, said where the student reads the states
+        local = bool(plan.submissions()) and plan.submissions()[-1]["how"] == "local"
+        print(f"task(s) {', '.join(retry)} did not complete: " + ("01_sweep.py --local with the same sweep goes on "
+              "from their checkpoints" if local else "--resubmit runs just those again, each from its checkpoint"))
     if args.resubmit:
         if not plan.submissions() or plan.submissions()[-1]["how"] == "local":
             raise UserError(f"{plan.folder} was not submitted to Slurm: run 01_sweep.py --local again to retry here")
