@@ -340,6 +340,8 @@ def test_runs_from_two_machines_use_their_own_baseline(tmp_path: Path) -> None:
     write_run(folder, host="slow-laptop", method="baseline", samples_per_s=100.0)
     write_run(folder, host="slow-laptop", method="ddp", samples_per_s=190.0, world_size=2)
     write_run(folder, host="other-node", method="ddp", samples_per_s=190.0, world_size=2)  # no baseline there
+    write_run(folder, host="tiny-node", method="baseline", samples_per_s=None)  # one that timed no step
+    write_run(folder, host="tiny-node", method="ddp", samples_per_s=190.0, world_size=2)
 
     runs = runs_frame([json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))])
 
@@ -349,8 +351,10 @@ def test_runs_from_two_machines_use_their_own_baseline(tmp_path: Path) -> None:
     assert math.isnan(ddp.loc["other-node", "scaling_efficiency"])
     page = report(folder, "--no-plots")
     no_baseline = "No 'baseline' run to compute an efficiency for: lab01, resnet18, cuda, other-node"
-    assert no_baseline in page.sections["summary"]
-    assert "3 machines" in Path(tmp_path / "results-report.html").read_text(encoding="utf-8")
+    untimed = "tiny-node · NVIDIA RTX 4090 (its baseline run measured no throughput: it failed, or timed no step past"
+    assert no_baseline in page.sections["summary"] and untimed in page.sections["summary"]
+    assert page.sections["summary"].count("its baseline run measured no throughput") == 1  # not other-node's
+    assert "4 machines" in Path(tmp_path / "results-report.html").read_text(encoding="utf-8")
 
 
 def test_devices_count_processes_or_devices_whichever_is_more(tmp_path: Path) -> None:

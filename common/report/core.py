@@ -88,9 +88,13 @@ def mixed_machines(runs: pd.DataFrame) -> list[Finding]:
 
 
 def missing_baselines(runs: pd.DataFrame) -> list[str]:
-    """Comparison groups with multi-device runs but no baseline to compute an efficiency from."""
+    """Comparison groups with multi-device runs but no baseline throughput to compute an efficiency from, each saying
+    when its baseline run is there but has none (a tiny run no longer than its warm-up times no step)."""
     lacking = runs[(runs["devices"] > 1) & runs["baseline_samples_per_s"].isna()]
-    return sorted({_describe(run) for run in lacking.to_dict("records")})
+    there = set(runs.loc[(runs["method"] == BASELINE_METHOD) & (runs["devices"] == 1), "comparison"])
+    return sorted({_describe(run) + (" (its baseline run measured no throughput: it failed, or timed no step past "
+                                     "its warm-up)" if run["comparison"] in there else "")
+                   for run in lacking.to_dict("records")})
 
 
 def warnings_section(unreadable: list[tuple[str, str]], runs: pd.DataFrame, problems: list[Finding]) -> Section:
