@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from common.errors import UserError
 from helpers import PYTHON, REPO, load_script, run_main, run_script, script_env
 
 LAB = "labs/lab09_many_jobs"
@@ -87,6 +88,18 @@ def test_a_demonstration_fault_ends_its_task_with_status_3_and_records_the_attem
     assert shared.run_task(plan, 1) == 0
     attempts = shared.local_attempts(plan.task_dir(1))
     assert [(a["attempt"], a["exit"]) for a in attempts if "ended" in a] == [(1, 3), (2, 0)]
+
+
+def test_a_refused_submission_names_the_placeholder_account_when_the_script_holds_it(tmp_path):
+    script = tmp_path / "sweep_array.sbatch"
+    refused = subprocess.CompletedProcess(["sbatch", "--parsable", str(script)], 1, "",
+                                          "sbatch: error: Batch job submission failed: Invalid account\n")
+    for account, hinted in (("edit-me", True), ("proj0042", False)):
+        script.write_text(f"#!/bin/bash\n#SBATCH --account={account}  # the project\n")
+        with pytest.raises(UserError) as refusal:
+            shared.submitted_job_id(refused)
+        assert str(refusal.value).startswith("sbatch refused the job: sbatch: error: Batch job submission failed")
+        assert ("placeholder 'edit-me': set account: in that profile" in str(refusal.value)) is hinted
 
 
 def test_a_sweep_folder_of_another_sweep_is_refused_before_anything_is_written(tmp_path, capsys):

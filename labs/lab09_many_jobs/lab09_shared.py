@@ -38,6 +38,7 @@ import yaml
 from common.atomic import write_text_atomic
 from common.errors import Stopped, UserError
 from common.results import load_records, make_record, provenance, write_record
+from common.slurm.jobs import PLACEHOLDER
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAB_DIR = Path(__file__).resolve().parent
@@ -403,9 +404,14 @@ def max_array_size() -> int:
 
 
 def submitted_job_id(done: subprocess.CompletedProcess[str]) -> str:
-    """The job id ``sbatch --parsable`` printed, or its refusal as one line."""
+    """The job id ``sbatch --parsable`` printed, or its refusal as one line (naming the site profile's placeholder
+    account when the script still holds it: the likely reason, on a site that needs one)."""
     if done.returncode != 0:
-        raise UserError(f"sbatch refused the job: {' '.join(done.stderr.split())}")
+        script = Path(str(done.args[-1])) if done.args else None
+        placeholder = script is not None and script.is_file() and f"--account={PLACEHOLDER}" in script.read_text()
+        raise UserError(f"sbatch refused the job: {' '.join(done.stderr.split())}" + (
+            f"; its account is the site profile's placeholder {PLACEHOLDER!r}: set account: in that profile "
+            "(slurm/sites/<site>.yaml)" if placeholder else ""))
     return done.stdout.strip().split(";")[0]
 
 
