@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import argparse
 import json
 import os
@@ -958,3 +959,21 @@ def test_running_out_of_memory_is_one_line_and_exit_1_and_a_bug_keeps_its_traceb
         assert stopped.value.code == 1 and err.count("\n") == 1 and err.startswith(line), err
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         run_main(bug, [])
+
+
+def test_a_stopped_run_says_how_to_go_on_where_it_ran(monkeypatch):
+    """SIGUSR1 in a job: the template requeues it. Another signal in a job (scancel, a time limit): a requeued job
+    finds its checkpoint, a new one (a new id) needs it given. Outside a job, or a step budget: --resume."""
+    from common.train.preemption import Preemption
+
+    stopped = Preemption(None, resume=False, budget=3)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert stopped.what_next("c.pt") == "to go on from there: the same command with --resume --checkpoint c.pt"
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
+    assert stopped.what_next("c.pt").startswith("to go on from there")  # a step budget, not a signal
+    stopped.signal.requested = signal.SIGUSR1
+    assert stopped.what_next("c.pt") == "exiting so the job can requeue itself and resume from it"
+    stopped.signal.requested = signal.SIGTERM
+    assert stopped.what_next("c.pt").endswith("to go on in a new job: CHECKPOINT=c.pt sbatch <the same script>")
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert stopped.what_next("c.pt").startswith("to go on from there")

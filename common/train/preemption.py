@@ -168,9 +168,10 @@ class Preemption:
         """How the run goes on from the checkpoint at ``path``, in words: a job signalled before its time limit
         (SIGUSR1) requeues itself and resumes; otherwise (scancel, a time limit, ``kill``, a step budget) a new
         submission starts fresh unless it is given that checkpoint."""
-        if self.signal.name == "SIGUSR1":
+        in_a_job = "SLURM_JOB_ID" in os.environ and self.signal.name is not None
+        if in_a_job and self.signal.name == "SIGUSR1":
             return "exiting so the job can requeue itself and resume from it"
-        if "SLURM_JOB_ID" in os.environ:
+        if in_a_job:
             return f"a requeued job resumes from it; to go on in a new job: CHECKPOINT={path} sbatch <the same script>"
         return f"to go on from there: the same command with --resume --checkpoint {path}"
 
