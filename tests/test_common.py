@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import signal
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 
