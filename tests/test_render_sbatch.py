@@ -15,6 +15,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -799,3 +800,40 @@ def test_the_sites_readme_lists_every_template_of_the_course():
     assert len(templates) >= 25
     assert not templates - listed, f"slurm/sites/README.md's template table lacks a row for {sorted(templates - listed)}"
     assert not listed - templates, f"slurm/sites/README.md's template table names templates that are gone: {listed - templates}"
+
+
+@pytest.mark.parametrize(("limit", "requeued"), [("1:00", False), ("1:00:00", True), ("1-00:00:00", True)])
+def test_a_preemptible_job_requeues_itself_only_when_its_time_limit_leaves_room(tmp_path, limit, requeued):
+    """The training templates' pre-emption block (slurm/lib/preemptible_step.j2) under bash, with squeue and scontrol
+    stand-ins: a job whose limit is within the 120 s signal margin would be signalled at every start and go round
+    the queue for ever, so it saves and stops; a job with room requeues itself after its save."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text(f"#!/bin/bash\necho {limit}\n")
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/scontrol_calls\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    block = re.sub(r"\{#.*?#\}\n", "", (REPO_ROOT / "slurm" / "lib" / "preemptible_step.j2").read_text(), flags=re.S)
+    script = tmp_path / "job.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH --signal=B:USR1@120  # as the templates ask\nset -euo pipefail\n"
+                      "source slurm/lib/job_header.sh\n" + block +
+                      "run_preemptible bash -c 'trap \"echo saved; exit 0\" USR1; echo started; "
+                      "while :; do sleep 0.1; done'\necho 'after the step'\n")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "t"}
+    job = subprocess.Popen(["bash", str(script)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in job.stdout:
+            seen.append(line)
+            if line.strip() == "started":
+                job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 sends the batch shell
+                break
+        out = "".join(seen) + job.communicate(timeout=30)[0]
+    finally:
+        job.kill()
+    assert job.returncode == 0 and "saved" in out and "after the step" not in out, out[-3000:]
+    calls = (tmp_path / "scontrol_calls").read_text() if (tmp_path / "scontrol_calls").exists() else ""
+    assert ("requeue 77" in calls) is requeued, (calls, out[-2000:])
+    assert ("WARNING: a time limit of 60 s leaves no room past the 120 s signal margin" in out) is not requeued
+    assert ("CHECKPOINT=checkpoints/t-77.pt sbatch --time=<longer>" in out) is not requeued

@@ -49,6 +49,16 @@ port_from_job() {
     [[ "$step" =~ ^[0-9]+$ ]] || step=0
     echo $((20000 + (10#$job + 6180 * 10#$step) % 10000))
 }
+# job_time_limit_s: this job's time limit in seconds (squeue's [D-][H:]M:S); nothing outside a job, or when the
+# limit is UNLIMITED or squeue does not answer.
+job_time_limit_s() {
+    [[ -n "${SLURM_JOB_ID:-}" ]] || return 0
+    local limit
+    limit="$(squeue -h -j "$SLURM_JOB_ID" -o %l 2>/dev/null || true)"
+    [[ "$limit" =~ ^(([0-9]+)-)?(([0-9]+):)?([0-9]+):([0-9]+)$ ]] || return 0
+    echo $(( ((10#${BASH_REMATCH[2]:-0} * 24 + 10#${BASH_REMATCH[4]:-0}) * 60 + 10#${BASH_REMATCH[5]}) * 60
+             + 10#${BASH_REMATCH[6]} ))
+}
 if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
     # `scontrol show hostnames` expands n[1-2] into n1 and n2 (mapfile, not `| head`: with
     # pipefail a closed pipe would fail the job).
