@@ -146,7 +146,8 @@ def test_the_handouts_report_command_from_a_lab_folder_writes_beside_the_records
     assert status == ""
     assert sorted(p.name for p in lab.iterdir()) == ["results"]
     assert (lab / "results" / "comparison_report.html").is_file() and (lab / "results" / "comparison_report.csv").is_file()
-    assert "note: runs of 2 labs in one report (lab01, lab04); --lab lab01 makes a report of one lab" in out
+    assert ("note: runs of 2 labs in one report (lab01, lab04); --lab LAB, one of them, writes a report of that lab "
+            "alone: results/LAB_comparison_report.html") in out
 
     assert report_cli.main(["--results-dir", "results", "--lab", "lab04", "--no-plots"]) == 0
     assert "note:" not in capsys.readouterr().out

@@ -56,8 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{f', skipped {len(outcome.skipped)} file(s)' if outcome.skipped else ''}"
           f"{f'; {len(outcome.warnings)} warning(s), listed in the report' if outcome.warnings else ''}")
     if len(outcome.labs) > 1:
-        print(f"note: runs of {len(outcome.labs)} labs in one report ({', '.join(outcome.labs)}); "
-              f"--lab {outcome.labs[0]} makes a report of one lab")
+        print(f"note: runs of {len(outcome.labs)} labs in one report ({', '.join(outcome.labs)}); --lab LAB, one of "
+              f"them, writes a report of that lab alone: {args.results_dir / ('LAB_' + DEFAULT_REPORT_NAME)}")
     print(f"csv: {outcome.csv_path}")
     print(f"report: {outcome.report_path}")
     return 0
