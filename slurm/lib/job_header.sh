@@ -28,11 +28,11 @@
 # Works outside Slurm too (bash job.sbatch on a laptop): the values fall back to one local process.
 
 # An array task says its array job and index: sacct and the log's name (%A_%a) know it by those.
-_job="${SLURM_JOB_ID:-(not in Slurm)}"
+_hdl_job="${SLURM_JOB_ID:-(not in Slurm)}"
 if [[ -n "${SLURM_ARRAY_JOB_ID:-}" ]]; then
-    _job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID} (job id $SLURM_JOB_ID)"
+    _hdl_job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID} (job id $SLURM_JOB_ID)"
 fi
-echo "== job $_job '${SLURM_JOB_NAME:-}' on $(hostname) at $(date '+%Y-%m-%d %H:%M:%S %Z')"
+echo "== job $_hdl_job '${SLURM_JOB_NAME:-}' on $(hostname) at $(date '+%Y-%m-%d %H:%M:%S %Z')"
 echo "== SLURM_* variables:"
 while read -r _hdl_name; do
     printf '   %s=%s\n' "$_hdl_name" "${!_hdl_name}"
