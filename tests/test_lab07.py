@@ -318,3 +318,30 @@ def test_on_four_gpus_the_2d_mesh_resumes_on_another_mesh(tmp_path):
                          str(tmp_path / "b"), launcher=torchrun(4))
     assert cut.returncode == 0 and resumed.returncode == 0, (cut.stderr + resumed.stderr)[-4000:]
     assert "saved on mesh 2x2" in resumed.stdout
+
+
+def test_lab07_shared_cuts_a_model_into_stages_that_together_compute_the_whole_model():
+    """labs/lab07_model_parallel/lab07_shared.py, in-process: the pipeline's stage boundaries cover every block once,
+    as even as they divide, and the stage modules chained compute exactly the whole model's logits; the bubble
+    formula is (p - 1) / (v m + p - 1); too many stages is one error line."""
+    import torch
+
+    from common.errors import UserError
+    from common.models import TransformerShape
+    from labs.lab07_model_parallel.lab07_shared import bubble_formula, build_model, pipeline_stage_module, stage_layers
+
+    assert stage_layers(5, 2) == [(0, 2), (2, 5)]  # as its docstring says
+    for layers, stages in ((4, 4), (7, 3), (8, 2), (9, 4)):
+        bounds = stage_layers(layers, stages)
+        assert bounds[0][0] == 0 and bounds[-1][1] == layers and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert max(end - start for start, end in bounds) - min(end - start for start, end in bounds) <= 1
+    with pytest.raises(UserError, match="3 pipeline stages need at least 3 transformer blocks"):
+        stage_layers(2, 3)
+    model = build_model(TransformerShape(layers=3, width=32, heads=4, context=16, vocab_size=128), seed=1).eval()
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        chained = tokens
+        for stage in range(2):
+            chained = pipeline_stage_module(model, stage, 2)(chained)
+        assert torch.equal(chained, model(tokens))
+    assert bubble_formula(4, 8) == pytest.approx(3 / 11) and bubble_formula(4, 8, 2) == pytest.approx(3 / 19)

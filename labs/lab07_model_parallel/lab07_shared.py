@@ -270,7 +270,7 @@ class PipelineStageModule(nn.Module):
 
 
 def stage_layers(layers: int, stages: int) -> list[tuple[int, int]]:
-    """The blocks of each stage, as even as they divide: ``stage_layers(5, 2) == [(0, 3), (3, 5)]``."""
+    """The blocks of each stage, as even as they divide: ``stage_layers(5, 2) == [(0, 2), (2, 5)]``."""
     if stages > layers:
         raise UserError(f"{stages} pipeline stages need at least {stages} transformer blocks, the model has "
                         f"--layers {layers}: each stage holds one block or more; use more --layers or fewer "
