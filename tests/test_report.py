@@ -350,7 +350,7 @@ def test_runs_from_two_machines_use_their_own_baseline(tmp_path: Path) -> None:
     assert ddp.loc["slow-laptop", "scaling_efficiency"] == pytest.approx(0.95)
     assert math.isnan(ddp.loc["other-node", "scaling_efficiency"])
     page = report(folder, "--no-plots")
-    no_baseline = "No 'baseline' run to compute an efficiency for: lab01, resnet18, cuda, other-node"
+    no_baseline = "No usable 'baseline' run to compute an efficiency for: lab01, resnet18, cuda, other-node"
     untimed = "tiny-node · NVIDIA RTX 4090 (its baseline run measured no throughput: it failed, or timed no step past"
     assert no_baseline in page.sections["summary"] and untimed in page.sections["summary"]
     assert page.sections["summary"].count("its baseline run measured no throughput") == 1  # not other-node's

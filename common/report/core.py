@@ -177,7 +177,7 @@ def summary_section(runs: pd.DataFrame) -> Section:
                      "may be the release. Each run's is in the provenance table.")
     lacking = missing_baselines(runs) if scaling else []
     if lacking:
-        notes.append(f"No '{BASELINE_METHOD}' run to compute an efficiency for: " + "; ".join(lacking) + ".")
+        notes.append(f"No usable '{BASELINE_METHOD}' run to compute an efficiency for: " + "; ".join(lacking) + ".")
     return Section("Summary", tables=[table], notes=notes)
 
 
