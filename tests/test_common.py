@@ -962,7 +962,8 @@ def test_running_out_of_memory_is_one_line_and_exit_1_and_a_bug_keeps_its_traceb
 
 
 def test_a_stopped_run_says_how_to_go_on_where_it_ran(monkeypatch):
-    """SIGUSR1 in a job: the template requeues it. Another signal in a job (scancel, a time limit): a requeued job
+    """SIGUSR1 in a job: the template requeues it, unless what started the training says otherwise
+    (HPC_DL_LABS_ON_STOP: a chain's next link, a sweep task's resubmission, a time limit too short to requeue). Another signal in a job (scancel, a time limit): a requeued job
     finds its checkpoint, a new one (a new id) needs it given. Outside a job, or a step budget: --resume."""
     from common.train.preemption import Preemption
 
@@ -973,6 +974,9 @@ def test_a_stopped_run_says_how_to_go_on_where_it_ran(monkeypatch):
     assert stopped.what_next("c.pt").startswith("to go on from there")  # a step budget, not a signal
     stopped.signal.requested = signal.SIGUSR1
     assert stopped.what_next("c.pt") == "exiting so the job can requeue itself and resume from it"
+    monkeypatch.setenv("HPC_DL_LABS_ON_STOP", "the next link of the chain resumes from it")  # the batch script knows
+    assert stopped.what_next("c.pt") == "the next link of the chain resumes from it"
+    monkeypatch.delenv("HPC_DL_LABS_ON_STOP")
     stopped.signal.requested = signal.SIGTERM
     assert stopped.what_next("c.pt").endswith("to go on in a new job: CHECKPOINT=c.pt sbatch <the same script>")
     monkeypatch.delenv("SLURM_JOB_ID")

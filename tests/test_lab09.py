@@ -311,7 +311,8 @@ def test_a_local_sweep_sent_sigterm_passes_it_to_the_training_which_saves_and_th
         with contextlib.suppress(ProcessLookupError):
             os.killpg(runner.pid, signal.SIGKILL)
     assert runner.returncode == 0, out[-3000:]
-    assert re.search(r"^received SIGTERM: saved \S+tasks/000/checkpoint\.pt at epoch 2 step \d+", out, re.M)
+    assert re.search(r"^received SIGTERM: saved \S+tasks/000/checkpoint\.pt at epoch 2 step \d+; the sweep resumes this "
+                     r"task from it when the same 01_sweep.py command runs again$", out, re.M)  # not the training's own
     assert out.rstrip().endswith("task 0: stopped by SIGTERM; run the same command again to go on from here")
     assert "task 1 attempt" not in out and left == []
     ended = json.loads((folder / "tasks" / "000" / "attempts.jsonl").read_text().splitlines()[-1])

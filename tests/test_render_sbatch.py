@@ -817,7 +817,7 @@ def test_a_preemptible_job_requeues_itself_only_when_its_time_limit_leaves_room(
     script = tmp_path / "job.sbatch"
     script.write_text("#!/bin/bash\n#SBATCH --signal=B:USR1@120  # as the templates ask\nset -euo pipefail\n"
                       "source slurm/lib/job_header.sh\n" + block +
-                      "run_preemptible bash -c 'trap \"echo saved; exit 0\" USR1; echo started; "
+                      "run_preemptible bash -c 'trap \"echo saved; exit 0\" USR1; echo \"started: ${HPC_DL_LABS_ON_STOP:-requeue}\"; "
                       "while :; do sleep 0.1; done'\necho 'after the step'\n")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "t"}
     job = subprocess.Popen(["bash", str(script)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
@@ -826,7 +826,7 @@ def test_a_preemptible_job_requeues_itself_only_when_its_time_limit_leaves_room(
         seen = []
         for line in job.stdout:
             seen.append(line)
-            if line.strip() == "started":
+            if line.startswith("started"):
                 job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 sends the batch shell
                 break
         out = "".join(seen) + job.communicate(timeout=30)[0]
@@ -837,3 +837,6 @@ def test_a_preemptible_job_requeues_itself_only_when_its_time_limit_leaves_room(
     assert ("requeue 77" in calls) is requeued, (calls, out[-2000:])
     assert ("WARNING: a time limit of 60 s leaves no room past the 120 s signal margin" in out) is not requeued
     assert ("CHECKPOINT=checkpoints/t-77.pt sbatch --time=<longer>" in out) is not requeued
+    told = "started: requeue" if requeued else ("started: this job does not requeue itself (its time limit is too "
+                                                "short); to go on: CHECKPOINT=checkpoints/t-77.pt sbatch --time=<longer>")
+    assert told in out  # the training is told too, and says the same when it stops

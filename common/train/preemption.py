@@ -167,7 +167,11 @@ class Preemption:
     def what_next(self, path: object) -> str:
         """How the run goes on from the checkpoint at ``path``, in words: a job signalled before its time limit
         (SIGUSR1) requeues itself and resumes; otherwise (scancel, a time limit, ``kill``, a step budget) a new
-        submission starts fresh unless it is given that checkpoint."""
+        submission starts fresh unless it is given that checkpoint. Whatever started the training and knows better
+        says it in ``HPC_DL_LABS_ON_STOP`` (a chain's next link resumes, a sweep's task is resubmitted or its sweep
+        run again, a job too short to requeue itself), and that is what a stop prints."""
+        if os.environ.get("HPC_DL_LABS_ON_STOP"):
+            return os.environ["HPC_DL_LABS_ON_STOP"]
         in_a_job = "SLURM_JOB_ID" in os.environ and self.signal.name is not None
         if in_a_job and self.signal.name == "SIGUSR1":
             return "exiting so the job can requeue itself and resume from it"

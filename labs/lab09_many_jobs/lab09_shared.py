@@ -334,9 +334,12 @@ def run_task(plan: Plan, index: int, extra: Sequence[str] = (), *, replace_proce
         sys.stdout.flush()
         os.execv(command[0], command)
     stopped_by = None  # the signal that stopped the training, if one did
+    # what the training says when it stops: how this sweep goes on (an array job's script has said it already)
+    env = {"HPC_DL_LABS_ON_STOP": "the sweep resumes this task from it when the same 01_sweep.py command runs again",
+           **os.environ}
     if fault is not None:
         kind, steps = fault
-        status = subprocess.run([*command, "--step-budget", str(steps)], check=False).returncode
+        status = subprocess.run([*command, "--step-budget", str(steps)], check=False, env=env).returncode
         if kind == "fail":
             print(f"task {index}: demonstration fault: failing after {steps} step(s) (attempt 1 only)", flush=True)
             status = 3
@@ -347,7 +350,7 @@ def run_task(plan: Plan, index: int, extra: Sequence[str] = (), *, replace_proce
             while True:
                 time.sleep(60)
     else:
-        status, stopped_by = run_passing_signals_on(command)
+        status, stopped_by = run_passing_signals_on(command, env)
     with open(attempts, "a", encoding="utf-8") as out:
         out.write(json.dumps({"attempt": attempt, "job": job, "ended": time.time(), "exit": status,
                               **({"stopped_by": stopped_by} if stopped_by else {})}) + "\n")
@@ -359,11 +362,11 @@ def run_task(plan: Plan, index: int, extra: Sequence[str] = (), *, replace_proce
     return status
 
 
-def run_passing_signals_on(command: Sequence[str]) -> tuple[int, str | None]:
+def run_passing_signals_on(command: Sequence[str], env: Mapping[str, str] | None = None) -> tuple[int, str | None]:
     """Run ``command`` and wait for it; SIGTERM and SIGUSR1 sent to this process (``kill``, a job's end) go on
     to it, so it saves and stops rather than train on alone; Ctrl-C reaches it from the terminal. Its exit
     status, and the signal that stopped it, if any."""
-    child, received = subprocess.Popen(command), []
+    child, received = subprocess.Popen(command, env=env), []
 
     def pass_on(sig: int, _frame: object) -> None:
         received.append(signal.Signals(sig).name)

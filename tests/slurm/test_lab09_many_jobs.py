@@ -212,6 +212,7 @@ def test_three_links_end_with_the_weights_of_the_unbroken_run(run_lab):
     assert re.findall(r"== chain link (\d) ", logs) == ["1", "2", "3"]
     assert "== chain done: link 3 finished the run" in logs
     assert re.findall(r"resumed from \S+: epoch 1, step (\d+)", logs) == ["3", "6"]
+    assert re.findall(r"; link (\d) of the chain resumes from it", logs) == ["2", "3"]  # each link's training says so
     (chained,) = (results / "chain" / "results").glob("*.pt")
     (unbroken,) = (results / "unbroken" / "results").glob("*.pt")
     a, b = torch.load(chained), torch.load(unbroken)
