@@ -332,6 +332,34 @@ def test_uneven_on_one_rank_reads_each_sample_once_across_its_workers(data, tmp_
     assert Counter(epochs[0]) == Counter(range(SAMPLES))
 
 
+@pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities of TorchVision:DeprecationWarning")
+def test_a_pad_blank_has_weight_0_and_leaves_the_training_loss_as_the_real_samples_alone(data):
+    """The runs above only read (--verify-only), so this is where padding is checked as training sees it: in
+    one process, the pad stream of each of 2 ranks (one slot each: 6 shards split 3 and 3, 230 samples, so one
+    slot gets 10 blanks) gives weight 0 to a blank (id -1) and 1 to each real sample, and ``weighted_loss`` of a
+    batch that holds blanks is the mean loss over its real samples alone."""
+    import torch
+    import torch.nn.functional as F
+
+    from labs.lab08_data_at_scale.lab08_shared import ShardStream
+
+    weighted_loss = load_script(SHARDS).weighted_loss
+    ids, weights = [], []
+    for rank in range(2):
+        stream = ShardStream(data / "shards", batch_size=16, rank=rank, world_size=2, policy="pad", seed=1)
+        for _, _, extras in stream:
+            ids += extras["ids"].tolist()
+            weights += extras["weights"].tolist()
+    assert Counter(i for i in ids if i >= 0) == Counter(range(SAMPLES)) and ids.count(-1) == 10
+    assert weights == [0.0 if i < 0 else 1.0 for i in ids]
+    torch.manual_seed(0)
+    logits, labels = torch.randn(6, 10), torch.tensor([3, 1, 4, 1, 5, 9])
+    real = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])  # samples 1 and 4 are blanks
+    expected = F.cross_entropy(logits[real.bool()], labels[real.bool()])
+    assert not torch.isclose(expected, F.cross_entropy(logits, labels))  # the blanks would move a plain mean
+    torch.testing.assert_close(weighted_loss(logits, labels, real), expected)
+
+
 # -- 6. resume mid-epoch -----------------------------------------------------------------------------------
 
 
