@@ -195,7 +195,8 @@ def test_injected_latency_is_waited_once_per_open_and_predicted(reads):
 def test_calibration_reads_its_clock_after_the_decode_device_finished(data, tmp_path, monkeypatch):
     """--decode device: nvJPEG works on a CUDA stream, so a clock read right after decode_batch returns would time
     only the launch. Whatever the device, each clock read of the calibration that follows a decode comes after the
-    device was synchronised (a no-op on a CPU; on a GPU the wait for the decode)."""
+    device was synchronised (a no-op on a CPU; on a GPU the wait for the decode). With no workers the calibration's
+    reads and the epoch's are one process's: the epoch's counts leave the calibration's out."""
     import time as real_time
     from types import SimpleNamespace
 
@@ -211,6 +212,10 @@ def test_calibration_reads_its_clock_after_the_decode_device_finished(data, tmp_
         assert run_main(READ, ["--format", "array", "--data-dir", str(data), "--results-dir", str(tmp_path),
                                "--device", "cpu", "--num-workers", "0", "--batch-size", "32", "--read-only",
                                "--decode", "device", "--calibration-samples", "64", "--nodes", "1"]) == 0
+    # With no workers the main process reads both the calibration and the epoch: the epoch counts its own opens only.
+    (record,) = _records(tmp_path)
+    (epoch,) = record["metrics"]["epochs_io"]
+    assert (epoch["samples"], epoch["opens"], epoch["expected_opens"], epoch["processes"]) == (SAMPLES, 1, 1, 1), epoch
     assert events.count("decode") >= 3  # the warm-up batch and two timed ones at least
     last_decode = None
     for index, event in enumerate(events):
