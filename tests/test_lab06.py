@@ -72,6 +72,26 @@ def test_the_verdict_names_a_rank_that_never_reached_a_collective_and_blames_nob
     assert everyone.ranks == [] and "no rank is behind" in everyone.line
 
 
+def test_at_the_last_step_the_verdict_tells_a_rank_that_skipped_from_one_that_finished(tmp_path, capsys):
+    """At step 6 of 6 a rank at the end-of-run barrier either skipped the last all-reduce (01 marks its entry
+    ``left_early``: the others wait in the all-reduce) or finished it (the others finished too and are on their way
+    to the barrier, or stuck before it). The step alone once named the ranks in the all-reduce "not yet in the
+    all_reduce of step 6" when rank 1 skipped it."""
+    skipped = shared.diagnose({0: entry(0, 6), 1: {**entry(1, 6, shared.END_OF_RUN, 1), "left_early": True}}, 2, 6, 100)
+    assert (skipped.ranks, skipped.step) == ([1], 6) and "skipped the all_reduce(gradients) of step 6" in skipped.line
+    finished = shared.diagnose({0: entry(0, 6), 1: entry(1, 6, shared.END_OF_RUN, 1)}, 2, 6, 100)
+    assert (finished.ranks, finished.step) == ([0], 6), finished.line
+    assert "not yet in the barrier(end of run) of step 6" in finished.line
+    # 01 marks the entry: one rank that skips its last all-reduce (alone, its barrier passes and the run ends).
+    run_dir = tmp_path / "run"
+    assert run_main(INJECT, [*TINY, "--fault", "skip-collective", "--rank", "0", "--step", "6", "--run-dir",
+                             str(run_dir), "--results-dir", str(tmp_path / "res")]) == 0
+    capsys.readouterr()
+    ledger = shared.read_ledger(run_dir)
+    assert ledger[0]["op"] == shared.END_OF_RUN and ledger[0]["step"] == 6 and ledger[0]["left_early"] is True
+    assert shared.diagnose(ledger, 1, 6, 100).ranks == [0]
+
+
 def test_a_fault_fires_once_and_never_in_a_restarted_run(tmp_path, monkeypatch):
     plan = shared.FaultPlan("crash-rank", 1, 3, tmp_path)
     assert not plan.fires(0, 3, "crash-rank") and not plan.fires(1, 2, "crash-rank")

@@ -135,13 +135,14 @@ def train(args, ctx, plan: FaultPlan) -> int:
     dataset = SyntheticSteps(args.steps, args.batch_size, args.seed, ctx.rank, plan)
     loader = DataLoader(dataset, batch_size=None, num_workers=args.num_workers,
                         sampler=range(start, args.steps))  # a resumed run starts at its next step
-    step, loss_value, began, stopped = start, float("nan"), time.perf_counter(), None
+    step, loss_value, began, stopped, left_early = start, float("nan"), time.perf_counter(), None, False
     try:
         for step, (images, labels) in enumerate(loader, start=start + 1):
             if plan.fires(ctx.rank, step, "crash-rank"):
                 print_rank(f"crash-rank: exiting at step {step}")
                 os._exit(1)  # as a segfault or the kernel's OOM killer would: no cleanup, no goodbye
             if plan.fires(ctx.rank, step, "skip-collective"):
+                left_early = True
                 break  # this rank thinks it is done; the others are about to enter the all-reduce
             if plan.fires(ctx.rank, step, "oom"):
                 torch.empty(1 << 50, device=ctx.device)  # 1 PiB: torch.OutOfMemoryError on rank R
@@ -164,7 +165,7 @@ def train(args, ctx, plan: FaultPlan) -> int:
             if step % args.checkpoint_every == 0 and ctx.rank == 0:
                 save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                                  "config": config_dict(args)}, checkpoint_path)
-        ledger.enter(END_OF_RUN, step, 1)
+        ledger.enter(END_OF_RUN, step, 1, left_early=left_early)
         dist.barrier()  # a rank that left the loop early waits here, and the others in the all-reduce: a hang
     except RuntimeError as error:  # Gloo's timeout, a peer that closed its connection, a desync
         return report_failure(args, ctx, error, step, stacks)

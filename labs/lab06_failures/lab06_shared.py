@@ -126,11 +126,15 @@ class Ledger:
         self.rank = rank
         self.sequence = 0
 
-    def enter(self, op: str, step: int, numel: int) -> None:
+    def enter(self, op: str, step: int, numel: int, *, left_early: bool = False) -> None:
+        """``left_early``: the end-of-run barrier of a rank that left the loop before step ``step``'s
+        all-reduce (at the last step its step alone cannot tell it from a rank that finished)."""
         self.sequence += 1
         entry = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "op": op, "step": step,
                  "numel": numel,
                  "sequence": self.sequence, "time": time.time()}
+        if left_early:
+            entry["left_early"] = True
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(entry))
         os.replace(tmp, self.path)  # a reader never sees half a file
@@ -297,8 +301,8 @@ def diagnose(entries: Mapping[int, Mapping[str, Any]], world_size: int, steps: i
     Deterministic, so the same hang gives the same verdict every time:
 
     1. a rank with no entry never reached a collective;
-    2. a rank at the end-of-run barrier before the last step left the loop early, skipping the
-       all-reduce the others wait in;
+    2. a rank at the end-of-run barrier before the last step (or marked ``left_early``) left the loop
+       early, skipping the all-reduce the others wait in;
     3. a rank whose step is lower than the furthest rank's has not reached that collective yet (slow,
        stuck in its data loader, or dead: the stacks say which);
     4. ranks in the same collective with another element count than the gradients' are a desync.
@@ -326,7 +330,8 @@ def diagnose(entries: Mapping[int, Mapping[str, Any]], world_size: int, steps: i
     if missing:
         return Verdict(f"rank(s) {_names(missing)} never entered a collective: they died or hang before the first "
                        "step", missing, None, rows)
-    early = [r for r, e in entries.items() if e["op"] == END_OF_RUN and int(e["step"]) < steps]
+    early = [r for r, e in entries.items()
+             if e["op"] == END_OF_RUN and (int(e["step"]) < steps or e.get("left_early"))]
     if early:
         step = min(int(entries[r]["step"]) for r in early)
         return Verdict(f"rank(s) {_names(early)} skipped the {GRADIENTS} of step {step} and left the loop; "
@@ -335,8 +340,9 @@ def diagnose(entries: Mapping[int, Mapping[str, Any]], world_size: int, steps: i
     behind = sorted(r for r, e in entries.items() if _position(e) < furthest)
     if behind:
         step = furthest[0]
+        waited_in = END_OF_RUN if furthest[1] else GRADIENTS  # the others finished: they wait at the end
         last = ", ".join(f"rank {r} at step {entries[r]['step']}" for r in behind)
-        return Verdict(f"rank(s) {_names(behind)} behind: not yet in the {GRADIENTS} of step {step} that the "
+        return Verdict(f"rank(s) {_names(behind)} behind: not yet in the {waited_in} of step {step} that the "
                        f"others wait in (last collective: {last})", behind, step, rows)
     odd = sorted(r for r, e in entries.items() if e["op"] == GRADIENTS and int(e["numel"]) != gradient_numel)
     if odd:
