@@ -337,6 +337,7 @@ def test_runs_from_two_machines_use_their_own_baseline(tmp_path: Path) -> None:
     folder = tmp_path / "results"
     write_run(folder, host="fast-node", method="baseline", samples_per_s=1000.0)
     write_run(folder, host="fast-node", method="ddp", samples_per_s=1900.0, world_size=2)
+    write_run(folder, host="fast-node", method="baseline", samples_per_s=10.0, status="failed")  # not a baseline
     write_run(folder, host="slow-laptop", method="baseline", samples_per_s=100.0)
     write_run(folder, host="slow-laptop", method="ddp", samples_per_s=190.0, world_size=2)
     write_run(folder, host="other-node", method="ddp", samples_per_s=190.0, world_size=2)  # no baseline there
