@@ -132,6 +132,8 @@ def test_records_carry_the_documented_metrics(cpu_run):
             assert len(metrics["ms_per_batch_samples"]) == 2
             assert metrics["samples_per_s"] > 0
             assert metrics["flops_per_batch"] > 0 and metrics["achieved_tflops"] > 0
+            # The model's FLOPs per batch over the median time per batch (what the MFU of a GPU is a share of).
+            assert metrics["achieved_tflops"] == pytest.approx(metrics["flops_per_batch"] / (ms["median"] / 1e3) / 1e12)
             assert metrics["peak_tflops"] is None and "no peak known for a CPU" in metrics["mfu_reason"]
             assert metrics["mfu"] is None and metrics["launch_bound"] is None
             assert metrics["memory"][0]["source"] == "process_max_rss"
