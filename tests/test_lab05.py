@@ -344,6 +344,9 @@ def test_overlap_keeps_hidden_within_0_to_100_percent_and_calls_a_small_exposed_
     assert plain["exposed_comm_s"] == pytest.approx(0.002) and plain["timing_spread_s"] == pytest.approx(0.0015)
     assert plain["exposed_is_noise"] is False and plain["hidden_fraction"] == pytest.approx(0.5)
     assert plain["hidden_clamped_because"] is None
+    # 1 ms slower with sync, inside the 1.5 ms spread: a real-looking share, but noise.
+    small = overlap.overlap_figures([t + 0.001 for t in ms], ms, 0.004)
+    assert small["exposed_is_noise"] is True and small["hidden_fraction"] == pytest.approx(0.75)
     # The step with sync 1 ms *faster*: within the spread, noise; 1 - (-1/4) = 125% is clamped to 100%.
     faster = overlap.overlap_figures([t - 0.001 for t in ms], ms, 0.004)
     assert faster["exposed_is_noise"] is True and faster["hidden_fraction"] == 1.0
