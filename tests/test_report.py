@@ -404,16 +404,19 @@ def test_repeats_are_combined_with_the_median(tmp_path: Path) -> None:
     for rate in (90.0, 100.0, 130.0):
         write_run(folder, method="baseline", samples_per_s=rate)
     write_run(folder, method="ddp", samples_per_s=300.0, world_size=4)
+    for peak in (1.0, 2.0, 3.0, 6.0):  # DataParallel on 2 GPUs, cuda:0 holding 4 GiB more: each GPU's median
+        write_run(folder, method="dp", samples_per_s=250.0, devices=2, peak_gib=peak, first_gib=peak + 4)
 
     runs = runs_frame([json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))])
     configs = configurations_frame(runs).set_index("method")
 
     assert configs.loc["baseline", "runs"] == 3 and configs.loc["baseline", "samples_per_s"] == 100.0
+    assert configs.loc["dp", "memory_per_device"] == [("cuda:0", 6.5 * GIB), ("cuda:1", 2.5 * GIB)]
     assert configs.loc["ddp", "scaling_efficiency"] == pytest.approx(0.75)  # against the median baseline
     ddp_id = runs.loc[runs["method"] == "ddp", "run_id"].item()
     assert [f.subject for f in out_of_range(runs)] == [f"run {ddp_id} (lab01 ddp)"]  # 75% < 80%
     page = report(folder, "--no-plots")
-    assert len(page.tables["configurations-table"]) == 2
+    assert len(page.tables["configurations-table"]) == 3
 
 
 def test_runs_with_another_global_batch_are_another_configuration_not_a_repeat(tmp_path: Path) -> None:
