@@ -141,8 +141,7 @@ def train(args, ctx, plan: FaultPlan) -> int:
             if plan.fires(ctx.rank, step, "crash-rank"):
                 print_rank(f"crash-rank: exiting at step {step}")
                 os._exit(1)  # as a segfault or the kernel's OOM killer would: no cleanup, no goodbye
-            if plan.fires(ctx.rank, step, "skip-collective"):
-                left_early = True
+            if left_early := plan.fires(ctx.rank, step, "skip-collective"):
                 break  # this rank thinks it is done; the others are about to enter the all-reduce
             if plan.fires(ctx.rank, step, "oom"):
                 torch.empty(1 << 50, device=ctx.device)  # 1 PiB: torch.OutOfMemoryError on rank R
