@@ -515,6 +515,18 @@ def test_a_missing_data_set_says_how_to_make_one(tmp_path, capsys):
     assert "01_make_dataset.py" in capsys.readouterr().err
 
 
+def test_the_checkpoint_help_names_the_file_a_run_without_checkpoint_saves_to(tmp_path):
+    """03 checkpoints without --checkpoint (a distributed script); its --help said 'nothing is saved'."""
+    from common.train.flags import settle
+
+    module = load_script(SHARDS)
+    parser = module.build_parser()
+    help_text = " ".join(parser.format_help().split())
+    assert "RESULTS_DIR/checkpoints/<script name>.pt" in help_text and "nothing is saved" not in help_text
+    args = parser.parse_args(["--results-dir", str(tmp_path / "r")])
+    assert settle(args, module.SCRIPT, distributed=True) == tmp_path / "r" / "checkpoints" / "03_shards_exactly_once.pt"
+
+
 # -- run_lab.sh ----------------------------------------------------------------------------------------------
 
 

@@ -102,11 +102,12 @@ def use_lab_data_dir(parser: argparse.ArgumentParser, what: str) -> None:
 def add_training_run_args(parser: argparse.ArgumentParser, group: argparse._ArgumentGroup, *, epochs: int, data: str,
                           checkpoint: bool = False) -> argparse.ArgumentParser:
     """What both training lessons take after their own flags: SGD's rate (in ``group``), the training flags, the
-    checkpoint flags (``checkpoint``), those every script shares, and ``--data-dir`` on this lab's data set."""
+    checkpoint flags (``checkpoint``: a distributed script's, which saves to RESULTS_DIR/checkpoints/ without
+    ``--checkpoint``, and its help says so), those every script shares, and ``--data-dir`` on this lab's data set."""
     group.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (default: %(default)s)")
     add_training_args(parser)
     if checkpoint:
-        add_checkpoint_args(parser)
+        add_checkpoint_args(parser, always=True)
     add_common_args(parser, epochs=epochs, batch_size=64)
     use_lab_data_dir(parser, data)
     return parser
