@@ -293,3 +293,16 @@ def test_the_results_schema_doc_states_the_version_records_are_written_with():
     assert int(heading[1]) == int(row[1]) == SCHEMA_VERSION, (
         f"docs/results-schema.md says version {heading[1]} (heading) and {row[1]} (schema_version row); "
         f"common.results writes version {SCHEMA_VERSION}")
+
+
+def test_a_doc_that_names_the_course_s_pytorch_floor_names_the_one_the_code_checks():
+    """Lab-08's README said torchdata was 'not tested on the course's floor of 2.4'; the floor is 2.8, and
+    scripts/torch_floor.sh runs Lab-08's lessons there."""
+    from common import MINIMUM_VERSIONS
+
+    floor = ".".join(map(str, MINIMUM_VERSIONS["torch"]))
+    docs = [REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("labs/*/README.md"), *REPO.glob("chapters/*/README.md")]
+    named = [(path.relative_to(REPO), found) for path in docs
+             for found in re.findall(r"course's floor of (\d+\.\d+)", " ".join(path.read_text().split()))]
+    assert named and all(version == floor for _, version in named), named
+
