@@ -102,6 +102,18 @@ def test_a_refused_submission_names_the_placeholder_account_when_the_script_hold
         assert ("placeholder 'edit-me': set account: in that profile" in str(refusal.value)) is hinted
 
 
+def test_a_bad_flag_after_the_double_dash_is_one_line_before_anything_is_written(tmp_path, capsys):
+    """The flags after -- go to every run: the training's parser checks them with the sweep's own (they ran, and
+    every task failed, attempts written, exit 1)."""
+    folder = tmp_path / "sweep"
+    assert run_main(SWEEP, [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder), "--local", "--device", "cpu",
+                            "--", "--lr", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: task 0 (") and err.count("\n") == 1, err
+    assert "--lr 0.3 --seed 1 --lr -1): chapters/ch04_deep_learning/mnist_training.py says: argument --lr" in err, err
+    assert not folder.exists()
+
+
 def test_a_sweep_folder_of_another_sweep_is_refused_before_anything_is_written(tmp_path, capsys):
     folder = tmp_path / "sweep"
     plan = shared.prepare_folder(folder, SWEEPS / "tiny.toml")

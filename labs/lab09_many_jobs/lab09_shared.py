@@ -177,19 +177,21 @@ print(json.dumps(answers))
 """
 
 
-def check_with_script(script: Path, tasks: Sequence[Task]) -> float:
-    """Parse every task's command line with the training script's own parser (``build_parser()``, in
-    one fresh process: it imports torch), so an unknown flag or a bad value is an error now, before
-    anything is submitted, and not a failed task later. Returns the seconds it took."""
+def check_with_script(script: Path, tasks: Sequence[Task], extra: Sequence[str] = ()) -> float:
+    """Parse every task's command line, with the ``extra`` flags every run gets (those after ``--``), with the
+    training script's own parser (``build_parser()``, in one fresh process: it imports torch), so an unknown
+    flag or a bad value is an error now, before anything is submitted, and not a failed task later. Returns
+    the seconds it took."""
     began = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", VALIDATE, str(script)], input=json.dumps([t.argv() for t in tasks]),
+    done = subprocess.run([sys.executable, "-c", VALIDATE, str(script)],
+                          input=json.dumps([[*t.argv(), *extra] for t in tasks]),
                           capture_output=True, text=True, cwd=REPO_ROOT, check=False)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise UserError(f"{display(script)} could not check the sweep's flags (does it have build_parser()?): {last}")
     for task, answer in zip(tasks, json.loads(done.stdout.strip().splitlines()[-1])):
         if answer is not None:
-            raise UserError(f"task {task.index} ({' '.join(task.argv())}): {display(script)} says: {answer}")
+            raise UserError(f"task {task.index} ({' '.join([*task.argv(), *extra])}): {display(script)} says: {answer}")
     return time.perf_counter() - began
 
 
