@@ -175,6 +175,26 @@ def test_each_run_of_a_task_is_the_next_attempt(tmp_path, monkeypatch, capsys):
     assert (statuses[0].attempts, statuses[0].state) == (3, "FAILED")
 
 
+def test_a_local_chain_in_the_folder_of_a_finished_run_ends_at_the_link_that_trains_nothing(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """Run twice into one --run-dir, every link said "nothing left to train" (exit 0, no record, no save) and the
+    chain went on for --max-links links, then said the run was not finished (exit 1). Here the links are stand-ins:
+    the first saves the checkpoint (a link ended by its budget), the second saves nothing."""
+    chain = load_script(f"{LAB}/03_chain.py")
+    links = []
+
+    def link(command, check):
+        links.append(command)
+        if len(links) == 1:
+            (tmp_path / "run" / "checkpoint.pt").write_bytes(b"saved")
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(chain.subprocess, "run", link)
+    assert run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--local", "--max-links", "5"]) == 0
+    assert len(links) == 2
+    assert f"== chain done: link 2 trained nothing, the run in {tmp_path / 'run'} had finished" in capsys.readouterr().out
+
+
 def test_status_refuses_a_negative_wait(tmp_path, capsys):
     assert run_main(STATUS, ["--sweep-dir", str(tmp_path), "--wait", "-5"]) == 2
     err = capsys.readouterr().err

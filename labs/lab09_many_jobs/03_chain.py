@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from common.cli import output_dir, positive_int, script_parser
 from common.errors import UserError, run_main
@@ -67,8 +68,9 @@ def run_links_here(args, train_flags: list[str]) -> int:
     """The chain on this machine: link after link until one writes the record, or fails."""
     command = [sys.executable, str(TRAIN_SCRIPT), "--device", args.device, "--results-dir", str(args.results_dir),
                "--checkpoint", str(args.run_dir / "checkpoint.pt"), "--resume", "--save-model", *train_flags]
+    checkpoint = args.run_dir / "checkpoint.pt"
     for link in range(1, args.max_links + 1):
-        before = len(load_records(args.results_dir).records)
+        before, saved = len(load_records(args.results_dir).records), saved_at(checkpoint)
         print(f"== chain link {link}: {' '.join(command[1:])}", flush=True)
         status = subprocess.run(command, check=False).returncode
         if status != 0:
@@ -77,8 +79,17 @@ def run_links_here(args, train_flags: list[str]) -> int:
         if len(load_records(args.results_dir).records) > before:
             print(f"== chain done: link {link} finished the run (its record is in {args.results_dir})")
             return 0
+        if saved_at(checkpoint) == saved:  # no record, no save: the run had finished before (a chain run twice)
+            print(f"== chain done: link {link} trained nothing, the run in {args.run_dir} had finished already (its "
+                  f"record is in {args.results_dir}); give another --run-dir to train again")
+            return 0
     print(f"== chain stopped: {args.max_links} links and the run is not finished")
     return 1
+
+
+def saved_at(path: Path) -> int | None:
+    """When ``path`` was last written (None: not yet)."""
+    return path.stat().st_mtime_ns if path.exists() else None
 
 
 def main(argv: list[str] | None = None) -> int:
