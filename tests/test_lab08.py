@@ -394,7 +394,11 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_ids_an_unbroken_run_reads_next
     assert not (tmp_path / "cut").exists()  # stopped before the end: no record
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
     assert run("cut", "--resume", "--ids-out", str(tmp_path / "resumed-ids")) == 0
-    assert "resumed from" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "resumed from" in out
+    # The ids read before the stop came with the checkpoint: the resumed epoch counts whole (it said 'not exactly once').
+    assert "epoch 2: 230 of 230 samples read, 0 more than once (every sample exactly once" in out, out[-2000:]
+    assert [record["metrics"]["exactly_once"] for record in _records(tmp_path / "cut")] == [True]
     (whole,), (cut,), (resumed,) = (_ids(tmp_path / f"{name}-ids", 1) for name in ("whole", "cut", "resumed"))
     assert len(cut) == 2 and len(cut[1]) == 5 * 16 and len(resumed) == 1
     assert cut[0] == whole[0]

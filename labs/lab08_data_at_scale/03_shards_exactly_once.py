@@ -51,7 +51,7 @@ from common.train.flags import settle
 from common.train.preemption import Preempted
 from common.train.run import TrainingRun
 from labs.lab08_data_at_scale.lab08_shared import (
-    BAD_SAMPLE_ACTIONS, LAB, POLICIES, EpochIO, LoaderCheckpoint, ShardStream, build_model, check_batch,
+    BAD_SAMPLE_ACTIONS, LAB, POLICIES, EpochIO, IdsRead, LoaderCheckpoint, ShardStream, build_model, check_batch,
     add_training_run_args, set_metadata_latency, to_model_input,
 )
 
@@ -129,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
 
                 model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
             optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-            run.track(model=model, optimizer=optimizer, loader=loader)  # the loader's position is in the checkpoint
+            read = IdsRead()  # the ids this rank read this epoch: in the checkpoint too, to count a resumed epoch whole
+            run.track(model=model, optimizer=optimizer, loader=loader, ids=read)  # the loader's position is in it
             io, epochs, bad = EpochIO(), [], {}
             for epoch in run.epochs():
                 stream.set_epoch(epoch)
                 io.start_epoch()
-                waited_before, ids, padded, skipped = run.meter.waited_s, [], 0, {}
+                waited_before, ids, padded, skipped = run.meter.waited_s, read.start_epoch(), 0, {}
                 ids_read.append(ids)
                 model.train()
                 for images, labels, extras in run.steps(loader, loader_resumes=True):
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                     optimizer.step()
                     run.log_loss(loss)
                 # Every rank's ids at rank 0 (a collective: every rank calls it), counted against the manifest.
-                gathered = gather_objects({"ids": [i for i in ids if i >= 0], "skipped": sum(skipped.values()),
+                gathered = gather_objects({"ids": [i for i in read.all() if i >= 0], "skipped": sum(skipped.values()),
                                            "bad": list(bad.values())})
                 everyone = [entry["ids"] for entry in gathered]
                 skipped_all = sum(entry["skipped"] for entry in gathered)
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"{stream.describe(epoch)['dropped']} left out) | rank 0: {padded} blank(s) (planned, or in "
                               f"place of a skipped sample) | {skipped_all} skipped on all ranks | rank 0 opened "
                               f"{counted['opens']} shard file(s), waiting for data {waited / epoch_s:.0%} of step time")
+                read.end_epoch()
                 run.save_checkpoint()  # model, optimiser and, from every rank, the loader's position
                 epochs.append({"epoch": epoch, "plan": stream.describe(epoch), "samples": sum(1 for i in ids if i >= 0),
                                "padded": padded,

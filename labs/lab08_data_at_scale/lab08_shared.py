@@ -820,9 +820,35 @@ def calibrate(make: Any, *, fmt: str, samples: int, workers: int, decode_device:
 # 03_shards_exactly_once.py's checkpoint: the loader's position is every rank's own
 
 
+class IdsRead:
+    """The ids this rank read in the epoch under way, kept in its loader checkpoint: a run resumed mid-epoch counts
+    those read before the stop (``before``) when rank 0 says whether every sample was read exactly once."""
+
+    def __init__(self) -> None:
+        self.before: list[int] = []  # read before the stop, by the run this one resumes
+        self.ids: list[int] = []  # read by this process in this epoch
+
+    def start_epoch(self) -> list[int]:
+        self.ids = []
+        return self.ids
+
+    def all(self) -> list[int]:
+        return [*self.before, *self.ids]
+
+    def end_epoch(self) -> None:  # counted: the checkpoint at the epoch's end carries none into the next
+        self.before, self.ids = [], []
+
+    def state_dict(self) -> dict[str, list[int]]:
+        return {"ids": self.all()}
+
+    def load_state_dict(self, state: dict[str, list[int]]) -> None:
+        self.before = list(state["ids"])
+
+
 class LoaderCheckpoint(TorchCheckpointer):
     """Rank 0's file holds the model and the optimiser (the same on every rank); the loader's position is each
-    rank's own, so every rank writes it beside: ``<checkpoint>.loader-rank<r>``. A resumed run must have as
+    rank's own, so every rank writes it beside, with the ids it read this epoch (:class:`IdsRead`):
+    ``<checkpoint>.loader-rank<r>``. A resumed run must have as
     many ranks and workers (the plan of an epoch depends on both)."""
 
     every_rank_writes = True
@@ -835,10 +861,10 @@ class LoaderCheckpoint(TorchCheckpointer):
         return self.path.with_name(f"{self.path.name}.loader-rank{self.rank}")
 
     def save(self, state, tracked) -> None:
-        save_checkpoint({"loader": tracked["loader"].state_dict(), "epoch": state["epoch"], "step": state["step"]},
-                        self.rank_path())
+        save_checkpoint({"loader": tracked["loader"].state_dict(), "epoch": state["epoch"], "step": state["step"],
+                         **({"ids": tracked["ids"].state_dict()} if "ids" in tracked else {})}, self.rank_path())
         if self.rank == 0:  # written last: a checkpoint is whole once this file says so
-            super().save(state, {name: obj for name, obj in tracked.items() if name != "loader"})
+            super().save(state, {name: obj for name, obj in tracked.items() if name not in ("loader", "ids")})
 
     def read(self):
         state = super().read()
@@ -848,5 +874,5 @@ class LoaderCheckpoint(TorchCheckpointer):
         if own is None or (own["epoch"], own["step"]) != (state["epoch"], state["step"]):
             raise UserError(f"{self.rank_path()} does not match {self.path} (epoch {state['epoch']} step "
                             f"{state['step']}): start fresh without --resume")
-        state["loader"] = own["loader"]
+        state["loader"], state["ids"] = own["loader"], own.get("ids", {"ids": []})  # (ids: the ids read this epoch)
         return state
