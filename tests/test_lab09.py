@@ -114,6 +114,15 @@ def test_a_bad_flag_after_the_double_dash_is_one_line_before_anything_is_written
     assert not folder.exists()
 
 
+def test_a_site_that_does_not_exist_is_one_line_for_the_plan_too(tmp_path, capsys):
+    """--plan printed 'would submit: ... (site lantaa)' for a misspelt --site."""
+    folder = tmp_path / "sweep"
+    assert run_main(SWEEP, [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder), "--plan", "--site", "lantaa"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown site 'lantaa' (known sites: ") and err.count("\n") == 1, err
+    assert not folder.exists()
+
+
 def test_a_sweep_folder_of_another_sweep_is_refused_before_anything_is_written(tmp_path, capsys):
     folder = tmp_path / "sweep"
     plan = shared.prepare_folder(folder, SWEEPS / "tiny.toml")

@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_task(plan, args.task, run_flags(args), replace_process=True)
 
     plan = prepare_folder(folder, args.sweep_file)
+    if not args.local:
+        find_site(args.site)  # a site that is not in slurm/sites/ is one line now, --plan too, not after the plan is written
     if not (args.plan or args.local):
         if plan.submissions():
             raise UserError(f"{folder} was submitted already (job {plan.submissions()[-1]['job_id']}): follow it or "
