@@ -6,6 +6,7 @@ Every script is called through ``main(argv)`` in this process (torch and the pro
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -126,7 +127,10 @@ def test_memory_management_on_a_gpu_uses_the_cuda_allocator(tmp_path):
     assert record["metrics"]["accumulation_match"] is True
 
 
-def test_profiling_exports_a_valid_trace_with_events(tmp_path, capsys):
+def test_profiling_exports_a_valid_trace_with_events(tmp_path, capsys, monkeypatch):
+    from common.measure.timing import Heartbeat
+
+    monkeypatch.setattr(Heartbeat, "EVERY_S", 0.0)  # a line at every iteration, as a slow device gets every 10 s
     trace = tmp_path / "trace.json"
     status = run_main(f"{CHAPTER}/profiling.py", ["--device", "cpu", "--model", "mnist_cnn", "--batch-size", "4",
                                                   "--repeats", "2", "--trace", str(trace),
@@ -135,15 +139,20 @@ def test_profiling_exports_a_valid_trace_with_events(tmp_path, capsys):
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(event.get("name") == "model_training" for event in events)
     assert sum(str(event.get("name", "")).startswith("aten::") for event in events) > 10
-    assert "Self CPU" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Self CPU" in out
+    assert re.findall(r"^  iterations profiled: (\d) of 2 \(\d+ s\)$", out, re.M) == ["1", "2"]
     record = only_record(tmp_path)
     assert record["metrics"]["trace_events"] == len(events) and record["metrics"]["top_operators"]
     assert not list(tmp_path.glob(".*.tmp"))
 
 
-def test_benchmark_times_the_cpu_and_says_when_there_is_no_gpu(tmp_path, capsys):
+def test_benchmark_times_the_cpu_and_says_when_there_is_no_gpu(tmp_path, capsys, monkeypatch):
     import torch
 
+    from common.measure.timing import Heartbeat
+
+    monkeypatch.setattr(Heartbeat, "EVERY_S", 0.0)
     status = run_main(f"{CHAPTER}/benchmark_cpu_vs_gpu.py", ["--repeats", "3", "--warmup", "1",
                                                              "--results-dir", str(tmp_path)])
     assert status == 0
@@ -151,6 +160,7 @@ def test_benchmark_times_the_cpu_and_says_when_there_is_no_gpu(tmp_path, capsys)
     records = {json.loads(p.read_text())["method"]: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
     cpu = records["train-cpu"]["metrics"]["step_time"]
     assert cpu["steps_timed"] == 3 and cpu["warmup_steps"] == 1 and cpu["median_s"] > 0
+    assert re.findall(r"^  cpu steps: (\d) of 4 ", out, re.M) == ["1", "2", "3", "4"]  # warm-up included
     if torch.cuda.is_available():
         assert "speed-up of the GPU over the CPU" in out and "train-cuda" in records
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -981,3 +982,14 @@ def test_a_stopped_run_says_how_to_go_on_where_it_ran(monkeypatch):
     assert stopped.what_next("c.pt").endswith("to go on in a new job: CHECKPOINT=c.pt sbatch <the same script>")
     monkeypatch.delenv("SLURM_JOB_ID")
     assert stopped.what_next("c.pt").startswith("to go on from there")
+
+
+def test_a_heartbeat_speaks_only_when_its_interval_has_passed(capsys):
+    """A quick loop stays quiet (a run of seconds needs no progress line); a slow one gets a line per interval."""
+    from common.measure.timing import Heartbeat
+
+    quiet, every = Heartbeat("steps", 3), Heartbeat("steps", 3, every_s=0.0)
+    for done in (1, 2, 3):
+        quiet(done)
+        every(done)
+    assert re.findall(r"^  steps: (\d) of 3 \(\d+ s\)$", capsys.readouterr().out, re.M) == ["1", "2", "3"]

@@ -35,7 +35,7 @@ from common.measure.energy import EnergyMeter
 from common.errors import run_main
 from common.models import add_image_model_args, build_model, input_shape
 from common.results import make_record, provenance, write_record
-from common.measure.timing import StepTimer
+from common.measure.timing import Heartbeat, StepTimer
 
 SCRIPT = "chapters/ch16_gpu_distributed/benchmark_cpu_vs_gpu.py"
 
@@ -47,6 +47,7 @@ def benchmark_training(model: torch.nn.Module, batches: list[tuple[torch.Tensor,
     model.train()
     optimizer = torch.optim.Adam(model.parameters())
     timer = StepTimer(device, warmup_steps=warmup)
+    heartbeat = Heartbeat(f"{device.type} steps", warmup + iterations)  # a line every 10 s on a slow device
     for step in range(warmup + iterations):
         data, target = batches[step % len(batches)]
         with timer.step(samples=len(data)):
@@ -55,6 +56,7 @@ def benchmark_training(model: torch.nn.Module, batches: list[tuple[torch.Tensor,
             loss = F.cross_entropy(model(data), target)
             loss.backward()
             optimizer.step()
+        heartbeat(step + 1)
     summary = timer.summary()
     summary["iterations_per_s"] = 1 / summary["median_s"]
     return summary

@@ -36,6 +36,7 @@ from common.measure.energy import EnergyMeter
 from common.errors import run_main
 from common.models import add_image_model_args, build_model, input_shape
 from common.measure.profiling import add_trace_args, top_operators
+from common.measure.timing import Heartbeat
 from common.results import make_record, provenance, write_record
 
 SCRIPT = "chapters/ch16_gpu_distributed/profiling.py"
@@ -76,11 +77,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         activities.append(ProfilerActivity.CUDA)
     with EnergyMeter(device) as meter, \
             profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=args.with_stack) as prof:
+        heartbeat = Heartbeat("iterations profiled", args.repeats)  # a line every 10 s on a slow device
         with record_function("model_training"):
-            for _ in range(args.repeats):
+            for iteration in range(args.repeats):
                 output = model(data)
                 loss = output.sum()
                 loss.backward()
+                heartbeat(iteration + 1)
         synchronize(device)
 
     sort_by = "device_time_total" if device.type == "cuda" else "cpu_time_total"

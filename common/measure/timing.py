@@ -64,6 +64,25 @@ def summarize(times_s: list[float], samples_per_step: list[int] | None = None, *
     return summary
 
 
+class Heartbeat:
+    """A line now and then from a long loop that prints nothing else, so that a student sees it is alive:
+    ``heartbeat(done)`` prints ``  WHAT: DONE of TOTAL (S s)`` when ``every_s`` seconds have passed since
+    the last line (or the start). Reads the clock only: no device sync, nothing added to a timed step."""
+
+    EVERY_S = 10.0
+
+    def __init__(self, what: str, total: int, every_s: float | None = None) -> None:
+        self.what, self.total = what, total
+        self.every_s = self.EVERY_S if every_s is None else every_s
+        self.started = self.last = time.perf_counter()
+
+    def __call__(self, done: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.every_s:
+            print(f"  {self.what}: {done} of {self.total} ({now - self.started:.0f} s)", flush=True)
+            self.last = now
+
+
 def format_rate(value: float | None, digits: int = 1) -> str:
     """A throughput for a progress line: ``1234.5``, or ``n/a`` when nothing was timed."""
     return NOT_MEASURED if value is None else f"{value:.{digits}f}"
