@@ -348,7 +348,8 @@ DATASETS = ("digits", "mnist", "synthetic")
 
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
-    """``--dataset`` and ``--synthetic-size``: what ``common.data.pipelines.load_uint8`` reads, the same flags in every script."""
+    """``--dataset`` and ``--synthetic-size``: what ``common.data.pipelines.load_uint8`` reads, the same
+    flags in every script."""
     parser.add_argument("--dataset", choices=DATASETS, default="digits",
                         help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
     parser.add_argument("--synthetic-size", type=positive_int, default=60_000,

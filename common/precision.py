@@ -222,7 +222,8 @@ def check(precision: str, device: Any, flag: str = "--precision") -> str:
 
         capability = tuple(torch.cuda.get_device_capability(device))
         if gpu_support("bf16", capability) != "native":
-            raise UserError(f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]}) "
+            raise UserError(f"{torch.cuda.get_device_name(device)} "
+                            f"(compute capability {capability[0]}.{capability[1]}) "
                             f"has no bf16 tensor cores (they start at 8.0, Ampere): bf16 would be emulated; use "
                             f"{flag} fp16")
     return name

@@ -1,1 +1,2 @@
-"""Checkpoints that survive a kill: one file written atomically, or a sharded folder (DCP) that resumes on another world size."""
+"""Checkpoints that survive a kill: one file written atomically, or a sharded folder (DCP) that resumes
+on another world size."""

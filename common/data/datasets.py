@@ -146,7 +146,8 @@ def _read_bundled_digits() -> tuple[Any, Any]:
     return bunch.data, bunch.target
 
 
-def load_digits_split(test_fraction: float = 0.2, image_size: int = 28, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+def load_digits_split(test_fraction: float = 0.2, image_size: int = 28,
+                      seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     """scikit-learn's bundled 8x8 digits, scaled to MNIST's shape and statistics.
 
     The split is stratified and fixed by ``seed`` so the held-out test set never changes.

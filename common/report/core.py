@@ -15,9 +15,8 @@ import pandas as pd
 from common.precision import BF16_EMULATION_PREFIX
 from common.report import plots
 from common.report.runs import BASELINE_METHOD, DDP_MIN_EFFICIENCY, SUMMARY_METRICS, is_ddp, number, numbers, texts
-from common.report.sections import (
-    LABS_WITHOUT_SCALING, MISSING, TEMPLATES, Cell, Row, Section, fmt, fmt_memory, is_missing, table_from_frame,
-)
+from common.report.sections import (LABS_WITHOUT_SCALING, MISSING, TEMPLATES, Cell, Row, Section, fmt, fmt_memory,
+                                    is_missing, table_from_frame)
 
 #: How many extra metric columns a lab's "other metrics" table shows at most.
 MAX_EXTRA_METRICS = 14

@@ -1,1 +1,2 @@
-"""The training loop's plumbing: TrainingRun and its collaborators (flags, pre-emption, progress, meter, record), mixed precision, evaluation, CUDA-graph capture."""
+"""The training loop's plumbing: TrainingRun and its collaborators (flags, pre-emption, progress, meter,
+record), mixed precision, evaluation, CUDA-graph capture."""

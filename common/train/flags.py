@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.cli import apply_dry_run, config_dict, non_negative_int, output_dir, output_file, positive_float, positive_int
+from common.cli import (apply_dry_run, config_dict, non_negative_int, output_dir, output_file, positive_float,
+                        positive_int)
 from common.errors import UserError
 
 __all__ = ["RunSettings", "add_adadelta_args", "add_checkpoint_args", "add_determinism_arg",

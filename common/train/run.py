@@ -28,9 +28,10 @@ The run delegates each of its jobs to one collaborator:
   CPU threads from the allocation and, with ``distributed=True``, the process group: NCCL on CUDA,
   Gloo on CPU), torn down on exit;
 - **stopping and resuming**: :class:`common.train.preemption.Preemption` (SIGUSR1/SIGTERM set a
-  flag, all ranks stop at the same step, the checkpoint is saved, and :class:`~common.train.preemption.Preempted`
-  goes on to ``common.errors.run_main``, which exits 0 so the job can be requeued; ``--resume`` restores the tracked objects and
-  every rank's random generators, and the steps already done are skipped: each epoch's order
+  flag, all ranks stop at the same step, the checkpoint is saved, and
+  :class:`~common.train.preemption.Preempted` goes on to ``common.errors.run_main``, which exits 0 so
+  the job can be requeued; ``--resume`` restores the tracked objects and every rank's random
+  generators, and the steps already done are skipped: each epoch's order
   depends only on the seed and the epoch number);
 - **what it learned**: :class:`common.train.progress.Progress` and ``LossLog`` (per-step losses
   kept on the device, averaged over ranks per epoch, the held-out history);

@@ -7,9 +7,8 @@ from __future__ import annotations
 import pandas as pd
 
 from common.report.plots import axes, finish_axes, plain, png_figure
-from common.report.runs import (
-    entries, flags, group_key, largest, largest_loss_difference, losses, numbers, shape, step_differences,
-)
+from common.report.runs import (entries, flags, group_key, largest, largest_loss_difference, losses, numbers, shape,
+                                step_differences)
 from common.report.sections import (Cell, Figure, Row, Section, SectionContext, fmt, is_missing, register_section,
                                     table_from_frame)
 
@@ -79,10 +78,10 @@ def _loss_figure(training: pd.DataFrame) -> Figure:
 
 
 def _mfu(row: Row) -> Cell:
-    reason = row["metrics.mfu_reason"]
+    reason = row["metrics.mfu_reason"] if isinstance(row["metrics.mfu_reason"], str) else None
     if is_missing(row["metrics.mfu"]):
-        return Cell("n/a", title=reason if isinstance(reason, str) else "not recorded", style="num")
-    return Cell(fmt(row["metrics.mfu"], "%1"), title=reason if isinstance(reason, str) and reason else None, style="num")
+        return Cell("n/a", title="not recorded" if reason is None else reason, style="num")
+    return Cell(fmt(row["metrics.mfu"], "%1"), title=reason or None, style="num")
 
 
 @register_section("lab04", scaling=False)  # strategies on the same ranks: no single-device baseline
@@ -97,7 +96,7 @@ def sharded_training(ctx: SectionContext) -> Section | None:
                                               lambda r, p=part: _both(r, p) for part in (*PARTS, "total")},
             "measured ÷ predicted (parameters + gradients + AdamW)": ("ratio", "{:.3g}"),
         }, id="lab04-memory", caption="Memory per rank, measured from the tensors (predicted by the formula in "
-                                      "brackets); activations are what autograd saved for backward for one micro-batch"))
+           "brackets); activations are what autograd saved for backward for one micro-batch"))
         paragraphs.append("DDP keeps 16 bytes per parameter on every rank (fp32 weights and gradients, AdamW's two "
                           "moments); FSDP2 keeps 1/N of them. Activation checkpointing keeps only each block's input; "
                           "bf16 halves most activations. On CPU the process's resident memory also holds PyTorch "
@@ -128,8 +127,9 @@ def sharded_training(ctx: SectionContext) -> Section | None:
                      "metrics.world_size", "metrics.budget_bytes")
     if not fitted.empty:
         tables.append(table_from_frame(fitted.assign(shape=shape(fitted, "largest.")), {
-            "variant": "variant", "ranks": ("metrics.world_size", "int"), "budget per rank": ("metrics.budget_bytes", "bytes"),
-            "machine": "machine", "largest model (layers × width)": "shape", "parameters": ("largest.parameters", "int"),
+            "variant": "variant", "ranks": ("metrics.world_size", "int"),
+            "budget per rank": ("metrics.budget_bytes", "bytes"), "machine": "machine",
+            "largest model (layers × width)": "shape", "parameters": ("largest.parameters", "int"),
             "used per rank": ("largest.bytes", "bytes"),
             "× DDP's largest": lambda r: Cell(fmt(r["times_ddp"], "x") + ("+" if r["limited_by_doublings"] is True
                                                                                else ""), style="num"),

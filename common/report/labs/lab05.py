@@ -67,8 +67,8 @@ def bandwidth_section(ctx: SectionContext) -> Section | None:
         found = {key: list(dict.fromkeys(texts(group, f"metrics.{key}").dropna())) for key in said}
         name, source = (found[key][0] if found[key] else None for key in said[:2])
         reference = numbers(group, "metrics.reference.gb_per_s").median()
-        described = f"reference {name} {reference:.3g} GB/s ({source})" if reference > 0 else "no reference peak recorded"
-        tables.append(_bandwidth_table(group, reference, f"{where}: median busbw per message size; {described}"))
+        peak = f"reference {name} {reference:.3g} GB/s ({source})" if reference > 0 else "no reference peak recorded"
+        tables.append(_bandwidth_table(group, reference, f"{where}: median busbw per message size; {peak}"))
         notes += [f"{where}: {t}" for t in found["transport.summary"]]
         notes += [f"WARNING {where}: {w}" for w in found["transport.warning"]]
         if ctx.plots:
@@ -173,7 +173,8 @@ def scaling_section(ctx: SectionContext) -> Section | None:
     if points.empty:
         return None
     tables, figures = [], []
-    for (machine, model, dataset), group in scaling_curves(points).groupby(["machine", "model", "dataset"], dropna=False):
+    for (machine, model, dataset), group in scaling_curves(points).groupby(["machine", "model", "dataset"],
+                                                                           dropna=False):
         where = f"{machine} · {model} on {dataset}"
         batches = "; ".join(f"{mode}: {'global batch' if mode == 'strong' else 'batch per process'} {fmt(key, 'int')}"
                             for mode, key in dict(zip(group["mode"], group["batch_key"])).items())

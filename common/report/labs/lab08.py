@@ -53,9 +53,9 @@ def data_at_scale(ctx: SectionContext) -> Section | None:
             "bytes read": ("bytes", "bytes"), "waiting for data": ("data_wait_share", "%1"),
             "epoch s measured": ("epoch_s", "{:.3g}"), "epoch s predicted": ("predicted_epoch_s", "{:.3g}"),
             "measured ÷ predicted": ("ratio", "{:.3g}"), "predicted on N Lustre-like nodes": "cluster",
-        }, id="lab08-formats", caption="The last epoch of each run of 02_read_formats.py: what the dataset's code opened, "
-                                       "stat-ed and read (summed over the loader workers), the share of step time spent "
-                                       "waiting for a batch, and the cost model's epoch time"))
+        }, id="lab08-formats", caption="The last epoch of each run of 02_read_formats.py: what the dataset's code "
+           "opened, stat-ed and read (summed over the loader workers), the share of step time spent waiting for a "
+           "batch, and the cost model's epoch time"))
     shards = _last_epochs(runs[runs["method"].fillna("").str.startswith("shards-")], "run_id", "machine", "world_size",
                           "metrics.skipped_samples", "metrics.exactly_once")
     if not shards.empty:

@@ -76,7 +76,8 @@ def cost_figure(tasks: pd.DataFrame) -> Figure:
         ax.grid(alpha=0.3)
     return png_figure(fig, alt=f"Best accuracy against {unit}, and each task's accuracy curve",
                       caption=f"Left: what each task reached for what it cost ({unit}, from sacct or the records). "
-                              "Right: the tasks' accuracy curves side by side, read from their TensorBoard event files.")
+                              "Right: the tasks' accuracy curves side by side, read from their TensorBoard event "
+                              "files.")
 
 
 def _way(sweep: Row, tasks: pd.DataFrame) -> dict:
@@ -122,7 +123,7 @@ def lab09_sections(ctx: SectionContext) -> list[Section]:
             ways.values())), {
             "submitted with": "how", "tasks": ("tasks", "{}"), "submission took": ("seconds", "s"),
             "overhead per task": ("overhead", "s"), "states": "states",
-        }, id="lab09-ways", caption="The same sweep through sbatch --array (01_sweep.py) and submitit (05_submitit.py). "
-           "Overhead per task: the task's elapsed time (sacct) minus its training epochs' time (its record): Python, "
-           "imports, data, evaluation and, for submitit, its own wrapper.")]))
+        }, id="lab09-ways", caption="The same sweep through sbatch --array (01_sweep.py) and submitit "
+           "(05_submitit.py). Overhead per task: the task's elapsed time (sacct) minus its training epochs' time (its "
+           "record): Python, imports, data, evaluation and, for submitit, its own wrapper.")]))
     return sections
