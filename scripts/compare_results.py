@@ -2,8 +2,8 @@
 """Turn a folder of result records into one self-contained HTML report and a CSV summary.
 
 Usage:
-    python scripts/compare_results.py --results-dir results                      # -> results/comparison_report.html
-    python scripts/compare_results.py --results-dir results --lab lab04           # -> results/lab04_comparison_report.html
+    python scripts/compare_results.py --results-dir results               # -> results/comparison_report.html
+    python scripts/compare_results.py --results-dir results --lab lab04   # -> results/lab04_comparison_report.html
     python scripts/compare_results.py --results-dir results --output-report comparison_report.html --no-plots
     sbatch --wrap "python scripts/compare_results.py --results-dir results"      # after the jobs, on the cluster
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What this PyTorch's NCCL does that a CPU cannot show: the GPU proof's ``nccl_flight_recorder`` check.
 
-    python scripts/gpu_probe_nccl.py recorder FACTS.json   # which variable sizes the flight recorder, which dump reads it
+    python scripts/gpu_probe_nccl.py recorder FACTS.json   # which variable sizes the recorder, which dump reads it
     python scripts/gpu_probe_nccl.py watchdog FACTS.json   # a rank whose collective never finishes: what ends it
 
 Each probe runs its rank in a child process (a one-rank NCCL group on this machine's first GPU) and

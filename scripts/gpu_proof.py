@@ -59,9 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "(every other GPU path), or all, tier 1 first (default: %(default)s)")
     parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
                         help="check names, separated by spaces or commas; 'failed': those of the last summary that "
-                             "did not pass (failed, not run, or new); 'pending': those not run yet. The last summary is "
-                             "OUT/summary.json, else the newest committed reference-results/*/gpu-proof/summary.json "
-                             "('pending' only where that one ran this tree's commit)")
+                             "did not pass (failed, not run, or new); 'pending': those not run yet. The last summary "
+                             "is OUT/summary.json, else the newest committed "
+                             "reference-results/*/gpu-proof/summary.json ('pending' only where that one ran this "
+                             "tree's commit)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: the rehearsal, the same checks' CPU paths with tiny settings (default: %(default)s)")
     parser.add_argument("--out", type=output_dir, default=Path("results/gpu_proof"),
@@ -71,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "here after every check: few files, as a lease's $OUT takes them (default: none)")
     parser.add_argument("--jobs", type=positive_int, default=None,
                         help="checks that measure nothing run this many at a time; a speed check always runs "
-                             "alone (default: 4 on a GPU machine with 8 or more cores, else 1; on the CPU 2, one a core)")
+                             "alone (default: 4 on a GPU machine with 8 or more cores, else 1; on the CPU 2, one a "
+                             "core)")
     parser.add_argument("--examples", type=input_dir, default=Path(".examples"),
                         help="a checkout of pytorch/examples, for the Chapter 4 comparison (default: %(default)s)")
     parser.add_argument("--list", action="store_true", help="print the checks with their tiers and exit")
@@ -226,9 +228,10 @@ class Proof:
             ordered = [dict(self.results[c.name]) for c in proof.CHECKS if c.name in self.results]
         counts = {status: sum(1 for r in ordered if r["status"] == status)
                   for status in ("ok", "failed", "skipped", "not-run")}
-        summary = {"schema": "hpc-dl-labs/gpu-proof", "schema_version": 1, "device": self.args.device, **self.probe, "started": _iso(self.started),
-                   "budget_s": self.args.budget, "elapsed_s": round(time.time() - self.started, 1),
-                   "git": _git_revision(), "targets": proof.TARGETS, "counts": counts, "checks": ordered}
+        summary = {"schema": "hpc-dl-labs/gpu-proof", "schema_version": 1, "device": self.args.device, **self.probe,
+                   "started": _iso(self.started), "budget_s": self.args.budget,
+                   "elapsed_s": round(time.time() - self.started, 1), "git": _git_revision(), "targets": proof.TARGETS,
+                   "counts": counts, "checks": ordered}
         _write(self.out / "summary.json", json.dumps(summary, indent=1) + "\n")
         _write(self.out / "summary.md", markdown(summary))
         if self.args.bundle is not None:
@@ -242,7 +245,8 @@ class Proof:
                 _write(bundle / name, (self.out / name).read_text(encoding="utf-8"))
         sizes: dict[Path, int] = {}  # a check running beside may replace a file meanwhile: what vanished is not kept
         for path in sorted(self.out.rglob("*")):
-            if path.suffix in BUNDLE_SUFFIXES and not BUNDLE_SKIP_DIRS.intersection(path.relative_to(self.out).parts[:-1]):
+            folders = path.relative_to(self.out).parts[:-1]
+            if path.suffix in BUNDLE_SUFFIXES and not BUNDLE_SKIP_DIRS.intersection(folders):
                 try:
                     if path.is_file():
                         sizes[path] = path.stat().st_size
@@ -417,7 +421,8 @@ def choose(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[l
         done = {"ok", "skipped"} if names == ["failed"] else {"ok", "skipped", "failed"}
         rows, in_out = (previous or {}).get("checks", []), (args.out / "summary.json").is_file()
         note = f"gpu_proof: --only {names[0]}: no summary to read, every check" if previous is None else (
-            f"gpu_proof: --only {names[0]}: read {args.out / 'summary.json' if in_out else 'the newest committed summary'}"
+            f"gpu_proof: --only {names[0]}: "
+            f"read {args.out / 'summary.json' if in_out else 'the newest committed summary'}"
             f" (started {previous.get('started')}, git {previous.get('git')})")
         # "pending" continues a run: a committed summary of an earlier lease that ran other code did not run this code
         if names == ["pending"] and previous is not None and not in_out and previous.get("git") != _git_revision():
@@ -475,10 +480,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.device == "cpu" and check.cuda_only:
             skipped[check.name] = f"on the CPU: {check.cuda_only}"
         elif check.name == "ch04_vs_examples" and not (args.examples / "mnist" / "main.py").is_file():
-            skipped[check.name] = (f"no pytorch/examples checkout at {args.examples} (bash scripts/gpu_proof_prepare.sh "
-                                   "fetches it)")
+            skipped[check.name] = (f"no pytorch/examples checkout at {args.examples} "
+                                   "(bash scripts/gpu_proof_prepare.sh fetches it)")
     runner.say(f"gpu_proof: {len(checks)} check(s) on {args.device} ({probe['gpus']} GPU(s) "
-               f"{probe.get('gpu_name') or ''}, torch {probe['torch']}), budget {args.budget:g} s, results in {args.out}")
+               f"{probe.get('gpu_name') or ''}, torch {probe['torch']}), budget {args.budget:g} s, "
+               f"results in {args.out}")
     runner.run(checks, skipped)
     runner.write_summary()
     print((args.out / "summary.md").read_text(encoding="utf-8"))

@@ -824,7 +824,8 @@ def judge_lab08_gpu_decode(run: Run) -> list[str]:
     if len(rates) == 2:
         run.findings["samples_per_s_cpu_workers"] = rates["webdataset+read-only"]
         run.findings["samples_per_s_decode_on_device"] = rates["webdataset+read-only+decode-on-device"]
-        run.findings["device_over_workers"] = rates["webdataset+read-only+decode-on-device"] / rates["webdataset+read-only"]
+        run.findings["device_over_workers"] = (rates["webdataset+read-only+decode-on-device"]
+                                               / rates["webdataset+read-only"])
     return problems
 
 
@@ -908,8 +909,8 @@ def tiny_lab03(c: Ctx) -> list[str]:
 
 
 def tiny_lab04(c: Ctx) -> list[str]:
-    return ["--device", c.device, "--layers", "2" if c.cpu else "4", "--width", "64" if c.cpu else "128", "--heads", "4",
-            "--context", "32" if c.cpu else "64"]
+    return ["--device", c.device, "--layers", "2" if c.cpu else "4", "--width", "64" if c.cpu else "128",
+            "--heads", "4", "--context", "32" if c.cpu else "64"]
 
 
 def tiny_train04(c: Ctx) -> list[str]:
@@ -948,8 +949,8 @@ def steps_lab06_inject(c: Ctx) -> list[Step]:
 
 def steps_lab06_shared_gpu(c: Ctx) -> list[Step]:
     return [Step([*c.torchrun(2, "--max-restarts=1"), LAB06 + "/01_inject.py", "--device", c.device, "--steps", "6",
-                  "--num-workers", "0", "--fault", "crash-rank", "--rank", "1", "--step", "4", "--checkpoint-every", "2",
-                  "--run-dir", str(c.folder / "run"), "--results-dir", str(c.folder)],
+                  "--num-workers", "0", "--fault", "crash-rank", "--rank", "1", "--step", "4",
+                  "--checkpoint-every", "2", "--run-dir", str(c.folder / "run"), "--results-dir", str(c.folder)],
                  env={} if c.cpu else SHARE_GPUS)]
 
 
@@ -1021,8 +1022,8 @@ def steps_refuse_bf16(c: Ctx) -> list[Step]:
     """The real GPU, made to report compute capability 7.0 (a V100) to PyTorch."""
     fake = ("import runpy, sys, torch\ntorch.cuda.get_device_capability = lambda device=None: (7, 0)\n"
             "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')")
-    return [Step([c.python, "-c", fake, CH04 + "/mnist_training.py", "--device", "cuda", "--precision", "bf16", "--dry-run",
-                  "--results-dir", str(c.folder)])]
+    return [Step([c.python, "-c", fake, CH04 + "/mnist_training.py", "--device", "cuda", "--precision", "bf16",
+                  "--dry-run", "--results-dir", str(c.folder)])]
 
 
 def steps_lab02_line_profile(c: Ctx) -> list[Step]:
@@ -1091,7 +1092,8 @@ CHECKS: list[Check] = [
           lambda c: [Step(c.script(LAB03, *tiny_lab03(c), "--modes", "train", "--precision", "fp32,amp-bf16",
                                    "--folder", str(c.folder / "csv"), "--results-dir", str(c.folder)))],
           judge_lab03_short),
-    Check("lab04_fsdp_resume", 1, "Lab-04 FSDP2 + activation checkpointing + bf16, async DCP saves, resumed on one rank",
+    Check("lab04_fsdp_resume", 1,
+          "Lab-04 FSDP2 + activation checkpointing + bf16, async DCP saves, resumed on one rank",
           lambda c: [Step([*c.torchrun(1), LAB04 + "/02_sharded_training.py", *tiny_train04(c), "--strategy", "fsdp",
                            "--activation-checkpointing", "--precision", "bf16", "--checkpoint-dir",
                            str(c.folder / "ckpt"), "--results-dir", str(c.folder), *extra])

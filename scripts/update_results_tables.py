@@ -8,8 +8,8 @@ Usage:
 A Markdown file asks for a table with a marker line ``<!-- results-table:LAB -->``; this script puts
 the table of LAB's reference records after it, up to ``<!-- /results-table:LAB -->``. A marker
 ``<!-- gpu-proof:MACHINE -->`` gets the speed targets of the GPU proof committed in
-``reference-results/MACHINE/gpu-proof/summary.json`` (``scripts/gpu_proof.sh``), each with its measured value. The records
-come from ``reference-results/`` (one folder per machine, e.g. ``reference-results/cpu-2core/``),
+``reference-results/MACHINE/gpu-proof/summary.json`` (``scripts/gpu_proof.sh``), each with its measured
+value. The records come from ``reference-results/`` (one folder per machine, e.g. ``reference-results/cpu-2core/``),
 and the columns are those of the report's summary table (common/report/), so the docs
 and the report show the same numbers the same way. Each table is headed by the machine its records
 name (``common.runtime.machine``: host, CPU, its CPUs, bf16 native or emulated, and what it could do), never
@@ -35,8 +35,8 @@ PROOF_MARKER = re.compile(r"<!-- gpu-proof:(?P<machine>[\w.-]+) -->\n(?:.*?<!-- 
 MARKER = re.compile(r"<!-- results-table:(?P<lab>[\w.-]+) -->\n(?:.*?<!-- /results-table:(?P=lab) -->\n)?", re.S)
 #: Summary columns shown in the docs (the report's own formatting of each).
 DOC_COLUMNS = ("method", "model", "machine", "device", "devices", "global batch", "time / epoch",
-               "peak memory per device", "samples/s", "TFLOP/s", "% of peak", "speed-up vs baseline", "scaling efficiency",
-               "final loss", "test accuracy")
+               "peak memory per device", "samples/s", "TFLOP/s", "% of peak", "speed-up vs baseline",
+               "scaling efficiency", "final loss", "test accuracy")
 
 
 def _markdown(columns: list[str], rows: list[list[str]]) -> list[str]:
