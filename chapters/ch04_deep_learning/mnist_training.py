@@ -76,7 +76,8 @@ def train(model, device, loader, optimizer, args, scaler, run) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     add_mnist_args(parser)
-    parser.add_argument("--save-model", action="store_true", help="save the trained weights next to the record (default: off)")
+    parser.add_argument("--save-model", action="store_true",
+                        help="save the trained weights next to the record (default: off)")
     add_checkpoint_args(parser)
     add_common_args(parser, epochs=3, batch_size=64)  # --num-workers from the allocation
     return parser

@@ -106,8 +106,9 @@ def train_and_record(args: argparse.Namespace) -> Path | None:
         optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
         scaler = amp.grad_scaler(device, args.precision)
-        run.print(f"DDP: {run.describe()} | data {args.dataset} {splits.input_shape} train={len(splits.train)} "
-                  f"test={len(splits.test)} | precision {args.precision} | global batch {args.batch_size * run.world_size}")
+        run.print(f"DDP: {run.describe()} | data {args.dataset} {splits.input_shape} "
+                  f"train={len(splits.train)} test={len(splits.test)} | precision {args.precision} | "
+                  f"global batch {args.batch_size * run.world_size}")
         run.print(f"batches: {loader_line(train_loader)}")
 
         run.track(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)

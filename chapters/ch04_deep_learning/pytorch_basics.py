@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_timing_args(parser, warmup=2, repeats=10, what="matmuls per precision")
     add_former_names(parser, parser.add_argument("--precision", type=precision_list(DTYPES), default=["auto"],
                         help=f"comma-separated precisions from {', '.join(DTYPES)}; auto = fp32,tf32,bf16,fp16 on "
-                             "an Ampere-or-newer GPU, fp32,fp16 on older GPUs, fp32,bf16 on CPU (default: auto)"), "--dtypes")
+                             "an Ampere-or-newer GPU, fp32,fp16 on older GPUs, fp32,bf16 on CPU "
+                             "(default: auto)"), "--dtypes")
     parser.add_argument("--skip-tour", action="store_true", help="only run the matmul timing (default: off)")
     # The shared flags that apply here (common.cli.add_common_args would add training flags too).
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",

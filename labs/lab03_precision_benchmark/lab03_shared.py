@@ -186,7 +186,8 @@ def check_processes_fit(processes: int, available: int | None = None, each: int 
 
 
 def check_num_gpus(args: argparse.Namespace, launch: Any) -> None:
-    """Under a launcher (``launch``: ``common.runtime.launch.detect_launch()``), ``-g`` is left out or agrees with it."""
+    """Under a launcher (``launch``: ``common.runtime.launch.detect_launch()``), ``-g`` is left out or agrees
+    with it."""
     if launch.world_size > 1 and args.num_gpus not in (1, launch.world_size):
         raise UserError(f"-g {args.num_gpus} but {launch.launcher} started {launch.world_size} processes; "
                         "under a launcher leave -g out")
@@ -463,8 +464,9 @@ def _cell(value: Any) -> str:
 class Output:
     """What a run writes, on rank 0 only: a record per result, the SJTU page's CSVs, the summary CSV, the table.
 
-    ``ctx`` is the run's ``common.runtime.distributed.DistContext``, each ``timer`` a ``common.measure.timing.StepTimer``
-    that has timed one model, mode and precision. The device's name comes from the records' provenance.
+    ``ctx`` is the run's ``common.runtime.distributed.DistContext``, each ``timer`` a
+    ``common.measure.timing.StepTimer`` that has timed one model, mode and precision. The device's name comes
+    from the records' provenance.
     """
 
     def __init__(self, args: argparse.Namespace, ctx: Any) -> None:
@@ -572,7 +574,8 @@ class Output:
     def measured(self, model: str, mode: str, precision: str, timer: Any, memory: dict[str, Any],
                  check: dict[str, Any], flops: int, compilation: dict[str, Any] | None = None, *,
                  energy: dict[str, Any] | None = None) -> None:
-        """One result: ``energy`` is ``common.measure.energy.EnergyMeter.result()`` over its warm-up and timed iterations."""
+        """One result: ``energy`` is ``common.measure.energy.EnergyMeter.result()`` over its warm-up and timed
+        iterations."""
         world, self.results = self.ctx.world_size, self.results + 1
         step_time = timer.summary()
         ms = {key: step_time[f"{key}_s"] * 1000 for key in ("median", "mean", "std", "min", "max")}

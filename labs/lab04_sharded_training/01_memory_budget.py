@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--world-size", type=positive_int, default=None,
                        help="ranks to predict for; measuring needs that many processes "
                             "(default: the processes of this launch)")
-    group.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=["ddp", "fsdp", "fsdp+ac", "fsdp+bf16"],
+    group.add_argument("--variants", nargs="+", choices=tuple(VARIANTS),
+                       default=["ddp", "fsdp", "fsdp+ac", "fsdp+bf16"],
                        help="which strategies to predict and measure (default: %(default)s)")
     add_common_args(parser, batch_size=8, epochs_and_steps=False, data=False)  # one measured step, random tokens
     return parser
@@ -167,7 +168,8 @@ def print_table(rows: list[dict[str, Any]], device: torch.device) -> None:
             if kind not in row:
                 continue
             values = row[kind]
-            line = f"{row['variant']:<13} {kind:<9}" + "".join(f"{format_bytes(values[p]):>13}" for p in (*PARTS, "total"))
+            cells = "".join(f"{format_bytes(values[p]):>13}" for p in (*PARTS, "total"))
+            line = f"{row['variant']:<13} {kind:<9}" + cells
             if kind == "measured":
                 peak = max(rank["peak"]["peak_bytes"] for rank in row["measured_per_rank"])
                 source = "allocator peak" if device.type == "cuda" else "process peak RSS, includes PyTorch itself"

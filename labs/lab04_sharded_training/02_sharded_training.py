@@ -14,8 +14,9 @@ Usage:
 
 What it teaches: the same training loop under two data-parallel strategies. ``--strategy ddp``
 keeps a full replica on every rank and all-reduces gradients; ``--strategy fsdp`` (FSDP2,
-``fully_shard`` on each transformer block, then on the root: :func:`wrap` below) keeps 1/N of every parameter, gradient and AdamW moment per rank, all-gathers a block just before
-it computes and reduce-scatters its gradients right after. The loop below is the same for both:
+``fully_shard`` on each transformer block, then on the root: :func:`wrap` below) keeps 1/N of every
+parameter, gradient and AdamW moment per rank, all-gathers a block just before it computes and
+reduce-scatters its gradients right after. The loop below is the same for both:
 with the same seed and global batch, the losses agree step by step (in fp32, to rounding).
 
 ``--global-batch-size`` is the number of sequences per optimiser step over all ranks, whatever the
@@ -41,7 +42,8 @@ from contextlib import nullcontext
 import torch
 from torch.utils.data import DataLoader
 
-from common.cli import add_common_args, add_precision_arg, non_negative_float, positive_float, positive_int, script_parser
+from common.cli import (add_common_args, add_precision_arg, non_negative_float, positive_float, positive_int,
+                        script_parser)
 from common.data.datasets import GlobalBatchSampler, load_stdlib_text, worker_ignores_sigterm
 from common.runtime.distributed import gather_objects
 from common.errors import UserError, run_main
@@ -50,10 +52,9 @@ from common.models import DecoderOnlyTransformer, transformer_parameter_count
 from common.train.flags import add_distributed_checkpoint_args, add_training_args
 from common.train.run import TrainingRun
 from common.checkpoint.sharded import DistributedCheckpointer
-from labs.lab04_sharded_training.lab04_shared import (
-    LAB, PRECISIONS, STRATEGIES, add_model_args, check_strategy, describe_held, describe_throughput,
-    language_model_loss, shape_from_args, tensor_bytes, throughput, variant_name,
-)
+from labs.lab04_sharded_training.lab04_shared import (LAB, PRECISIONS, STRATEGIES, add_model_args, check_strategy,
+                                                      describe_held, describe_throughput, language_model_loss,
+                                                      shape_from_args, tensor_bytes, throughput, variant_name)
 
 # After common's imports: common stops an older PyTorch in one line, before these would fail.
 import torch.distributed as dist
@@ -135,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--global-batch-size", type=positive_int, default=64,
                        help="sequences per optimiser step over all ranks, whatever their number (default: %(default)s)")
     group.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
-    group.add_argument("--weight-decay", type=non_negative_float, default=0.1, help="AdamW weight decay (default: %(default)s)")
+    group.add_argument("--weight-decay", type=non_negative_float, default=0.1,
+                       help="AdamW weight decay (default: %(default)s)")
     group.add_argument("--window-stride", type=positive_int, default=None,
                        help="characters between the starts of two training sequences; below --context they "
                             "overlap, so a long context still gets enough steps per epoch from the small "
@@ -190,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             sampler.set_epoch(epoch)  # the same global batches whatever the number of ranks
             train(model, train_loader, optimizer, args, run)
             # Next-character loss and accuracy; every rank runs --eval-steps batches (FSDP2's forward is collective).
-            run.evaluated(*evaluate(model, validation_loader, device, max_batches=args.eval_steps,
-                                    across_ranks=True))
+            run.evaluated(*evaluate(model, validation_loader, device, max_batches=args.eval_steps, across_ranks=True))
             run.save_checkpoint()  # DCP: every rank writes its shards
         checkpointer.wait()  # an asynchronous save may still be writing: its timing belongs in the record
         held = gather_objects({**tensor_bytes(model, optimizer), "rank": run.rank})

@@ -122,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.max_doublings + 1):
                 tried = try_step(shape, variant, device, args)
                 tries.append(tried)
-                print0(f"  {variant:<13} {shape.layers:>4} layers x {shape.width:>5}: {tried['parameters'] / 1e6:9.2f} M "
-                       f"parameters, {format_bytes(tried['bytes']) if tried['bytes'] is not None else 'out of memory':>10} "
+                print0(f"  {variant:<13} {shape.layers:>4} layers x {shape.width:>5}: "
+                       f"{tried['parameters'] / 1e6:9.2f} M parameters, "
+                       f"{format_bytes(tried['bytes']) if tried['bytes'] is not None else 'out of memory':>10} "
                        f"on rank 0 -> {'fits' if tried['fits'] else 'does not fit'}")
                 if not tried["fits"]:
                     break
@@ -155,7 +156,8 @@ def summarise(rows: list[dict[str, Any]], ctx: Any, args: argparse.Namespace, de
     notes = [f"{row['variant']} still fitted after --max-doublings {args.max_doublings}: its largest is a lower bound"
              for row in rows if row["limited_by_doublings"]]
     metrics = {"largest": rows, "budget_bytes": args.budget, "world_size": ctx.world_size,
-               "measured_by": "cuda_max_memory_allocated" if device.type == "cuda" else "tensor_bytes_and_saved_activations"}
+               "measured_by": ("cuda_max_memory_allocated" if device.type == "cuda"
+                               else "tensor_bytes_and_saved_activations")}
     config = config_dict(args, resolved_device=str(device), model=f"{shape_from_args(args).name} (start)")
     record = make_record(lab=LAB, script=SCRIPT, method="largest-model", config=config, metrics=metrics, notes=notes,
                          provenance=provenance(device, ctx.world_size, {"distributed": ctx.describe()}))

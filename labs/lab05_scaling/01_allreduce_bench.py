@@ -163,7 +163,8 @@ def benchmark(args, ctx, collectives: list[str], sizes: list[int], threads: int)
     nodes = len(set(hosts))
     reference = reference_for(args, ctx, nodes)
     print0(f"bandwidth: {ranks} rank(s) on {nodes} node(s), backend {ctx.backend}, {len(sizes)} sizes "
-           f"{format_bytes(sizes[0])}..{format_bytes(sizes[-1])}, {args.warmup} warm-up + {args.repeats} timed calls each")
+           f"{format_bytes(sizes[0])}..{format_bytes(sizes[-1])}, "
+           f"{args.warmup} warm-up + {args.repeats} timed calls each")
     if reference is None:
         print0("reference: none (no link peak: pass --site or --peak-gbps); busbw is shown without a percentage")
     else:

@@ -614,8 +614,9 @@ def add_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument("--bucket-cap-mb", default="1,25,100,1000",
                        help="bucket sizes to compare, MiB, comma-separated; 1000 is one bucket for most models "
                             "(default: %(default)s)")
-    add_former_names(group, group.add_argument("--repeats", type=positive_int, default=10, help="timed steps per "
-                                               "bucket size, each with and without sync (default: %(default)s)"), "--steps")
+    add_former_names(group, group.add_argument("--repeats", type=positive_int, default=10,
+                                               help="timed steps per bucket size, each with and without sync "
+                                                    "(default: %(default)s)"), "--steps")
     group.add_argument("--warmup-steps", type=positive_int, default=2,
                        help="untimed steps (of each kind) per bucket size (default: %(default)s)")
     group.add_argument("--lr", type=positive_float, default=0.01, help="SGD learning rate (default: %(default)s)")
@@ -638,13 +639,15 @@ OVERLAP_HEADER = (f"{'bucket_cap_mb':>13} {'buckets':>7} {'step (ms)':>10} {'no_
 
 
 def overlap_row(row: Mapping[str, Any]) -> str:
-    """One bucket size of the overlap table (under :data:`OVERLAP_HEADER`); ``*``: hidden was clamped (a note says why)."""
+    """One bucket size of the overlap table (under :data:`OVERLAP_HEADER`); ``*``: hidden was clamped (a note
+    says why)."""
     hidden = row["hidden_fraction"]
     exposed_text = "noise" if row["exposed_is_noise"] else f"{1e3 * row['exposed_comm_s']:.1f}"
     hidden_text = "n/a" if hidden is None else f"{hidden:.0%}"
     hidden_text += "*" if row["hidden_clamped_because"] else ""
     return (f"{row['bucket_cap_mb']:>13g} {row['buckets']:>7} {1e3 * row['step_s']:>10.1f} "
-            f"{1e3 * row['no_sync_step_s']:>13.1f} {exposed_text:>13} {1e3 * row['comm_alone_s']:>11.1f} {hidden_text:>7}")
+            f"{1e3 * row['no_sync_step_s']:>13.1f} {exposed_text:>13} {1e3 * row['comm_alone_s']:>11.1f} "
+            f"{hidden_text:>7}")
 
 
 def write_overlap_record(args: argparse.Namespace, ctx: Any, rows: list[dict[str, Any]], *, parameter_bytes: int,

@@ -45,11 +45,10 @@ from common.runtime.compat import enable_flight_recorder
 from common.runtime.device import device_type
 from common.runtime.distributed import open_process, print0, print_rank, teardown_distributed
 from common.runtime.launch import detect_launch
-from labs.lab06_failures.lab06_shared import (
-    CHECKPOINT, END_OF_RUN, GRADIENTS, RUN_META, FaultPlan, Ledger, add_inject_args, block_until_parent_dies,
-    check_resumable, diagnose, dump_flight_recorder, read_history, read_ledger, restart_count, start_afresh,
-    timeout_fired, write_inject_record, write_run_meta,
-)
+from labs.lab06_failures.lab06_shared import (CHECKPOINT, END_OF_RUN, GRADIENTS, RUN_META, FaultPlan, Ledger,
+                                              add_inject_args, block_until_parent_dies, check_resumable, diagnose,
+                                              dump_flight_recorder, read_history, read_ledger, restart_count,
+                                              start_afresh, timeout_fired, write_inject_record, write_run_meta)
 
 IMAGE_SIZE, CLASSES = 8, 4
 
@@ -187,7 +186,8 @@ def report_failure(args, ctx, error: RuntimeError, step: int, stacks) -> int:
             "diagnosis": f"rank {ctx.rank} out of memory", "culprits": [ctx.rank], "culprit_step": step})
         return 1
     ledger, meta = read_ledger(args.run_dir), json.loads((args.run_dir / RUN_META).read_text())
-    verdict = diagnose(ledger, ctx.world_size, meta["steps"], meta["gradient_numel"], history=read_history(args.run_dir))
+    verdict = diagnose(ledger, ctx.world_size, meta["steps"], meta["gradient_numel"],
+                       history=read_history(args.run_dir))
     waiting = [r for r in range(ctx.world_size) if r not in verdict.ranks]
     timeout, why = timeout_fired(ledger, ctx.rank, message, args.collective_timeout)
     print_rank(f"error at step {step}: {message[:160]}", file=sys.stderr)

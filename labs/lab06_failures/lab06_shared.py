@@ -392,7 +392,8 @@ def add_inject_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="images per rank and step (default: %(default)s)")
     group.add_argument("--width", type=positive_int, default=4,
                        help="channels of the CNN's first layer (default: %(default)s)")
-    group.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate, momentum 0.9 (default: %(default)s)")
+    group.add_argument("--lr", type=positive_float, default=0.05,
+                       help="SGD learning rate, momentum 0.9 (default: %(default)s)")
     group.add_argument("--num-workers", type=non_negative_int, default=1,
                        help="DataLoader worker processes; stuck-loader needs one (default: %(default)s)")
     group.add_argument("--log-interval", type=positive_int, default=5,
@@ -433,7 +434,8 @@ def write_run_meta(args: argparse.Namespace, ctx: Any, gradient_numel: int) -> N
     then the run's first line (rank 0)."""
     if ctx.rank == 0:
         meta = {"world_size": ctx.world_size, "steps": args.steps, "gradient_numel": gradient_numel,
-                "fault": args.fault, "rank": args.rank, "step": args.step, "collective_timeout": args.collective_timeout}
+                "fault": args.fault, "rank": args.rank, "step": args.step,
+                "collective_timeout": args.collective_timeout}
         (Path(args.run_dir) / RUN_META).write_text(json.dumps(meta))
         fault = "no fault" if args.fault == "none" else f"fault {args.fault} on rank {args.rank} at step {args.step}"
         print(f"{ctx.line(distributed=True)} | {fault} | {gradient_numel} elements all-reduced per step | "

@@ -36,8 +36,9 @@ from common.runtime.distributed import gather_objects, init_distributed, print0,
 from common.runtime.launch import detect_launch
 from common.units import format_bytes
 from labs.lab07_model_parallel.lab07_shared import (
-    CollectiveTally, add_model_args, add_training_flags, apply_dry_run, batch_for_step, build_model, check_tensor_parallel, language_model_loss, predicted_tensor_parallel_traffic,
-    shape_from_args, training_text, write_lab_record,
+    CollectiveTally, add_model_args, add_training_flags, apply_dry_run, batch_for_step, build_model,
+    check_tensor_parallel, language_model_loss, predicted_tensor_parallel_traffic, shape_from_args, training_text,
+    write_lab_record,
 )
 
 # After common's imports: common stops an older PyTorch in one line, before these would fail.

@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             check_steps_left(int(saved["step"]), args.steps, checkpoint_dir)
             checkpointer.restore({"model": model, "optimizer": optimizer})
             first = int(saved["step"])
-            print0(f"resumed from {saved['checkpoint_folder']} after step {first} (saved on mesh {saved.get('mesh', '?')})")
+            print0(f"resumed from {saved['checkpoint_folder']} after step {first} "
+                   f"(saved on mesh {saved.get('mesh', '?')})")
         method = "reference" if world == 1 else f"2d-{dp}x{tp}"
         print0(f"{method}: mesh {dp} (FSDP2) x {tp} (tensor parallel) = {world} process(es), {device} | "
                f"{shape.name}, batch {args.batch_size} = {dp} row(s) x {args.batch_size // dp}")
