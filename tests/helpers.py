@@ -267,7 +267,8 @@ def launch_plan(processes: int, plan: list[dict], root: Path, name: str) -> dict
              for step in plan if (out / f"{step['name']}.status").exists()}
     print(f"{name}: " + ", ".join(f"{job} {cpu} s CPU / {wall} s" for job, (_, cpu, wall) in costs.items()))
     assert all(rank.returncode == 0 for rank in ranks) and len(costs) == len(plan), \
-        f"{name}: exits {[r.returncode for r in ranks]}, finished {list(costs)}\n" + "\n".join(o[-3000:] for o in outputs)
+        (f"{name}: exits {[r.returncode for r in ranks]}, finished {list(costs)}\n"
+         + "\n".join(o[-3000:] for o in outputs))
     return {job: int(status) for job, (status, _, _) in costs.items()}
 
 

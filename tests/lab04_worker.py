@@ -10,10 +10,11 @@ Lab-04 and Lab-07 tests need a dozen distributed runs each, so they share one la
 ``PLAN.json`` lists the runs, in order: ``{"name", "script", "argv"}`` and optionally
 ``"signal_during_step": K`` (rank 0 raises SIGUSR1 while training step K, counted from 0 over the
 run, is under way: a pre-emption arriving mid-epoch) and ``"copy_before": [SOURCE, TARGET]`` (rank 0
-copies the folder SOURCE, e.g. a checkpoint an earlier run saved, to TARGET before the run starts). Each run calls the script's ``main(argv)`` the
-way its ``__main__`` does; the scripts find the worker's process group and use it (and leave it to
-the worker to tear down). ``OUT/<name>.log`` gets rank 0's output, ``OUT/<name>.rank<R>.log`` the
-other ranks', and ``OUT/<name>.status`` the exit status, rank 0's CPU seconds and wall seconds.
+copies the folder SOURCE, e.g. a checkpoint an earlier run saved, to TARGET before the run starts).
+Each run calls the script's ``main(argv)`` the way its ``__main__`` does; the scripts find the
+worker's process group and use it (and leave it to the worker to tear down). ``OUT/<name>.log`` gets
+rank 0's output, ``OUT/<name>.rank<R>.log`` the other ranks', and ``OUT/<name>.status`` the exit
+status, rank 0's CPU seconds and wall seconds.
 """
 
 from __future__ import annotations

@@ -248,7 +248,8 @@ def test_amp_training_compares_records_it_ran(tmp_path, capsys):
         assert row["test_accuracy"] == run["metrics"]["test_accuracy"]
         assert row["final_loss"] == run["metrics"]["final_loss"]
         # mnist_training.py's own run (the loop a student reads), with the same seed and settings every time
-        assert run["script"] == "chapters/ch04_deep_learning/mnist_training.py" and run["config"]["precision"] == precision
+        assert run["script"] == "chapters/ch04_deep_learning/mnist_training.py"
+        assert run["config"]["precision"] == precision
         for key in ("seed", "epochs", "max_steps", "batch_size", "dataset", "model", "log_interval"):
             assert run["config"][key] == records["fp32"]["config"][key]
     assert records["fp32"]["config"]["log_interval"] == 1000
@@ -313,7 +314,8 @@ def test_readme_commands_name_existing_files_and_accepted_flags():
                 pytest.fail(f"{script.name} does not accept: {' '.join(rest[1:])}")
             for previous, arg in zip(rest, rest[1:]):  # files the command reads (an -o output is made by it)
                 if previous != "-o" and re.search(r"\.(j2|sbatch|yaml|py)$", arg):
-                    assert (CHAPTER / arg).is_file(), f"README's {script.name} command names {arg}, which does not exist"
+                    assert (CHAPTER / arg).is_file(), (f"README's {script.name} command names {arg}, "
+                                                       "which does not exist")
             checked_scripts.add(script.name)
         elif program in ("sbatch", "source"):
             assert (CHAPTER / words[-1]).is_file(), f"README {program}s {words[-1]}, which does not exist"

@@ -198,7 +198,8 @@ def test_every_new_record_carries_the_machine_and_older_versions_still_read(tmp_
     assert [(p.name, "provenance.machine" in why) for p, why in loaded.errors] == [("v4-without-machine.json", True)]
     (old,) = [r for r in loaded.records if r["run_id"] == "v3"]
     assert old["config"] == {"precision": "bf16", "epochs": 1} and old["metrics"]["mfu"] == 0.25
-    assert old["metrics"]["floors"] == {"mfu": 0.25, "reasons": {"mfu": "x"}} and "fraction_of_peak" not in old["metrics"]
+    assert old["metrics"]["floors"] == {"mfu": 0.25, "reasons": {"mfu": "x"}}
+    assert "fraction_of_peak" not in old["metrics"]
 
 
 def test_a_bf16_run_on_a_cpu_without_bf16_says_so_at_start_and_in_its_record(monkeypatch, capsys):
@@ -275,8 +276,8 @@ def test_provenance_carries_slurm_and_git(monkeypatch, tmp_path):
 
 
 def test_results_module_does_not_import_torch():
-    modules = ("common.results, common.runtime.machine, common.runtime.launch, common.cli, common.runtime.cpus, common.units, common.atomic, common.errors, "
-               "common.cli, common.cli, common.report, common.report.cli")
+    modules = ("common.results, common.runtime.machine, common.runtime.launch, common.cli, common.runtime.cpus, "
+               "common.units, common.atomic, common.errors, common.cli, common.cli, common.report, common.report.cli")
     code = f"import sys; import {modules}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(__import__('helpers').REPO)})
@@ -964,8 +965,9 @@ def test_running_out_of_memory_is_one_line_and_exit_1_and_a_bug_keeps_its_traceb
 
 def test_a_stopped_run_says_how_to_go_on_where_it_ran(monkeypatch):
     """SIGUSR1 in a job: the template requeues it, unless what started the training says otherwise
-    (HPC_DL_LABS_ON_STOP: a chain's next link, a sweep task's resubmission, a time limit too short to requeue). Another signal in a job (scancel, a time limit): a requeued job
-    finds its checkpoint, a new one (a new id) needs it given. Outside a job, or a step budget: --resume."""
+    (HPC_DL_LABS_ON_STOP: a chain's next link, a sweep task's resubmission, a time limit too short to
+    requeue). Another signal in a job (scancel, a time limit): a requeued job finds its checkpoint, a
+    new one (a new id) needs it given. Outside a job, or a step budget: --resume."""
     from common.train.preemption import Preemption
 
     stopped = Preemption(None, resume=False, budget=3)

@@ -90,9 +90,11 @@ def test_every_lesson_script_has_a_shortest_run_at_the_floor():
     lessons = sorted(str(p.relative_to(REPO)) for p in [*REPO.glob("chapters/*/*.py"), *REPO.glob("labs/*/*.py")]
                      if 'if __name__ == "__main__"' in p.read_text())
     listed = {run.script for run in runs.values()}
-    assert not set(lessons) - listed, (f"lesson scripts with no shortest run at the floor: {sorted(set(lessons) - listed)}; "
+    assert not set(lessons) - listed, ("lesson scripts with no shortest run at the floor: "
+                                       f"{sorted(set(lessons) - listed)}; "
                                        "add a LessonRun for each to RUNS in scripts/torch_floor.py")
-    assert not listed - set(lessons), f"RUNS in scripts/torch_floor.py names scripts that are not lessons: {listed - set(lessons)}"
+    assert not listed - set(lessons), ("RUNS in scripts/torch_floor.py names scripts that are not lessons: "
+                                       f"{listed - set(lessons)}")
     stated = re.search(r"(\d+) of \1 lesson runs ok", (REPO / "README.md").read_text())  # the line the floor ends with
     assert stated and int(stated[1]) == len(runs), f"README.md should quote '{len(runs)} of {len(runs)} lesson runs ok'"
     assert all(not run.folder or list(runs).index(run.folder) < list(runs).index(name) for name, run in runs.items())
@@ -203,7 +205,8 @@ def test_a_short_collective_timeout_fails_a_stalled_collective_in_seconds():
         assert waited and float(waited.group(1)) >= 4.0, out[-2000:]  # past the 2 s it was given
         return
     found = re.search(r"CALL (\S+) FAILED AFTER ([\d.]+)", out)
-    expected = "set_timeout" if hasattr(__import__("torch.distributed").distributed, "set_timeout") else "_set_pg_timeout"
+    distributed = __import__("torch.distributed").distributed
+    expected = "set_timeout" if hasattr(distributed, "set_timeout") else "_set_pg_timeout"
     assert found and found.group(1) == expected, out[-2000:]
     assert 1.5 <= float(found.group(2)) < 30, out  # the short timeout, not rank 1's 30 s or the group's minute
 

@@ -105,8 +105,10 @@ ENTRY_POINTS = {
 }
 #: Scripts that make a process group but are not in ENTRY_POINTS, and why.
 NOT_CHECKED = {
-    "labs/lab07_model_parallel/01_tensor_parallel.py": "needs a launch of two ranks of its own (torchrun), not yet here",
-    "labs/lab07_model_parallel/02_pipeline_parallel.py": "needs a launch of two ranks of its own (torchrun), not yet here",
+    "labs/lab07_model_parallel/01_tensor_parallel.py":
+        "needs a launch of two ranks of its own (torchrun), not yet here",
+    "labs/lab07_model_parallel/02_pipeline_parallel.py":
+        "needs a launch of two ranks of its own (torchrun), not yet here",
 }
 
 
@@ -170,7 +172,8 @@ def makes_a_process_group(script: Path) -> bool:
             name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
             forced = any(k.arg == "distributed" and isinstance(k.value, ast.Constant) and k.value.value is True
                          for k in node.keywords)
-            if name in ("init_distributed", "init_process_group") or (name in ("TrainingRun", "open_process") and forced):
+            if name in ("init_distributed", "init_process_group") or (
+                    name in ("TrainingRun", "open_process") and forced):
                 return True
     return False
 

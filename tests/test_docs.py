@@ -49,7 +49,8 @@ def test_the_course_map_has_a_row_for_every_chapter_and_lab():
     assert len(folders) >= 11
     assert sorted(rows) == folders, (
         f"README.md's '## Course map' table lacks a row for {sorted(set(folders) - set(rows))} (a row links "
-        f"[..](labs/<folder>/README.md) in its first cell) or has one for a folder that is gone: {sorted(set(rows) - set(folders))}")
+        f"[..](labs/<folder>/README.md) in its first cell) or has one for a folder that is gone: "
+        f"{sorted(set(rows) - set(folders))}")
 
 
 def test_every_reference_record_reads_and_says_where_its_energy_is():

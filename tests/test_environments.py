@@ -208,7 +208,8 @@ def test_an_active_python_with_pytorch_is_kept(tmp_path):
     """A module's PyTorch, or an environment the user activated: pytorch.sh keeps it, and neither the
     course's conda environment nor the repository's .venv replaces it."""
     log = tmp_path / "calls.log"
-    prelude = f"conda() {{ case $1 in env) echo 'hpc-dl-labs-gpu  /opt/conda/envs/x' ;; *) echo \"conda $*\" >> {log} ;; esac; }}"
+    prelude = (f"conda() {{ case $1 in env) echo 'hpc-dl-labs-gpu  /opt/conda/envs/x' ;;"
+               f" *) echo \"conda $*\" >> {log} ;; esac; }}")
     mine = fake_python(tmp_path / "module" / "bin", has_torch=True)
     proc = _source(prelude, 'echo "PY=$(command -v python)"', tmp_path, PATH=f"{mine}:{SYSTEM_PATH}")
     assert proc.returncode == 0, proc.stderr
@@ -222,7 +223,8 @@ def test_an_active_python_with_pytorch_is_kept(tmp_path):
 def test_the_lanta_chapters_environment_name_is_activated_too(tmp_path):
     """The LANTA chapter says `mamba activate hpc-ignite-ml`: an environment created under that name works."""
     log = tmp_path / "calls.log"
-    prelude = (f"conda() {{ case $1 in env) echo 'base  /opt/conda'; echo 'hpc-ignite-ml  /opt/conda/envs/hpc-ignite-ml' ;;"
+    prelude = ("conda() { case $1 in env) echo 'base  /opt/conda';"
+               " echo 'hpc-ignite-ml  /opt/conda/envs/hpc-ignite-ml' ;;"
                f" activate) echo \"conda activate $2\" >> {log} ;; esac; }}")
     proc = _source(prelude, "echo done", tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -47,7 +47,8 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(cuda, "device_count", lambda: count)
         monkeypatch.setattr(cuda, "get_device_capability", lambda device=None: capability)
         monkeypatch.setattr(cuda, "get_device_name", lambda device=None: name)
-        monkeypatch.setattr(cuda, "get_device_properties", lambda index: props[int(getattr(index, "index", index) or 0)])
+        monkeypatch.setattr(cuda, "get_device_properties",
+                            lambda index: props[int(getattr(index, "index", index) or 0)])
         monkeypatch.setattr(cuda, "is_bf16_supported", lambda *args, **kwargs: True)  # emulation says yes
         # Like a real GPU, CUDA starts on the first real CUDA call (torch.cuda.init, set_device, a
         # tensor op): before that the allocator's counters read 0 and resetting them raises.
@@ -391,7 +392,8 @@ def test_lab03_compile_resets_dynamo_per_configuration_and_records_whether_it_co
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     cpu = torch.device("cpu")
     args = read_args(bench.build_parser(), ["--device", "cpu", "--compile", "-w", "1", "-n", "1", "--models",
-                                            "resnet18", "--results-dir", str(tmp_path), "--folder", str(tmp_path / "csv")])
+                                            "resnet18", "--results-dir", str(tmp_path),
+                                            "--folder", str(tmp_path / "csv")])
     base = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(144, 10))
     images, labels = torch.randn(2, 3, 8, 8), torch.tensor([1, 2])
     outcomes = [bench.time_mode("inference", base, images, labels, precision, cpu, args, False)[2]
@@ -438,7 +440,8 @@ def test_peak_memory_on_a_gpu_adds_what_the_device_has_in_use(fake_gpus, monkeyp
     nvml = FakeNvml(nvmlInit=lambda: None, nvmlShutdown=lambda: None,
                     nvmlDeviceGetHandleByPciBusId=lambda bus: handles.append(bus) or "handle",
                     nvmlDeviceGetComputeRunningProcesses=lambda handle: [
-                        SimpleNamespace(pid=1, usedGpuMemory=1), SimpleNamespace(pid=os.getpid(), usedGpuMemory=5 * 2**30)])
+                        SimpleNamespace(pid=1, usedGpuMemory=1),
+                        SimpleNamespace(pid=os.getpid(), usedGpuMemory=5 * 2**30)])
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     entry = peak_memory(torch.device("cuda", 0))
     assert (entry["device_used_bytes"], entry["device_used_source"]) == (5 * 2**30, "nvml_process_used")
@@ -595,7 +598,8 @@ def test_the_utilisation_of_a_run_is_one_set_of_keys_on_a_gpu_and_on_a_cpu(fake_
     assert speed == {"achieved_tflops": 200.0, "peak_tflops": 989.5, "peak_precision": "bf16",
                      "peak_source": "H100 SXM datasheet, bf16, dense", "mfu": 200.0 / 989.5, "mfu_reason": None}
     cpu = precision.utilisation(1e9, torch.device("cpu"), "fp32")
-    assert cpu["mfu"] is None and cpu["mfu_reason"].startswith("no peak known for a CPU") and cpu["achieved_tflops"] == 1e-3
+    assert cpu["mfu"] is None and cpu["mfu_reason"].startswith("no peak known for a CPU")
+    assert cpu["achieved_tflops"] == 1e-3
 
 
 def test_an_h100_nvl_gets_the_nvl_peaks_not_the_sxm_ones():
@@ -677,7 +681,8 @@ def test_every_entry_point_names_an_old_torch_in_one_line(tmp_path):
         proc = subprocess.run([PYTHON, script, "--help"], cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=120)
         err = proc.stderr.strip().splitlines()
-        if proc.returncode != 2 or len(err) != 1 or not err[0].startswith(f"error: torch 1.6.0 found, {floor} or newer"):
+        expected = f"error: torch 1.6.0 found, {floor} or newer"
+        if proc.returncode != 2 or len(err) != 1 or not err[0].startswith(expected):
             failures.append(f"{script}: exit {proc.returncode}, stderr {proc.stderr.strip()[-300:]!r}")
     assert not failures, "\n".join(failures)
 

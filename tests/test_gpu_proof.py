@@ -460,8 +460,9 @@ def stand_ins(monkeypatch):
     def install(*checks: proof.Check):
         monkeypatch.setattr(proof, "CHECKS", list(checks))
         monkeypatch.setattr(proof, "BY_NAME", {check.name: check for check in checks})
-        monkeypatch.setattr(gpu_proof, "probe_machine", lambda: {"gpus": 1, "torch": "2.11.0", "python": "3.12.3",
-                                                                 "host": "gpu01", "gpu_name": "NVIDIA H100", "cpus": 16})
+        machine = {"gpus": 1, "torch": "2.11.0", "python": "3.12.3", "host": "gpu01", "gpu_name": "NVIDIA H100",
+                   "cpus": 16}
+        monkeypatch.setattr(gpu_proof, "probe_machine", lambda: machine)
     return install
 
 
@@ -797,7 +798,8 @@ def test_the_cpu_rehearsal_runs_the_real_checks_within_its_budget(tmp_path):
 
 #: Lesson scripts no check of the GPU proof starts itself, and why.
 NOT_STARTED_BY_A_CHECK = {
-    "labs/lab01_dp_vs_ddp/05_performance_comparison.py": "the main job runs it (scripts/main_job.sh, Lab-01's run_lab.sh)",
+    "labs/lab01_dp_vs_ddp/05_performance_comparison.py":
+        "the main job runs it (scripts/main_job.sh, Lab-01's run_lab.sh)",
     "labs/lab06_failures/02_diagnose.py": "reads a run's files and processes (py-spy), on no device",
     **{f"labs/lab09_many_jobs/{name}": "Slurm's tools (sbatch, sacct): a GPU machine without Slurm cannot run them; "
        "the trainings they submit are Lab-01's, which tier 1 runs"

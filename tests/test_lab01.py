@@ -157,7 +157,8 @@ def test_preempted_ddp_run_resumes_to_the_same_parameters(tmp_path, monkeypatch,
     """A real SIGUSR1 (what ``#SBATCH --signal=B:USR1@120`` sends) mid-epoch, then ``--resume``."""
     preempt_and_resume(DDP, [*TINY, "--batch-size", str(GLOBAL_BATCH)], tmp_path, monkeypatch, capsys, during_step=8,
                        stopped_at="epoch 2 step 3")  # 6 steps per epoch
-    assert _record(tmp_path / "cut")["metrics"]["loss_at_step"] == _record(tmp_path / "whole")["metrics"]["loss_at_step"]
+    cut, whole = _record(tmp_path / "cut"), _record(tmp_path / "whole")
+    assert cut["metrics"]["loss_at_step"] == whole["metrics"]["loss_at_step"]
 
 
 def test_scancel_s_sigterm_to_every_process_saves_even_with_loader_workers(tmp_path):
@@ -327,7 +328,8 @@ TOPOLOGY = ("\t\x1b[4mGPU0\tGPU1\tGPU2\tNIC0\tCPU Affinity\tNUMA Affinity\x1b[0m
             "GPU0\t X \tNV12\tPIX\tSYS\t0-31\t0\n"
             "GPU1\tNV12\t X \tPHB\tSYS\t0-31\t0\n"
             "GPU2\tPIX\tPHB\t X \tNODE\t32-63\t1\n"
-            "NIC0\tSYS\tSYS\tNODE\t X\n\nLegend:\n\n  X    = Self\n  NV#  = Connection traversing a bonded set of # NVLinks\n")
+            "NIC0\tSYS\tSYS\tNODE\t X\n\nLegend:\n\n  X    = Self\n"
+            "  NV#  = Connection traversing a bonded set of # NVLinks\n")
 
 
 def test_parse_topology_keeps_gpu_pairs_only():
@@ -356,7 +358,8 @@ def test_lab_warnings_name_missing_peer_access_and_single_gpu():
     warnings = env_check.lab_warnings({"torch_gpus": 2}, checks)
     assert any("no peer access between GPU pair(s) 1->0" in w for w in warnings)
     assert any(w.startswith("NCCL is built in but") for w in warnings)
-    assert any("nothing to split" in w for w in env_check.lab_warnings({"torch_gpus": 1}, {**checks, "peer_access": []}))
+    one_gpu = env_check.lab_warnings({"torch_gpus": 1}, {**checks, "peer_access": []})
+    assert any("nothing to split" in w for w in one_gpu)
 
 
 def _loads_into_a_plain_model(weights: Path, record: dict) -> None:

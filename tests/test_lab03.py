@@ -470,7 +470,8 @@ def test_flags_are_the_sjtu_pages_plus_the_labs_and_say_their_defaults():
         assert flag in options, flag
     formatter = parser._get_formatter()  # what --help prints for each flag, default included
     for action in set(options.values()):
-        if action.dest != "help" and action.help != argparse.SUPPRESS:  # hidden: torch.distributed.launch's --local-rank
+        # Hidden: torch.distributed.launch's --local-rank.
+        if action.dest != "help" and action.help != argparse.SUPPRESS:
             help_text = formatter._get_help_string(action) % {"default": action.default}
             assert help_text.count("(default: ") == 1 and "(default: None)" not in help_text, (action.dest, help_text)
     assert "(default: resnet18, resnet34, resnet50," in " ".join(parser.format_help().split())
@@ -525,9 +526,9 @@ esac
     installed = shlex.split(install)[install.split().index("--constraint") + 1 + 1:]
     dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     same = lambda spec: re.sub(r"[\s'\"]", "", spec)  # noqa: E731 - a marker written without spaces or quotes
+    in_the_image = ("torch", "torchvision", "numpy")
     assert [same(spec) for spec in installed] == [same(spec) for spec in dependencies
-                                                  if re.split(r"[<>=]", spec, maxsplit=1)[0] not in ("torch", "torchvision",
-                                                                                                     "numpy")]
+                                                  if re.split(r"[<>=]", spec, maxsplit=1)[0] not in in_the_image]
     assert calls[-1].startswith("-c import torch, torchvision")  # the build's own check comes last
 
 

@@ -306,7 +306,8 @@ def test_fsdp_holds_an_nth_of_ddp_per_rank_and_the_formula_predicts_it(runs, pro
     assert activations["fsdp+ac"] < activations["fsdp"] / 3  # only each block's input is kept
     assert activations["fsdp+bf16"] < activations["fsdp"] * 0.6  # most activations in half the bytes
     # The training runs measure the same thing: FSDP2's ranks hold a quarter of DDP's.
-    held = {name: max(e["total"] for e in _training(runs, name)["metrics"]["tensor_bytes"]) for name in ("ddp4", "fsdp4")}
+    held = {name: max(e["total"] for e in _training(runs, name)["metrics"]["tensor_bytes"])
+            for name in ("ddp4", "fsdp4")}
     assert held["fsdp4"] <= held["ddp4"] / 4 * 1.10
 
 
@@ -356,7 +357,8 @@ def test_preemption_saves_a_dcp_checkpoint_on_every_rank_and_the_resume_continue
     folders = [p.name for p in complete_checkpoints(runs["root"] / "preempted" / "ckpt")]
     assert folders[-1].endswith("epoch3-step0")  # the resumed run's final save
     resumed, whole = _training(runs, "preempted_resumed"), _training(runs, "fsdp2")
-    assert "resumed from" in runs["logs"]["preempted_resumed"] and "epoch 2, step 4" in runs["logs"]["preempted_resumed"]
+    resumed_log = runs["logs"]["preempted_resumed"]
+    assert "resumed from" in resumed_log and "epoch 2, step 4" in resumed_log
     np.testing.assert_allclose(resumed["metrics"]["loss_at_step"], whole["metrics"]["loss_at_step"], rtol=RTOL, atol=0)
     assert resumed["metrics"]["final_loss"] == pytest.approx(whole["metrics"]["final_loss"], rel=RTOL)
     _assert_parameters_close(_final_parameters(runs["root"] / "preempted" / "ckpt"),
@@ -409,7 +411,8 @@ def test_report_section_shows_memory_losses_checkpoint_stalls_and_the_largest_mo
     caption = html[html.index("DDP (dashed, circles)"):]
     caption = caption[:caption.index("</figcaption>")]
     assert "relative difference from the DDP run" in caption
-    assert "fsdp · 1 ranks · sync · resumed at step 10" in caption and "fsdp · 2 ranks · sync · resumed at step 10" in caption
+    assert "fsdp · 1 ranks · sync · resumed at step 10" in caption
+    assert "fsdp · 2 ranks · sync · resumed at step 10" in caption
     assert "fsdp · 4 ranks" not in caption  # the uninterrupted runs are not called resumed
     assert "no peak known for a CPU" in html
 
@@ -474,7 +477,8 @@ def test_dcp_folder_with_other_tensor_shapes_is_refused_before_loading(runs):
     deeper = DecoderOnlyTransformer(TransformerShape(layers=5, width=32, heads=4, context=32)).state_dict()
     with pytest.raises(UserError, match="this model has blocks.4.attention.proj.bias and 10 more"):
         check_same_model(folder, deeper)
-    check_same_model(folder, DecoderOnlyTransformer(TransformerShape(layers=4, width=32, heads=4, context=32)).state_dict())
+    same = DecoderOnlyTransformer(TransformerShape(layers=4, width=32, heads=4, context=32)).state_dict()
+    check_same_model(folder, same)
 
 
 def test_bf16_on_a_gpu_older_than_ampere_is_one_error_line(monkeypatch):
@@ -600,7 +604,8 @@ def test_byte_sizes_parse_like_people_write_them():
 
     from labs.lab04_sharded_training.lab04_shared import byte_size
 
-    assert [byte_size(t) for t in ("512MiB", "2GiB", "1e9", "1.5GB", "100")] == [2**29, 2**31, 10**9, 1_500_000_000, 100]
+    sizes = ("512MiB", "2GiB", "1e9", "1.5GB", "100")
+    assert [byte_size(t) for t in sizes] == [2**29, 2**31, 10**9, 1_500_000_000, 100]
     for bad in ("abc", "0", "5 parsecs", "-1"):
         with pytest.raises(argparse.ArgumentTypeError):
             byte_size(bad)

@@ -350,7 +350,8 @@ def test_overlap_keeps_hidden_within_0_to_100_percent_and_calls_a_small_exposed_
     # The step with sync 1 ms *faster*: within the spread, noise; 1 - (-1/4) = 125% is clamped to 100%.
     faster = overlap.overlap_figures([t - 0.001 for t in ms], ms, 0.004)
     assert faster["exposed_is_noise"] is True and faster["hidden_fraction"] == 1.0
-    assert faster["hidden_fraction_unclamped"] == pytest.approx(1.25) and "no slower" in faster["hidden_clamped_because"]
+    assert faster["hidden_fraction_unclamped"] == pytest.approx(1.25)
+    assert "no slower" in faster["hidden_clamped_because"]
     # 10 ms exposed for a 4 ms all-reduce (a CPU's Gloo threads slowing backward down): none hid, not -150%.
     slower = overlap.overlap_figures([t + 0.010 for t in ms], ms, 0.004)
     assert slower["exposed_is_noise"] is False and slower["hidden_fraction"] == 0.0
@@ -364,7 +365,8 @@ def test_overlap_on_one_rank_says_there_is_nothing_to_overlap_and_times_nothing(
     assert len(out) == 3 and "placement" in out[0] and out[2].startswith("record: "), out
     assert out[1].startswith("overlap: 1 rank, backend gloo: ") and "no communication to overlap" in out[1]
     (record,) = _records(tmp_path)
-    assert record["metrics"]["buckets"] == [] and "no communication to overlap" in record["metrics"]["nothing_to_overlap"]
+    assert record["metrics"]["buckets"] == []
+    assert "no communication to overlap" in record["metrics"]["nothing_to_overlap"]
     assert record["notes"] == [record["metrics"]["nothing_to_overlap"]] and "%" not in json.dumps(record["metrics"])
 
 

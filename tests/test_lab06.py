@@ -481,7 +481,8 @@ def test_the_doctor_on_a_run_that_finished_says_it_finished(tmp_path, capsys):
 def test_the_doctor_starts_without_importing_torch():
     """It looks at a hang inside the collective timeout (30 s by default): seconds of ``import torch`` on a loaded
     node once cost it the live hang (a shared helper that imported the checkpoint module did)."""
-    code = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('doctor', {str(REPO / DOCTOR)!r}); "
+    code = ("import importlib.util, sys; "
+            f"spec = importlib.util.spec_from_file_location('doctor', {str(REPO / DOCTOR)!r}); "
             "spec.loader.exec_module(importlib.util.module_from_spec(spec)); print('torch' in sys.modules)")
     done = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=script_env(), timeout=60)
     assert done.stdout.strip() == "False", done.stdout + done.stderr

@@ -48,7 +48,8 @@ def sideways_imports(path: Path, root: Path = REPO) -> list[str]:
 
 
 def test_chapters_labs_and_scripts_import_only_common_and_their_own_folder():
-    found = {str(path.relative_to(REPO)): bad for path in python_files(*LESSON_FOLDERS) if (bad := sideways_imports(path))}
+    found = {str(path.relative_to(REPO)): bad for path in python_files(*LESSON_FOLDERS)
+             if (bad := sideways_imports(path))}
     assert found == {}
 
 
@@ -174,7 +175,8 @@ def test_code_cites_only_documents_in_this_repository():
     # A docstring that says "see X.md" must point at a document a reader of this repository has
     # (a style guide kept elsewhere is no help to a student on a login node).
     folders = [folder for folder in REPO.iterdir() if folder.is_dir() and not folder.name.startswith(".")]
-    documents = {path.relative_to(REPO) for path in [*REPO.glob("*.md"), *(p for f in folders for p in f.rglob("*.md"))]}
+    documents = {path.relative_to(REPO)
+                 for path in [*REPO.glob("*.md"), *(p for f in folders for p in f.rglob("*.md"))]}
     cited = re.compile(r"[\w./*-]*\b[\w-]+\.md\b")
     missing = []
     for path in python_files(*TOP_LEVEL):
@@ -214,8 +216,8 @@ LINE_BUDGETS = {
 
 def lesson_scripts(root: Path = REPO) -> list[str]:
     """Every lesson under ``root``: the scripts of ``chapters/*/`` and ``labs/*/`` but the ``*_shared.py`` modules."""
-    return sorted(str(path.relative_to(root)) for folder in ("chapters", "labs") for path in (root / folder).glob("*/*.py")
-                  if not path.name.endswith("_shared.py"))
+    return sorted(str(path.relative_to(root)) for folder in ("chapters", "labs")
+                  for path in (root / folder).glob("*/*.py") if not path.name.endswith("_shared.py"))
 
 
 def code_lines(source: str) -> int:
@@ -329,7 +331,8 @@ def common_imports(root: Path = REPO) -> dict[str, set[str]]:
         name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
         found = set(common_dependencies(path, root))
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module":
+            called = getattr(node.func, "attr", getattr(node.func, "id", "")) if isinstance(node, ast.Call) else None
+            if called == "import_module":
                 if node.args and isinstance(node.args[0], ast.Constant):
                     found |= {node.args[0].value} if str(node.args[0].value).startswith("common") else set()
                 else:  # a name made at run time: every module of the packages this one imports, itself included
@@ -377,7 +380,8 @@ def test_the_layer_check_finds_an_import_upwards_a_function_level_circle_and_an_
         "common/runtime/device.py": "def f():\n    from common.train.amp import g\n",  # runtime -> train: up
         "common/train/amp.py": "from common.runtime import device\n",
         "common/train/run.py": "import importlib\nimportlib.import_module('common.train.record')\n",
-        "common/train/record.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from common.train.run import R\n"
+        "common/train/record.py": "from typing import TYPE_CHECKING\n"
+                                  "if TYPE_CHECKING:\n    from common.train.run import R\n"
                                   "def h():\n    from common.train import run\n",
         # a registry that imports, by names made at run time, the plugins that import it
         "common/report/__init__.py": "", "common/report/labs/__init__.py": "",

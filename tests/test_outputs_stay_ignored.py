@@ -145,7 +145,8 @@ def test_the_handouts_report_command_from_a_lab_folder_writes_beside_the_records
                             capture_output=True, text=True, check=True).stdout
     assert status == ""
     assert sorted(p.name for p in lab.iterdir()) == ["results"]
-    assert (lab / "results" / "comparison_report.html").is_file() and (lab / "results" / "comparison_report.csv").is_file()
+    assert (lab / "results" / "comparison_report.html").is_file()
+    assert (lab / "results" / "comparison_report.csv").is_file()
     assert ("note: runs of 2 labs in one report (lab01, lab04); --lab LAB, one of them, writes a report of that lab "
             "alone: results/LAB_comparison_report.html") in out
 

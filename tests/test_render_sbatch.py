@@ -104,7 +104,8 @@ def test_list_sites_names_every_profile(capsys):
 
 def test_a_broken_profile_is_reported_with_its_file(tmp_path):
     (tmp_path / "bad.yaml").write_text("name: bad\nmax_time: '1:00:00'\ndefault_partitions: {cpu: c, gpu: g}\n"
-                                       "partitions:\n  c: {cpus_per_node: 4}\n  g: {cpus_per_node: 4, gpus_per_node: 2}\n")
+                                       "partitions:\n  c: {cpus_per_node: 4}\n"
+                                       "  g: {cpus_per_node: 4, gpus_per_node: 2}\n")
     with pytest.raises(UserError, match=r"bad\.yaml: partitions\.g: a partition with GPUs needs cpus_per_gpu"):
         sites.load_sites(tmp_path)
 
@@ -435,10 +436,10 @@ def test_all_sites_skips_a_site_that_cannot_run_a_template_and_says_why(tmp_path
     out = tmp_path / "out"
     assert rs.main(["--all-sites", str(out), str(templates)]) == 0
     printed = capsys.readouterr().out
-    assert ("skipped lanta/templates/eight_gpus.sbatch: the job asks for 8 GPU(s) per node but site lanta, partition gpu "
-            "has 4 per node\n") in printed
-    assert "skipped carc-discovery/templates/eight_gpus.sbatch: the job asks for 8 GPU(s) per node but site carc-discovery, " \
-           "partition gpu has 2 per node\n" in printed
+    assert ("skipped lanta/templates/eight_gpus.sbatch: the job asks for 8 GPU(s) per node but site lanta, "
+            "partition gpu has 4 per node\n") in printed
+    assert ("skipped carc-discovery/templates/eight_gpus.sbatch: the job asks for 8 GPU(s) per node but site "
+            "carc-discovery, partition gpu has 2 per node\n") in printed
     assert "skipped 4 pair(s) a site cannot run" in printed
     assert [entry["site"] for entry in json.loads((out / "manifest.json").read_text())] == ["sjtu-pi"]  # 16 per node
     assert sorted(path.name for path in out.iterdir()) == ["manifest.json", "sjtu-pi"]
@@ -647,8 +648,8 @@ def test_fake_gpus_switch_runs_a_gpu_job_on_the_cpu_and_says_so(tmp_path):
     done = run_header({**env, "HPC_DL_LABS_FAKE_GPUS": "1"}, 'echo "RESULT $DEVICE"')
     assert done.returncode == 0, done.stderr
     assert "RESULT cpu" in done.stdout
-    assert "== note: HPC_DL_LABS_FAKE_GPUS=1 (the test cluster): the allocated GPU(s) are not real; running on the CPU" \
-        in done.stdout
+    assert ("== note: HPC_DL_LABS_FAKE_GPUS=1 (the test cluster): the allocated GPU(s) are not real; "
+            "running on the CPU") in done.stdout
     forced = run_header({**env, "HPC_DL_LABS_DEVICE": "cpu"}, 'echo "RESULT $DEVICE"')
     assert "RESULT cpu" in forced.stdout and "== warning" not in forced.stdout
 
@@ -798,8 +799,10 @@ def test_the_sites_readme_lists_every_template_of_the_course():
     templates = {str(path.relative_to(REPO_ROOT)) for path in repository_templates()
                  if path.relative_to(REPO_ROOT).parts[0] in ("chapters", "labs")}
     assert len(templates) >= 25
-    assert not templates - listed, f"slurm/sites/README.md's template table lacks a row for {sorted(templates - listed)}"
-    assert not listed - templates, f"slurm/sites/README.md's template table names templates that are gone: {listed - templates}"
+    assert not templates - listed, ("slurm/sites/README.md's template table lacks a row for "
+                                    f"{sorted(templates - listed)}")
+    assert not listed - templates, ("slurm/sites/README.md's template table names templates that are gone: "
+                                    f"{listed - templates}")
 
 
 @pytest.mark.parametrize(("limit", "requeued"), [("1:00", False), ("1:00:00", True), ("1-00:00:00", True)])
@@ -817,7 +820,8 @@ def test_a_preemptible_job_requeues_itself_only_when_its_time_limit_leaves_room(
     script = tmp_path / "job.sbatch"
     script.write_text("#!/bin/bash\n#SBATCH --signal=B:USR1@120  # as the templates ask\nset -euo pipefail\n"
                       "source slurm/lib/job_header.sh\n" + block +
-                      "run_preemptible bash -c 'trap \"echo saved; exit 0\" USR1; echo \"started: ${HPC_DL_LABS_ON_STOP:-requeue}\"; "
+                      "run_preemptible bash -c 'trap \"echo saved; exit 0\" USR1; "
+                      "echo \"started: ${HPC_DL_LABS_ON_STOP:-requeue}\"; "
                       "while :; do sleep 0.1; done'\necho 'after the step'\n")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "t"}
     job = subprocess.Popen(["bash", str(script)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
@@ -837,6 +841,7 @@ def test_a_preemptible_job_requeues_itself_only_when_its_time_limit_leaves_room(
     assert ("requeue 77" in calls) is requeued, (calls, out[-2000:])
     assert ("WARNING: a time limit of 60 s leaves no room past the 120 s signal margin" in out) is not requeued
     assert ("CHECKPOINT=checkpoints/t-77.pt sbatch --time=<longer>" in out) is not requeued
-    told = "started: requeue" if requeued else ("started: this job does not requeue itself (its time limit is too "
-                                                "short); to go on: CHECKPOINT=checkpoints/t-77.pt sbatch --time=<longer>")
+    told = "started: requeue" if requeued else (
+        "started: this job does not requeue itself (its time limit is too short); "
+        "to go on: CHECKPOINT=checkpoints/t-77.pt sbatch --time=<longer>")
     assert told in out  # the training is told too, and says the same when it stops

@@ -182,7 +182,8 @@ def test_report_and_csv_list_every_run_with_plots(tmp_path: Path, capsys: pytest
     # A figure of each kind per lab, each on its own scale: throughput, memory per device and scaling
     # efficiency of lab01; throughput and memory of ch04 (one device: no efficiency); lab02's memory alone.
     plots = page.sections["plots"]
-    assert len(page.images) == 6 and [plots.count(f"{lab}: throughput") for lab in ("lab01", "ch04", "lab02")] == [1, 1, 0]
+    assert len(page.images) == 6
+    assert [plots.count(f"{lab}: throughput") for lab in ("lab01", "ch04", "lab02")] == [1, 1, 0]
     assert [plots.count(f"{lab}: peak memory") for lab in ("lab01", "ch04", "lab02")] == [1, 1, 1]
     assert "lab01: scaling efficiency" in plots and "ch04: scaling efficiency" not in plots
     assert "expected for DDP" not in plots  # a legend inside the PNG; the caption does not name it
@@ -563,7 +564,8 @@ def test_cpus_with_and_without_bf16_are_different_machines_and_emulated_bf16_is_
     for name, flags in (("emulated", "avx2"), ("native", "avx2 avx512f avx512_bf16")):
         machine = {"cpu": cpu_description(fake_cpuinfo("AMD EPYC", flags)), "gpus": []}
         prov = provenance(host="vm", device_type="cpu", device_name="AMD EPYC", machine=machine)
-        made[name] = make_record(lab="lab02", script="x.py", method="amp", config={"model": "mnist_cnn", "precision": "bf16"},
+        made[name] = make_record(lab="lab02", script="x.py", method="amp",
+                                 config={"model": "mnist_cnn", "precision": "bf16"},
                                  metrics={"samples_per_s": 4.1 if name == "emulated" else 77.2}, provenance=prov)
         write_record(made[name], folder)
 
@@ -723,7 +725,8 @@ def test_a_record_without_a_device_does_not_make_the_report_mix_machines(tmp_pat
     write_record(make_record(lab="lab09", script="labs/lab09_many_jobs/02_status.py", method="sweep-array",
                              config={"tasks": 1}, metrics={"core_hours": 0.5}, provenance=sweep), folder)
     page = report(folder, "--no-plots")
-    assert len(page.tables["summary-table"]) == 2 and "mixes records of different machines" not in page.sections["warnings"]
+    assert len(page.tables["summary-table"]) == 2
+    assert "mixes records of different machines" not in page.sections["warnings"]
     header = (folder.parent / "results-report.html").read_text(encoding="utf-8")
     assert ": 2 runs from 1 lab on 1 machine · " in header  # the page's count is the warning's
     write_run(folder, lab="lab09", method="custom", host="gpu-node-2")

@@ -51,7 +51,8 @@ window.addEventListener("load", function () {
     row_ids: Array.prototype.map.call(rows, function (tr) { return tr.getAttribute("data-run-id"); }),
     method_cells: Array.prototype.map.call(rows, function (tr) { return tr.cells[2].textContent; }),
     other_metrics_row_px: Math.max.apply(null, Array.prototype.map.call(
-      document.querySelectorAll("#other-metrics tbody tr"), function (tr) { return tr.getBoundingClientRect().height; })),
+      document.querySelectorAll("#other-metrics tbody tr"),
+      function (tr) { return tr.getBoundingClientRect().height; })),
     alert_name_as_text: document.body.textContent.indexOf(%(alert)s) >= 0,
     title_name_as_text: document.body.textContent.indexOf(%(title)s) >= 0
   };

@@ -74,7 +74,8 @@ def test_each_link_kind_is_read_per_gpu_or_per_node_and_gpu_links_need_gpus(tmp_
         ("      nvlink: {gb_per_s: fast, source: x}", "partitions.gpu.links.nvlink.gb_per_s must be a number > 0"),
         ("      nvlink: {gb_per_s: 300}", "partitions.gpu.links.nvlink.source must say where the number comes from"),
         ("      nvlink: {gb_per_s: 300, source: x, unit: GB}", "links.nvlink: unknown key(s) unit"),
-        ("      omnipath: {gb_per_s: 12, source: x}", "partitions.gpu.links.omnipath: unknown link kind (known: nvlink"),
+        ("      omnipath: {gb_per_s: 12, source: x}",
+         "partitions.gpu.links.omnipath: unknown link kind (known: nvlink"),
         ("      - nvlink", "partitions.gpu.links must map link kinds to their peaks"),
     ],
 )
@@ -97,7 +98,8 @@ def test_unknown_site_given_as_its_file_names_the_profile_to_give(tmp_path):
     for given in ("lab.yaml", "slurm/sites/lab.yaml"):
         with pytest.raises(UserError, match=rf"^site '{given}': give the profile's name, 'lab', not its file$"):
             find_site(given, tmp_path)
-    with pytest.raises(UserError, match=r"unknown site 'other\.yaml' \(known sites: lab; add slurm/sites/other\.yaml\)"):
+    with pytest.raises(UserError,
+                       match=r"unknown site 'other\.yaml' \(known sites: lab; add slurm/sites/other\.yaml\)"):
         find_site("other.yaml", tmp_path)
 
 

@@ -140,4 +140,5 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_line("slurm test cluster: " + ", ".join(parts))
     slowest = sorted((name for name in TIMINGS if name.startswith("job ")), key=TIMINGS.get, reverse=True)[:5]
     if slowest:
-        terminalreporter.write_line("slowest jobs: " + ", ".join(f"{name[4:]} {TIMINGS[name]:.1f} s" for name in slowest))
+        terminalreporter.write_line("slowest jobs: "
+                                    + ", ".join(f"{name[4:]} {TIMINGS[name]:.1f} s" for name in slowest))

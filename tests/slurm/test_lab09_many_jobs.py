@@ -112,7 +112,8 @@ def test_a_100_task_sweep_held_is_accepted_and_listed_within_5_s_then_cancelled(
 def test_a_broken_link_stops_the_chain_with_one_line(slurm_cluster, tmp_path):
     run_dir = tmp_path / "broken"
     started = lab09(slurm_cluster, "03_chain.py", "--run-dir", str(run_dir), "--", "--dataset", "digits",
-                    "--epochs", "1", "--max-steps", "6", "--batch-size", "32", "--num-workers", "0", "--step-budget", "3")
+                    "--epochs", "1", "--max-steps", "6", "--batch-size", "32", "--num-workers", "0",
+                    "--step-budget", "3")
     assert started.returncode == 0, started.stdout + started.stderr
     first = int(re.search(r"link 1 of the chain is job (\d+)", started.stdout)[1])
     name = f"chain-{run_dir.name}"
@@ -171,7 +172,8 @@ def test_pipeline_report_ran_after_failures_and_resubmission_resumed_only_those(
     # Only those were resubmitted, as one array of just their indices; each resumed from its checkpoint.
     submissions = [json.loads(line) for line in (folder / "submissions.jsonl").read_text().splitlines()]
     assert [s["how"] for s in submissions] == ["sbatch-array", "resubmit"]
-    failed_log = (folder / "logs" / f"{submissions[0]['job_id']}_1.out").read_text()  # the fault's own line, no traceback
+    # The fault's own line, no traceback.
+    failed_log = (folder / "logs" / f"{submissions[0]['job_id']}_1.out").read_text()
     assert "demonstration fault: failing after 3 step(s)" in failed_log and "Traceback" not in failed_log, failed_log
     assert submissions[1]["indices"] == not_done
     assert f"--array={','.join(map(str, not_done))}" in submissions[1]["command"]

@@ -67,7 +67,8 @@ def test_signalled_mid_epoch_then_requeued_resumes_to_the_same_parameters(slurm_
     wait_for(requeued, 120, "job A to requeue itself", poll=0.25)
     result = slurm_cluster.wait(preempted, timeout=300)
     log = slurm_cluster.output(preempted)
-    assert result.ok, f"{result}\n{log[-3000:]}\n== the daemons about job {preempted}:\n{slurm_cluster.daemon_log(preempted)}"
+    assert result.ok, (f"{result}\n{log[-3000:]}\n"
+                       f"== the daemons about job {preempted}:\n{slurm_cluster.daemon_log(preempted)}")
     reference_result = slurm_cluster.wait(reference, timeout=300)
     assert reference_result.ok, slurm_cluster.output(reference)[-4000:]
 

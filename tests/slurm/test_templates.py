@@ -61,7 +61,8 @@ def assert_completed_on_its_partition(slurm_cluster, job: RenderedJob) -> str:
     assert job.result.ok, (f"{job.site}/{job.script.name}: job {job.result.job_id} ended {job.result.state} "
                            f"exit {job.result.exit_code}\n{log[-4000:]}")
     assert f"SLURM_JOB_PARTITION={job.job['partition']}" in log
-    assert "DEVICE=cpu" in log  # the test cluster's GPUs are not real (HPC_DL_LABS_FAKE_GPUS=1): every job ran on the CPU
+    # The test cluster's GPUs are not real (HPC_DL_LABS_FAKE_GPUS=1): every job ran on the CPU.
+    assert "DEVICE=cpu" in log
     if job.job["gpus_per_node"]:  # the header saw Slurm's GPU allocation: on a real cluster it would ask for cuda
         assert "== note: HPC_DL_LABS_FAKE_GPUS=1 (the test cluster): the allocated GPU(s) are not real" in log
     return log
@@ -100,7 +101,8 @@ def test_rendering_for_every_other_site_is_accepted_and_launches_its_steps(slurm
             steps.setdefault((tool, launched), []).append((task, tasks))
     assert steps, f"{site}/{script}: no step was launched\n{log[-3000:]}"
     # A job array's log is every array task's that Slurm still lists, each opened by the job header's line.
-    copies = len(re.findall(r"^== job \d+_\d+ \(job id \d+\) ", log, re.M)) if "#SBATCH --array=" in job.script.read_text() else 1
+    is_array = "#SBATCH --array=" in job.script.read_text()
+    copies = len(re.findall(r"^== job \d+_\d+ \(job id \d+\) ", log, re.M)) if is_array else 1
     assert copies >= 1, log[-3000:]
     for (tool, launched), tasks in steps.items():
         if all(of == "none" for _, of in tasks):  # the batch script's own call: no step, so no step size
@@ -220,7 +222,8 @@ def test_container_template_says_loudly_that_it_ran_without_a_container(slurm_cl
 def test_container_template_refuses_to_run_without_a_container_outside_tiny_runs(slurm_cluster, tmp_path):
     script = tmp_path / "container.sbatch"
     template = REPO_ROOT / "labs/lab03_precision_benchmark/sbatch/container.sbatch.j2"
-    script.write_text(render_sbatch.render(render_sbatch.read_template(template), render_sbatch.find_site("generic"))[0])
+    rendered = render_sbatch.render(render_sbatch.read_template(template), render_sbatch.find_site("generic"))
+    script.write_text(rendered[0])
     result = slurm_cluster.run(script, env={"HPC_DL_LABS_TINY": "0", "RESULTS_DIR": str(tmp_path / "results")},
                                timeout=60)
     log = slurm_cluster.output(result.job_id)

@@ -34,7 +34,8 @@ def test_shards_are_staged_once_per_node_checked_trained_from_and_removed(staged
     root = re.search(r"staged per node under (\S+)", log)[1]
     assert root.endswith(f"hpc-dl-labs-lab08-{job.result.job_id}")  # a folder of this job's own
     copies = re.findall(r"^(n\d): staged (\d+) shard\(s\), \d+ bytes, to (\S+) in [\d.]+ s; checksums OK", log, re.M)
-    assert sorted((node, path) for node, _, path in copies) == [("n1", f"{root}/n1/shards"), ("n2", f"{root}/n2/shards")]
+    staged = sorted((node, path) for node, _, path in copies)
+    assert staged == [("n1", f"{root}/n1/shards"), ("n2", f"{root}/n2/shards")]
     assert sorted(re.findall(r"^(n\d): removed the staged copy", log, re.M)) == ["n1", "n2"]
     assert not Path(root).exists()  # cleaned up at the job's end
     records = {r["method"]: r for r in load_records(job.results_dir).records}

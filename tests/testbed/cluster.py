@@ -267,7 +267,8 @@ class SlurmTestCluster:
     def daemon_log(self, job_id: int, limit: int = 60) -> str:
         """What slurmctld and the slurmds logged about the job (its last ``limit`` lines), for
         failure messages: why a job failed before its script wrote anything is only there."""
-        pattern = re.compile(rf"(JobId={job_id}\b|job[ _]?{job_id}\b|StepId={job_id}\.|\b{job_id}\.(batch|\d+)\b)", re.I)
+        pattern = re.compile(rf"(JobId={job_id}\b|job[ _]?{job_id}\b|StepId={job_id}\.|"
+                             rf"\b{job_id}\.(batch|\d+)\b)", re.I)
         lines = []
         for log in sorted((self.directory / "log").glob("slurm*.log")):
             text = log.read_text(encoding="utf-8", errors="replace")

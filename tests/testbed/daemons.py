@@ -634,7 +634,8 @@ def _version(command: list[str]) -> str:
 
 def accounting_cache() -> Path:
     """Where the database of a registered test cluster is kept, per MariaDB and Slurm version."""
-    return MARIADB_CACHE / f"accounting-mariadb-{_version([mariadbd(), '--version'])}-slurm-{_version(['slurmctld', '-V'])}"
+    mariadb, slurm = _version([mariadbd(), "--version"]), _version(["slurmctld", "-V"])
+    return MARIADB_CACHE / f"accounting-mariadb-{mariadb}-slurm-{slurm}"
 
 
 def pristine_mariadb_datadir() -> Path:
