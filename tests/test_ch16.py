@@ -117,7 +117,8 @@ def test_memory_management_on_a_gpu_uses_the_cuda_allocator(tmp_path):
     """In a fresh process, as a user runs it, at a size where activations outweigh any one-time workspace
     (8 blocks of 1024 features, batch 256: about 1 MiB per activation tensor)."""
     run_fresh(f"{CHAPTER}/memory_management.py", ["--device", "cuda", "--depth", "8", "--width", "1024",
-                                                   "--batch-size", "256", "--repeats", "2", "--results-dir", str(tmp_path)])
+                                                   "--batch-size", "256", "--repeats", "2",
+                                                   "--results-dir", str(tmp_path)])
     record = only_record(tmp_path)
     assert record["metrics"]["phases"][0]["source"] == "cuda_memory_allocated"
     checkpointing = record["metrics"]["checkpointing"]

@@ -302,7 +302,8 @@ def test_a_doc_that_names_the_course_s_pytorch_floor_names_the_one_the_code_chec
     from common import MINIMUM_VERSIONS
 
     floor = ".".join(map(str, MINIMUM_VERSIONS["torch"]))
-    docs = [REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("labs/*/README.md"), *REPO.glob("chapters/*/README.md")]
+    docs = [REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("labs/*/README.md"),
+            *REPO.glob("chapters/*/README.md")]
     named = [(path.relative_to(REPO), found) for path in docs
              for found in re.findall(r"course's floor of (\d+\.\d+)", " ".join(path.read_text().split()))]
     assert named and all(version == floor for _, version in named), named

@@ -23,8 +23,9 @@ How memory is measured. On a GPU, the CUDA caching allocator counts every tensor
 ``max_memory_allocated`` (the peak); at the end the script prints the allocator's own report,
 ``torch.cuda.memory_summary()``. One forward and backward pass runs before anything is measured:
 the first matmul on a GPU allocates cuBLAS's workspace (megabytes) through the same allocator, and
-measured cold it would be counted as the forward pass's activations. A CPU has no such counter, and the process's resident set
-(RSS) moves in coarse steps and includes Python and PyTorch themselves, so on a CPU this script runs
+measured cold it would be counted as the forward pass's activations. A CPU has no such counter, and the
+process's resident set (RSS) moves in coarse steps and includes Python and PyTorch themselves, so on a
+CPU this script runs
 the step under ``torch.profiler`` with ``profile_memory=True``: the profiler logs every tensor
 allocation and free, and the running sum of those bytes is the CPU's "allocated", whose maximum is
 its "peak". The process's peak RSS (``common.measure.timing``) is printed next to it for scale. A second,
