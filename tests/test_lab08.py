@@ -519,6 +519,43 @@ def test_a_missing_data_set_says_how_to_make_one(tmp_path, capsys):
     assert "01_make_dataset.py" in capsys.readouterr().err
 
 
+@pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities of TorchVision:DeprecationWarning")
+def test_a_format_missing_from_the_data_set_is_named_with_the_command_that_adds_it(tmp_path, capsys):
+    """A data set made with --formats webdataset: 02 --format imagefolder said 'make the data set', which exists.
+    Now one line names the missing format and the command (01 writes a data set whole: --overwrite, the same
+    images, the formats it has and the one asked for); that command runs, and the data set then holds both."""
+    import shlex
+
+    data = tmp_path / "data"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run_main(MAKE, ["--samples", "20", "--shard-size", "10", "--quality", "80", "--seed", "7", "--formats",
+                               "webdataset", "--data-dir", str(data), "--results-dir", str(tmp_path / "made")]) == 0
+    assert run_main(READ, ["--format", "imagefolder", "--data-dir", str(data),
+                           "--results-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: the data set in {data} has no imagefolder format (it holds webdataset)") \
+        and err.count("\n") == 1 and "make the data set" not in err, err
+    command = shlex.split(err.split(": ")[-1])
+    assert command[:2] == ["python", MAKE] and not (tmp_path / "r").exists()
+    args = load_script(MAKE).build_parser().parse_args(command[2:])
+    assert (args.data_dir, args.overwrite, args.formats) == (data, True, ["imagefolder", "webdataset"])
+    assert (args.samples, args.shard_size, args.quality, args.seed) == (20, 10, 80, 7)
+    shards = (data / "shards" / "SHA256SUMS").read_text()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert run_main(MAKE, [*command[2:], "--results-dir", str(tmp_path / "made")]) == 0
+    assert set(json.loads((data / "dataset.json").read_text())["formats"]) == {"imagefolder", "webdataset"}
+    assert (data / "shards" / "SHA256SUMS").read_text() == shards  # the same images, byte for byte
+    assert len(list((data / "imagefolder" / "train").glob("*/*.jpg"))) == 20
+    # 03 reads DATA/shards: a data set without them says the same.
+    assert run_main(MAKE, ["--samples", "20", "--formats", "array", "--data-dir", str(tmp_path / "arr"),
+                           "--results-dir", str(tmp_path / "made")]) == 0
+    capsys.readouterr()
+    assert run_main(SHARDS, ["--data-dir", str(tmp_path / "arr"), "--device", "cpu", "--results-dir",
+                             str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "has no webdataset format (it holds array)" in err and "--formats webdataset array" in err, err
+
+
 def test_the_checkpoint_help_names_the_file_a_run_without_checkpoint_saves_to(tmp_path):
     """03 checkpoints without --checkpoint (a distributed script); its --help said 'nothing is saved'."""
     from common.train.flags import settle

@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    description = describe_dataset(args.data_dir)
+    description = describe_dataset(args.data_dir, args.format)
     set_metadata_latency(args.metadata_latency)
     fs = file_system(args)
     method = args.format + ("+latency" if args.metadata_latency else "") + ("+read-only" if args.read_only else "") \

@@ -38,6 +38,7 @@ import json
 import math
 import os
 import random
+import shlex
 import statistics
 import time
 import zlib
@@ -306,12 +307,32 @@ def decode_batch(jpegs: list[torch.Tensor], device: torch.device) -> torch.Tenso
 # The data set on disk
 
 
-def describe_dataset(root: Path) -> dict[str, Any]:
+def describe_dataset(root: Path, fmt: str | None = None) -> dict[str, Any]:
+    """What ``dataset.json`` says of the data set in ``root``; with ``fmt``, refused (one line) if that format is
+    not in it, with the command that adds it."""
     path = Path(root) / "dataset.json"
     if not path.is_file():
         raise UserError(f"no data set in {root} (no dataset.json): make one with "
-                        f"python labs/lab08_data_at_scale/01_make_dataset.py --data-dir {root}")
-    return json.loads(path.read_text())
+                        f"python labs/lab08_data_at_scale/01_make_dataset.py --data-dir {shlex.quote(str(root))}")
+    description = json.loads(path.read_text())
+    if fmt is not None and fmt not in description.get("formats", {}):
+        raise UserError(missing_format(root, fmt, description))
+    return description
+
+
+def missing_format(root: Path, fmt: str, description: dict[str, Any]) -> str:
+    """The data set in ``root`` lacks ``fmt``: 01_make_dataset.py writes a data set whole (it refuses a folder that
+    exists), so the command writes it again, with the same images (samples, seed, quality, shard size) in the
+    formats it has and ``fmt``, and ``--overwrite`` replaces it once the new one is complete."""
+    held = [name for name in FORMATS if name in description.get("formats", {})]
+    command = ["python", "labs/lab08_data_at_scale/01_make_dataset.py", "--data-dir", str(root), "--overwrite",
+               "--formats", *[name for name in FORMATS if name in held or name == fmt]]
+    for flag, key in (("--samples", "samples"), ("--shard-size", "shard_size"), ("--quality", "quality"),
+                      ("--seed", "seed")):
+        if key in description:
+            command += [flag, str(description[key])]
+    return (f"the data set in {root} has no {fmt} format (it holds {', '.join(held) or 'none'}): 01_make_dataset.py "
+            f"writes a data set whole, so write it again with the same images and {fmt} added: {shlex.join(command)}")
 
 
 @dataclass(frozen=True)
@@ -328,6 +349,9 @@ def read_shard_table(shard_dir: Path) -> list[ShardInfo]:
     shard_dir = Path(shard_dir)
     table, manifest = shard_dir / "shards.json", shard_dir / "manifest.csv"
     if not table.is_file() or not manifest.is_file():
+        if (shard_dir / "dataset.json").is_file():  # a data set made without its shards (03 reads DATA/shards)
+            description = json.loads((shard_dir / "dataset.json").read_text())
+            raise UserError(missing_format(shard_dir, "webdataset", description))
         raise UserError(f"{shard_dir} has no shards.json and manifest.csv: make the data set with "
                         "python labs/lab08_data_at_scale/01_make_dataset.py")
     rows: dict[str, list[dict[str, Any]]] = {}
@@ -356,7 +380,8 @@ class ImageFolderFiles(Dataset):
     def __init__(self, root: Path, *, decode_in_loader: bool = True) -> None:
         train = Path(root) / "imagefolder" / "train"
         if not train.is_dir():
-            raise UserError(f"{train} is missing: make the data set with labs/lab08_data_at_scale/01_make_dataset.py")
+            raise UserError(f"{train} is missing: make the data set with "
+                            "python labs/lab08_data_at_scale/01_make_dataset.py")
         self.decode_in_loader = decode_in_loader
         self.samples: list[tuple[str, int, int]] = []
         for class_dir in list_folder(train):
@@ -381,7 +406,7 @@ class ArrayFile(Dataset):
         self.folder = Path(root) / "array"
         if not (self.folder / "index.npy").is_file():
             raise UserError(f"{self.folder} is missing: make the data set with "
-                            "labs/lab08_data_at_scale/01_make_dataset.py")
+                            "python labs/lab08_data_at_scale/01_make_dataset.py")
         self.index = np.load(self.folder / "index.npy")  # (N, 4): id, offset, size, label
         self.decode_in_loader = decode_in_loader
         self._images: np.ndarray | None = None
