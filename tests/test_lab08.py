@@ -396,6 +396,9 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_ids_an_unbroken_run_reads_next
     assert run("cut", "--resume", "--ids-out", str(tmp_path / "resumed-ids")) == 0
     out = capsys.readouterr().out
     assert "resumed from" in out
+    # The plan line is for the epoch the resumed run reads (it said 'in epoch 1', before 'resumed from ... epoch 2').
+    plan_line = next(line for line in out.splitlines() if "--shard-policy pad:" in line)
+    assert "weight-0 blank(s) in epoch 2 pad" in plan_line and out.index("resumed from") < out.index(plan_line), out
     # The ids read before the stop came with the checkpoint: the resumed epoch counts whole (it said 'not exactly once').
     assert "epoch 2: 230 of 230 samples read, 0 more than once (every sample exactly once" in out, out[-2000:]
     assert [record["metrics"]["exactly_once"] for record in _records(tmp_path / "cut")] == [True]

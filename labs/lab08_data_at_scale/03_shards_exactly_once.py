@@ -115,13 +115,6 @@ def main(argv: list[str] | None = None) -> int:
                                         worker_init_fn=partial(worker_ignores_sigterm, then=partial(
                                             set_metadata_latency, args.metadata_latency)),
                                         pin_memory=device.type == "cuda")
-            plan = stream.describe(run.epoch)
-            run.print(f"{plan['shards']} shard(s), {plan['samples']:,} samples, over {plan['slots']} reader slot(s) "
-                      f"({run.world_size} rank(s) x {max(1, args.num_workers)} worker(s)): {plan['slot_samples_min']:,} "
-                      f"to {plan['slot_samples_max']:,} samples a slot | --shard-policy {args.shard_policy}: "
-                      + {"pad": f"{plan['padded']:,} weight-0 blank(s) in epoch {run.epoch} pad the slots to the largest",
-                         "drop": f"{plan['dropped']:,} sample(s) left out in epoch {run.epoch} (the smallest slot sets the pace)",
-                         "uneven": "every sample once, ranks take different numbers of steps (DDP's Join)"}[args.shard_policy])
             torch.manual_seed(args.seed)
             model = build_model().to(device)
             if run.world_size > 1:
@@ -131,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
             read = IdsRead()  # the ids this rank read this epoch: in the checkpoint too, to count a resumed epoch whole
             run.track(model=model, optimizer=optimizer, loader=loader, ids=read)  # the loader's position is in it
+            plan = stream.describe(min(run.epoch, run.settings.epochs))  # after a resume: the epoch it reads
+            run.print(stream.plan_line(plan["epoch"]))
             io, epochs, bad = EpochIO(), [], {}
             for epoch in run.epochs():
                 stream.set_epoch(epoch)

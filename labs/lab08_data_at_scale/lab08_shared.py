@@ -584,9 +584,19 @@ class ShardStream(IterableDataset):
         counts = self.slot_samples(epoch)
         total = sum(counts)
         used = {"pad": max(counts) * len(counts), "drop": min(counts) * len(counts)}.get(self.policy, total)
-        return {"policy": self.policy, "shards": len(self.shards), "slots": self.slots, "samples": total,
-                "slot_samples_min": min(counts), "slot_samples_max": max(counts),
+        return {"epoch": epoch, "policy": self.policy, "shards": len(self.shards), "slots": self.slots,
+                "samples": total, "slot_samples_min": min(counts), "slot_samples_max": max(counts),
                 "padded": max(0, used - total), "dropped": max(0, total - used)}
+
+    def plan_line(self, epoch: int) -> str:
+        """The plan of ``epoch`` in one line: the shards over the reader slots, and what the policy costs in it."""
+        plan = self.describe(epoch)
+        cost = {"pad": f"{plan['padded']:,} weight-0 blank(s) in epoch {epoch} pad the slots to the largest",
+                "drop": f"{plan['dropped']:,} sample(s) left out in epoch {epoch} (the smallest slot sets the pace)",
+                "uneven": "every sample once, ranks take different numbers of steps (DDP's Join)"}[self.policy]
+        return (f"{plan['shards']} shard(s), {plan['samples']:,} samples, over {plan['slots']} reader slot(s) "
+                f"({self.world_size} rank(s) x {self.workers} worker(s)): {plan['slot_samples_min']:,} to "
+                f"{plan['slot_samples_max']:,} samples a slot | --shard-policy {self.policy}: {cost}")
 
     def __len__(self) -> int:
         """Batches this rank's loader yields in an epoch (each worker batches its own samples)."""
