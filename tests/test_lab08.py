@@ -186,6 +186,7 @@ def test_injected_latency_is_waited_once_per_open_and_predicted(reads):
                                                  sample_s=cost["sample_s"], step_s=cost["step_s"],
                                                  open_wait_s=0.0)["epoch_s"] >= 3 * 0.040
     assert "measured ÷ predicted" in reads["webdataset+latency"]["out"]
+    assert "samples, 2 loader worker(s) per node: 1 node(s) " in reads["webdataset"]["out"]
     cluster = reads["webdataset"]["record"]["metrics"]["cluster_prediction"]
     assert [row["nodes"] for row in cluster] == [1, 8] and cluster[1]["epoch_s"] < cluster[0]["epoch_s"]
 
@@ -208,10 +209,13 @@ def test_calibration_reads_its_clock_after_the_decode_device_finished(data, tmp_
     monkeypatch.setattr(shared, "synchronize", lambda *a, **k: events.append("sync") or synchronize(*a, **k))
     monkeypatch.setattr(shared, "time", SimpleNamespace(
         perf_counter=lambda: events.append("clock") or real_time.perf_counter(), sleep=real_time.sleep))
-    with contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
         assert run_main(READ, ["--format", "array", "--data-dir", str(data), "--results-dir", str(tmp_path),
                                "--device", "cpu", "--num-workers", "0", "--batch-size", "32", "--read-only",
                                "--decode", "device", "--calibration-samples", "64", "--nodes", "1"]) == 0
+    # The cluster line said '1 worker(s) per node' for --num-workers 0.
+    assert "no loader workers (each node's main process reads between its steps): 1 node(s)" in printed.getvalue()
+    assert "worker(s) per node" not in printed.getvalue()
     # With no workers the main process reads both the calibration and the epoch: the epoch counts its own opens only.
     (record,) = _records(tmp_path)
     (epoch,) = record["metrics"]["epochs_io"]
@@ -238,6 +242,11 @@ def test_the_cost_model_adds_without_workers_and_overlaps_with_them():
                                  sample_s=0.0, step_s=0.0, fs=fs)
     # 20,000 round trips: 64 nodes x 4 workers would need 0.04 s, but the metadata servers serve 1,000 a second.
     assert wide["bound"] == "metadata" and wide["metadata_s"] == pytest.approx(20.0)
+    # No workers: the main process reads between its steps, one reader per node; reading and training add up.
+    one = dict(samples=1000, opens=0, stats=0, data_bytes=0, nodes=1, batch=100, sample_s=1e-3, step_s=0.05, fs=fs)
+    main = model.predict_cluster(workers=0, **one)
+    assert main["decode_s"] == model.predict_cluster(workers=1, **one)["decode_s"] == pytest.approx(1.0)
+    assert main["epoch_s"] == pytest.approx(1.0 + 0.5) and model.predict_cluster(workers=1, **one)["epoch_s"] == 1.0
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="Debian's strace is not installed (scripts/test.sh "

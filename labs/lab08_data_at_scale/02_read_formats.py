@@ -73,18 +73,20 @@ def predict_cluster(*, samples: int, opens: int, stats: int, data_bytes: int, no
     Every open costs two metadata round trips (open and close) and every stat one, of ``metadata_rtt_ms``
     each, but the metadata servers serve at most ``metadata_ops_per_s`` for all nodes together; every process
     reads at ``stream_gb_per_s``, all together at most ``total_gb_per_s``; decoding costs what it cost here.
-    The epoch lasts as long as the slower of one node's loader and its training (this machine's step time)."""
-    workers = max(1, workers)
+    The epoch lasts as long as the slower of one node's loader and its training (this machine's step time); with no
+    workers the main process is the one reader and reads between its steps: the two add up (as in predict_here)."""
+    readers = max(1, workers)
     round_trips = 2 * opens + stats
-    metadata_s = max(round_trips / nodes * fs["metadata_rtt_ms"] / 1e3 / workers,
+    metadata_s = max(round_trips / nodes * fs["metadata_rtt_ms"] / 1e3 / readers,
                      round_trips / fs["metadata_ops_per_s"])
-    bandwidth_s = max(data_bytes / nodes / workers / (fs["stream_gb_per_s"] * 1e9), data_bytes / (fs["total_gb_per_s"] * 1e9))
-    cpu_s = samples / nodes * sample_s / workers
+    bandwidth_s = max(data_bytes / nodes / readers / (fs["stream_gb_per_s"] * 1e9),
+                      data_bytes / (fs["total_gb_per_s"] * 1e9))
     train_s = math.ceil(samples / nodes / batch) * step_s
-    parts = {"metadata": metadata_s, "bandwidth": bandwidth_s, "decode": cpu_s}
+    parts = {"metadata": metadata_s, "bandwidth": bandwidth_s, "decode": samples / nodes * sample_s / readers}
     load_s = sum(parts.values())
-    return {"nodes": nodes, "epoch_s": max(load_s, train_s), **{f"{k}_s": v for k, v in parts.items()},
-            "train_s": train_s, "bound": max(parts, key=parts.get) if load_s > train_s else "training"}
+    return {"nodes": nodes, "epoch_s": max(load_s, train_s) if workers else load_s + train_s,
+            **{f"{k}_s": v for k, v in parts.items()}, "train_s": train_s,
+            "bound": max(parts, key=parts.get) if load_s > train_s else "training"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,9 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                                    batch=args.batch_size, sample_s=cost["sample_s"], step_s=cost["step_s"], fs=fs)
                    for nodes in args.nodes]
         run.print(f"on a Lustre-like file system ({fs['metadata_rtt_ms']} ms a metadata round trip, "
-                  f"{fs['stream_gb_per_s']} GB/s a stream), one epoch of {whole:,} samples, {max(1, args.num_workers)} "
-                  "worker(s) per node: " + "; ".join(f"{row['nodes']} node(s) {row['epoch_s']:.1f} s ({row['bound']})"
-                                                    for row in cluster))
+                  f"{fs['stream_gb_per_s']} GB/s a stream), one epoch of {whole:,} samples, "
+                  + (f"{args.num_workers} loader worker(s) per node: " if args.num_workers else
+                     "no loader workers (each node's main process reads between its steps): ")
+                  + "; ".join(f"{row['nodes']} node(s) {row['epoch_s']:.1f} s ({row['bound']})" for row in cluster))
         run.finish(config={"dataset": description, "file_system_model": fs},
                    metrics={"epochs_io": epochs, "cost": cost, "cluster_prediction": cluster,
                             "data_wait_share": sum(e["data_wait_s"] for e in epochs) / sum(e["epoch_s"] for e in epochs)})
