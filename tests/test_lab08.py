@@ -593,13 +593,17 @@ def test_run_lab_runs_every_step_with_flags_the_scripts_accept_and_ends_with_the
     calls = tmp_path / "calls"
     stand_in = tmp_path / "python"
     stand_in.write_text(f'#!/bin/sh\nfor arg in "$@"; do printf "%s\\n" "$arg"; done >> {calls}\necho "--end--" >> {calls}\n'
-                        f'case "$2" in *device_count*) echo {gpus};; esac\n')
+                        f'case "$2" in *device_count*) echo {gpus};; esac\n'
+                        # compare_results.py ends with "report: PATH" (tests/test_report.py): the stand-in does too
+                        'case "$1" in *compare_results.py) while [ $# -gt 1 ]; do '
+                        '[ "$1" = --output-report ] && echo "report: $2"; shift; done;; esac\n')
     stand_in.chmod(0o755)
     done = subprocess.run(["bash", str(REPO / LAB / "run_lab.sh"), str(tmp_path / "results")], cwd=tmp_path,
                           env=script_env(PYTHON=str(stand_in), TMPDIR=str(tmp_path), LAB08_DEVICE=device),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1] == f"report: {tmp_path / 'results' / 'comparison_report.html'}"
+    assert done.stdout.count("report: ") == 1, done.stdout  # it was printed twice: by compare_results.py and again
     check, *commands = [command.strip("\n").split("\n") for command in calls.read_text().split("--end--\n") if command]
     assert check[0] == "-c"  # scripts/require_python.sh asks the interpreter first (tests/test_environments.py)
     if device != "cpu":  # then how many GPUs there are

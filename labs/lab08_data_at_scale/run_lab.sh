@@ -78,8 +78,6 @@ step "4/4 the shards on $NPROC ranks x $WORKERS worker(s), each sample once per 
     --checkpoint "$RESULTS_DIR/checkpoints/03_shards_exactly_once.pt"
 
 step "comparison report"
-REPORT="$RESULTS_DIR/comparison_report.html"
-"$PYTHON" "$LAB_DIR/../../scripts/compare_results.py" --results-dir "$RESULTS_DIR" --output-report "$REPORT"
-
-echo
-echo "report: $REPORT"
+# Its last line is "report: PATH", the last line of the lab (printed once: not echoed again here).
+"$PYTHON" "$LAB_DIR/../../scripts/compare_results.py" --results-dir "$RESULTS_DIR" \
+    --output-report "$RESULTS_DIR/comparison_report.html"
