@@ -123,6 +123,23 @@ def test_a_site_that_does_not_exist_is_one_line_for_the_plan_too(tmp_path, capsy
     assert not folder.exists()
 
 
+@pytest.mark.parametrize("script", ["01_sweep.py", "03_chain.py", "04_pipeline.py"])
+def test_a_time_limit_slurm_does_not_read_is_one_line_when_the_flags_are_parsed(script, tmp_path, capsys):
+    """--time abc was taken (--plan printed the runs) and only sbatch refused it, at the submission."""
+    folder = tmp_path / "out"
+    where = ["--run-dir", str(folder)] if script == "03_chain.py" else [str(SWEEPS / "tiny.toml"), "--sweep-dir",
+                                                                       str(folder)]
+    for bad in ("abc", "1:2:3:4", "1-", "30m", "-1"):
+        assert run_main(f"{LAB}/{script}", [*where, *(["--plan"] if script == "01_sweep.py" else []),
+                                            f"--time={bad}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: argument --time: not a Slurm time: '{bad}'; give minutes, MM:SS, HH:MM:SS") \
+            and err.count("\n") == 1, err
+        assert not folder.exists()
+    for good in ("30", "30:00", "01:30:00", "2-12", "2-12:30", "2-12:30:00"):
+        assert shared.slurm_time(good) == good
+
+
 def test_a_sweep_folder_of_another_sweep_is_refused_before_anything_is_written(tmp_path, capsys):
     folder = tmp_path / "sweep"
     plan = shared.prepare_folder(folder, SWEEPS / "tiny.toml")

@@ -31,7 +31,7 @@ from common.errors import UserError, run_main
 from common.slurm.rendering import read_template, render, write_script
 from common.slurm.sites import find_site
 from labs.lab09_many_jobs.lab09_shared import (ARRAY_TEMPLATE, check_with_script, display, max_array_size,
-                                               prepare_folder, run_task, slurm, submitted_job_id,
+                                               prepare_folder, run_task, slurm, slurm_time, submitted_job_id,
                                                write_plan)
 
 
@@ -51,7 +51,7 @@ def build_parser():
                              help="at most this many tasks run at once: --array=0-N%%K (default: %(default)s)")
     slurm_flags.add_argument("--site", default="generic",
                              help="the site profile the array job is rendered for (slurm/sites/) (default: %(default)s)")
-    slurm_flags.add_argument("--time", default=None,
+    slurm_flags.add_argument("--time", type=slurm_time, default=None,
                              help="each task's time limit, e.g. 00:10:00 or 1 (minutes) (default: the template's)")
     slurm_flags.add_argument("--hold", action="store_true",
                              help="submit the array held: nothing starts until `scontrol release JOBID` (default: off)")

@@ -28,7 +28,7 @@ from common.errors import UserError, run_main
 from common.results import load_records
 from common.slurm.rendering import read_template, render, write_script
 from common.slurm.sites import find_site
-from labs.lab09_many_jobs.lab09_shared import LAB_DIR, REPO_ROOT, slurm, submitted_job_id
+from labs.lab09_many_jobs.lab09_shared import LAB_DIR, REPO_ROOT, slurm, slurm_time, submitted_job_id
 
 LINK_TEMPLATE = LAB_DIR / "sbatch" / "chain_link.sbatch.j2"
 TRAIN_SCRIPT = REPO_ROOT / "chapters" / "ch04_deep_learning" / "mnist_training.py"
@@ -44,7 +44,8 @@ def build_parser():
     parser.add_argument("--max-links", type=positive_int, default=20,
                         help="stop the chain after this many links (default: %(default)s)")
     parser.add_argument("--site", default="generic", help="the site the link is rendered for (default: %(default)s)")
-    parser.add_argument("--time", default=None, help="each link's time limit (default: the template's)")
+    parser.add_argument("--time", type=slurm_time, default=None,
+                        help="each link's time limit (default: the template's)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="--local: where the links train (default: %(default)s)")
     parser.epilog = "Flags after -- go to the training (mnist_training.py) in every link."

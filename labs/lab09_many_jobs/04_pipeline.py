@@ -24,7 +24,7 @@ from common.errors import UserError, run_main
 from common.results import load_records
 from common.slurm.rendering import read_template, render, write_script
 from common.slurm.sites import find_site
-from labs.lab09_many_jobs.lab09_shared import LAB_DIR, read_plan, slurm, submitted_job_id
+from labs.lab09_many_jobs.lab09_shared import LAB_DIR, read_plan, slurm, slurm_time, submitted_job_id
 
 STAGE_TEMPLATE = LAB_DIR / "sbatch" / "pipeline_stage.sbatch.j2"
 
@@ -35,7 +35,8 @@ def build_parser():
     parser.add_argument("--sweep-dir", type=output_dir, required=True, help="the sweep's folder")
     parser.add_argument("--parallel", type=positive_int, default=4, help="tasks at once (default: %(default)s)")
     parser.add_argument("--site", default="generic", help="the site the jobs are rendered for (default: %(default)s)")
-    parser.add_argument("--time", default=None, help="each training task's time limit (default: the template's)")
+    parser.add_argument("--time", type=slurm_time, default=None,
+                        help="each training task's time limit (default: the template's)")
     parser.add_argument("--failed", action="store_true",
                         help="say which tasks failed, from the sweep's record (what the report job prints last)")
     parser.epilog = "Flags after -- go to every training run."

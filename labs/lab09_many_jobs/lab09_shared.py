@@ -17,6 +17,7 @@ own ``tasks/NNN/`` (its record, checkpoint, TensorBoard curves, attempts), so no
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import itertools
 import json
@@ -39,6 +40,7 @@ from common.atomic import write_text_atomic
 from common.errors import Stopped, UserError
 from common.results import load_records, make_record, provenance, write_record
 from common.slurm.jobs import PLACEHOLDER
+from common.slurm.sites import time_to_seconds
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAB_DIR = Path(__file__).resolve().parent
@@ -59,6 +61,17 @@ RETRY = ENDED - {"COMPLETED"}
 
 # ---------------------------------------------------------------------------------------------
 # The sweep file and its tasks
+
+def slurm_time(text: str) -> str:
+    """argparse type of ``--time``: one of Slurm's formats (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS),
+    checked as the flag is parsed: sbatch would refuse anything else only at the submission."""
+    try:
+        time_to_seconds(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a Slurm time: {text!r}; give minutes, MM:SS, HH:MM:SS, D-HH, "
+                                         "D-HH:MM or D-HH:MM:SS (e.g. 30, 00:30:00, 1-12:00:00)") from None
+    return text.strip()
+
 
 def read_sweep_file(path: Path) -> dict[str, Any]:
     """A sweep file: YAML (``.yaml``/``.yml``) or TOML (``.toml``; ``tomli`` before Python 3.11)."""
