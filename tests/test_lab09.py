@@ -221,6 +221,40 @@ def test_a_local_chain_in_the_folder_of_a_finished_run_ends_at_the_link_that_tra
     assert f"== chain done: link 2 trained nothing, the run in {tmp_path / 'run'} had finished" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--lrr", "1"], "error: the flags after -- (--lrr 1): chapters/ch04_deep_learning/mnist_training.py says: "
+                     "unrecognized arguments: --lrr 1"),
+    (["--epochs", "1", "--lr", "-1"], "says: argument --lr: must be a positive number, got -1"),
+    (["--checkpoint", "x.pt"], "error: the chain sets --checkpoint, --resume and --results-dir itself"),
+    (["--dataset", "digits", "--checkpoint=x.pt"], "error: the chain sets --checkpoint"),  # it was missed
+    (["--check", "x.pt"], "error: the chain sets --checkpoint"),  # a prefix argparse takes for --checkpoint
+    (["--results-dir=r"], "error: the chain sets"),
+    (["--resume"], "error: the chain sets"),
+])
+def test_the_chains_training_flags_are_checked_by_the_trainings_parser_before_link_1(flags, message, tmp_path,
+                                                                                     monkeypatch, capsys):
+    """A typo after -- started link 1's training and said 'chain broken at link 1' (exit 2); --checkpoint=X got
+    through. Now the training's parser reads them first: one line, exit 2, no folder, no link started."""
+    chain = load_script(f"{LAB}/03_chain.py")
+    monkeypatch.setattr(chain.subprocess, "run", lambda *a, **k: pytest.fail("a link started"))
+    assert run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--local", "--", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_chain_passes_flags_its_training_takes_to_every_link(tmp_path, monkeypatch, capsys):
+    chain = load_script(f"{LAB}/03_chain.py")
+    links = []
+    monkeypatch.setattr(chain.subprocess, "run", lambda command, check: links.append(command) or
+                        subprocess.CompletedProcess(command, 0))
+    assert run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--local", "--device", "cpu", "--",
+                                           "--dataset", "digits", "--epochs=1", "--lr", "0.5"]) == 0
+    (command,) = links  # no record, no checkpoint: the chain ends after one link
+    assert command[-6:] == ["--save-model", "--dataset", "digits", "--epochs=1", "--lr", "0.5"]
+    assert command[command.index("--checkpoint") + 1] == str(tmp_path / "run" / "checkpoint.pt")
+
+
 def test_status_refuses_a_negative_wait(tmp_path, capsys):
     assert run_main(STATUS, ["--sweep-dir", str(tmp_path), "--wait", "-5"]) == 2
     err = capsys.readouterr().err

@@ -14,7 +14,8 @@ until SIGUSR1 warns it of its time limit, saves, and submits the next link with
 when a link finishes the run, and a link whose training fails stops it with one line. ``--local`` runs
 the same links one after another on this machine, each ended by ``--step-budget`` instead of a time
 limit: every link is a fresh process, as under Slurm, and the run ends with the weights of an
-unbroken one.
+unbroken one. The flags after ``--`` are read by the training's own parser before link 1 (a typo is one
+line, not a broken link); the chain sets ``--checkpoint``, ``--resume`` and ``--results-dir`` itself.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from common.errors import UserError, run_main
 from common.results import load_records
 from common.slurm.rendering import read_template, render, write_script
 from common.slurm.sites import find_site
-from labs.lab09_many_jobs.lab09_shared import LAB_DIR, REPO_ROOT, slurm, slurm_time, submitted_job_id
+from labs.lab09_many_jobs.lab09_shared import (LAB_DIR, REPO_ROOT, check_training_flags, slurm, slurm_time,
+                                               submitted_job_id)
 
 LINK_TEMPLATE = LAB_DIR / "sbatch" / "chain_link.sbatch.j2"
 TRAIN_SCRIPT = REPO_ROOT / "chapters" / "ch04_deep_learning" / "mnist_training.py"
@@ -65,10 +67,15 @@ def submit_chain(args, train_flags: list[str]) -> str:
     return job_id
 
 
+def link_flags(args) -> list[str]:
+    """What the chain gives the training in every link, before the flags after --."""
+    return ["--device", args.device, "--results-dir", str(args.results_dir),
+            "--checkpoint", str(args.run_dir / "checkpoint.pt"), "--resume", "--save-model"]
+
+
 def run_links_here(args, train_flags: list[str]) -> int:
     """The chain on this machine: link after link until one writes the record, or fails."""
-    command = [sys.executable, str(TRAIN_SCRIPT), "--device", args.device, "--results-dir", str(args.results_dir),
-               "--checkpoint", str(args.run_dir / "checkpoint.pt"), "--resume", "--save-model", *train_flags]
+    command = [sys.executable, str(TRAIN_SCRIPT), *link_flags(args), *train_flags]
     checkpoint = args.run_dir / "checkpoint.pt"
     for link in range(1, args.max_links + 1):
         before, saved = len(load_records(args.results_dir).records), saved_at(checkpoint)
@@ -98,10 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     args = build_parser().parse_args(argv[:cut])
     train_flags = argv[cut + 1:]
-    if any(flag in train_flags for flag in ("--checkpoint", "--resume", "--results-dir")):
-        raise UserError("the chain sets --checkpoint, --resume and --results-dir itself: leave them out after --")
     args.run_dir = args.run_dir.resolve()
     args.results_dir = (args.results_dir or args.run_dir / "results").resolve()
+    # The training's own parser reads its flags now: a typo is one line here, not a broken link 1.
+    if check_training_flags(TRAIN_SCRIPT, train_flags, before=link_flags(args),
+                            owned=("--checkpoint", "--resume", "--results-dir")):  # --checkpoint X or --checkpoint=X
+        raise UserError("the chain sets --checkpoint, --resume and --results-dir itself: leave them out after --")
     args.results_dir.mkdir(parents=True, exist_ok=True)
     if args.local:
         return run_links_here(args, train_flags)

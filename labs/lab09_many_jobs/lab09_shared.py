@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import itertools
 import json
 import math
@@ -32,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NoReturn, Sequence
 
 import yaml
 
@@ -206,6 +207,31 @@ def check_with_script(script: Path, tasks: Sequence[Task], extra: Sequence[str] 
         if answer is not None:
             raise UserError(f"task {task.index} ({' '.join([*task.argv(), *extra])}): {display(script)} says: {answer}")
     return time.perf_counter() - began
+
+
+def check_training_flags(script: Path, flags: Sequence[str], *, before: Sequence[str] = (),
+                         owned: Sequence[str] = ()) -> list[str]:
+    """The flags after ``--`` (``flags``), after those the caller adds itself (``before``), parsed by the training
+    script's own parser (``build_parser()``, loaded in this process: it imports torch), as ``check_with_script``
+    does for a sweep: an unknown flag or a bad value is one line now, before anything is written or started.
+    Returns those of ``owned`` (e.g. ``--checkpoint``: the caller sets them) that ``flags`` sets, in any spelling
+    the parser takes (``--checkpoint X``, ``--checkpoint=X``, a prefix such as ``--check X``)."""
+    spec = importlib.util.spec_from_file_location("training_flags_check", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # its main() does not run: __name__ is not "__main__"
+    parser = module.build_parser()
+
+    def refuse(message: str) -> NoReturn:
+        raise UserError(f"the flags after -- ({' '.join(flags)}): {display(script)} says: {message}")
+
+    parser.error = refuse  # type: ignore[method-assign]
+    dests = {action.dest: action.option_strings[0] for action in parser._actions
+             if set(action.option_strings) & set(owned)}
+    unset = object()  # a default no value can equal: what the flags set shows
+    parser.set_defaults(**dict.fromkeys(dests, unset))
+    given = vars(parser.parse_args(list(flags)))
+    parser.parse_args([*before, *flags])
+    return [flag for dest, flag in dests.items() if given[dest] is not unset]
 
 
 def display(path: Path) -> str:
