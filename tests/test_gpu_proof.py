@@ -301,7 +301,9 @@ def test_the_main_job_runs_with_a_given_interpreter_without_syncing_a_venv(tmp_p
     the lab runs with it, end to end, without bootstrap.sh (which needs the network to sync .venv)."""
     calls = tmp_path / "calls.txt"
     fake = tmp_path / "python"
-    fake.write_text(f'#!/bin/bash\necho "$*" >> {calls}\n')
+    # the report step ends with "report: PATH", as compare_results.py does (tests/test_report.py)
+    fake.write_text(f'#!/bin/bash\necho "$*" >> {calls}\n'
+                    'while [ $# -gt 0 ]; do [ "$1" = --output-report ] && echo "report: $2"; shift; done\n')
     fake.chmod(0o755)
     proc = subprocess.run(["bash", str(REPO / "scripts/main_job.sh"), str(tmp_path / "out")], capture_output=True,
                           text=True, timeout=60, env=script_env(PYTHON=str(fake)))
@@ -312,6 +314,7 @@ def test_the_main_job_runs_with_a_given_interpreter_without_syncing_a_venv(tmp_p
     scripts = [Path(line.split()[0]).name for line in lines]
     assert scripts[:3] == ["01_environment_check.py", "02_baseline_single_gpu.py", "03_dataparallel_training.py"]
     assert proc.stdout.splitlines()[-1] == f"report: {tmp_path / 'out' / 'comparison_report.html'}"
+    assert proc.stdout.count("report: ") == 1, proc.stdout  # once: run_lab.sh no longer echoes it again
 
 
 def test_lab07_needs_tensor_parallel_traffic_within_10_percent_of_the_plan(tmp_path):

@@ -284,7 +284,9 @@ def test_run_lab_without_a_controller_runs_here_and_says_why(tmp_path):
                                     f'echo "$0 $*" >> {tmp_path / "slurm_calls"}\nexit 1\n')
         (bin_dir / name).chmod(0o755)
     stand_in = tmp_path / "python"
-    stand_in.write_text(f'#!/bin/sh\nfor arg in "$@"; do printf "%s\\n" "$arg"; done >> {calls}\necho "--end--" >> {calls}\n')
+    stand_in.write_text(f'#!/bin/sh\nfor arg in "$@"; do printf "%s\\n" "$arg"; done >> {calls}\necho "--end--" >> {calls}\n'
+                        # the report step ends with "report: PATH", as compare_results.py does (tests/test_report.py)
+                        'while [ $# -gt 0 ]; do [ "$1" = --output-report ] && echo "report: $2"; shift; done\n')
     stand_in.chmod(0o755)
     done = subprocess.run(["bash", str(REPO / LAB / "run_lab.sh"), str(tmp_path / "results")], cwd=tmp_path,
                           env=script_env(PYTHON=str(stand_in), PATH=f"{bin_dir}:{os.environ['PATH']}"),
@@ -293,6 +295,7 @@ def test_run_lab_without_a_controller_runs_here_and_says_why(tmp_path):
     lines = done.stdout.strip().splitlines()
     assert lines[0].startswith("note: sbatch is installed but no Slurm controller answers (scontrol ping)"), lines
     assert "without Slurm" in lines[1] and lines[-1].startswith("report: "), lines
+    assert sum(line.startswith("report: ") for line in lines) == 1, lines  # once: run_lab.sh does not echo it again
     assert (tmp_path / "slurm_calls").read_text() == f"{bin_dir / 'scontrol'} ping\n"  # asked once, nothing submitted
     commands = [command.strip("\n").split("\n") for command in calls.read_text().split("--end--\n") if command][1:]
     scripts = [next(Path(arg).name for arg in command if arg.endswith(".py")) for command in commands]

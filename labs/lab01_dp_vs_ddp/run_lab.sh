@@ -105,9 +105,6 @@ step "4/5 DDP, $NPROC processes x $PER_PROCESS_BATCH = global batch $GLOBAL_BATC
     "$LAB_DIR/04_ddp_training.py" "${SHARED[@]}" --batch-size "$PER_PROCESS_BATCH"
 
 step "5/5 comparison report"
-REPORT="$RESULTS_DIR/comparison_report.html"
+# Its last line is "report: PATH", the last line of the lab (printed once: not echoed again here).
 "$PYTHON" "$LAB_DIR/05_performance_comparison.py" --results-dir "$RESULTS_DIR" --generate-plots \
-    --output-report "$REPORT"
-
-echo
-echo "report: $REPORT"
+    --output-report "$RESULTS_DIR/comparison_report.html"

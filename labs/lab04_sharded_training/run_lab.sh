@@ -93,8 +93,6 @@ launch "$NPROC" "$LAB_DIR/03_largest_model.py" "${MODEL[@]}" --batch-size "$BATC
     --results-dir "$RESULTS_DIR"
 
 step "comparison report"
-REPORT="$RESULTS_DIR/comparison_report.html"
-"$PYTHON" "$LAB_DIR/../../scripts/compare_results.py" --results-dir "$RESULTS_DIR" --output-report "$REPORT"
-
-echo
-echo "report: $REPORT"
+# Its last line is "report: PATH", the last line of the lab (printed once: not echoed again here).
+"$PYTHON" "$LAB_DIR/../../scripts/compare_results.py" --results-dir "$RESULTS_DIR" \
+    --output-report "$RESULTS_DIR/comparison_report.html"

@@ -100,7 +100,6 @@ else
 fi
 
 step "5/5 the report"
-REPORT="$RESULTS_DIR/lab09_comparison_report.html"
-"$PYTHON" scripts/compare_results.py --results-dir "$RESULTS_DIR" --lab lab09 --output-report "$REPORT"
-echo
-echo "report: $REPORT"
+# Its last line is "report: PATH", the last line of the lab (printed once: not echoed again here).
+"$PYTHON" scripts/compare_results.py --results-dir "$RESULTS_DIR" --lab lab09 \
+    --output-report "$RESULTS_DIR/lab09_comparison_report.html"
