@@ -135,7 +135,8 @@ def reads(data, tmp_path_factory) -> dict[str, dict]:
     """One read-only epoch of each format with 2 workers; the shards (with WebDataset's tar reader instead of the
     manifest's offsets) and the array also with a wait of 40 ms per open."""
     out = tmp_path_factory.mktemp("reads")
-    runs = {"imagefolder": [], "array": [], "webdataset": [], "webdataset+latency": ["--metadata-latency", "40", "--shard-reader", "webdataset"],
+    runs = {"imagefolder": [], "array": [], "webdataset": [],
+            "webdataset+latency": ["--metadata-latency", "40", "--shard-reader", "webdataset"],
             "array+latency": ["--metadata-latency", "40"]}
     records = {}
     for name, extra in runs.items():
@@ -191,7 +192,8 @@ def test_injected_latency_is_waited_once_per_open_and_predicted(reads):
     assert [row["nodes"] for row in cluster] == [1, 8] and cluster[1]["epoch_s"] < cluster[0]["epoch_s"]
 
 
-# torchvision 0.29 deprecates its image decoders (Lab-08 uses decode_jpeg): said once by the tests above, not per batch here.
+# torchvision 0.29 deprecates its image decoders (Lab-08 uses decode_jpeg): said once by the tests above,
+# not per batch here.
 @pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities of TorchVision:DeprecationWarning")
 def test_calibration_reads_its_clock_after_the_decode_device_finished(data, tmp_path, monkeypatch):
     """--decode device: nvJPEG works on a CUDA stream, so a clock read right after decode_batch returns would time
@@ -271,7 +273,8 @@ def test_counted_opens_and_stats_agree_with_strace(data, tmp_path):
              if line.split() and line.split()[-1].isidentifier() and line.split()[0][0].isdigit()}
     (record,) = _records(tmp_path / "r")
     (epoch,) = record["metrics"]["epochs_io"]
-    calibration_opens = 16 + record["metrics"]["cost"]["samples_timed"]  # a file per sample there too, warm-up batch too
+    # A file per sample in the calibration too, its warm-up batch too.
+    calibration_opens = 16 + record["metrics"]["cost"]["samples_timed"]
     assert calls.get("openat", 0) == epoch["opens"] + calibration_opens == SAMPLES + 32, summary.read_text()
     stat_calls = sum(n for name, n in calls.items() if "stat" in name)
     assert stat_calls == epoch["stats"] == 0, summary.read_text()
@@ -408,7 +411,8 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_ids_an_unbroken_run_reads_next
     # The plan line is for the epoch the resumed run reads (it said 'in epoch 1', before 'resumed from ... epoch 2').
     plan_line = next(line for line in out.splitlines() if "--shard-policy pad:" in line)
     assert "weight-0 blank(s) in epoch 2 pad" in plan_line and out.index("resumed from") < out.index(plan_line), out
-    # The ids read before the stop came with the checkpoint: the resumed epoch counts whole (it said 'not exactly once').
+    # The ids read before the stop came with the checkpoint: the resumed epoch counts whole
+    # (it said 'not exactly once').
     assert "epoch 2: 230 of 230 samples read, 0 more than once (every sample exactly once" in out, out[-2000:]
     assert [record["metrics"]["exactly_once"] for record in _records(tmp_path / "cut")] == [True]
     (whole,), (cut,), (resumed,) = (_ids(tmp_path / f"{name}-ids", 1) for name in ("whole", "cut", "resumed"))
@@ -592,7 +596,8 @@ def test_run_lab_runs_every_step_with_flags_the_scripts_accept_and_ends_with_the
     each import torch (about a minute of CPU), which the lab's share of the suite cannot afford."""
     calls = tmp_path / "calls"
     stand_in = tmp_path / "python"
-    stand_in.write_text(f'#!/bin/sh\nfor arg in "$@"; do printf "%s\\n" "$arg"; done >> {calls}\necho "--end--" >> {calls}\n'
+    stand_in.write_text(f'#!/bin/sh\nfor arg in "$@"; do printf "%s\\n" "$arg"; done >> {calls}\n'
+                        f'echo "--end--" >> {calls}\n'
                         f'case "$2" in *device_count*) echo {gpus};; esac\n'
                         # compare_results.py ends with "report: PATH" (tests/test_report.py): the stand-in does too
                         'case "$1" in *compare_results.py) while [ $# -gt 1 ]; do '
@@ -616,7 +621,8 @@ def test_run_lab_runs_every_step_with_flags_the_scripts_accept_and_ends_with_the
         at = next(i for i, arg in enumerate(command) if arg.endswith(".py"))
         parsed.append(load_script(f"{LAB}/{Path(command[at]).name}").build_parser().parse_args(command[at + 1:]))
     reads = {(a.format, a.read_only, a.metadata_latency) for a in parsed[1:13]}
-    assert reads == {(f, r, ms) for f in ("imagefolder", "webdataset", "array") for r in (True, False) for ms in (0, 1.0)}
+    assert reads == {(f, r, ms) for f in ("imagefolder", "webdataset", "array")
+                     for r in (True, False) for ms in (0, 1.0)}
     scratch = parsed[0].data_dir.parent  # made by run_lab.sh under TMPDIR, removed when it ends
     assert {a.data_dir for a in parsed} == {scratch / "lab08"} and scratch.parent == tmp_path and not scratch.exists()
     assert {str(a.results_dir) for a in parsed} == {str(tmp_path / "results")}

@@ -183,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{format_bytes(counted['bytes'])} | waiting for data {waited / epoch_s:.0%} of step time | "
                       f"predicted {predicted['epoch_s']:.2f} s ({predicted['bound']}), measured ÷ predicted "
                       f"{epoch_s / predicted['epoch_s']:.2f}")
-        last = epochs[-1]
-        whole = held["samples"]
+        last, whole = epochs[-1], held["samples"]
         scale = whole / max(last["samples"], 1)  # the counts of a whole epoch, from the last one
         cluster = [predict_cluster(samples=whole, opens=round(last["expected_opens"] * scale), stats=0,
                                    data_bytes=round(last["bytes"] * scale), nodes=nodes, workers=args.num_workers,
@@ -195,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"{args.num_workers} loader worker(s) per node: " if args.num_workers else
                      "no loader workers (each node's main process reads between its steps): ")
                   + "; ".join(f"{row['nodes']} node(s) {row['epoch_s']:.1f} s ({row['bound']})" for row in cluster))
+        wait_share = sum(e["data_wait_s"] for e in epochs) / sum(e["epoch_s"] for e in epochs)
         run.finish(config={"dataset": description, "file_system_model": fs},
                    metrics={"epochs_io": epochs, "cost": cost, "cluster_prediction": cluster,
-                            "data_wait_share": sum(e["data_wait_s"] for e in epochs) / sum(e["epoch_s"] for e in epochs)})
+                            "data_wait_share": wait_share})
     return 0
 
 

@@ -15,8 +15,8 @@ buffer shuffles samples inside a slot (``lab08_shared.ShardStream``). When the s
 the slots hold different numbers of samples, and ranks that take different numbers of steps hang DDP;
 ``--shard-policy`` chooses, and the run prints what it costs: ``pad`` (blank, weight-0 samples fill every
 slot up to the largest), ``drop`` (every slot stops at the smallest; the rest wait for another epoch) or
-``uneven`` (every sample once; for one rank's workers only: ranks that step unevenly would hang). At each epoch's end the ranks
-gather the ids they read, and rank 0 says whether every sample was read exactly once.
+``uneven`` (every sample once; for one rank's workers only: ranks that step unevenly would hang). At each
+epoch's end the ranks gather the ids they read, and rank 0 says whether every sample was read exactly once.
 
 The loader's position is part of the checkpoint: torchdata's ``StatefulDataLoader`` asks every worker for
 ``ShardStream.state_dict()`` (shard, member, the shuffle buffer as pointers, the generator's state) with
@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--metadata-latency", type=non_negative_float, default=0.0, metavar="MS",
                        help="wait this long before every open (see 02_read_formats.py) (default: %(default)s)")
     group.add_argument("--ids-out", type=output_dir, default=None,
-                       help="write the sample ids each rank read, in order, one line per epoch, to ids-rank<r>.jsonl here (default: none)")
+                       help="write the sample ids each rank read, in order, one line per epoch, to ids-rank<r>.jsonl "
+                            "here (default: none)")
     return add_training_run_args(parser, group, epochs=2, checkpoint=True,
                                  data="the data set 01_make_dataset.py wrote, or a staged copy of it")
 
@@ -99,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                      "shuffle_buffer", "num_workers")) as run:
             device = run.device
             if args.shard_policy == "uneven" and run.world_size > 1:
-                raise UserError(f"--shard-policy uneven on {run.world_size} ranks: the ranks would take different numbers "
-                                "of steps, and DDP's all-reduce and the stop agreed at every step would wait forever for "
-                                "the rank that ran out; use pad or drop (uneven suits one rank's workers)")
+                raise UserError(f"--shard-policy uneven on {run.world_size} ranks: the ranks would take different "
+                                "numbers of steps, and DDP's all-reduce and the stop agreed at every step would wait "
+                                "forever for the rank that ran out; use pad or drop (uneven suits one rank's workers)")
             stream = ShardStream(shard_dir, batch_size=args.batch_size, rank=run.rank, world_size=run.world_size,
                                  num_workers=args.num_workers, seed=args.seed, policy=args.shard_policy,
                                  buffer_size=args.shuffle_buffer, on_bad_sample=args.on_bad_sample)
@@ -159,11 +160,12 @@ def main(argv: list[str] | None = None) -> int:
                 if run.is_main:
                     seen = Counter(i for rank_ids in everyone for i in rank_ids)
                     twice = sum(1 for n in seen.values() if n > 1)
-                    run.print(f"epoch {epoch}: {len(seen):,} of {plan['samples']:,} samples read, {twice} more than once "
-                              f"({'every sample exactly once' if len(seen) == plan['samples'] and not twice else 'not exactly once'}"
+                    exact = len(seen) == plan["samples"] and not twice
+                    run.print(f"epoch {epoch}: {len(seen):,} of {plan['samples']:,} samples read, {twice} more than "
+                              f"once ({'every sample exactly once' if exact else 'not exactly once'}"
                               f"; policy {args.shard_policy} planned {stream.describe(epoch)['padded']} blank(s), "
-                              f"{stream.describe(epoch)['dropped']} left out) | rank 0: {padded} blank(s) (planned, or in "
-                              f"place of a skipped sample) | {skipped_all} skipped on all ranks | rank 0 opened "
+                              f"{stream.describe(epoch)['dropped']} left out) | rank 0: {padded} blank(s) (planned, or "
+                              f"in place of a skipped sample) | {skipped_all} skipped on all ranks | rank 0 opened "
                               f"{counted['opens']} shard file(s), waiting for data {waited / epoch_s:.0%} of step time")
                 read.end_epoch()
                 run.save_checkpoint()  # model, optimiser and, from every rank, the loader's position
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_ids(folder: Path | None, launch, args: argparse.Namespace, ids_read: list[list[int]]) -> None:
-    """The ids this rank read, in order: a JSON line per epoch (not .json, which a results folder takes for a record)."""
+    """The ids this rank read, in order: a JSON line per epoch (not .json, which a results folder reads as a record)."""
     if folder is not None:
         lines = [json.dumps({"rank": launch.rank, "world_size": launch.world_size, "workers": args.num_workers,
                              "policy": args.shard_policy, "epoch_index": index, "ids": ids})

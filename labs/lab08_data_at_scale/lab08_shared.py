@@ -492,7 +492,8 @@ def check_shard(info: ShardInfo, data: bytes, reader: str = "index") -> tuple[li
         cut = [row for row in info.members if row["offset"] + row["size"] > len(data)]
         damaged = {row["id"] for row in cut}
         bad.append(BadSample(info.name, cut[0]["member"] if cut else "(tar end)", f"truncated shard: {len(data)} "
-                             f"of {info.bytes} bytes; {len(damaged)} sample(s) cut off from here", samples=len(damaged)))
+                             f"of {info.bytes} bytes; {len(damaged)} sample(s) cut off from here",
+                             samples=len(damaged)))
     elif not whole:
         for row in info.members:
             if row["id"] not in damaged and zlib.crc32(data[row["offset"]:row["offset"] + row["size"]]) != row["crc32"]:
@@ -845,7 +846,8 @@ def calibrate(make: Any, *, fmt: str, samples: int, workers: int, decode_device:
             synchronize(device)
             times.append(time.perf_counter() - start)
         step_s = statistics.median(times[2:])
-    return {"sample_s": sample_s, "samples_timed": produced, "step_s": step_s, "open_wait_s": statistics.mean(waits[1:] or waits),
+    return {"sample_s": sample_s, "samples_timed": produced, "step_s": step_s,
+            "open_wait_s": statistics.mean(waits[1:] or waits),
             "method": "the epochs' loader workers, no injected latency, before the first epoch, after one batch, per "
                       "worker; the wait: the mean "
                       "of at least 5 sleeps, 0.2 s in all; step: median of 5 after 2"}
