@@ -218,7 +218,8 @@ def test_a_local_chain_in_the_folder_of_a_finished_run_ends_at_the_link_that_tra
     monkeypatch.setattr(chain.subprocess, "run", link)
     assert run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--local", "--max-links", "5"]) == 0
     assert len(links) == 2
-    assert f"== chain done: link 2 trained nothing, the run in {tmp_path / 'run'} had finished" in capsys.readouterr().out
+    assert (f"== chain done: link 2 trained nothing, the run in {tmp_path / 'run'} had finished"
+            in capsys.readouterr().out)
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -284,7 +285,8 @@ def test_run_lab_without_a_controller_runs_here_and_says_why(tmp_path):
                                     f'echo "$0 $*" >> {tmp_path / "slurm_calls"}\nexit 1\n')
         (bin_dir / name).chmod(0o755)
     stand_in = tmp_path / "python"
-    stand_in.write_text(f'#!/bin/sh\nfor arg in "$@"; do printf "%s\\n" "$arg"; done >> {calls}\necho "--end--" >> {calls}\n'
+    stand_in.write_text(f'#!/bin/sh\nfor arg in "$@"; do printf "%s\\n" "$arg"; done >> {calls}\n'
+                        f'echo "--end--" >> {calls}\n'
                         # the report step ends with "report: PATH", as compare_results.py does (tests/test_report.py)
                         'while [ $# -gt 0 ]; do [ "$1" = --output-report ] && echo "report: $2"; shift; done\n')
     stand_in.chmod(0o755)
@@ -373,9 +375,11 @@ def test_submitit_when_sbatch_refuses_is_one_line_and_the_plan_stays_for_the_nex
     monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
     folder = tmp_path / "sweep"
     for _ in range(2):
-        assert run_main("labs/lab09_many_jobs/05_submitit.py", [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder)]) == 2
+        assert run_main("labs/lab09_many_jobs/05_submitit.py",
+                        [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder)]) == 2
         err = capsys.readouterr().err
-        assert err == ("sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)\n"
+        assert err == ("sbatch: error: Batch job submission failed: Unable to contact slurm controller "
+                       "(connect failure)\n"
                        "error: sbatch refused the array (exit status 1; its words above), nothing was submitted: the "
                        f"plan in {folder} stays, run this again once `sinfo` answers\n")
         assert shared.read_plan(folder).submissions() == []
@@ -406,8 +410,9 @@ def test_a_local_sweep_sent_sigterm_passes_it_to_the_training_which_saves_and_th
         with contextlib.suppress(ProcessLookupError):
             os.killpg(runner.pid, signal.SIGKILL)
     assert runner.returncode == 0, out[-3000:]
-    assert re.search(r"^received SIGTERM: saved \S+tasks/000/checkpoint\.pt at epoch 2 step \d+; the sweep resumes this "
-                     r"task from it when the same 01_sweep.py command runs again$", out, re.M)  # not the training's own
+    assert re.search(r"^received SIGTERM: saved \S+tasks/000/checkpoint\.pt at epoch 2 step \d+; the sweep resumes "
+                     r"this task from it when the same 01_sweep.py command runs again$",
+                     out, re.M)  # not the training's own
     assert out.rstrip().endswith("task 0: stopped by SIGTERM; run the same command again to go on from here")
     assert "task 1 attempt" not in out and left == []
     ended = json.loads((folder / "tasks" / "000" / "attempts.jsonl").read_text().splitlines()[-1])

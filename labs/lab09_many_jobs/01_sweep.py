@@ -39,7 +39,8 @@ def build_parser():
     parser = script_parser(__doc__)
     parser.add_argument("sweep_file", type=input_file, help="the sweep: .toml or .yaml (see sweeps/tiny.toml)")
     parser.add_argument("--sweep-dir", type=output_dir, default=None,
-                        help="the sweep's folder: plan, logs, one folder per task (default: results/lab09/<sweep name>)")
+                        help="the sweep's folder: plan, logs, one folder per task "
+                             "(default: results/lab09/<sweep name>)")
     how = parser.add_mutually_exclusive_group()
     how.add_argument("--plan", action="store_true", help="print the runs and the sbatch command; submit nothing "
                      "(default: submit)")
@@ -50,7 +51,8 @@ def build_parser():
     slurm_flags.add_argument("--parallel", type=positive_int, default=4,
                              help="at most this many tasks run at once: --array=0-N%%K (default: %(default)s)")
     slurm_flags.add_argument("--site", default="generic",
-                             help="the site profile the array job is rendered for (slurm/sites/) (default: %(default)s)")
+                             help="the site profile the array job is rendered for (slurm/sites/) "
+                                  "(default: %(default)s)")
     slurm_flags.add_argument("--time", type=slurm_time, default=None,
                              help="each task's time limit, e.g. 00:10:00 or 1 (minutes) (default: the template's)")
     slurm_flags.add_argument("--hold", action="store_true",
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = prepare_folder(folder, args.sweep_file)
     if not args.local:
-        find_site(args.site)  # a site that is not in slurm/sites/ is one line now, --plan too, not after the plan is written
+        # A site that is not in slurm/sites/ is one line now, --plan too, not after the plan is written.
+        find_site(args.site)
     if not (args.plan or args.local):
         if plan.submissions():
             raise UserError(f"{folder} was submitted already (job {plan.submissions()[-1]['job_id']}): follow it or "

@@ -42,7 +42,7 @@ def build_parser():
 
 
 def resubmit(plan, statuses) -> str | None:
-    """The lesson: one array of just the failed or timed-out tasks, the same script; each resumes from its checkpoint."""
+    """The lesson: one array of just the failed or timed-out tasks, same script; each resumes from its checkpoint."""
     again = [s.index for s in statuses if s.state in RETRY]
     if not again:
         print("nothing to resubmit: no task failed, timed out or was cancelled")

@@ -56,7 +56,8 @@ def build_parser():
 
 def submit_chain(args, train_flags: list[str]) -> str:
     """The first link; each link submits the next itself (see the template)."""
-    script = write_script(args.run_dir / "chain_link.sbatch", render(read_template(LINK_TEMPLATE), find_site(args.site))[0])
+    script = write_script(args.run_dir / "chain_link.sbatch",
+                          render(read_template(LINK_TEMPLATE), find_site(args.site))[0])
     name = f"chain-{args.run_dir.name}"
     command = ["sbatch", "--parsable", f"--job-name={name}", f"--output={args.run_dir}/%x-%j.out",
                *(["--time", args.time] if args.time else []), str(script), *train_flags]

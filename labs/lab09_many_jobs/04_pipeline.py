@@ -75,12 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2  # its error line is printed
     train = read_plan(folder).submissions()[-1]["job_id"]
 
-    stage = write_script(folder / "pipeline_stage.sbatch", render(read_template(STAGE_TEMPLATE), find_site(args.site))[0])
+    stage = write_script(folder / "pipeline_stage.sbatch",
+                         render(read_template(STAGE_TEMPLATE), find_site(args.site))[0])
     env = {"SWEEP_DIR": str(folder)}
     logs = f"--output={folder}/logs/%x-%j.out"
     evaluate = submitted_job_id(slurm("sbatch", "--parsable", f"--dependency=afterany:{train}",  # after every task
                                       "--job-name=evaluate", logs, str(stage), "evaluate", env=env))
-    report = submitted_job_id(slurm("sbatch", "--parsable", f"--dependency=afterok:{evaluate}",  # after a good evaluation
+    report = submitted_job_id(slurm("sbatch", "--parsable",
+                                    f"--dependency=afterok:{evaluate}",  # after a good evaluation
                                     "--job-name=report", logs, str(stage), "report", env=env))
     print(f"pipeline: train = array job {train} -> evaluate = job {evaluate} (afterany) -> "
           f"report = job {report} (afterok); the report: {folder / 'report.html'}")

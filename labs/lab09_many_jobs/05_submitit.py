@@ -2,7 +2,8 @@
 """The same sweep submitted from Python with submitit (AutoExecutor, map_array): one job array, results back in Python.
 
 Usage:
-    python labs/lab09_many_jobs/05_submitit.py labs/lab09_many_jobs/sweeps/tiny.toml --sweep-dir results/lab09/tiny-submitit
+    python labs/lab09_many_jobs/05_submitit.py labs/lab09_many_jobs/sweeps/tiny.toml \\
+        --sweep-dir results/lab09/tiny-submitit
     python labs/lab09_many_jobs/05_submitit.py ... --partition gpu --gpus-per-node 1 --timeout-min 30 --parallel 8
     (on a login node; it waits for the tasks and writes the sweep's record, as 02_status.py --record does)
 
@@ -23,8 +24,8 @@ from pathlib import Path
 
 from common.cli import input_file, non_negative_int, output_dir, positive_int, script_parser
 from common.errors import UserError, run_main
-from labs.lab09_many_jobs.lab09_shared import (ENDED, check_with_script, prepare_folder, read_plan, run_task, status_table,
-                                               sweep_status, write_plan, write_sweep_record)
+from labs.lab09_many_jobs.lab09_shared import (ENDED, check_with_script, prepare_folder, read_plan, run_task,
+                                               status_table, sweep_status, write_plan, write_sweep_record)
 
 SCRIPT = "labs/lab09_many_jobs/05_submitit.py"
 
@@ -45,7 +46,8 @@ def build_parser():
     parser.add_argument("--gpus-per-node", type=non_negative_int, default=0,
                         help="GPUs per task (default: %(default)s)")
     parser.add_argument("--cpus-per-task", type=positive_int, default=1, help="cores per task (default: %(default)s)")
-    parser.add_argument("--timeout-min", type=positive_int, default=30, help="each task's time limit (default: %(default)s)")
+    parser.add_argument("--timeout-min", type=positive_int, default=30,
+                        help="each task's time limit (default: %(default)s)")
     parser.add_argument("--parallel", type=positive_int, default=4, help="tasks at once (default: %(default)s)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where every run trains (default: %(default)s)")

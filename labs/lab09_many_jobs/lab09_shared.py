@@ -97,9 +97,11 @@ def read_sweep_file(path: Path) -> dict[str, Any]:
         raise UserError(f"{path}: a sweep file is a table of settings (script, grid, ...), not {type(sweep).__name__}")
     unknown = sorted(set(sweep) - SWEEP_KEYS)
     if unknown:
-        raise UserError(f"{path}: unknown key(s) {', '.join(unknown)} (a sweep file has {', '.join(sorted(SWEEP_KEYS))})")
+        raise UserError(f"{path}: unknown key(s) {', '.join(unknown)} "
+                        f"(a sweep file has {', '.join(sorted(SWEEP_KEYS))})")
     if not isinstance(sweep.get("script"), str):
-        raise UserError(f"{path}: 'script' must name the training script, e.g. chapters/ch04_deep_learning/mnist_training.py")
+        raise UserError(f"{path}: 'script' must name the training script, "
+                        "e.g. chapters/ch04_deep_learning/mnist_training.py")
     for key in ("fixed", "grid", "random", "faults"):
         if not isinstance(sweep.get(key, {}), dict):
             raise UserError(f"{path}: '{key}' must be a table of flag = value(s)")
@@ -126,7 +128,8 @@ class Task:
 
 
 def _draw(rng: random.Random, name: str, spec: Any, where: Path) -> Any:
-    """One random value of ``spec``: a list (one of its values), ``{uniform = [lo, hi]}`` or ``{log-uniform = [lo, hi]}``."""
+    """One random value of ``spec``: a list (one of its values), ``{uniform = [lo, hi]}`` or
+    ``{log-uniform = [lo, hi]}``."""
     if isinstance(spec, list) and spec:
         return rng.choice(spec)
     if isinstance(spec, dict) and len(spec) == 1:
@@ -134,7 +137,8 @@ def _draw(rng: random.Random, name: str, spec: Any, where: Path) -> Any:
         if kind in ("uniform", "log-uniform") and isinstance(bounds, list) and len(bounds) == 2 \
                 and all(isinstance(b, (int, float)) and b > 0 for b in bounds) and bounds[0] < bounds[1]:
             low, high = bounds
-            value = rng.uniform(low, high) if kind == "uniform" else math.exp(rng.uniform(math.log(low), math.log(high)))
+            value = (rng.uniform(low, high) if kind == "uniform"
+                     else math.exp(rng.uniform(math.log(low), math.log(high))))
             return float(f"{value:.4g}")
     raise UserError(f"{where}: random '{name}' must be a non-empty list, {{uniform = [low, high]}} or "
                     f"{{log-uniform = [low, high]}} with 0 < low < high, got {spec!r}")
@@ -298,8 +302,8 @@ def prepare_folder(folder: Path, sweep_file: Path, *, planning_now: bool = False
     existing = read_plan(folder) if (folder / "plan.yaml").is_file() else None
     if existing is not None:
         if existing.sweep_id != ident:
-            raise UserError(f"{folder} holds another sweep ({existing.sweep_id}, from {existing.sweep_file}); this one is "
-                            f"{ident}: choose another --sweep-dir")
+            raise UserError(f"{folder} holds another sweep ({existing.sweep_id}, from {existing.sweep_file}); "
+                            f"this one is {ident}: choose another --sweep-dir")
         return existing
     if folder.exists() and (not folder.is_dir() or (any(folder.iterdir()) and not planning_now)):
         raise UserError(f"{folder} exists and is not a sweep folder (no plan.yaml): choose another --sweep-dir")
@@ -367,7 +371,8 @@ def run_task(plan: Plan, index: int, extra: Sequence[str] = (), *, replace_proce
     attempt = 1 + sum(1 for a in local_attempts(folder) if "started" in a)  # each attempt writes two lines
     job = os.environ.get("SLURM_JOB_ID", "local")
     with open(attempts, "a", encoding="utf-8") as out:
-        out.write(json.dumps({"attempt": attempt, "job": job, "started": time.time(), "host": os.uname().nodename}) + "\n")
+        out.write(json.dumps({"attempt": attempt, "job": job, "started": time.time(),
+                              "host": os.uname().nodename}) + "\n")
     command = task_command(plan, index, extra)
     fault = fault_for(plan, index, attempt)
     print(f"task {index} attempt {attempt} (job {job}): {' '.join(command[1:])}", flush=True)
@@ -650,7 +655,8 @@ def sweep_status(plan: Plan) -> tuple[list[TaskStatus], str | None]:
             status.record = record["run_id"]
             status.final_loss = metrics.get("final_loss")
             status.training_s = sum(metrics.get("epoch_time_s") or []) or None
-            history = [h["test_accuracy"] for h in metrics.get("eval_history") or [] if h.get("test_accuracy") is not None]
+            history = [h["test_accuracy"] for h in metrics.get("eval_history") or []
+                       if h.get("test_accuracy") is not None]
             if history:
                 status.best_accuracy = max(history)
             status.last_step = status.last_step or metrics.get("steps")
@@ -700,7 +706,8 @@ def sweep_record_metrics(plan: Plan, statuses: Sequence[TaskStatus]) -> dict[str
         "tasks": tasks,
         "varied_flags": varied_flags(plan),
         "failed": [s.index for s in statuses if s.state in RETRY or s.state == "NOT SUBMITTED"],
-        "states": {state: sum(1 for s in statuses if s.state == state) for state in sorted({s.state for s in statuses})},
+        "states": {state: sum(1 for s in statuses if s.state == state)
+                   for state in sorted({s.state for s in statuses})},
         "core_hours": sum(s.core_hours for s in statuses),
         "gpu_hours": sum(s.gpu_hours for s in statuses),
         "energy_j": sum(s.energy_j for s in statuses if s.energy_j is not None) if any(
