@@ -73,6 +73,19 @@ def test_bad_sweep_input_is_one_line_and_exit_2_with_nothing_written(tmp_path, b
     assert not sweep_dir.exists()
 
 
+def test_a_sweep_of_a_script_without_build_parser_is_one_line_and_nothing_written(tmp_path, capsys):
+    """The flags are checked by the named script's own parser, loaded into the sweep's process: a script that has
+    none (here a shared module) cannot check them, and says so in one line before anything is written."""
+    sweep = tmp_path / "noparser.toml"
+    sweep.write_text('script = "labs/lab09_many_jobs/lab09_shared.py"\n[grid]\nlr = [0.1]\n')
+    assert run_main(SWEEP, [str(sweep), "--sweep-dir", str(tmp_path / "sweep"), "--local"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert ("labs/lab09_many_jobs/lab09_shared.py could not check the flags (does it have build_parser()?): "
+            "AttributeError") in err, err
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_a_demonstration_fault_ends_its_task_with_status_3_and_records_the_attempt(tmp_path, monkeypatch, capsys):
     """faults.toml's task 1 fails on purpose on its first attempt: exit status 3 and an attempt that ended (it raised
     UnboundLocalError there, which made the array task exit 1 and a --local sweep stop at task 1); the second attempt

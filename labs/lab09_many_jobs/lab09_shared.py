@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
 
 import yaml
 
@@ -173,62 +173,54 @@ def expand(sweep: Mapping[str, Any], where: Path) -> list[Task]:
             in enumerate((config, run_seed) for config in configs for run_seed in seeds)]
 
 
-VALIDATE = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("sweep_target", sys.argv[1])
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)  # its main() does not run: __name__ is not "__main__"
-parser = module.build_parser()
-class Refused(Exception):
-    pass
-def refuse(message):
-    raise Refused(message)
-parser.error = refuse
-answers = []
-for argv in json.load(sys.stdin):
+def training_parser(script: Path, refuse: Callable[[str], NoReturn]) -> argparse.ArgumentParser:
+    """The training script's own parser (its ``build_parser()``, the script loaded in this process: its ``main()``
+    does not run, but it imports torch), whose errors go to ``refuse`` instead of exiting."""
     try:
-        parser.parse_args(argv)
-        answers.append(None)
-    except Refused as err:
-        answers.append(str(err))
-print(json.dumps(answers))
-"""
+        spec = importlib.util.spec_from_file_location("training_flags_check", script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # __name__ is not "__main__"
+        parser = module.build_parser()
+    except Exception as error:  # any script a sweep file names: its failure is one line
+        raise UserError(f"{display(script)} could not check the flags (does it have build_parser()?): "
+                        f"{type(error).__name__}: {error}") from None
+    parser.error = refuse  # type: ignore[method-assign]
+    return parser
 
 
 def check_with_script(script: Path, tasks: Sequence[Task], extra: Sequence[str] = ()) -> float:
     """Parse every task's command line, with the ``extra`` flags every run gets (those after ``--``), with the
-    training script's own parser (``build_parser()``, in one fresh process: it imports torch), so an unknown
-    flag or a bad value is an error now, before anything is submitted, and not a failed task later. Returns
-    the seconds it took."""
+    training script's own parser (:func:`training_parser`), so an unknown flag or a bad value is an error now,
+    before anything is submitted, and not a failed task later. Returns the seconds it took."""
     began = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", VALIDATE, str(script)],
-                          input=json.dumps([[*t.argv(), *extra] for t in tasks]),
-                          capture_output=True, text=True, cwd=REPO_ROOT, check=False)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"{display(script)} could not check the sweep's flags (does it have build_parser()?): {last}")
-    for task, answer in zip(tasks, json.loads(done.stdout.strip().splitlines()[-1])):
-        if answer is not None:
-            raise UserError(f"task {task.index} ({' '.join([*task.argv(), *extra])}): {display(script)} says: {answer}")
+
+    class Refused(Exception):
+        pass
+
+    def refuse(message: str) -> NoReturn:
+        raise Refused(message)
+
+    parser = training_parser(script, refuse)
+    for task in tasks:
+        argv = [*task.argv(), *extra]
+        try:
+            parser.parse_args(argv)
+        except Refused as refused:
+            raise UserError(f"task {task.index} ({' '.join(argv)}): {display(script)} says: {refused}") from None
     return time.perf_counter() - began
 
 
 def check_training_flags(script: Path, flags: Sequence[str], *, before: Sequence[str] = (),
                          owned: Sequence[str] = ()) -> list[str]:
     """The flags after ``--`` (``flags``), after those the caller adds itself (``before``), parsed by the training
-    script's own parser (``build_parser()``, loaded in this process: it imports torch), as ``check_with_script``
-    does for a sweep: an unknown flag or a bad value is one line now, before anything is written or started.
-    Returns those of ``owned`` (e.g. ``--checkpoint``: the caller sets them) that ``flags`` sets, in any spelling
-    the parser takes (``--checkpoint X``, ``--checkpoint=X``, a prefix such as ``--check X``)."""
-    spec = importlib.util.spec_from_file_location("training_flags_check", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # its main() does not run: __name__ is not "__main__"
-    parser = module.build_parser()
-
+    script's own parser (:func:`training_parser`), as :func:`check_with_script` does for a sweep: an unknown flag
+    or a bad value is one line now, before anything is written or started. Returns those of ``owned`` (e.g.
+    ``--checkpoint``: the caller sets them) that ``flags`` sets, in any spelling the parser takes
+    (``--checkpoint X``, ``--checkpoint=X``, a prefix such as ``--check X``)."""
     def refuse(message: str) -> NoReturn:
         raise UserError(f"the flags after -- ({' '.join(flags)}): {display(script)} says: {message}")
 
-    parser.error = refuse  # type: ignore[method-assign]
+    parser = training_parser(script, refuse)
     dests = {action.dest: action.option_strings[0] for action in parser._actions
              if set(action.option_strings) & set(owned)}
     unset = object()  # a default no value can equal: what the flags set shows
