@@ -350,8 +350,7 @@ def read_shard_table(shard_dir: Path) -> list[ShardInfo]:
     table, manifest = shard_dir / "shards.json", shard_dir / "manifest.csv"
     if not table.is_file() or not manifest.is_file():
         if (shard_dir / "dataset.json").is_file():  # a data set made without its shards (03 reads DATA/shards)
-            description = json.loads((shard_dir / "dataset.json").read_text())
-            raise UserError(missing_format(shard_dir, "webdataset", description))
+            describe_dataset(shard_dir, "webdataset")  # one line with the command that adds them
         raise UserError(f"{shard_dir} has no shards.json and manifest.csv: make the data set with "
                         "python labs/lab08_data_at_scale/01_make_dataset.py")
     rows: dict[str, list[dict[str, Any]]] = {}
