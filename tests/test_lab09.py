@@ -47,6 +47,7 @@ def test_a_sweep_file_expands_into_the_same_tasks_every_time_in_toml_and_yaml(tm
     assert tasks[0].argv()[:4] == ["--dataset", "digits", "--epochs", "3"] and tasks[0].argv()[-2:] == ["--seed", "1"]
     assert shared.compress([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert shared.expand_indices("[0-2,5,7-8%4]") == [0, 1, 2, 5, 7, 8]
+    assert shared.expand_indices("[1-7:2,10%2]") == [1, 3, 5, 7, 10]  # a step, as sbatch --array=1-7:2 takes it
 
 
 def write_sweep(folder: Path, text: str) -> Path:

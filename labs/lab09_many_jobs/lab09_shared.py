@@ -472,12 +472,13 @@ def compress(indices: Iterable[int]) -> str:
 
 
 def expand_indices(text: str) -> list[int]:
-    """sbatch's "0-2,5,7-9%4" (or "[...]") -> [0, 1, 2, 5, 7, 8, 9]."""
+    """sbatch's "0-2,5,7-9%4" (or "[...]") -> [0, 1, 2, 5, 7, 8, 9]; a step too: "0-6:3" -> [0, 3, 6]."""
     indices = []
     for part in text.strip("[]").split("%")[0].split(","):
-        low, _, high = part.partition("-")
+        span, _, step = part.partition(":")
+        low, _, high = span.partition("-")
         if low.isdigit():
-            indices += list(range(int(low), int(high or low) + 1))
+            indices += list(range(int(low), int(high or low) + 1, int(step) if step.isdigit() and int(step) else 1))
     return indices
 
 
