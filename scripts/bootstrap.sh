@@ -7,10 +7,7 @@ cd "$repo_root"
 
 # uv installs the locked environment in seconds and, unlike pip, ignores a machine-wide pip
 # configuration that prefers a CPU-only torch wheel (which cannot import PyPI's torchvision).
-if ! python3 -m uv --version >/dev/null 2>&1; then
-    echo "bootstrap: installing uv with pip" >&2
-    python3 -m pip install --quiet --disable-pip-version-check uv
-fi
+source scripts/find_uv.sh
 echo "bootstrap: syncing .venv from uv.lock" >&2
-python3 -m uv sync --frozen --quiet
+"${uv_cmd[@]}" sync --frozen --quiet
 echo "bootstrap: $(.venv/bin/python -c 'import torch, torchvision; print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, CUDA available: {torch.cuda.is_available()}")')" >&2

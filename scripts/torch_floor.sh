@@ -25,28 +25,25 @@ TORCHVISION=0.23.0
 NUMPY=2.2.6
 venv=.venv-floor
 
-if ! python3 -m uv --version >/dev/null 2>&1; then
-    echo "torch_floor: installing uv with pip" >&2
-    python3 -m pip install --quiet --disable-pip-version-check uv
-fi
+source scripts/find_uv.sh
 start=$(date +%s)
 if [ ! -x "$venv/bin/python" ]; then
     # The same Python as .venv when there is one (bootstrap.sh made it), so both environments test one interpreter.
     python="python3"
     if [ -x .venv/bin/python ]; then python=".venv/bin/python"; fi
-    python3 -m uv venv --quiet --python "$python" "$venv"
+    "${uv_cmd[@]}" venv --quiet --python "$python" "$venv"
 fi
 # Every package but the torch stack at its locked version: a constraint, so a new lock moves both
 # environments together. torch's CUDA libraries (nvidia-*, triton, cuda-*) follow the floor's torch.
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
-python3 -m uv export --quiet --frozen --no-hashes --no-annotate --no-header --no-emit-project --all-groups \
+"${uv_cmd[@]}" export --quiet --frozen --no-hashes --no-annotate --no-header --no-emit-project --all-groups \
     --format requirements-txt | grep -vE '^(torch|torchvision|numpy|nvidia-|triton|cuda-)' > "$constraints"
 # No bytecode compiled at install (pyproject.toml asks uv for it, for .venv): compiling all of torch took
 # 45 of the 49 s the install took from a warm cache, and the runs below import about a third of it.
 # Instead these runs write the bytecode of what they import (the floor's own environment, so
 # PYTHONDONTWRITEBYTECODE is lifted here), one process first, so that the ranks do not each compile the same.
-python3 -m uv pip install --quiet --no-compile-bytecode --python "$venv/bin/python" --constraint "$constraints" \
+"${uv_cmd[@]}" pip install --quiet --no-compile-bytecode --python "$venv/bin/python" --constraint "$constraints" \
     "torch==$TORCH" "torchvision==$TORCHVISION" "numpy==$NUMPY" -e . pytest pytest-timeout
 unset PYTHONDONTWRITEBYTECODE
 "$venv/bin/python" -c "import torch, torchvision, numpy, pytest, torch.distributed.fsdp, torch.distributed.pipelining, \

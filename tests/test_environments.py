@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -361,3 +362,53 @@ def test_run_lab_without_the_courses_environment_is_one_line_before_anything_is_
         assert done.returncode == 2 and done.stdout == "", (python, done.stdout, done.stderr)
         assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith(said), done.stderr
         assert sorted(p.name for p in tmp_path.iterdir()) == ["bare-python"]
+
+
+# --- scripts/find_uv.sh: a uv for bootstrap.sh and torch_floor.sh, wherever the user stands ----------------------
+
+#: A stand-in python3: ``-m uv`` runs only where pip or a venv installed it (a file beside this script says so),
+#: pip refuses as Debian's does for a user who is not root (PEP 668) unless REFUSE is unset, and ``-m venv DIR``
+#: makes a venv whose pip installs a uv into DIR/bin (or fails where VENV is "no", as without python3-venv).
+FAKE_PYTHON3 = r"""#!/bin/bash
+here="$(dirname "$0")"
+case "$1 $2" in
+  "-m uv") [ -e "$here/uv-installed" ] && { echo "uv 0.0.0 (stand-in)"; exit 0; }; exit 1 ;;
+  "-m pip") [ -n "${REFUSE:-}" ] && { echo "error: externally-managed-environment" >&2; exit 1; }
+            touch "$here/uv-installed"; exit 0 ;;
+  "-m venv") [ "${VENV:-}" = no ] && { echo "The virtual environment was not created: ensurepip is not available" >&2
+                                       exit 1; }
+             mkdir -p "$3/bin"; venv="$(cd "$3" && pwd)"
+             printf '#!/bin/bash\nprintf "#!/bin/sh\\necho uv\\n" > "%s/bin/uv"; chmod +x "%s/bin/uv"\n' \
+                 "$venv" "$venv" > "$3/bin/python"; chmod +x "$3/bin/python"; exit 0 ;;
+esac
+[ "$1" = --version ] && { echo "Python 3.11.2"; exit 0; }
+exit 1
+"""
+
+
+@pytest.mark.parametrize("case, expected", [
+    ({}, "python3 -m uv"),  # pip installs uv into python3 (for this user alone when the Python is not theirs)
+    ({"REFUSE": "1"}, ".uv-env/bin/uv"),  # pip refuses (PEP 668): uv goes into the repository's .uv-env/
+    ({"REFUSE": "1", "VENV": "no"}, None),  # and no venv either: one line, exit 2, nothing left behind
+])
+def test_find_uv_falls_back_to_a_private_environment_where_pip_may_not_install(tmp_path, case, expected):
+    bin_dir, work = tmp_path / "bin", tmp_path / "repo"
+    bin_dir.mkdir(), work.mkdir()
+    (bin_dir / "python3").write_text(FAKE_PYTHON3)
+    (bin_dir / "python3").chmod(0o755)
+    for tool in ("dirname", "touch", "mkdir", "chmod", "mktemp", "grep", "tail", "cut", "rm"):  # and no uv at all
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path), **case}
+    script = f'set -euo pipefail; source "{REPO}/scripts/find_uv.sh"; echo "uv: ${{uv_cmd[*]}}"; "${{uv_cmd[@]}}" -V'
+    run = [shutil.which("bash"), "-c", script]
+    done = subprocess.run(run, cwd=work, env=env, capture_output=True, text=True, timeout=30)
+    if expected is None:
+        assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)
+        assert done.stderr.splitlines()[-1].startswith("error: no uv, and pip could not install it (The virtual "
+                                                       "environment was not created"), done.stderr
+        assert len(done.stderr.splitlines()) == 2 and list(work.iterdir()) == []  # the note, then the error
+        return
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == f"uv: {expected}", done.stdout
+    again = subprocess.run(run, cwd=work, env=env, capture_output=True, text=True, timeout=30)
+    assert again.stdout == done.stdout and "installing" not in again.stderr  # the second time it is found
