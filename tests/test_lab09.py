@@ -87,6 +87,19 @@ def test_a_sweep_of_a_script_without_build_parser_is_one_line_and_nothing_writte
     assert not (tmp_path / "sweep").exists()
 
 
+def test_the_flag_check_parses_each_task_as_it_runs_not_the_defaults_the_sweep_replaces(tmp_path, monkeypatch):
+    """From a copy of the course where ./results cannot be made (read-only, or here a file of that name), the
+    training's default --results-dir is refused, but a task never uses it: the sweep gives each its own folder, so
+    the check passes; a bad flag after -- is still refused, naming the task."""
+    plan = shared.prepare_folder(tmp_path / "sweep", SWEEPS / "tiny.toml")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results").write_text("a file where the default results folder would be\n")
+    assert shared.check_with_script(plan, ["--device", "cpu"]) >= 0
+    with pytest.raises(UserError, match=r"^task 0 \(.*--num-workers -1\): .*mnist_training.py says: argument "
+                                        r"--num-workers"):
+        shared.check_with_script(plan, ["--num-workers", "-1"])
+
+
 def test_a_demonstration_fault_ends_its_task_with_status_3_and_records_the_attempt(tmp_path, monkeypatch, capsys):
     """faults.toml's task 1 fails on purpose on its first attempt: exit status 3 and an attempt that ended (it raised
     UnboundLocalError there, which made the array task exit 1 and a --local sweep stop at task 1); the second attempt

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         from common.runtime.device import resolve_device
 
         resolve_device("cuda", start=False)  # the tasks use the GPU: this process holds no context on it
-    seconds = check_with_script(plan.script, plan.tasks, run_flags(args))  # its own parser, before anything is written
+    seconds = check_with_script(plan, run_flags(args))  # its own parser, before anything is written
     print(f"{len(plan.tasks)} task(s) of {display(plan.script)}, flags checked by its parser in {seconds:.1f} s:")
     for task in plan.tasks[:10]:
         print(f"  {task.index:>3}: {' '.join(task.argv())}")

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv[:cut])
     extra = ["--device", args.device, *(["--dry-run"] if args.dry_run else []), *argv[cut + 1:]]
     plan = prepare_folder(args.sweep_dir.resolve(), args.sweep_file)
-    check_with_script(plan.script, plan.tasks, extra)
+    check_with_script(plan, extra)
     write_plan(plan)
 
     import submitit  # only here: the rest of the lab runs without it

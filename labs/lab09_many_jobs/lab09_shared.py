@@ -188,10 +188,11 @@ def training_parser(script: Path, refuse: Callable[[str], NoReturn]) -> argparse
     return parser
 
 
-def check_with_script(script: Path, tasks: Sequence[Task], extra: Sequence[str] = ()) -> float:
-    """Parse every task's command line, with the ``extra`` flags every run gets (those after ``--``), with the
-    training script's own parser (:func:`training_parser`), so an unknown flag or a bad value is an error now,
-    before anything is submitted, and not a failed task later. Returns the seconds it took."""
+def check_with_script(plan: Plan, extra: Sequence[str] = ()) -> float:
+    """Parse every task's command line as it will run (:func:`task_command`: its flags, the folders the sweep gives
+    it, then the ``extra`` flags every run gets, those after ``--``) with the training script's own parser
+    (:func:`training_parser`), so an unknown flag or a bad value is an error now, before anything is submitted,
+    and not a failed task later. Returns the seconds it took."""
     began = time.perf_counter()
 
     class Refused(Exception):
@@ -200,13 +201,13 @@ def check_with_script(script: Path, tasks: Sequence[Task], extra: Sequence[str] 
     def refuse(message: str) -> NoReturn:
         raise Refused(message)
 
-    parser = training_parser(script, refuse)
-    for task in tasks:
-        argv = [*task.argv(), *extra]
-        try:
-            parser.parse_args(argv)
+    parser = training_parser(plan.script, refuse)
+    for task in plan.tasks:
+        try:  # the flags the sweep adds too: a default they replace (results/ in a read-only copy) is not checked
+            parser.parse_args(task_command(plan, task.index, extra)[2:])
         except Refused as refused:
-            raise UserError(f"task {task.index} ({' '.join(argv)}): {display(script)} says: {refused}") from None
+            argv = " ".join([*task.argv(), *extra])
+            raise UserError(f"task {task.index} ({argv}): {display(plan.script)} says: {refused}") from None
     return time.perf_counter() - began
 
 
