@@ -477,6 +477,12 @@ def test_flags_are_the_sjtu_pages_plus_the_labs_and_say_their_defaults():
     assert "(default: resnet18, resnet34, resnet50," in " ".join(parser.format_help().split())
     args = shared().read_args(parser, [])
     assert args.models == list(shared().SJTU_MODELS) and args.precision == list(shared().PRECISIONS)
+    assert args.image_size == 224 and not args.dry_run
+    # --dry-run checks every model and precision on small images: a check of the paths, in minutes on a CPU
+    dry = shared().read_args(parser, ["--dry-run"])
+    assert (dry.image_size, dry.batch_size, dry.warmup, dry.repeats, dry.check_steps) == (64, 12, 1, 2, 2)
+    assert dry.models == args.models and dry.precision == args.precision
+    assert shared().read_args(parser, ["--dry-run", "--image-size", "16"]).image_size == 16
 
 
 APPTAINER_DEF = REPO / "environments/apptainer/pytorch.def"
