@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv/ from the lock file (uv.lock): the same torch/torchvision pair everywhere.
-# Sourced by main_job.sh and test.sh; safe to run again (uv only installs what changed).
+# Run by main_job.sh and test.sh (bash scripts/bootstrap.sh); safe to run again (uv only installs what changed).
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
