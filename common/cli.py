@@ -295,6 +295,29 @@ def add_timing_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *
                      *former)
 
 
+def add_steps_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, default: int,
+                  each: str = "") -> None:
+    """``--steps N``: a run's total optimiser steps, for a script counted in steps rather than epochs (a cap on
+    each epoch is ``--max-steps``, a benchmark's timed repeats ``--repeats``: docs/conventions.md). ``each``
+    says what one step takes in this script."""
+    parser.add_argument("--steps", type=positive_int, default=default,
+                        help=f"optimiser steps{each} (default: %(default)s)")
+
+
+def add_lr_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, default: float,
+               optimizer: str = "SGD") -> None:
+    """``--lr``: the learning rate of the script's ``optimizer`` (named in the help)."""
+    parser.add_argument("--lr", type=positive_float, default=default,
+                        help=f"{optimizer} learning rate (default: %(default)s)")
+
+
+def add_log_interval_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, default: int = 10,
+                         unit: str = "steps") -> None:
+    """``--log-interval``: how many ``unit`` (steps, or the USC lab's batches) between two loss lines."""
+    parser.add_argument("--log-interval", type=positive_int, default=default,
+                        help=f"{unit} between loss lines (default: %(default)s)")
+
+
 def apply_dry_run(args: argparse.Namespace, **at_most: int) -> argparse.Namespace:
     """``--dry-run`` means one epoch of at most two steps, and each of a script's own counts named in
     ``at_most`` (e.g. ``iterations=2, warmup=1``) at most that value. Without ``--dry-run``: unchanged."""

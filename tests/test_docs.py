@@ -284,6 +284,35 @@ def test_the_doc_checks_find_what_they_forbid():
     assert "--repeats" in overlap and "--steps" not in overlap
 
 
+#: docs/conventions.md, item 3: what each count and rate flag means, in every script that takes it (its help's start).
+VOCABULARY = {"--steps": "optimiser steps", "--max-steps": "stop each epoch after", "--repeats": "timed ",
+              "--epochs": "number of epochs", "--lr": r"\w+( \(momentum [\d.]+\))? learning rate",
+              "--log-interval": "(steps|batches) between loss lines"}
+
+
+def test_a_count_flag_means_the_same_in_every_script_that_takes_it():
+    """One step vocabulary: ``--steps`` is a run's total optimiser steps wherever it is offered (not a list of
+    stages, not a benchmark's repeats: those have their own names), ``--lr`` a learning rate, and so on."""
+    from common.cli import _FormerName
+    from test_script_paths import SCRIPTS, parsers, script_parser_of
+
+    seen: dict[str, list[str]] = {flag: [] for flag in VOCABULARY}
+    wrong = []
+    for relpath in SCRIPTS:
+        for _, parser in parsers(script_parser_of(relpath)):
+            for action in parser._actions:
+                for flag in set(action.option_strings) & set(VOCABULARY):
+                    if isinstance(action, _FormerName):
+                        continue
+                    seen[flag].append(relpath)
+                    if not re.match(VOCABULARY[flag], action.help or ""):
+                        wrong.append(f"{relpath} {flag}: {action.help}")
+    assert not wrong, "\n".join(wrong)
+    assert all(seen.values()), seen  # every word of the vocabulary is in use
+    assert {"labs/lab06_failures/01_inject.py", "labs/lab07_model_parallel/01_tensor_parallel.py"} \
+        <= set(seen["--steps"])
+
+
 def test_the_results_schema_doc_states_the_version_records_are_written_with():
     from common.results import SCHEMA_VERSION
 

@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     add_image_model_args(parser, model="resnet18", image_size=224)
     add_former_names(parser, parser.add_argument("--repeats", type=positive_int, default=10,
-                                                 help="forward+backward passes profiled (default: %(default)s)"),
+                                                 help="timed forward+backward passes, all recorded by the profiler "
+                                                      "(default: %(default)s)"),
                      "--iterations")
     parser.add_argument("--with-stack", action="store_true",
                         help="record Python stacks (larger trace, slower) (default: off)")

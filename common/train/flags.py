@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.cli import (apply_dry_run, config_dict, non_negative_int, output_dir, output_file, positive_float,
-                        positive_int)
+from common.cli import (add_log_interval_arg, add_lr_arg, apply_dry_run, config_dict, non_negative_int, output_dir,
+                        output_file, positive_float, positive_int)
 from common.errors import UserError
 
 __all__ = ["RunSettings", "add_adadelta_args", "add_checkpoint_args", "add_determinism_arg",
@@ -37,8 +37,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     --record-steps --deterministic``. Every training script takes them, with the same names, meaning
     and defaults."""
     group = parser.add_argument_group("progress, timing and the record (common.train.run.TrainingRun)")
-    group.add_argument("--log-interval", type=positive_int, default=10,
-                       help="steps between loss lines (default: %(default)s)")
+    add_log_interval_arg(group)
     group.add_argument("--warmup-steps", type=non_negative_int, default=2,
                        help="steps left out of the timing (default: %(default)s)")
     group.add_argument("--record-steps", type=non_negative_int, default=200,
@@ -54,7 +53,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
 def add_adadelta_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--lr --gamma``: the MNIST recipe of pytorch/examples (Adadelta, its learning rate decayed by StepLR
     after every epoch), which Chapter 4's and Lab-02's MNIST trainings follow."""
-    parser.add_argument("--lr", type=positive_float, default=1.0, help="Adadelta learning rate (default: %(default)s)")
+    add_lr_arg(parser, default=1.0, optimizer="Adadelta")
     parser.add_argument("--gamma", type=positive_float, default=0.7,
                         help="learning-rate decay per epoch (default: %(default)s)")
 

@@ -26,7 +26,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from common.cli import non_negative_float, positive_float, positive_int
+from common.cli import add_lr_arg, non_negative_float, positive_int
 from common.errors import UserError
 from common.train.flags import add_training_args
 
@@ -58,7 +58,7 @@ def add_lab_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--synthetic-size", type=positive_int, default=12800,
                        help="training samples of the synthetic data set; the test split is a quarter of it "
                             "(default: %(default)s)")
-    group.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (default: %(default)s)")
+    add_lr_arg(group, default=0.05)
     group.add_argument("--momentum", type=non_negative_float, default=0.9, help="SGD momentum (default: %(default)s)")
     group.add_argument("--weight-decay", type=non_negative_float, default=5e-4,
                        help="SGD weight decay (default: %(default)s)")

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from common.cli import (PIPELINES, add_common_args, add_dataset_args, add_former_names, add_precision_arg,
-                        config_dict, output_dir, positive_int)
+from common.cli import (PIPELINES, add_common_args, add_dataset_args, add_former_names, add_log_interval_arg,
+                        add_precision_arg, config_dict, output_dir, positive_int)
 from common.errors import UserError
 from common.train.flags import add_adadelta_args
 from common.results import make_record, provenance, write_record
@@ -49,8 +49,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--test-batch-size", type=positive_int, default=1000,
                         help="evaluation batch (default: %(default)s)")
     add_adadelta_args(parser)
-    parser.add_argument("--log-interval", type=positive_int, default=10,
-                        help="batches between loss lines (default: %(default)s)")
+    add_log_interval_arg(parser, unit="batches")
     tuning = parser.add_argument_group("the optimisation path (sweep.py turns these on one after another)")
     tuning.add_argument("--pipeline", choices=PIPELINES, default="pil",
                         help="pil: the USC lab's per-sample PIL transforms; tensor: converted once, one indexing op "
@@ -239,8 +238,7 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="prefetch of the persistent-workers step (default: %(default)s)")
     add_precision_arg(parser, "--amp", choices=("bf16", "fp16"), default="bf16",
                       help="precision of the amp step; fp16 needs a GPU (default: %(default)s)")
-    parser.add_argument("--log-interval", type=positive_int, default=10,
-                        help="batches between loss lines (default: %(default)s)")
+    add_log_interval_arg(parser, unit="batches")
     parser.add_argument("--profile-dir", type=output_dir, default=None,
                         help="where the .lprof of every step is kept (default: RESULTS_DIR/lab02_lprof)")
     add_common_args(parser, epochs=3, batch_size=64)

@@ -42,7 +42,7 @@ from contextlib import nullcontext
 import torch
 from torch.utils.data import DataLoader
 
-from common.cli import (add_common_args, add_precision_arg, non_negative_float, positive_float, positive_int,
+from common.cli import (add_common_args, add_lr_arg, add_precision_arg, non_negative_float, positive_int,
                         script_parser)
 from common.data.datasets import GlobalBatchSampler, load_stdlib_text, worker_ignores_sigterm
 from common.runtime.distributed import gather_objects
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "compile, so raise --warmup-steps) (default: off)")
     group.add_argument("--global-batch-size", type=positive_int, default=64,
                        help="sequences per optimiser step over all ranks, whatever their number (default: %(default)s)")
-    group.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
+    add_lr_arg(group, default=1e-3, optimizer="AdamW")
     group.add_argument("--weight-decay", type=non_negative_float, default=0.1,
                        help="AdamW weight decay (default: %(default)s)")
     group.add_argument("--window-stride", type=positive_int, default=None,

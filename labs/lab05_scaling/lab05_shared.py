@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from common.cli import (add_common_args, add_former_names, add_timing_args, config_dict, non_negative_int,
+from common.cli import (add_common_args, add_former_names, add_lr_arg, add_timing_args, config_dict, non_negative_int,
                         positive_float, positive_int)
 from common.measure.energy import not_measured
 from common.results import make_record, provenance, write_record
@@ -619,7 +619,7 @@ def add_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                                                     "(default: %(default)s)"), "--steps")
     group.add_argument("--warmup-steps", type=positive_int, default=2,
                        help="untimed steps (of each kind) per bucket size (default: %(default)s)")
-    group.add_argument("--lr", type=positive_float, default=0.01, help="SGD learning rate (default: %(default)s)")
+    add_lr_arg(group, default=0.01)
     add_common_args(parser, batch_size=32)
     return parser
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, TextIO
 
-from common.cli import (add_collective_timeout_arg, add_run_args, non_negative_int, output_dir, positive_float,
-                        positive_int)
+from common.cli import (add_collective_timeout_arg, add_log_interval_arg, add_lr_arg, add_run_args, add_steps_arg,
+                        non_negative_int, output_dir, positive_int)
 from common.errors import UserError
 
 LAB = "lab06"
@@ -387,17 +387,15 @@ def add_inject_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--step", type=positive_int, default=3, help="the step at which it does (default: %(default)s)")
     add_collective_timeout_arg(group, default=COLLECTIVE_TIMEOUT_S)
     group = parser.add_argument_group("the run")
-    group.add_argument("--steps", type=positive_int, default=10, help="optimiser steps (default: %(default)s)")
+    add_steps_arg(group, default=10)
     group.add_argument("--batch-size", type=positive_int, default=16,
                        help="images per rank and step (default: %(default)s)")
     group.add_argument("--width", type=positive_int, default=4,
                        help="channels of the CNN's first layer (default: %(default)s)")
-    group.add_argument("--lr", type=positive_float, default=0.05,
-                       help="SGD learning rate, momentum 0.9 (default: %(default)s)")
+    add_lr_arg(group, default=0.05, optimizer="SGD (momentum 0.9)")
     group.add_argument("--num-workers", type=non_negative_int, default=1,
                        help="DataLoader worker processes; stuck-loader needs one (default: %(default)s)")
-    group.add_argument("--log-interval", type=positive_int, default=5,
-                       help="steps between loss lines (default: %(default)s)")
+    add_log_interval_arg(group, default=5)
     group.add_argument("--checkpoint-every", type=positive_int, default=5,
                        help="rank 0 saves model and optimiser every this many steps (default: %(default)s)")
     group.add_argument("--run-dir", type=output_dir, default=DEFAULT_RUN_DIR,

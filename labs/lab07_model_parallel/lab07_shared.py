@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.cli import config_dict, non_negative_int, positive_float, positive_int
+from common.cli import add_lr_arg, add_steps_arg, config_dict, non_negative_int, positive_int
 from common.data.datasets import TEXT_VOCAB_SIZE, load_stdlib_text
 from common.errors import UserError
 from common.models import DecoderOnlyTransformer, TransformerShape, add_transformer_args, transformer_shape
@@ -54,10 +54,8 @@ def add_training_flags(parser: argparse.ArgumentParser, *, batch: str, steps: in
     """``--steps --lr --warmup-steps``: every Lab-07 script takes the same optimiser steps; then ``--batch-size``,
     whose help (``batch``) says how the script splits the batch."""
     group = parser.add_argument_group("training")
-    group.add_argument("--steps", type=positive_int, default=steps,
-                       help="optimiser steps, each on one global batch of --batch-size sequences "
-                            "(default: %(default)s)")
-    group.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate (default: %(default)s)")
+    add_steps_arg(group, default=steps, each=", each on one global batch of --batch-size sequences")
+    add_lr_arg(group, default=3e-3, optimizer="AdamW")
     group.add_argument("--warmup-steps", type=non_negative_int, default=2,
                        help="first steps left out of the timing (default: %(default)s)")
     parser.add_argument("--batch-size", type=positive_int, default=16, help=f"{batch} (default: %(default)s)")

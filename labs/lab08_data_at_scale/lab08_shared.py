@@ -58,7 +58,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
 from common.checkpoint.single_file import load_checkpoint, save_checkpoint
-from common.cli import add_common_args, positive_float, positive_int
+from common.cli import add_common_args, add_lr_arg, positive_float, positive_int
 from common.data.datasets import worker_ignores_sigterm
 from common.errors import UserError
 from common.runtime.device import synchronize
@@ -105,7 +105,7 @@ def add_training_run_args(parser: argparse.ArgumentParser, group: argparse._Argu
     """What both training lessons take after their own flags: SGD's rate (in ``group``), the training flags, the
     checkpoint flags (``checkpoint``: a distributed script's, which saves to RESULTS_DIR/checkpoints/ without
     ``--checkpoint``, and its help says so), those every script shares, and ``--data-dir`` on this lab's data set."""
-    group.add_argument("--lr", type=positive_float, default=0.05, help="SGD learning rate (default: %(default)s)")
+    add_lr_arg(group, default=0.05)
     add_training_args(parser)
     if checkpoint:
         add_checkpoint_args(parser, always=True)
