@@ -193,7 +193,7 @@ def add_run_args(
     group.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                        help="where to run: auto picks cuda when a GPU is visible (default: %(default)s)")
     group.add_argument("--seed", type=int, default=seed, help="random seed (default: %(default)s)")
-    group.add_argument("--dry-run", action="store_true", help=f"{dry_run} (default: %(default)s)")
+    group.add_argument("--dry-run", action="store_true", help=f"{dry_run} (default: off)")
     group.add_argument("--results-dir", type=output_dir, default=results_dir,
                        help="folder where the result records are written (default: %(default)s)")
     accept_launcher_local_rank(parser)
@@ -211,15 +211,20 @@ def add_common_args(
     num_workers: int | None = None,
     epochs_and_steps: bool = True,
     data: bool = True,
+    dry_run: str | None = None,
 ) -> argparse.ArgumentParser:
     """Add the flags every training script shares, with the script's own defaults shown in ``--help``.
 
     Those of :func:`add_run_args`, then ``--epochs --batch-size --max-steps --data-dir --num-workers``. A script
     without epochs (a profiler's fixed number of steps) leaves out ``--epochs --max-steps`` with
     ``epochs_and_steps=False``, one without a data set ``--data-dir --num-workers`` with ``data=False``: a flag
-    that would change nothing is not offered.
+    that would change nothing is not offered. ``dry_run`` says what ``--dry-run`` does where it is not one epoch of
+    two steps (a script without epochs).
     """
-    group = add_run_args(parser, seed=seed, results_dir=results_dir)
+    if dry_run is None:
+        dry_run = ("one epoch of two steps: checks that everything runs" if epochs_and_steps else
+                   "the script's smallest settings, each count capped: checks that everything runs")
+    group = add_run_args(parser, seed=seed, results_dir=results_dir, dry_run=dry_run)
     if epochs_and_steps:
         group.add_argument("--epochs", type=positive_int, default=epochs,
                            help="number of epochs to train (default: %(default)s)")

@@ -30,7 +30,7 @@ OVERLAP = f"{LAB}/03_overlap.py"
 shared = load_script(f"{LAB}/lab05_shared.py")
 
 BENCH_ARGS = ["--device", "cpu", "--min-bytes", "1K", "--max-bytes", "64K", "--step-factor", "4", "--repeats", "3",
-              "--warmup", "1", "--memcpy-repeats", "2", "--num-workers", "0"]
+              "--warmup", "1", "--memcpy-repeats", "2"]
 SIZES = [1024, 4096, 16384, 65536]
 
 
@@ -129,6 +129,23 @@ def test_link_peaks_come_from_the_site_profile_with_their_source():
 # --- scaling points ----------------------------------------------------------------------------------
 
 SLURM_2x2 = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2", "SLURM_TASKS_PER_NODE": "2(x2)"}
+
+
+@pytest.mark.parametrize(("text", "modes"), [("both", ["strong", "weak"]), ("weak,strong", ["strong", "weak"]),
+                                             ("weak", ["weak"]), ("both,weak", ["strong", "weak"])])
+def test_modes_takes_a_mode_a_list_or_both(text, modes):
+    assert shared.parse_modes(text) == modes
+
+
+def test_the_overlap_dry_run_caps_steps_image_and_batch_and_the_benchmark_offers_no_training_flags():
+    parser = load_script(OVERLAP).build_parser()
+    dry = shared.read_overlap_args(parser, ["--dry-run"])
+    assert (dry.model, dry.image_size, dry.batch_size, dry.repeats, dry.warmup_steps) == ("resnet50", 32, 8, 2, 1)
+    assert shared.read_overlap_args(parser, ["--dry-run", "--image-size", "16"]).image_size == 16
+    assert shared.read_overlap_args(parser, []).image_size == 224
+    for script in (OVERLAP, BENCH):  # an epoch, a step cap or a data set would change nothing there
+        flags = {option for action in load_script(script).build_parser()._actions for option in action.option_strings}
+        assert not flags & {"--epochs", "--max-steps", "--data-dir", "--num-workers"}, script
 
 
 def test_a_point_larger_than_the_allocation_is_refused():

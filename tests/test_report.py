@@ -49,7 +49,8 @@ def provenance(host: str = "node-a", device_type: str = "cuda", device_name: str
 def write_run(folder: Path, *, lab: str = "lab01", method: str = "baseline", model: str = "resnet18",
               samples_per_s: float | None = 100.0, world_size: int = 1, devices: int | None = None,
               host: str = "node-a", status: str = "ok", peak_gib: float = 3.0, first_gib: float | None = None,
-              metrics: dict[str, Any] | None = None, notes: tuple[str, ...] = ()) -> dict[str, Any]:
+              metrics: dict[str, Any] | None = None, notes: tuple[str, ...] = (),
+              config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write one record and return it (``devices`` GPUs for DataParallel, else ``world_size``)."""
     devices = devices or world_size
     memory = [{"device": f"cuda:{i}", "peak_bytes": int((first_gib if first_gib and i == 0 else peak_gib) * GIB),
@@ -59,9 +60,9 @@ def write_run(folder: Path, *, lab: str = "lab01", method: str = "baseline", mod
     if samples_per_s is not None:
         values["samples_per_s"] = samples_per_s
     values.update(metrics or {})
-    record = make_record(lab=lab, script=f"labs/{lab}/train.py", method=method, config={"model": model},
-                         metrics=values, provenance=provenance(host=host, world_size=world_size),
-                         status=status, notes=notes)
+    record = make_record(lab=lab, script=f"labs/{lab}/train.py", method=method,
+                         config={"model": model, **(config or {})}, metrics=values,
+                         provenance=provenance(host=host, world_size=world_size), status=status, notes=notes)
     write_record(record, folder)
     return record
 
@@ -418,6 +419,28 @@ def test_repeats_are_combined_with_the_median(tmp_path: Path) -> None:
     assert [f.subject for f in out_of_range(runs)] == [f"run {ddp_id} (lab01 ddp)"]  # 75% < 80%
     page = report(folder, "--no-plots")
     assert len(page.tables["configurations-table"]) == 3
+
+
+def test_a_dry_run_is_compared_only_with_dry_runs_and_other_epochs_or_step_caps_are_no_repeat(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    write_run(folder, method="baseline", samples_per_s=100.0, config={"epochs": 3})
+    write_run(folder, method="baseline", samples_per_s=120.0, config={"epochs": 3})
+    write_run(folder, method="baseline", samples_per_s=500.0, config={"epochs": 1})  # a longer epoch's warm-up share
+    write_run(folder, method="baseline", samples_per_s=9.0, config={"epochs": 1, "max_steps": 2, "dry_run": True})
+    write_run(folder, method="ddp", samples_per_s=2.0, world_size=2, config={"epochs": 1, "max_steps": 2,
+                                                                             "dry_run": True})
+    write_run(folder, method="ddp", samples_per_s=330.0, world_size=2, config={"epochs": 3})
+    runs = runs_frame([json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))])
+    ddp = runs[runs["method"] == "ddp"].set_index("dry_run")
+    assert ddp.loc[False, "baseline_samples_per_s"] == 120.0  # the median of the three measured baselines, not 9
+    assert ddp.loc[True, "baseline_samples_per_s"] == 9.0 and ddp.loc[True, "speedup"] == pytest.approx(2 / 9)
+    configs = configurations_frame(runs)
+    baselines = configs[configs["method"] == "baseline"].set_index(["dry_run", "epochs"])["runs"]
+    assert baselines.to_dict() == {(False, 3.0): 2, (False, 1.0): 1, (True, 1.0): 1}
+    dry_ids = sorted(runs.loc[runs["dry_run"], "run_id"])
+    summary = " ".join(report(folder, "--no-plots").sections["summary"].split())
+    listed = re.search(r"Dry runs \(--dry-run: [^)]*\), compared only with each other: run\(s\) ([^.]*)\.", summary)
+    assert sorted(listed.group(1).split(", ")) == dry_ids
 
 
 def test_runs_with_another_global_batch_are_another_configuration_not_a_repeat(tmp_path: Path) -> None:

@@ -182,7 +182,7 @@ def add_memory_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="micro-batches the batch is split into in part 3 (default: %(default)s)")
     parser.add_argument("--repeats", type=positive_int, default=5,
                         help="timed forward+backward pairs (plain, checkpointed) in part 2 (default: %(default)s)")
-    add_common_args(parser, batch_size=256)
+    add_common_args(parser, batch_size=256, epochs_and_steps=False, data=False)  # random inputs
     return parser
 
 

@@ -174,6 +174,9 @@ def summary_section(runs: pd.DataFrame) -> Section:
         counts = ", ".join(f"{release}: {count} run{'s' if count != 1 else ''}" for release, count in releases.items())
         notes.append(f"These runs used {len(releases)} PyTorch releases ({counts}): part of a difference between them "
                      "may be the release. Each run's is in the provenance table.")
+    if runs["dry_run"].any():
+        notes.append("Dry runs (--dry-run: a check that the script runs, not a measurement), compared only with each "
+                     "other: run(s) " + ", ".join(runs.loc[runs["dry_run"], "run_id"].astype(str)) + ".")
     lacking = missing_baselines(runs) if scaling else []
     if lacking:
         notes.append(f"No usable '{BASELINE_METHOD}' run to compute an efficiency for: " + "; ".join(lacking) + ".")
@@ -195,7 +198,7 @@ def configurations_section(configs: pd.DataFrame) -> Section | None:
         "samples/s (median)": ("samples_per_s", "rate"), "samples/s (min – max)": spread,
         "scaling efficiency (median)": ("scaling_efficiency", "%"),
     }, id="configurations-table", row_id_column=None,
-        caption="Successful runs with the same lab, method, model, machine and devices")
+        caption="Successful runs with the same lab, method, model, machine, devices, global batch, epochs and step cap")
     return Section("Repeats combined", tables=[table])
 
 

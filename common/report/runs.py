@@ -20,10 +20,11 @@ from common.runtime.machine import describe_machine, machine_label
 BASELINE_METHOD = "baseline"
 #: DDP below this scaling efficiency is flagged (the Lab-01 handout's 4-GPU run reached 94%).
 DDP_MIN_EFFICIENCY = 0.80
-#: A run is compared only with runs that share these: same lab, model, kind of device and machine.
-COMPARISON_KEYS = ("lab", "model", "device_type", "machine")
-#: One configuration (another global batch is another) is a line of the Lab-01 handout's table; repeats: the median.
-CONFIGURATION_KEYS = (*COMPARISON_KEYS, "method", "world_size", "devices", "global_batch_size")
+#: A run is compared only with runs that share these: same lab, model, kind of device and machine; a dry run (a check
+#: that the script runs) only with dry runs.
+COMPARISON_KEYS = ("lab", "model", "device_type", "machine", "dry_run")
+#: One configuration (another batch, epoch count or step cap is another): a line of Lab-01's table; repeats: the median.
+CONFIGURATION_KEYS = (*COMPARISON_KEYS, "method", "world_size", "devices", "global_batch_size", "epochs", "max_steps")
 #: Names of the runs table and the record key each is read from.
 TEXT_COLUMNS = {"run_id": "run_id", "lab": "lab", "method": "method", "status": "status", "script": "script",
                 "created": "created", "model": "config.model", "device_type": "provenance.device.type",
@@ -183,6 +184,8 @@ def runs_frame(records: Iterable[Mapping[str, Any]], results_dir: Path | None = 
     runs["command"] = _column(flat, "provenance.command").map(
         lambda v: [str(part) for part in v] if isinstance(v, list) else text(v))
     runs["record"] = records
+    runs["dry_run"], runs["epochs"] = flags(flat, "config.dry_run"), numbers(flat, "config.epochs")
+    runs["max_steps"] = numbers(flat, "config.max_steps")
     runs["comparison"] = group_key(runs, COMPARISON_KEYS)
     runs["configuration"] = group_key(runs, CONFIGURATION_KEYS)
 

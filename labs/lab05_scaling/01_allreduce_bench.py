@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 def benchmark(args, ctx, collectives: list[str], sizes: list[int], threads: int) -> int:
     device, ranks = ctx.device, ctx.world_size
     check_gpu_memory(sizes[-1], device)  # the largest message, its result and NCCL's buffers must fit
-    placement = record_placement(device, args.num_workers)
+    placement = record_placement(device, 0)  # no DataLoader: the messages are made on the device
     if ranks == 1:  # the same on a CPU and a GPU: a collective on one rank copies within the device, if at all
         print0(f"bandwidth: 1 rank, backend {ctx.backend}: there is no link to measure (one rank sends nothing to "
                "any other, so bus bandwidth would be 0 and no transport is chosen); nothing was timed and no record "

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common.cli import apply_dry_run, script_parser
+from common.cli import script_parser
 from common.runtime.device import configure_threads, seed_everything, synchronize
 from common.runtime.distributed import all_reduce_max, init_distributed, print0, teardown_distributed
 from common.measure.energy import EnergyMeter
@@ -46,7 +46,7 @@ from common.models import build_model, input_shape
 from common.runtime.placement import record_placement
 from common.units import format_bytes
 from labs.lab05_scaling.lab05_shared import (OVERLAP_HEADER, add_overlap_args, nothing_to_overlap, overlap_row,
-                                             parse_buckets, write_overlap_record)
+                                             parse_buckets, read_overlap_args, write_overlap_record)
 
 
 def slowest_rank(times: list[float], device: torch.device) -> list[float]:
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = apply_dry_run(build_parser().parse_args(argv), repeats=2, warmup_steps=1)
+    args = read_overlap_args(build_parser(), argv)  # --dry-run: small images, a small batch, two steps
     buckets_mb = parse_buckets(args.bucket_cap_mb)
     threads = configure_threads()
     ctx = init_distributed(args.device, force_process_group=True)

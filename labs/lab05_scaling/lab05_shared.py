@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from common.cli import (add_common_args, add_former_names, add_lr_arg, add_timing_args, config_dict, non_negative_int,
-                        positive_float, positive_int)
+from common.cli import (add_common_args, add_former_names, add_lr_arg, add_run_args, add_timing_args, apply_dry_run,
+                        config_dict, non_negative_int, positive_float, positive_int)
 from common.measure.energy import not_measured
 from common.results import make_record, provenance, write_record
 from common.runtime.cpus import usable_cpus
@@ -311,9 +311,8 @@ def add_bandwidth_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="where the --peak-gbps figure comes from (default: %(default)s)")
     group.add_argument("--memcpy-repeats", type=positive_int, default=5,
                        help="copies timed for the CPU reference (default: %(default)s)")
-    # --device, --results-dir, --num-workers (the placement check compares it with the cores) and
-    # --dry-run (three sizes up to 16 KiB, three timed calls) apply here; the training flags do not.
-    add_common_args(parser, batch_size=1)
+    add_run_args(parser, dry_run="three message sizes up to 16 KiB, three timed calls each: checks that everything "
+                                 "runs")  # no training, no data set: none of the training flags
     return parser
 
 
@@ -428,7 +427,9 @@ def parse_points(text: str) -> list[int]:
 
 
 def parse_modes(text: str) -> list[str]:
-    modes = [mode.strip() for mode in text.split(",") if mode.strip()]
+    """``--modes``: ``strong``, ``weak``, both as a comma list, or ``both``; in the order of :data:`MODES`."""
+    modes = [part for mode in text.split(",") if mode.strip()
+             for part in (MODES if mode.strip() == "both" else [mode.strip()])]
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown or not modes:
         raise UserError(f"unknown scaling mode {', '.join(unknown) or '(none given)'}; choose strong, weak or both")
@@ -546,7 +547,8 @@ def add_study_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("the study")
     group.add_argument("--processes", default="1,2,4",
                        help="process counts to run, comma-separated (default: %(default)s)")
-    group.add_argument("--modes", default="strong,weak", help="strong, weak or both (default: %(default)s)")
+    group.add_argument("--modes", default="strong,weak",
+                       help="strong, weak, or both (also written strong,weak) (default: %(default)s)")
     group.add_argument("--global-batch-size", type=positive_int, default=None,
                        help="strong scaling's global batch, split over the processes (default: --batch-size, so "
                             "the 1-process run is shared by both modes)")
@@ -603,6 +605,8 @@ def point_record(mode: str, processes: int, nodes: int, batch: int, training: di
 # 03_overlap.py: flags, the table, the record
 
 OVERLAP_SCRIPT = "labs/lab05_scaling/03_overlap.py"
+#: ``03_overlap.py --dry-run``'s image side and batch: ResNet-50 at 224x224 took 11 minutes on a 2-core CPU.
+OVERLAP_DRY_RUN_IMAGE_SIZE, OVERLAP_DRY_RUN_BATCH = 32, 8
 
 
 def add_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -620,8 +624,17 @@ def add_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument("--warmup-steps", type=positive_int, default=2,
                        help="untimed steps (of each kind) per bucket size (default: %(default)s)")
     add_lr_arg(group, default=0.01)
-    add_common_args(parser, batch_size=32)
+    add_common_args(parser, batch_size=32, epochs_and_steps=False, data=False,  # random images, --repeats steps
+                    dry_run=f"images of at most {OVERLAP_DRY_RUN_IMAGE_SIZE}x{OVERLAP_DRY_RUN_IMAGE_SIZE}, a batch of "
+                            f"at most {OVERLAP_DRY_RUN_BATCH}, two timed steps per bucket size: checks that everything "
+                            "runs")
     return parser
+
+
+def read_overlap_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``03_overlap.py``'s flags; ``--dry-run`` caps the steps, the image side and the batch (the model stays)."""
+    return apply_dry_run(parser.parse_args(argv), repeats=2, warmup_steps=1, image_size=OVERLAP_DRY_RUN_IMAGE_SIZE,
+                         batch_size=OVERLAP_DRY_RUN_BATCH)
 
 
 def parse_buckets(text: str) -> list[float]:
