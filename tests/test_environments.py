@@ -232,6 +232,35 @@ def test_the_lanta_chapters_environment_name_is_activated_too(tmp_path):
     assert log.read_text().splitlines() == ["conda activate hpc-ignite-ml"]
 
 
+def test_a_lanta_job_keeps_the_environment_it_was_submitted_from_else_the_course_s(tmp_path):
+    """The LANTA profile's setup lines, as every rendered LANTA job runs them (from the repository root): Mamba's
+    module, then the python the job was submitted with when it has PyTorch (Slurm passes the shell's PATH on), else
+    the course's environment under either of its names."""
+    from common.slurm.sites import find_site
+
+    log = tmp_path / "calls.log"
+    prelude = (f'module() {{ echo "module $*" >> {log}; }}\n'
+               "conda() { case $1 in env) echo 'base  /opt/conda'; echo 'hpc-ignite-ml  /opt/conda/envs/x' ;;"
+               f" activate) echo \"conda activate $2\" >> {log} ;; esac; }}")
+    setup = "\n".join(find_site("lanta").setup)
+    clean = {key: value for key, value in os.environ.items()
+             if not key.startswith(("SLURM_", "HPC_DL_LABS_", "OMP_", "MKL_", "CONDA", "VIRTUAL_ENV"))}
+
+    def job(path: str, **env: str) -> list[str]:
+        log.unlink(missing_ok=True)
+        script = f"set -euo pipefail\n{prelude}\nset +u\n{setup}\nset -u\necho \"PY=$(command -v python)\"\n"
+        proc = subprocess.run(["bash", "-c", script], cwd=REPO, env={**clean, "PATH": path, **env},
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return [*log.read_text().splitlines(), proc.stdout.strip().splitlines()[-1]]
+
+    mine = fake_python(tmp_path / "submitted" / "bin", has_torch=True)
+    assert job(f"{mine}:{SYSTEM_PATH}") == ["module load Mamba/23.11.0-0", f"PY={mine / 'python'}"]
+    none = fake_python(tmp_path / "bare" / "bin", has_torch=False)
+    assert job(f"{none}:{SYSTEM_PATH}")[:2] == ["module load Mamba/23.11.0-0", "conda activate hpc-ignite-ml"]
+    assert job(f"{mine}:{SYSTEM_PATH}", HPC_DL_LABS_MODULES="Mamba/24.1")[0] == "module load Mamba/24.1"
+
+
 #: Where a student reads how to create the GPU environment, and the folder its commands are typed in.
 CREATE_COMMAND_DOCS = {"README.md": REPO, "environments/ml-gpu.yaml": REPO,
                        "chapters/ch04_deep_learning/README.md": REPO / "chapters" / "ch04_deep_learning"}
