@@ -197,6 +197,18 @@ def test_resuming_a_2d_run_that_has_no_step_left_is_one_line(runs, capsys):
     assert not (root / "resume_done").exists()
 
 
+def test_resuming_a_2d_run_with_other_settings_is_one_line(runs, capsys):
+    """Another batch (or seed, learning rate, model) would train something else from step 10 on: refused, as the
+    single-file checkpoints of Labs 01, 04, 06 and 08 refuse it. The mesh may differ (the test above)."""
+    root = runs["root"]
+    argv = _args(root, "resume_other", "--resume", "--checkpoint-dir", str(root / "resume1" / "ckpt"),
+                 "--steps", str(STEPS + 4), "--batch-size", "16", "--lr", "0.01", base=TINY)
+    assert run_main(TWO_D, argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "was written with other settings (batch_size 8 there, 16 here; lr " in err[0], err
+    assert not (root / "resume_other").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # Bad input: one error line, exit status 2, nothing written
 

@@ -28,7 +28,7 @@ import importlib
 import torch
 
 from common.checkpoint.sharded import DistributedCheckpointer
-from common.checkpoint.single_file import check_steps_left
+from common.checkpoint.single_file import check_same_settings, check_steps_left
 from common.cli import add_run_args, output_dir, positive_int, script_parser
 from common.errors import UserError, run_main
 from common.measure.memory import local_bytes
@@ -101,11 +101,14 @@ def main(argv: list[str] | None = None) -> int:
         # and one fused update cannot mix tensors of two meshes.
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, foreach=False)
         checkpointer = DistributedCheckpointer(checkpoint_dir)
+        # What a resumed run must share with the saved one (the mesh may differ: DCP reshards on load).
+        settings = {**shape.describe(), "batch_size": args.batch_size, "seed": args.seed, "lr": args.lr}
         first = 0
         if args.resume:
             saved = checkpointer.read()
             if saved is None:
                 raise UserError(f"--resume: no complete checkpoint in {checkpoint_dir}")
+            check_same_settings(saved, settings, checkpoint_dir)
             check_steps_left(int(saved["step"]), args.steps, checkpoint_dir)
             checkpointer.restore({"model": model, "optimizer": optimizer})
             first = int(saved["step"])
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             losses.append(all_reduce_mean(loss.detach()))  # each row's mean over an equal share: the batch's mean
             print0(f"step {step:3d} | loss {losses[-1]:.6f}")
             if step + 1 == args.steps or (args.checkpoint_every and (step + 1) % args.checkpoint_every == 0):
-                checkpointer.save({"epoch": 1, "step": step + 1, "mesh": f"{dp}x{tp}"},
+                checkpointer.save({"epoch": 1, "step": step + 1, "mesh": f"{dp}x{tp}", "config": settings},
                                   {"model": model, "optimizer": optimizer})
         checkpointer.close()
 
