@@ -132,6 +132,13 @@ def input_path(text: str) -> Path:
     return Path(text).expanduser()
 
 
+def from_here(path: Path) -> str:
+    """``path`` as the user can type it where they are: relative to the working folder inside the course's repository
+    (``../../scripts/x.py`` from a lab's folder), absolute from anywhere else."""
+    repository, here = Path(__file__).resolve().parents[1], Path.cwd().resolve()
+    return os.path.relpath(path) if here == repository or repository in here.parents else str(Path(path).resolve())
+
+
 def output_dir(text: str) -> Path:
     """argparse type: a folder the run can write into (checked before anything runs; nothing created)."""
     return _usable_place(Path(text).expanduser(), folder=True)
@@ -209,6 +216,7 @@ def add_common_args(
     data_dir: str = "data",
     results_dir: str = "results",
     num_workers: int | None = None,
+    min_workers: int = 0,
     epochs_and_steps: bool = True,
     data: bool = True,
     dry_run: str | None = None,
@@ -218,8 +226,9 @@ def add_common_args(
     Those of :func:`add_run_args`, then ``--epochs --batch-size --max-steps --data-dir --num-workers``. A script
     without epochs (a profiler's fixed number of steps) leaves out ``--epochs --max-steps`` with
     ``epochs_and_steps=False``, one without a data set ``--data-dir --num-workers`` with ``data=False``: a flag
-    that would change nothing is not offered. ``dry_run`` says what ``--dry-run`` does where it is not one epoch of
-    two steps (a script without epochs).
+    that would change nothing is not offered. ``num_workers`` fixes ``--num-workers``' default, else it is the
+    allocation's (``common.runtime.cpus.default_num_workers``), at least ``min_workers``. ``dry_run`` says what
+    ``--dry-run`` does where it is not one epoch of two steps (a script without epochs).
     """
     if dry_run is None:
         dry_run = ("one epoch of two steps: checks that everything runs" if epochs_and_steps else
@@ -236,9 +245,11 @@ def add_common_args(
     if data:
         group.add_argument("--data-dir", type=input_dir, default=Path(data_dir),
                            help="folder holding downloaded data sets (default: %(default)s)")
-        workers = default_num_workers() if num_workers is None else num_workers
+        workers = max(min_workers, default_num_workers()) if num_workers is None else num_workers
+        source = "" if num_workers is not None else "; from SLURM_CPUS_PER_TASK when set" + (
+            f", at least {min_workers}" if min_workers else "")
         group.add_argument("--num-workers", type=non_negative_int, default=workers,
-                           help="DataLoader worker processes; from SLURM_CPUS_PER_TASK when set (default: %(default)s)")
+                           help=f"DataLoader worker processes{source} (default: %(default)s)")
     return parser
 
 

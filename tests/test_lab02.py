@@ -89,6 +89,20 @@ def test_a_run_is_named_after_the_sweep_step_it_matches(monkeypatch, flags, meth
     assert (args.method or default_method(args)) == method
 
 
+@pytest.mark.parametrize("cpus, workers, method", [("1", 1, "baseline"), ("8", 7, "workers")])
+def test_job_slurm_s_allocation_gives_the_usc_lab_s_baseline_and_its_step_5(monkeypatch, cpus, workers, method):
+    """job.slurm asks for one core, as the USC lab did: its one DataLoader worker is the baseline; the README's
+    step 5 (--cpus-per-task=8) gives seven."""
+    from labs.lab02_profiling.lab02_shared import default_method
+
+    for key in ("SLURM_CPUS_ON_NODE", "SLURM_JOB_CPUS_PER_NODE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", cpus)
+    monkeypatch.setattr("common.runtime.cpus.usable_cpus", lambda: 16)  # a GPU node's cores, not this machine's
+    args = load_script(TRAIN).build_parser().parse_args([])
+    assert (args.num_workers, default_method(args)) == (workers, method)
+
+
 def test_the_three_pipelines_give_the_same_numbers():
     import torch
 
@@ -162,6 +176,15 @@ def test_sweep_refuses_a_step_this_machine_cannot_run_before_any_starts(argv, me
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and captured.err.startswith(message), captured.err
     assert "$ " not in captured.out and not (tmp_path / "results").exists()
+
+
+def test_sweep_without_its_data_set_is_one_line_before_any_step_starts(tmp_path, capsys):
+    """MNIST not downloaded: every step would stop at the same missing files (it used to start each of them)."""
+    argv = ["--dataset", "mnist", "--data-dir", str(tmp_path), "--results-dir", str(tmp_path / "results")]
+    assert run_main(f"{LAB}/sweep.py", argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and captured.err.startswith(f"error: mnist not found under {tmp_path}")
+    assert "download_data.py mnist" in captured.err and not (tmp_path / "results").exists()
 
 
 def test_profile_trace_writes_a_valid_trace_with_labelled_regions(tmp_path, capsys):

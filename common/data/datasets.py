@@ -36,7 +36,11 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset, TensorDataset
 
+from common.cli import from_here
 from common.errors import UserError
+
+#: What a login node runs to fetch a data set (compute nodes have no internet); named in the missing-data error.
+DOWNLOAD_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "download_data.py"
 
 DATASETS = ("mnist", "digits", "cifar10", "imagefolder", "synthetic")
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -84,7 +88,7 @@ class DataSplits:
 def _missing(name: str, data_dir: Path, detail: str = "") -> UserError:
     return UserError(
         f"{name} not found under {data_dir}{detail}. Compute nodes have no internet: on a login node run "
-        f"'python scripts/download_data.py {name} --data-dir {data_dir}', or use --dataset digits "
+        f"'python {from_here(DOWNLOAD_SCRIPT)} {name} --data-dir {data_dir}', or use --dataset digits "
         "(bundled) or --dataset synthetic"
     )
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import linecache
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -75,7 +74,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--method", default=None,
                         help="name of this run in its result record (default: 'baseline' for the USC lab's "
                              "configuration, 'workers' for it with more than one worker, else 'custom')")
-    add_common_args(parser, epochs=3, batch_size=64)
+    add_common_args(parser, epochs=3, batch_size=64, min_workers=1)  # one core: the USC lab's one worker
     return parser
 
 
@@ -243,14 +242,6 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="where the .lprof of every step is kept (default: RESULTS_DIR/lab02_lprof)")
     add_common_args(parser, epochs=3, batch_size=64)
     return parser
-
-
-def from_here(path: Path) -> str:
-    """``path`` as the user can type it where they are: relative to the working folder, else absolute."""
-    try:
-        return os.path.relpath(path)
-    except ValueError:  # another drive on Windows
-        return str(path)
 
 
 def data_loading_share(lprof_path: str | Path, function: str = "train") -> float:

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from common.cli import apply_dry_run, command_flags, script_parser
+from common.cli import apply_dry_run, command_flags, from_here, script_parser
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, read_only_record, write_record
 from labs.lab02_profiling.lab02_shared import (TRAIN_SCRIPT, add_sweep_args, add_train_args, data_loading_share,
-                                               from_here, markdown_table)
+                                               markdown_table)
 
 LAB_DIR = Path(__file__).resolve().parent
 TRAIN_PATH = LAB_DIR / "mnist_classify.py"
@@ -107,14 +107,18 @@ def run_step(step: Step, flags: list[str], lprof: Path, records_dir: Path) -> tu
 
 
 def preflight(steps: list[tuple[Step, list[str]]]) -> None:
-    """Each step's flags as the training script reads them, its device and precision checked on this machine:
-    :class:`UserError` for the first that cannot run (a GPU that is not there, fp16 on a CPU)."""
+    """Each step's flags as the training script reads them, its device and precision checked on this machine, and
+    the data set they share found: :class:`UserError` for the first that cannot run (a GPU that is not there, fp16
+    on a CPU, MNIST not downloaded), before any step starts."""
+    from common.data.datasets import get_dataset
     from common.runtime.device import resolve_device
     from common.train.amp import check_precision
 
     parser = add_train_args(script_parser(None))  # mnist_classify.py's flags
-    for step, flags in steps:
+    for number, (step, flags) in enumerate(steps):
         args = parser.parse_args(flags)
+        if number == 0:  # every step reads the same data set
+            get_dataset(args.dataset, args.data_dir, synthetic_size=args.synthetic_size)
         device = resolve_device(args.device, start=False)  # this process only waits for the steps: no CUDA context
         try:
             check_precision(args.precision, device)
@@ -159,6 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             sweep_info = {"sweep_id": sweep_id, "index": index, "step": step.name, "change": step.change,
                           "step_flags": command_line(dict(step.settings)), "flags": flags[len(shared):],
                           "lprof": str(lprof), "script": SCRIPT}
+            if status == 2:  # the step refused its input in one line (above): every later step would refuse it too
+                raise UserError(f"step {step.name} stopped at its input (exit status 2); the steps after it were "
+                                "not started")
             if status != 0:
                 failures += 1
                 print(f"step {step.name} failed with exit status {status}", file=sys.stderr, flush=True)
