@@ -224,6 +224,8 @@ def test_resuming_a_2d_run_with_other_settings_is_one_line(runs, capsys):
     (PP, 2, ["--schedule", "1f1b", "--microbatches", "1"], "--schedule 1f1b on 2 stages needs at least 2 micro"),
     (PP, 2, ["--schedule", "interleaved", "--layers", "4", "--microbatches", "3", "--batch-size", "9"],
      "--microbatches 3 must be a multiple of the 2 processes"),
+    (PP, 2, ["--steps", "3", "--warmup-steps", "3"], "--warmup-steps 3 leaves none of the --steps 3 timed"),
+    (TP, 2, ["--steps", "2", "--warmup-steps", "5"], "--warmup-steps 5 leaves none of the --steps 2 timed"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2_before_anything_is_written(monkeypatch, tmp_path, capsys,
                                                                           script, world, extra, message):

@@ -63,9 +63,13 @@ def add_training_flags(parser: argparse.ArgumentParser, *, batch: str, steps: in
 
 
 def apply_dry_run(args: argparse.Namespace) -> argparse.Namespace:
-    """``--dry-run``: two steps, the first one untimed (what the course's tiny runs and CI use)."""
+    """``--dry-run``: two steps, the first one untimed (what the course's tiny runs and CI use). Then a run that
+    would time no step at all is refused: its timings and bubble would be empty."""
     if args.dry_run:
         args.steps, args.warmup_steps = min(args.steps, 2), min(args.warmup_steps, 1)
+    if args.warmup_steps >= args.steps:
+        raise UserError(f"--warmup-steps {args.warmup_steps} leaves none of the --steps {args.steps} timed; "
+                        "give more --steps or fewer --warmup-steps")
     return args
 
 
