@@ -265,8 +265,8 @@ def runs(tmp_path_factory):
     jobs = {
         "bench2": Job([PYTHON, str(REPO / BENCH), *BENCH_ARGS, "--results-dir", str(folders["bench2"])], env,
                       folders["bench2"], ranks=2),
-        "bench4": Job([PYTHON, str(REPO / BENCH), *BENCH_ARGS, "--results-dir", str(folders["bench4"])], env,
-                      folders["bench4"], ranks=4),
+        "bench4": Job([PYTHON, str(REPO / BENCH), *BENCH_ARGS, "--site", "lanta", "--results-dir",
+                       str(folders["bench4"])], env, folders["bench4"], ranks=4),  # a GPU site's links: not on a CPU
         "scaling": Job([PYTHON, str(REPO / SCALING), "--device", "cpu", "--processes", "1,2", "--epochs", "1",
                         "--max-steps", "3", "--batch-size", "8", "--dataset", "synthetic",
                         "--image-size", "8", "--target-accuracy", "0", "--results-dir", str(folders["scaling"]),
@@ -307,6 +307,8 @@ def test_cpu_bandwidth_run_records_every_size_with_busbw_and_the_memcpy_referenc
         assert len(record["provenance"]["placement"]) == ranks
     output = runs["outputs"][name]
     assert "transport: Gloo" in output and "reference: memory copy of this machine" in output
+    said = "note: on a CPU the reference is this machine's memory copy, not --site lanta's links"
+    assert runs["outputs"][name].count(said) == (1 if name == "bench4" else 0)
 
 
 def test_scaling_study_writes_strong_and_weak_points_at_one_and_two_processes(runs):

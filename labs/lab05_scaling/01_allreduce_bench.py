@@ -123,6 +123,8 @@ def reference_for(args, ctx, nodes: int):
         if args.site is None:
             return None
         return link_reference(site_links(args.site, args.partition), nodes, args.site)
+    if args.site is not None:  # its links are GPUs' and the network's: Gloo on a CPU moves bytes through memory
+        print0(f"note: on a CPU the reference is this machine's memory copy, not --site {args.site}'s links")
     # Rank 0 measures alone: the other ranks would compete for the same memory bus.
     reference = measure_memcpy(repeats=args.memcpy_repeats) if ctx.is_main else None
     return gather_objects(reference)[0]
