@@ -200,7 +200,7 @@ def add_run_args(
     group.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                        help="where to run: auto picks cuda when a GPU is visible (default: %(default)s)")
     group.add_argument("--seed", type=int, default=seed, help="random seed (default: %(default)s)")
-    group.add_argument("--dry-run", action="store_true", help=f"{dry_run} (default: off)")
+    group.add_argument("--dry-run", action="store_true", help=f"{dry_run} (default: %(default)s)")
     group.add_argument("--results-dir", type=output_dir, default=results_dir,
                        help="folder where the result records are written (default: %(default)s)")
     accept_launcher_local_rank(parser)

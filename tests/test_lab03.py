@@ -485,6 +485,23 @@ def test_flags_are_the_sjtu_pages_plus_the_labs_and_say_their_defaults():
     assert shared().read_args(parser, ["--dry-run", "--image-size", "16"]).image_size == 16
 
 
+def test_the_gpu_command_on_a_machine_without_one_says_it_benchmarks_the_cpu(capsys):
+    """The README's GPU-node line typed on a laptop runs the nine models at 224x224 on the CPU (hours): one note
+    says so first; a --dry-run, or images as small as its, says nothing."""
+    import torch
+
+    from common.runtime.launch import detect_launch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the command runs there")
+    parser = load_script(SCRIPT).build_parser()
+    for argv, noted in (([], True), (["--dry-run"], False), (["--image-size", "32"], False),
+                        (["--device", "cpu"], False)):
+        assert shared().check_request(shared().read_args(parser, ["-g", "1", *argv]), detect_launch()) is False
+        out = capsys.readouterr().out
+        assert out.startswith("note: no GPU visible: this benchmarks the CPU, 9 model(s) at 224x224") == noted, argv
+
+
 APPTAINER_DEF = REPO / "environments/apptainer/pytorch.def"
 #: What `pip freeze` says in the NGC image: its own builds of these three, which must stay.
 NGC_BUILDS = "torch==2.6.0a0+df5bbc09d1.nv24.12\ntorchvision==0.20.0a0\nnumpy==1.26.4\npandas==2.2.2\n"

@@ -130,7 +130,8 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help=f"SGD learning rate (momentum {MOMENTUM}) for the check and the timed training")
     side = DRY_RUN_IMAGE_SIZE
     add_run_args(parser, dry_run=f"-w 1 -n 2 --check-steps 2, images at most {side}x{side}: checks that every "
-                                 "model and precision runs (on a CPU fp64 and half take most of its time)")
+                                 "model and precision runs (a 2-core CPU takes about 14 min for the nine models, fp64 "
+                                 "and half most of it; --models resnet18 checks one)")
     return parser
 
 
@@ -156,6 +157,9 @@ def check_request(args: argparse.Namespace, launch: Any) -> bool:
     relaunch = launch.world_size == 1 and args.num_gpus > 1
     device = resolve_device(args.device, local_world_size=args.num_gpus if relaunch else None, start=False)
     if device.type == "cpu":
+        if args.device == "auto" and args.image_size > DRY_RUN_IMAGE_SIZE and launch.rank == 0:  # a GPU command
+            print(f"note: no GPU visible: this benchmarks the CPU, {len(args.models)} model(s) at {args.image_size}x"
+                  f"{args.image_size} (hours for the nine at 224); --dry-run checks every path in minutes", flush=True)
         if relaunch:
             check_processes_fit(args.num_gpus)
         runnable_precisions(args.precision, "cpu", cpu_model_name(), None)
