@@ -547,8 +547,7 @@ def add_study_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("the study")
     group.add_argument("--processes", default="1,2,4",
                        help="process counts to run, comma-separated (default: %(default)s)")
-    group.add_argument("--modes", default="strong,weak",
-                       help="strong, weak, or both (also written strong,weak) (default: %(default)s)")
+    group.add_argument("--modes", default="strong,weak", help="strong, weak or both (default: %(default)s)")
     group.add_argument("--global-batch-size", type=positive_int, default=None,
                        help="strong scaling's global batch, split over the processes (default: --batch-size, so "
                             "the 1-process run is shared by both modes)")
