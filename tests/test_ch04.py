@@ -97,7 +97,8 @@ def test_preempted_single_device_run_resumes_to_the_same_weights(device, tmp_pat
 
     # The same command again (a requeued job that had finished): nothing to train, exit 0, no second record.
     assert run("cut", "--resume") == 0
-    assert "nothing left to train" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "nothing left to train" in out and "resumed from" not in out  # it trained nothing: no "resumed" line
     assert len(_records(tmp_path / "cut")) == 1
     # Asked for fewer epochs than the checkpoint holds: one line, nothing written.
     assert run("cut", "--resume", "--epochs", "1") == 2

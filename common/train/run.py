@@ -136,10 +136,11 @@ class TrainingRun:
                                          device=self.device)
         if resumed is not None:
             self.epoch, self.start_step, self.progress = resumed
-            self.print(f"resumed from {self.checkpointer.path}: epoch {self.epoch}, step {self.start_step}")
             self.whole_epochs_from = self.epoch + (self.start_step > 0)
+            # First whether anything is left to train: a finished run stops with its own line, not a "resumed" one.
             finished = self.preemption.past_the_end(self.epoch, self.settings.epochs, self.progress.steps,
                                                     script=self.script, results_dir=self.settings.results_dir)
+            self.print(f"resumed from {self.checkpointer.path}: epoch {self.epoch}, step {self.start_step}")
             self.notes += [finished] if finished else []  # a finished run with its record stops there (exit 0)
 
     def checkpoint_state(self) -> dict[str, Any]:
