@@ -150,9 +150,16 @@ def output_file(text: str) -> Path:
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Make ``parser`` report a bad flag as one ``error:`` line (exit 2) instead of a usage block."""
+    """Make ``parser`` report a bad flag as one ``error:`` line (exit 2) instead of a usage block; a folder typed
+    where no positional argument is taken gets the flag it needs (``compare_results.py results``)."""
     def error(message: str) -> None:
-        parser.exit(2, f"error: {message} (see {parser.prog} --help)\n")
+        extra = message.removeprefix("unrecognized arguments: ").split() if "unrecognized arguments: " in message \
+            else []
+        folder = next((word for word in extra if not word.startswith("-") and Path(word).is_dir()), None)
+        flags = parser._option_string_actions  # a script that reads its folder of records, not a training's data
+        hint = f"; a folder is given as --results-dir {folder}" if folder and "--results-dir" in flags and \
+            "--data-dir" not in flags else ""
+        parser.exit(2, f"error: {message}{hint} (see {parser.prog} --help)\n")
 
     parser.error = error  # type: ignore[method-assign]
     return parser

@@ -892,6 +892,20 @@ def test_a_collective_called_on_rank_0_alone_ends_in_one_line_naming_the_missing
     assert not (tmp_path / "ck.pt").exists()
 
 
+def test_a_folder_typed_without_its_flag_is_one_line_naming_the_flag(tmp_path, capsys):
+    """``compare_results.py results/lab01`` (the folder without --results-dir): argparse's "unrecognized
+    arguments", and the flag that takes it; a word that is no folder gets no such hint."""
+    from common.errors import run_main as run
+    from common.report.cli import main as report
+
+    for word, hint in ((str(tmp_path), f"; a folder is given as --results-dir {tmp_path} "), ("nosuch", " ")):
+        with pytest.raises(SystemExit) as stop:
+            run(report, [word])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"error: unrecognized arguments: {word}{hint}(see "), err
+
+
 @pytest.mark.parametrize(("script", "former", "current"), [
     ("chapters/ch04_deep_learning/mnist_training.py", ["--amp", "bf16"], ("precision", "bf16")),
     ("labs/lab04_sharded_training/02_sharded_training.py", ["--mixed-precision", "bf16"], ("precision", "bf16")),
