@@ -265,6 +265,10 @@ def test_settings_override_the_job_block():
     assert "#SBATCH --cpus-per-task=64 " in text  # four GPUs' share of a 64-core node
     assert "#SBATCH --account=lt200123 " in text
     assert "#SBATCH --time=02:00:00 " in text
+    # The header's render command is the template's: the line after the shebang names what was given beyond it.
+    assert text.splitlines()[1].startswith("# Rendered with --set nodes=4 --set gpus_per_node=4 --set "
+                                           "account=lt200123 --set time=02:00:00 ")
+    assert "# Rendered with" not in render_text(HELLO, "lanta")
 
 
 def test_gpu_model_is_named_only_where_the_site_types_its_gres():

@@ -9,6 +9,7 @@ line naming the template line. The template contract: ``slurm/sites/README.md``.
 from __future__ import annotations
 
 import json
+import shlex
 import traceback
 from pathlib import Path
 from typing import Any, Sequence
@@ -109,6 +110,10 @@ def render(template: Template, site: Site, settings: dict[str, Any] | None = Non
         raise UserError(f"{where}{_template_line(err, template.path)}: {err}") from None
     if not text.startswith("#!"):
         raise UserError(f"{where}: the rendered script must start with '#!/bin/bash' right after the job block")
+    if settings:  # the header's render command is the template's: say what this script was rendered with beyond it
+        shebang, rest = text.split("\n", 1)
+        given = " ".join(f"--set {shlex.quote(f'{key}={value}')}" for key, value in settings.items())
+        text = f"{shebang}\n# Rendered with {given} (the #SBATCH lines follow it where the comments differ)\n{rest}"
     return text, job
 
 
