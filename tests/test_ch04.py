@@ -134,9 +134,11 @@ def test_bf16_autocast_on_cpu_follows_the_fp32_run_step_by_step(fp32_run, tmp_pa
 
 def test_ddp_two_gloo_processes_agree_and_only_rank0_writes(tmp_path):
     results, ckpt = tmp_path / "results", tmp_path / "ckpt"
+    # More DataLoader workers than this machine's cores, for a data set kept whole in memory: no loader, no workers.
     proc = run_script(DDP, "--device", "cpu", "--epochs", "1", "--max-steps", "8", "--results-dir", str(results),
-                      "--checkpoint", str(ckpt / "ddp.pt"), launcher=torchrun(2), cwd=tmp_path)
+                      "--checkpoint", str(ckpt / "ddp.pt"), "--num-workers", "64", launcher=torchrun(2), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "batches: whole data set in cpu memory" in proc.stdout and "WARNING placement" not in proc.stdout
     assert "DDP: 2 process(es), backend gloo, launcher torchrun" in proc.stdout
     assert proc.stdout.count("record: ") == 1  # rank 0 speaks
     assert "parameters identical on all 2 rank(s): yes" in proc.stdout
@@ -154,7 +156,7 @@ def test_ddp_two_gloo_processes_agree_and_only_rank0_writes(tmp_path):
     assert len(rng) == 2 and not torch.equal(rng[0]["torch"], rng[1]["torch"])
     # Every distributed run records where each rank ran, and the energy of its training steps
     # (here every source says why it cannot be read: no GPU, no RAPL files, no Slurm job).
-    assert [p["rank"] for p in record["provenance"]["placement"]] == [0, 1]
+    assert [(p["rank"], p["num_workers"]) for p in record["provenance"]["placement"]] == [(0, 0), (1, 0)]
     energy = record["energy"]
     assert energy["samples"] == 8 * 128 and energy["seconds"] > 0
     assert energy["status"] == "ok" or (energy["joules"] is None and set(energy["sources"]) >= {"nvml", "rapl"})

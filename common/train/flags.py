@@ -127,7 +127,6 @@ class RunSettings:
     log_interval: int
     warmup_steps: int
     record_steps: int
-    num_workers: int | None
     resume: bool
     results_dir: Path
     checkpoint: Path | None
@@ -139,10 +138,10 @@ class RunSettings:
     def from_args(cls, args: argparse.Namespace) -> "RunSettings":
         return cls(device=args.device, deterministic=args.deterministic, epochs=args.epochs,
                    max_steps=args.max_steps, log_interval=args.log_interval, warmup_steps=args.warmup_steps,
-                   record_steps=args.record_steps, num_workers=getattr(args, "num_workers", None),
-                   resume=bool(getattr(args, "resume", False)), results_dir=Path(args.results_dir),
-                   checkpoint=getattr(args, "checkpoint", None), step_budget=getattr(args, "step_budget", None),
-                   tensorboard=getattr(args, "tensorboard", None), flags=args)
+                   record_steps=args.record_steps, resume=bool(getattr(args, "resume", False)),
+                   results_dir=Path(args.results_dir), checkpoint=getattr(args, "checkpoint", None),
+                   step_budget=getattr(args, "step_budget", None), tensorboard=getattr(args, "tensorboard", None),
+                   flags=args)
 
     def config(self, **derived: Any) -> dict[str, Any]:
         """Every flag as the script holds it now (a script may settle some after the run starts), plus ``derived``."""

@@ -83,8 +83,6 @@ class TrainingRun:
         self.device = self.ctx.device
         self.curves = Curves(self.settings.tensorboard, is_main=self.is_main)  # --tensorboard
         self.meter = RunMeter(self.device, warmup_steps=self.settings.warmup_steps)
-        if self.distributed:  # each rank's cores, its GPU's NUMA node, DataLoader workers against cores
-            self.meter.place(self.settings.num_workers)
         self.preemption.__enter__()
         return self
 
@@ -197,6 +195,8 @@ class TrainingRun:
         ``StatefulDataLoader``, tracked with :meth:`track`); a resumed run takes its next batch as it is,
         numbered from the step it stopped at. The stop is agreed before a batch is taken, so such a loader
         has not yet handed out the batch a resumed run must start with."""
+        if self.distributed and self.meter.placement is None:  # each rank's cores, its GPU's NUMA node, and the
+            self.meter.place(getattr(loader, "num_workers", None))  # workers of the loader it has (none if resident)
         cap = self.settings.max_steps
         total = len(loader) if cap is None else min(len(loader), cap)
         with self.meter.epoch(loader):
