@@ -165,6 +165,15 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def refuse_unused(parser: argparse.ArgumentParser, args: argparse.Namespace, used: bool, where: str,
+                  *dests: str) -> None:
+    """One ``error:`` line (exit 2) when a flag of ``dests`` was given another value than its default and this run
+    does not use it (``used`` false; ``where`` says when it would): an ignored flag looks as if it did something."""
+    given = [f"--{dest.replace('_', '-')}" for dest in dests if getattr(args, dest) != parser.get_default(dest)]
+    if given and not used:
+        parser.error(f"{' and '.join(given)}: only with {where}")
+
+
 def script_parser(doc: str | None, *,
                   formatter_class: type[argparse.HelpFormatter] = argparse.RawDescriptionHelpFormatter,
                   ) -> argparse.ArgumentParser:

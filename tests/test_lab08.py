@@ -13,6 +13,7 @@ import csv
 import hashlib
 import io
 import json
+import re
 import shutil
 import subprocess
 import tarfile
@@ -522,12 +523,46 @@ def test_bad_data_skipped_is_counted_and_named(damaged, tmp_path):
     (READ, ["--format", "tfrecord"], "invalid choice"),
     (SHARDS, ["--shard-policy", "round-robin"], "invalid choice"),
     (MAKE, ["--quality", "101", "--data-dir", "/nonexistent/x"], "--quality: must be at most 100, got 101"),
+    # Flags of the tar shards' reader, given with another format, were accepted and ignored.
+    (READ, ["--format", "imagefolder", "--shuffle-buffer", "5"], "--shuffle-buffer: only with --format webdataset"),
+    (READ, ["--format", "array", "--shard-reader", "webdataset"], "--shard-reader: only with --format webdataset"),
 ])
 def test_a_bad_flag_is_one_error_line_and_exit_2(script, argv, message, tmp_path, capsys):
     assert run_main(script, [*argv, "--results-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "r").exists()
+
+
+def test_making_the_data_set_checks_its_device_flag_as_every_script_does(tmp_path, capsys, monkeypatch):
+    """--device cuda on a machine without a GPU was accepted (the images are made on the CPU) where 02 refuses it."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # any machine, a GPU node too
+    assert run_main(MAKE, ["--dry-run", "--device", "cuda", "--data-dir", str(tmp_path / "data"),
+                           "--results-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --device cuda was requested but PyTorch sees no CUDA GPU") and err.count("\n") == 1
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_a_folder_without_shards_is_one_line_before_any_set_up(tmp_path, capsys):
+    assert run_main(SHARDS, ["--data-dir", str(tmp_path), "--device", "cpu", "--dry-run",
+                             "--results-dir", str(tmp_path / "r")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "01_make_dataset.py" in err, (out, err)
+
+
+def test_bad_data_in_02_points_to_what_02_can_do():
+    """02 has no --on-bad-sample: its bad-data line offered that flag, which it then refused."""
+    from common.errors import UserError
+    from labs.lab08_data_at_scale.lab08_shared import check_batch
+
+    for can_skip, hint in ((True, "(--on-bad-sample skip leaves"),
+                           (False, "03_shards_exactly_once.py --on-bad-sample")):
+        with pytest.raises(UserError, match=re.escape(hint)):
+            check_batch({"error": "shard-000000.tar: 000001.jpg: corrupt JPEG"}, can_skip=can_skip)
+    check_batch({"io": {}})  # a batch: nothing to say
 
 
 def test_a_missing_data_set_says_how_to_make_one(tmp_path, capsys):

@@ -134,10 +134,31 @@ def test_a_bad_flag_after_the_double_dash_is_one_line_before_anything_is_written
     every task failed, attempts written, exit 1)."""
     folder = tmp_path / "sweep"
     assert run_main(SWEEP, [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder), "--local", "--device", "cpu",
-                            "--", "--lr", "-1"]) == 2
+                            "--", "--num-workers", "-1"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: task 0 (") and err.count("\n") == 1, err
-    assert "--lr 0.3 --seed 1 --lr -1): chapters/ch04_deep_learning/mnist_training.py says: argument --lr" in err, err
+    assert err == ("error: the flags after -- (--num-workers -1): chapters/ch04_deep_learning/mnist_training.py says: "
+                   "argument --num-workers: must be at least 0, got -1\n"), err
+    assert not folder.exists()
+
+
+@pytest.mark.parametrize("extra", [["--lr", "0.1"], ["--seed=4"], ["--results", "elsewhere"]])
+def test_a_flag_after_the_double_dash_that_a_task_sets_itself_is_refused(tmp_path, capsys, extra):
+    """After --, a value the sweep varies, the seed or a folder flag (any spelling the parser takes) would replace
+    the task's own in every task: the runs of a sweep would all train alike, or write into one folder. A flag the
+    sweep file fixes for every task may be changed there (the next test shortens the tiny sweep so)."""
+    folder = tmp_path / "sweep"
+    assert run_main(SWEEP, [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder), "--local", "--device", "cpu",
+                            "--", *extra]) == 2
+    err = capsys.readouterr().err
+    flag = {"--lr": "--lr", "--seed=4": "--seed", "--results": "--results-dir"}[extra[0]]
+    assert err.startswith(f"error: each task sets {flag} itself") and err.count("\n") == 1, err
+    assert not folder.exists()
+
+
+def test_a_task_that_does_not_exist_is_one_line_and_writes_no_folder(tmp_path, capsys):
+    folder = tmp_path / "sweep"
+    assert run_main(SWEEP, [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder), "--task", "2"]) == 2
+    assert capsys.readouterr().err == "error: task 2 does not exist: this sweep has tasks 0-1\n"
     assert not folder.exists()
 
 

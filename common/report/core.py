@@ -169,7 +169,7 @@ def summary_section(runs: pd.DataFrame) -> Section:
     notes += [note for column, note in SUMMARY_NOTES.items() if column in table.columns]
     notes += [f"Note from run {run.run_id} ({run.lab} {run.method}): {run.notes}" for run in
               runs[["run_id", "lab", "method", "notes"]].explode("notes").dropna(subset="notes").itertuples()]
-    releases = texts(runs, "provenance.versions.torch").fillna("unknown").value_counts().sort_index()
+    releases = texts(runs, "provenance.versions.torch").dropna().value_counts().sort_index()  # none: not a release
     if len(releases) > 1:  # a comparison across PyTorch releases measures the releases too
         counts = ", ".join(f"{release}: {count} run{'s' if count != 1 else ''}" for release, count in releases.items())
         notes.append(f"These runs used {len(releases)} PyTorch releases ({counts}): part of a difference between them "

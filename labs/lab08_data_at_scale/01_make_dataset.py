@@ -39,6 +39,7 @@ import torch
 from common.cli import add_run_args, config_dict, output_dir, percent_int, positive_int, script_parser
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, write_record
+from common.runtime.device import resolve_device
 from common.units import format_bytes
 from labs.lab08_data_at_scale.lab08_shared import FORMATS, IMAGE_SIZE, LAB, default_data_dir, digit_variants
 
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    resolve_device(args.device, start=False)  # checked as every script does; the images are made on the CPU
     if args.dry_run:
         args.samples, args.shard_size = min(args.samples, 200), min(args.shard_size, 50)
     target = args.data_dir

@@ -34,7 +34,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from common.cli import non_negative_float, positive_int, script_parser
+from common.cli import non_negative_float, positive_int, refuse_unused, script_parser
 from common.errors import run_main
 from common.train.run import TrainingRun
 from common.units import format_bytes
@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = (parser := build_parser()).parse_args(argv)
+    refuse_unused(parser, args, args.format == "webdataset", "--format webdataset", "shard_reader", "shuffle_buffer")
     description = describe_dataset(args.data_dir, args.format)
     set_metadata_latency(args.metadata_latency)
     fs = file_system(args)
@@ -138,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         run.track(model=model, optimizer=optimizer)
         # The cost model's inputs, measured here: one sample produced as the epochs' workers produce it (no
         # injected latency: its wait is measured on its own), one training step.
-        cost = calibrate(lambda limit: loader_for(num_workers=args.num_workers, metadata_latency_ms=0.0,
-                                                  limit=limit)[0],
+        cost = calibrate(lambda n: loader_for(num_workers=args.num_workers, metadata_latency_ms=0.0, limit=n)[0],
                          fmt=args.format, samples=args.calibration_samples, workers=args.num_workers,
                          decode_device=device if args.decode == "device" else None, model=model, lr=args.lr,
                          batch_size=args.batch_size, device=device, read_only=args.read_only)
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             waited_before, samples = run.meter.waited_s, 0
             model.train()
             for images, labels, extras in run.steps(loader):
-                check_batch(extras)
+                check_batch(extras, can_skip=False)
                 io.saw(extras["io"])  # this worker's counts so far
                 samples += len(labels)
                 if args.decode == "device":

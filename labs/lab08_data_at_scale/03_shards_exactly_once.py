@@ -52,7 +52,7 @@ from common.train.preemption import Preempted
 from common.train.run import TrainingRun
 from labs.lab08_data_at_scale.lab08_shared import (
     BAD_SAMPLE_ACTIONS, LAB, POLICIES, EpochIO, IdsRead, LoaderCheckpoint, ShardStream, build_model, check_batch,
-    add_training_run_args, set_metadata_latency, to_model_input,
+    add_training_run_args, read_shard_table, set_metadata_latency, to_model_input,
 )
 
 SCRIPT = "labs/lab08_data_at_scale/03_shards_exactly_once.py"
@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     shard_dir = args.data_dir / "shards" if (args.data_dir / "shards").is_dir() else args.data_dir
+    read_shard_table(shard_dir)  # a folder without the shards: one line now, before the device and the group
     set_metadata_latency(args.metadata_latency)
     launch = detect_launch()  # this process's rank, before the process group exists
     # Where the checkpoint goes (--checkpoint, else RESULTS_DIR/checkpoints/): every rank adds its loader's position.

@@ -745,10 +745,14 @@ def _empty() -> torch.Tensor:
     return torch.zeros(0, 1, IMAGE_SIZE, IMAGE_SIZE, dtype=torch.uint8)
 
 
-def check_batch(extras: dict[str, Any]) -> None:
-    """A worker that met bad data under ``--on-bad-sample fail`` sends its one line instead of a batch."""
+def check_batch(extras: dict[str, Any], *, can_skip: bool = True) -> None:
+    """A worker that met bad data under ``--on-bad-sample fail`` sends its one line instead of a batch.
+    ``can_skip``: the script has ``--on-bad-sample`` (03_shards_exactly_once.py; 02_read_formats.py has not)."""
     if "error" in extras:
-        raise UserError(f"bad data: {extras['error']} (--on-bad-sample skip leaves such samples out and counts them)")
+        hint = ("--on-bad-sample skip leaves such samples out and counts them" if can_skip else
+                "remake the data set with 01_make_dataset.py, or read it with 03_shards_exactly_once.py "
+                "--on-bad-sample skip")
+        raise UserError(f"bad data: {extras['error']} ({hint})")
 
 
 # --------------------------------------------------------------------------------------------
@@ -816,7 +820,7 @@ def calibrate(make: Any, *, fmt: str, samples: int, workers: int, decode_device:
             samples = max(samples, size * max(1, round(samples / size)))
         produced, start = -1, 0.0
         for images, labels, extras in loader:
-            check_batch(extras)
+            check_batch(extras, can_skip=False)  # 02_read_formats.py has no --on-bad-sample
             if decode_device is not None:
                 images = decode_batch(images, decode_device)
                 synchronize(decode_device)  # nvJPEG decodes on a CUDA stream: done before the clock is read

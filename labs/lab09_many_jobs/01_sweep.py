@@ -30,9 +30,9 @@ from common.cli import input_file, non_negative_int, output_dir, positive_int, s
 from common.errors import UserError, run_main
 from common.slurm.rendering import read_template, render, write_script
 from common.slurm.sites import find_site
-from labs.lab09_many_jobs.lab09_shared import (ARRAY_TEMPLATE, check_with_script, display, max_array_size,
-                                               prepare_folder, run_task, slurm, slurm_time, submitted_job_id,
-                                               write_plan)
+from labs.lab09_many_jobs.lab09_shared import (ARRAY_TEMPLATE, TASK_FLAGS, check_task, check_training_flags,
+                                               check_with_script, display, max_array_size, prepare_folder, run_task,
+                                               slurm, slurm_time, submitted_job_id, write_plan)
 
 
 def build_parser():
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = (args.sweep_dir or Path("results") / "lab09" / args.sweep_file.stem).resolve()  # tasks run elsewhere
     if args.task is not None:  # inside an array task: planned at submission (submitted by hand: planned here)
         plan = prepare_folder(folder, args.sweep_file, planning_now=True)
+        check_task(plan, args.task)  # before the folder is made
         write_plan(plan)  # the same text from every task, each file written whole
         return run_task(plan, args.task, run_flags(args), replace_process=True)
 
@@ -117,12 +118,21 @@ def main(argv: list[str] | None = None) -> int:
         from common.runtime.device import resolve_device
 
         resolve_device("cuda", start=False)  # the tasks use the GPU: this process holds no context on it
+    varied = {name for task in plan.tasks for name in task.flags
+              if len({repr(other.flags.get(name)) for other in plan.tasks}) > 1}  # a fixed flag may be changed
+    overridden = check_training_flags(plan.script, args.extra, owned=[f"--{n}" for n in sorted(TASK_FLAGS | varied)])
+    if overridden:  # after --, the flag would replace each task's own value: every task alike, or one folder
+        raise UserError(f"each task sets {', '.join(overridden)} itself (its folder, its seed, the values the sweep "
+                        "varies): leave them out after --")
     seconds = check_with_script(plan, run_flags(args))  # its own parser, before anything is written
     print(f"{len(plan.tasks)} task(s) of {display(plan.script)}, flags checked by its parser in {seconds:.1f} s:")
-    for task in plan.tasks[:10]:
+    shown = len(plan.tasks) if args.plan else 10  # --plan writes no plan.yaml: show every task
+    for task in plan.tasks[:shown]:
         print(f"  {task.index:>3}: {' '.join(task.argv())}")
-    if len(plan.tasks) > 10:
-        print(f"  ... and {len(plan.tasks) - 10} more (all in {folder}/plan.yaml)")
+    if len(plan.tasks) > shown:
+        print(f"  ... and {len(plan.tasks) - shown} more (all in {folder}/plan.yaml)")
+    if run_flags(args):
+        print(f"  every task adds: {' '.join(run_flags(args))}")
     if args.plan:
         print(f"would submit: sbatch --array=0-{len(plan.tasks) - 1}%{args.parallel} (site {args.site})")
         return 0

@@ -38,7 +38,8 @@ def build_parser():
     parser.add_argument("--time", type=slurm_time, default=None,
                         help="each training task's time limit (default: the template's)")
     parser.add_argument("--failed", action="store_true",
-                        help="say which tasks failed, from the sweep's record (what the report job prints last)")
+                        help="say which tasks failed, from the sweep's record (what the report job prints last) "
+                             "(default: off)")
     parser.epilog = "Flags after -- go to every training run."
     return parser
 
@@ -53,7 +54,8 @@ def which_failed(folder: Path) -> int:
         raise UserError(f"{folder} holds no sweep record yet: the evaluate stage writes it (02_status.py --record)")
     tasks = records[-1]["metrics"]["tasks"]
     failed = [f"{t['index']} ({t['state']})" for t in tasks if t["state"] != "COMPLETED"]
-    print(f"report: {folder / 'report.html'}; " +
+    report = folder / "report.html"  # the report job's: a sweep run here (--local) has none
+    print((f"report: {report}; " if report.is_file() else "") +
           (f"tasks that did not complete: {', '.join(failed)}" if failed else f"all {len(tasks)} tasks completed"))
     return 0
 

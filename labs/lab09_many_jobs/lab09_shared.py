@@ -348,6 +348,11 @@ def fault_for(plan: Plan, index: int, attempt: int) -> tuple[str, int] | None:
     return None
 
 
+def check_task(plan: Plan, index: int) -> None:
+    if not 0 <= index < len(plan.tasks):
+        raise UserError(f"task {index} does not exist: this sweep has tasks 0-{len(plan.tasks) - 1}")
+
+
 def run_task(plan: Plan, index: int, extra: Sequence[str] = (), *, replace_process: bool = False) -> int:
     """Run task ``index`` (record an attempt first); returns the training's exit status.
 
@@ -356,8 +361,7 @@ def run_task(plan: Plan, index: int, extra: Sequence[str] = (), *, replace_proce
     demonstration (``[faults]`` in the sweep file, first attempt only) trains ``after-steps`` steps and
     saves (``--step-budget``), then fails (exit 3) or stalls until the time limit ends the task.
     """
-    if not 0 <= index < len(plan.tasks):
-        raise UserError(f"task {index} does not exist: this sweep has tasks 0-{len(plan.tasks) - 1}")
+    check_task(plan, index)
     folder = plan.task_dir(index)
     folder.mkdir(parents=True, exist_ok=True)
     attempts = folder / "attempts.jsonl"

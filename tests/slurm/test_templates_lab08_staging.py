@@ -68,3 +68,22 @@ def test_too_little_node_local_space_stops_the_job_at_start_with_one_line(slurm_
         assert not (tmp_path / "results").exists() and list(small.iterdir()) == []  # nothing trained, nothing left
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+def test_a_data_folder_without_shards_stops_the_job_at_start_with_one_line(slurm_cluster, tmp_path):
+    """A plain sbatch after the README's step 1 read $DATA_DIR/lab08, where step 1 had written nothing: every node's
+    copy failed in turn. One line now names the folder and the two ways out, before any step starts."""
+    script = tmp_path / "stage.sbatch"
+    template = render_sbatch.read_template(REPO_ROOT / f"{SCRIPT}.j2")
+    script.write_text(render_sbatch.render(template, render_sbatch.find_site("generic"))[0])
+    empty = tmp_path / "lab08"
+    empty.mkdir()
+    result = slurm_cluster.run(script, env={"LAB08_DATA": str(empty), "RESULTS_DIR": str(tmp_path / "results"),
+                                            "HPC_DL_LABS_TINY": "0"}, timeout=120)
+    log = slurm_cluster.output(result.job_id)
+    assert result.state == "FAILED" and result.exit_code == 2, log[-3000:]
+    errors = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: no shards in {empty}: set LAB08_DATA to the data set's folder (01_make_dataset.py "
+                      "writes data/lab08 by default), or write one there: python "
+                      f"labs/lab08_data_at_scale/01_make_dataset.py --data-dir {empty}"], log[-3000:]
+    assert "checksums OK" not in log and not (tmp_path / "results").exists()  # no copy, no training

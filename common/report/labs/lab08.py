@@ -48,7 +48,7 @@ def data_at_scale(ctx: SectionContext) -> Section | None:
         tables.append(table_from_frame(formats.sort_values(["latency", "config.format"], na_position="first"), {
             "run": "method", "machine": "machine", "wait per open (ms)": ("latency", "{:.3g}"),
             "workers": ("config.num_workers", "int"), "samples": ("samples", "int"),
-            "samples/s (whole epoch)": ("samples_per_s", "{:.4g}"), "files opened": ("opens", "int"),
+            "samples/s (whole epoch)": ("samples_per_s", "int"), "files opened": ("opens", "int"),
             "stat calls": ("stats", "int"),
             "bytes read": ("bytes", "bytes"), "waiting for data": ("data_wait_share", "%1"),
             "epoch s measured": ("epoch_s", "{:.3g}"), "epoch s predicted": ("predicted_epoch_s", "{:.3g}"),
