@@ -736,6 +736,9 @@ def test_a_summary_of_runs_from_two_pytorch_releases_says_so(tmp_path: Path) -> 
     records[2]["provenance"]["versions"]["torch"] = "2.8.0+cu128"  # one run on the course's floor
     (note,) = [n for n in summary_section(runs_frame(records)).notes if "PyTorch releases" in n]
     assert "2 PyTorch releases (2.5.1: 2 runs, 2.8.0+cu128: 1 run)" in note
+    # A record that names no release (Lab-06's diagnosis and preflight) is no second release.
+    records[2]["provenance"]["versions"].pop("torch")
+    assert not [n for n in summary_section(runs_frame(records)).notes if "PyTorch releases" in n]
 
 
 def test_a_record_without_a_device_does_not_make_the_report_mix_machines(tmp_path: Path) -> None:
