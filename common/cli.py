@@ -199,9 +199,10 @@ def accept_launcher_local_rank(parser: argparse.ArgumentParser) -> argparse.Argu
 def add_run_args(
     parser: argparse.ArgumentParser,
     *,
-    seed: int = 1,
+    seed: int | None = 1,
     results_dir: str = "results",
-    dry_run: str = "one epoch of two steps: checks that everything runs",
+    dry_run: str | None = "one epoch of two steps: checks that everything runs",
+    device: bool = True,
 ) -> argparse._ArgumentGroup:
     """Add the flags of every script, training or not: ``--device --seed --dry-run --results-dir``.
 
@@ -209,14 +210,18 @@ def add_run_args(
     training flags to the same group. ``dry_run`` says what ``--dry-run`` does in this script. The
     helps name their defaults through ``%(default)s``, so they read the same with or without
     ``argparse.ArgumentDefaultsHelpFormatter``. Also switches the parser to :func:`one_line_errors`
-    and accepts the ``--local-rank`` of the old launcher.
+    and accepts the ``--local-rank`` of the old launcher. A script that draws nothing at random (``seed=None``),
+    has no shorter run (``dry_run=None``) or computes on no device (``device=False``) is not offered that flag.
     """
     one_line_errors(parser)
-    group = parser.add_argument_group("common options (same in every script)")
-    group.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                       help="where to run: auto picks cuda when a GPU is visible (default: %(default)s)")
-    group.add_argument("--seed", type=int, default=seed, help="random seed (default: %(default)s)")
-    group.add_argument("--dry-run", action="store_true", help=f"{dry_run} (default: %(default)s)")
+    group = parser.add_argument_group("common options (the same meaning in every script)")
+    if device:
+        group.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                           help="where to run: auto picks cuda when a GPU is visible (default: %(default)s)")
+    if seed is not None:
+        group.add_argument("--seed", type=int, default=seed, help="random seed (default: %(default)s)")
+    if dry_run is not None:
+        group.add_argument("--dry-run", action="store_true", help=f"{dry_run} (default: %(default)s)")
     group.add_argument("--results-dir", type=output_dir, default=results_dir,
                        help="folder where the result records are written (default: %(default)s)")
     accept_launcher_local_rank(parser)
@@ -229,7 +234,7 @@ def add_common_args(
     epochs: int = 1,
     batch_size: int = 64,
     seed: int = 1,
-    data_dir: str = "data",
+    data_dir: str | None = "data",
     results_dir: str = "results",
     num_workers: int | None = None,
     min_workers: int = 0,
@@ -241,8 +246,9 @@ def add_common_args(
 
     Those of :func:`add_run_args`, then ``--epochs --batch-size --max-steps --data-dir --num-workers``. A script
     without epochs (a profiler's fixed number of steps) leaves out ``--epochs --max-steps`` with
-    ``epochs_and_steps=False``, one without a data set ``--data-dir --num-workers`` with ``data=False``: a flag
-    that would change nothing is not offered. ``num_workers`` fixes ``--num-workers``' default, else it is the
+    ``epochs_and_steps=False``, one without a data set ``--data-dir --num-workers`` with ``data=False``, one whose data
+    come with the code (a DataLoader all the same) ``--data-dir`` with ``data_dir=None``: a flag that would change
+    nothing is not offered. ``num_workers`` fixes ``--num-workers``' default, else it is the
     allocation's (``common.runtime.cpus.default_num_workers``), at least ``min_workers``. ``dry_run`` says what
     ``--dry-run`` does where it is not one epoch of two steps (a script without epochs).
     """
@@ -258,9 +264,10 @@ def add_common_args(
     if epochs_and_steps:
         group.add_argument("--max-steps", type=positive_int, default=None,
                            help="stop each epoch after this many steps, for tiny runs (default: whole epoch)")
-    if data:
+    if data and data_dir is not None:
         group.add_argument("--data-dir", type=input_dir, default=Path(data_dir),
                            help="folder holding downloaded data sets (default: %(default)s)")
+    if data:
         workers = max(min_workers, default_num_workers()) if num_workers is None else num_workers
         source = "" if num_workers is not None else "; from SLURM_CPUS_PER_TASK when set" + (
             f", at least {min_workers}" if min_workers else "")

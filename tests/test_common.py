@@ -985,11 +985,14 @@ def test_a_stopped_run_says_how_to_go_on_where_it_ran(monkeypatch):
     (HPC_DL_LABS_ON_STOP: a chain's next link, a sweep task's resubmission, a time limit too short to
     requeue). Another signal in a job (scancel, a time limit): a requeued job finds its checkpoint, a
     new one (a new id) needs it given. Outside a job, or a step budget: --resume."""
+    from common.checkpoint.sharded import DistributedCheckpointer
     from common.train.preemption import Preemption
 
     stopped = Preemption(None, resume=False, budget=3)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert stopped.what_next("c.pt") == "to go on from there: the same command with --resume --checkpoint c.pt"
+    assert stopped.what_next("ckpt", DistributedCheckpointer.flag) == (  # Lab-04's folder of shards
+        "to go on from there: the same command with --resume --checkpoint-dir ckpt")
     monkeypatch.setenv("SLURM_JOB_ID", "5")
     assert stopped.what_next("c.pt").startswith("to go on from there")  # a step budget, not a signal
     stopped.signal.requested = signal.SIGUSR1

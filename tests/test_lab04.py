@@ -693,3 +693,24 @@ def test_resuming_a_finished_sharded_run_trains_nothing_and_writes_no_second_rec
     assert run_main(TRAIN, _train("resume1", runs["root"], "--resume")) == 0
     assert "nothing left to train" in capsys.readouterr().out
     assert _record(runs["root"] / "resume1" / "results") == before  # still the one record
+
+
+def test_the_sharded_training_offers_no_data_folder_its_text_does_not_come_from(tmp_path, capsys):
+    """Its text is the Python standard library's source: --data-dir was accepted, recorded and not read."""
+    flags = {option for action in load_script(TRAIN).build_parser()._actions for option in action.option_strings}
+    assert "--data-dir" not in flags and "--num-workers" in flags  # its DataLoader still takes workers
+    from common.checkpoint.sharded import DistributedCheckpointer
+
+    assert DistributedCheckpointer.flag in flags  # what a stopped run tells the user to give again
+    assert run_main(TRAIN, ["--data-dir", str(tmp_path), "--results-dir", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err.startswith("error: unrecognized arguments: --data-dir")
+
+
+def test_a_dry_run_validates_on_two_batches(tmp_path):
+    """--dry-run took 92 s on a 2-core CPU with the lab's model, most of it the 20 validation batches."""
+    assert run_main(TRAIN, [*MODEL, "--dry-run", "--results-dir", str(tmp_path)]) == 0
+    (record,) = [json.loads(path.read_text()) for path in tmp_path.glob("lab04_*.json")]
+    assert record["config"]["eval_steps"] == 2 and len(record["metrics"]["eval_history"]) == 1
+    assert run_main(TRAIN, [*MODEL, "--dry-run", "--eval-steps", "1", "--results-dir", str(tmp_path / "one")]) == 0
+    (record,) = [json.loads(path.read_text()) for path in (tmp_path / "one").glob("lab04_*.json")]
+    assert record["config"]["eval_steps"] == 1  # a smaller count stays

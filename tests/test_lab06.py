@@ -775,3 +775,32 @@ def test_on_an_older_torch_the_short_timeout_still_spares_the_rendezvous(tmp_pat
     outputs = run_two_ranks(tmp_path, OLDER_TORCH, available)
     kept = available == "neither" or compat._torch_release() < compat.GLOO_READS_PRIVATE_TIMEOUT
     assert ("cannot shorten a process group's timeout once it has started" in outputs[0]) == kept, outputs[0]
+
+
+@pytest.mark.parametrize(("script", "absent"), [(DOCTOR, {"--device", "--seed", "--dry-run"}),
+                                                (PREFLIGHT, {"--seed", "--dry-run"})])
+def test_the_doctor_and_the_preflight_offer_no_flag_they_would_ignore(script, absent, tmp_path, capsys):
+    """Both took --seed and --dry-run ('one epoch of two steps'), and the doctor --device, and did nothing with them."""
+    flags = {option for action in load_script(script).build_parser()._actions for option in action.option_strings}
+    assert not flags & absent and "--results-dir" in flags
+    assert run_main(script, ["--dry-run", "--results-dir", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err.startswith("error: unrecognized arguments: --dry-run")
+
+
+def test_a_job_srun_cannot_reach_is_one_line_with_sruns_last_words(tmp_path, capsys, monkeypatch):
+    """srun's refusal (several lines on stderr) was pasted whole into the doctor's error: four lines."""
+    fake = tmp_path / "bin" / "srun"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'srun: warning: a first line' >&2\necho '' >&2\n"
+                    "echo 'srun: error: Unable to confirm allocation for job 12345: Invalid job id specified' >&2\n"
+                    "echo 'srun: Check SLURM_JOB_ID environment variable. Expired or invalid job 12345' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    (tmp_path / "run" / "ledger").mkdir(parents=True)  # a run folder as 01_inject.py makes it
+    assert run_main(DOCTOR, ["--job", "12345", "--run-dir", str(tmp_path / "run"),
+                             "--results-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: srun --overlap --jobid=12345 gave nothing back: srun: error: Unable to confirm allocation "
+                   "for job 12345: Invalid job id specified | srun: Check SLURM_JOB_ID environment variable. Expired "
+                   "or invalid job 12345\n"), err
+    assert not (tmp_path / "r").exists()

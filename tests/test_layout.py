@@ -206,7 +206,7 @@ LESSON_BUDGET = 160
 LINE_BUDGETS = {
     "chapters/ch04_deep_learning/mnist_training.py": 120,
     "chapters/ch04_deep_learning/multi_gpu_ddp.py": 135,
-    "labs/lab06_failures/02_diagnose.py": 155,  # + NCCL watchdog dumps (the H100 run, 2026-11-26)
+    "labs/lab06_failures/02_diagnose.py": 156,  # + NCCL watchdog dumps (the H100 run, 2026-11-26), srun refusing
     "labs/lab06_failures/04_preflight.py": 135,  # + rank 0's answer: srun's store takes the port next
     "labs/lab07_model_parallel/01_tensor_parallel.py": 130,  # + its parallelize_module plan
     "labs/lab07_model_parallel/02_pipeline_parallel.py": 140,

@@ -104,6 +104,7 @@ class _Pickled:
 class DistributedCheckpointer:
     """A :class:`common.train.preemption.Checkpointer` that writes with DCP from every rank (and reshards on load)."""
 
+    flag = "--checkpoint-dir"
     reshards = True
     every_rank_writes = True
 

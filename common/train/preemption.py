@@ -82,6 +82,7 @@ class Checkpointer(Protocol):
     """
 
     path: Path
+    flag: str  # the command-line flag that names ``path``
     reshards: bool
     every_rank_writes: bool
 
@@ -95,6 +96,7 @@ class Checkpointer(Protocol):
 class TorchCheckpointer:
     """One ``torch.save`` file, written atomically by rank 0 (the tracked objects are replicas)."""
 
+    flag = "--checkpoint"
     reshards = False
     every_rank_writes = False
 
@@ -164,7 +166,7 @@ class Preemption:
             return f"received {self.signal.name}"
         return f"step budget of {self.budget} step(s) reached"
 
-    def what_next(self, path: object) -> str:
+    def what_next(self, path: object, flag: str = "--checkpoint") -> str:
         """How the run goes on from the checkpoint at ``path``, in words: a job signalled before its time limit
         (SIGUSR1) requeues itself and resumes; otherwise (scancel, a time limit, ``kill``, a step budget) a new
         submission starts fresh unless it is given that checkpoint. Whatever started the training and knows better
@@ -177,7 +179,7 @@ class Preemption:
             return "exiting so the job can requeue itself and resume from it"
         if in_a_job:
             return f"a requeued job resumes from it; to go on in a new job: CHECKPOINT={path} sbatch <the same script>"
-        return f"to go on from there: the same command with --resume --checkpoint {path}"
+        return f"to go on from there: the same command with --resume {flag} {path}"
 
     def resume(self, objects: dict[str, Any], *, settings: dict[str, Any], rank: int, world_size: int,
                device: torch.device) -> tuple[int, int, Progress] | None:

@@ -90,8 +90,9 @@ class TrainingRun:
         try:
             if isinstance(error, Preempted):  # saved here; the exception goes on (run_main exits 0 on it)
                 self.save_checkpoint(self.epoch, error.step)
-                self.print(f"{self.preemption.why_stopped()}: saved {self.checkpointer.path} at epoch "
-                           f"{self.epoch} step {error.step}; {self.preemption.what_next(self.checkpointer.path)}")
+                saved = self.checkpointer
+                self.print(f"{self.preemption.why_stopped()}: saved {saved.path} at epoch {self.epoch} step "
+                           f"{error.step}; {self.preemption.what_next(saved.path, saved.flag)}")
             return False
         finally:
             try:

@@ -42,7 +42,7 @@ from contextlib import nullcontext
 import torch
 from torch.utils.data import DataLoader
 
-from common.cli import (add_common_args, add_lr_arg, add_precision_arg, non_negative_float, positive_int,
+from common.cli import (add_common_args, add_lr_arg, add_precision_arg, apply_dry_run, non_negative_float, positive_int,
                         script_parser)
 from common.data.datasets import GlobalBatchSampler, load_stdlib_text, worker_ignores_sigterm
 from common.runtime.distributed import gather_objects
@@ -146,12 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="validation global batches after every epoch (default: %(default)s)")
     add_training_args(parser)
     add_distributed_checkpoint_args(parser, default_dir="RESULTS_DIR/checkpoints/02_sharded_training")
-    add_common_args(parser, epochs=2, batch_size=8, num_workers=0)
+    add_common_args(parser, epochs=2, batch_size=8, num_workers=0, data_dir=None)  # the text ships with Python
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = apply_dry_run(build_parser().parse_args(argv), eval_steps=2)
     shape = shape_from_args(args)
     args.checkpoint_dir = args.checkpoint_dir or args.results_dir / "checkpoints" / "02_sharded_training"
     checkpointer = DistributedCheckpointer(args.checkpoint_dir, async_save=args.async_checkpoint)

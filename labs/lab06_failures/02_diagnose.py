@@ -133,7 +133,8 @@ def on_every_node(args) -> list[dict]:
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     views = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     if not views:
-        raise UserError(f"srun --overlap --jobid={args.job} gave nothing back: {result.stderr.strip()[-300:]}")
+        said = [line.strip() for line in result.stderr.splitlines() if line.strip()][-2:]  # srun's last words, one line
+        raise UserError(f"srun --overlap --jobid={args.job} gave nothing back: {' | '.join(said) or 'no output'}")
     return views
 
 
@@ -187,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--job", type=positive_int, default=None,
                        help="a Slurm job id: look on every node through srun --overlap (default: this node)")
     group.add_argument("--json", action="store_true", help="print this node's view as JSON, for --job (default: off)")
-    add_run_args(parser)
+    add_run_args(parser, seed=None, dry_run=None, device=False)  # it reads files and stacks
     return parser
 
 

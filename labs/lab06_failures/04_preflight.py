@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = script_parser(__doc__)
     parser.add_argument("--timeout", type=positive_float, default=60.0,
                         help="seconds rank 0 waits for every task to report (default: %(default)s)")
-    add_run_args(parser)
+    add_run_args(parser, seed=None, dry_run=None)  # one check, nothing drawn at random
     return parser
 
 
