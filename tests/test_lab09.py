@@ -410,6 +410,22 @@ def test_a_local_sweep_writes_each_task_into_its_own_folder_with_curves_that_mat
     assert section.paragraphs[0].endswith("(every attempt); the latest of 2 records of it.")
 
 
+def test_a_finished_task_run_again_says_how_to_train_the_sweep_again(tmp_path, capfd):
+    """It said "leave out --resume to train again", which a sweep's user cannot do: the sweep adds it."""
+    folder = tmp_path / "tiny"
+    plan = shared.prepare_folder(folder, SWEEPS / "tiny.toml")
+    shared.write_plan(plan)
+    quick = ["--device", "cpu", "--epochs", "1", "--max-steps", "2", "--num-workers", "0"]
+    assert [shared.run_task(plan, 0, quick) for _ in range(2)] == [0, 0]
+    out = capfd.readouterr().out
+    assert out.count("nothing left to train") == 1, out
+    assert "no new record); to train the sweep again, give 01_sweep.py a new --sweep-dir" in out, out
+    assert "leave out --resume" not in out
+    from common.results import load_records
+
+    assert len(load_records(folder / "tasks" / "000").records) == 1
+
+
 def test_submitit_when_sbatch_refuses_is_one_line_and_the_plan_stays_for_the_next_try(tmp_path, monkeypatch, capsys):
     """A login node whose Slurm does not answer: submitit prints sbatch's words and raises them with a
     traceback; the lab ends after them in one line, exit 2, and a second try goes as far again."""

@@ -223,8 +223,9 @@ class Preemption:
                  and any(isinstance(value := record["config"].get(key), str) and Path(value).resolve() ==
                          Path(path).resolve() for key in ("checkpoint", "checkpoint_dir"))]
         if found:
+            again = os.environ.get("HPC_DL_LABS_TRAIN_AGAIN", "leave out --resume to train again")  # a sweep: its own
             print0(f"nothing left to train: {path} is from the run that finished its {epochs} epoch(s), and its record "
-                   f"is {found[-1]} (no new record); leave out --resume to train again")
+                   f"is {found[-1]} (no new record); {again}")
             raise Stopped(f"{path}: finished")
         print0(f"{path} is from a run that finished its {epochs} epoch(s) but left no record in {results_dir}: "
                "writing it now")

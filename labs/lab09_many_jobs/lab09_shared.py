@@ -373,13 +373,15 @@ def run_task(plan: Plan, index: int, extra: Sequence[str] = (), *, replace_proce
     command = task_command(plan, index, extra)
     fault = fault_for(plan, index, attempt)
     print(f"task {index} attempt {attempt} (job {job}): {' '.join(command[1:])}", flush=True)
+    # A task run again after it finished trains nothing (--resume): what the training then says to train again.
+    env = {**os.environ, "HPC_DL_LABS_TRAIN_AGAIN": "to train the sweep again, give 01_sweep.py a new --sweep-dir"}
     if fault is None and replace_process:
         sys.stdout.flush()
-        os.execv(command[0], command)
+        os.execve(command[0], command, env)
     stopped_by = None  # the signal that stopped the training, if one did
     # what the training says when it stops: how this sweep goes on (an array job's script has said it already)
     env = {"HPC_DL_LABS_ON_STOP": "the sweep resumes this task from it when the same 01_sweep.py command runs again",
-           **os.environ}
+           **env}
     if fault is not None:
         kind, steps = fault
         status = subprocess.run([*command, "--step-budget", str(steps)], check=False, env=env).returncode
