@@ -159,6 +159,8 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         flags = parser._option_string_actions  # a script that reads its folder of records, not a training's data
         hint = f"; a folder is given as --results-dir {folder}" if folder and "--results-dir" in flags and \
             "--data-dir" not in flags else ""
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":  # every rank has the same flags:
+            parser.exit(2)  # under torchrun or srun the first says it, not each of them
         parser.exit(2, f"error: {message}{hint} (see {parser.prog} --help)\n")
 
     parser.error = error  # type: ignore[method-assign]

@@ -906,6 +906,22 @@ def test_a_folder_typed_without_its_flag_is_one_line_naming_the_flag(tmp_path, c
         assert err.startswith(f"error: unrecognized arguments: {word}{hint}(see "), err
 
 
+@pytest.mark.parametrize(("env", "said"), [({"RANK": "0"}, True), ({"RANK": "1"}, False),
+                                           ({"SLURM_PROCID": "3"}, False)])
+def test_a_bad_flag_under_a_launcher_is_said_by_rank_0_alone(env, said, capsys, monkeypatch):
+    """Every rank of torchrun or srun reads the same flags: N copies of one line were N lines of noise."""
+    for name in ("RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    from helpers import run_main
+
+    assert run_main("chapters/ch04_deep_learning/mnist_training.py", ["--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert (err.startswith("error: unrecognized arguments: --bogus (see ") and err.count("\n") == 1) if said else \
+        err == "", err
+
+
 @pytest.mark.parametrize(("script", "former", "current"), [
     ("chapters/ch04_deep_learning/mnist_training.py", ["--amp", "bf16"], ("precision", "bf16")),
     ("labs/lab04_sharded_training/02_sharded_training.py", ["--mixed-precision", "bf16"], ("precision", "bf16")),
