@@ -2,7 +2,7 @@
 # The GPU proof: the course's GPU paths and speed targets, by tier, within a time budget.
 #
 #   bash scripts/gpu_proof.sh                          # every check, tier 1 first, 420 s; results/gpu_proof/
-#   bash scripts/gpu_proof.sh --tier 1 --budget 450 --bundle "$OUT"   # one lease's first call
+#   bash scripts/gpu_proof.sh --budget 450 --out results/gpu_proof --bundle "$OUT"   # one lease's first call
 #   bash scripts/gpu_proof.sh --only failed            # what the last summary did not pass
 #   bash scripts/gpu_proof.sh --device cpu --budget 60 # the rehearsal CI runs: the same checks' CPU paths
 #   bash scripts/gpu_proof.sh --list                   # the checks, their tiers, which run alone
@@ -15,8 +15,8 @@
 # finished. Exit status: 0 every check that ran is ok, 1 one failed, 2 bad usage (or no GPU with
 # --device cuda).
 #
-# A GPU machine without internet: wheels for Python modules it lacks (line_profiler, py-spy) are
-# installed from .whl/ first, and pytorch/examples is read from .examples/; fill both on a machine
+# A GPU machine without internet: wheels for Python modules it lacks (line_profiler, py-spy, PyYAML,
+# webdataset, braceexpand, torchdata) are installed from .whl/ first, and pytorch/examples is read from .examples/; fill both on a machine
 # with internet: bash scripts/gpu_proof_prepare.sh. PYTHON: the interpreter (default .venv/bin/python,
 # else python3).
 set -uo pipefail

@@ -3,8 +3,9 @@
 # oldest PyTorch the course supports (pyproject.toml's torch>=, common.MINIMUM_VERSIONS) and the
 # torchvision and numpy that go with it; every other package at its uv.lock version. Then the tests of
 # common/runtime/compat.py (the one module that knows what differs between releases) and every lesson
-# script's shortest run (scripts/torch_floor.py) in it. The last line is
+# script's shortest run (scripts/torch_floor.py) in it. The lesson runs end with
 #     torch X.Y.Z: N of N lesson runs ok
+# then come the compatibility tests' output and "torch_floor: finished in S s with status N".
 # scripts/test.sh runs this after pytest. Exit status: 0 when all passed, 1 when something failed.
 #
 #   bash scripts/torch_floor.sh                          # everything
