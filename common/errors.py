@@ -11,6 +11,7 @@ This module must not import torch: the report tool and the test suite use it too
 
 from __future__ import annotations
 
+import errno
 import gc
 import re
 import sys
@@ -66,6 +67,13 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
+    except OSError as err:
+        if err.errno != errno.ENAMETOOLONG:
+            raise
+        name = str(err.filename or "")  # a path typed on the command line, usually: bad input, not a bug
+        print(f"error: {err.strerror}: {name[:60]}{'...' if len(name) > 60 else ''} ({len(name)} characters)",
+              file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
     except (MemoryError, RuntimeError) as err:
         said = out_of_memory(err)
         if said is None:

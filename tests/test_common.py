@@ -1031,3 +1031,14 @@ def test_a_heartbeat_speaks_only_when_its_interval_has_passed(capsys):
         quiet(done)
         every(done)
     assert re.findall(r"^  steps: (\d) of 3 \(\d+ s\)$", capsys.readouterr().out, re.M) == ["1", "2", "3"]
+
+
+def test_a_path_longer_than_the_file_system_allows_is_one_line(tmp_path, capsys):
+    """--results-dir (or -o, --lab ...) of 300 characters ended in OSError's traceback, exit 1."""
+    from helpers import run_main
+
+    long = tmp_path / ("a" * 300)
+    assert run_main("chapters/ch04_deep_learning/mnist_training.py", ["--dry-run", "--results-dir", str(long)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: File name too long: ") and err.endswith(f"... ({len(str(long))} characters)\n"), err
+    assert list(tmp_path.iterdir()) == []

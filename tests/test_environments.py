@@ -441,3 +441,25 @@ def test_find_uv_falls_back_to_a_private_environment_where_pip_may_not_install(t
     assert done.stdout.splitlines()[0] == f"uv: {expected}", done.stdout
     again = subprocess.run(run, cwd=work, env=env, capture_output=True, text=True, timeout=30)
     assert again.stdout == done.stdout and "installing" not in again.stderr  # the second time it is found
+
+
+def test_a_python_with_pytorch_alone_gets_one_note_naming_what_the_labs_also_import(tmp_path):
+    """A site's PyTorch module: Labs 02, 05, 08, 09 and the report stopped later with ModuleNotFoundError."""
+    fake_torch = tmp_path / "site-module"
+    (fake_torch / "torch").mkdir(parents=True)
+    (fake_torch / "torch" / "__init__.py").write_text("")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(  # the module's interpreter: the standard library and PyTorch, nothing else
+        f'#!/bin/sh\nPYTHONPATH={fake_torch}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} -S "$@"\n')
+    (bin_dir / "python").chmod(0o755)
+    proc = _source(f"export PATH={bin_dir}:$PATH", "echo done", tmp_path)
+    assert proc.returncode == 0 and proc.stdout == "done\n", proc.stderr
+    notes = [line for line in proc.stderr.splitlines() if "lacks what some labs import" in line]
+    assert len(notes) == 1, proc.stderr
+    assert notes[0].startswith("pytorch.sh: this python lacks what some labs import: pandas matplotlib jinja2 pyyaml "
+                               "scikit-learn line_profiler webdataset torchdata submitit tensorboard (python -m pip "
+                               "install --user pandas"), notes[0]
+    # The course's own environment has them all: no note.
+    proc = _source(f"export PATH={Path(sys.executable).parent}:$PATH", "echo done", tmp_path)
+    assert proc.returncode == 0 and "lacks" not in proc.stderr, proc.stderr

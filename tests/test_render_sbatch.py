@@ -271,6 +271,13 @@ def test_settings_override_the_job_block():
     assert "# Rendered with" not in render_text(HELLO, "lanta")
 
 
+def test_set_sites_chooses_the_sites_of_every_rendering(tmp_path):
+    """--all-sites --set sites=[lanta] rendered for every site (each script saying it was rendered with it)."""
+    assert rs.main(["--all-sites", str(tmp_path), "--set", "sites=[lanta]", str(HELLO)]) == 0
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert [entry["site"] for entry in manifest] == ["lanta"]
+
+
 def test_gpu_model_is_named_only_where_the_site_types_its_gres():
     carc = render_text(HELLO, "carc-discovery", "gpu_type=a40")
     assert "#SBATCH --gres=gpu:a40:1 " in carc
@@ -325,6 +332,9 @@ def test_preamble_finds_the_repository_root_from_a_folder_inside_it(tmp_path):
         ("generic", ["mem=1T"], "asks for 1T of memory per node"),
         ("lanta", ["account=null"], "site lanta needs an account: pass --set account=YOUR_PROJECT"),
         ("generic", ["gpu_type=a100"], "asks for a100 GPUs but site generic, partition gpu has no named models"),
+        # Zero is no limit to Slurm (--time=0) and all of the node's memory (--mem=0): past what the site allows.
+        ("carc-discovery", ["time=0"], "time: '0' is no time limit to Slurm"),
+        ("generic", ["mem=0G"], "mem: '0G' asks Slurm for all of each node's memory"),
     ],
 )
 def test_impossible_requests_fail_with_one_clear_line(site, settings, expected):

@@ -158,15 +158,19 @@ def resolve_job(site: Site, request: dict[str, Any], default_name: str) -> dict[
             mem_mb = memory_to_mb(mem)
         except ValueError as err:
             raise UserError(f"mem: {err}") from None
+        if mem_mb == 0:  # Slurm reads --mem=0 as all of the node's memory
+            raise UserError(f"mem: {mem!r} asks Slurm for all of each node's memory; give an amount, e.g. 16G")
         if partition.mem_per_node is not None and mem_mb > memory_to_mb(partition.mem_per_node):
             raise SiteLacks(f"the job asks for {mem} of memory per node but {where} has {partition.mem_per_node}")
 
-    time = str(request.get("time") or "00:10:00")
+    time = "00:10:00" if request.get("time") is None else str(request["time"]).strip()
     limit = partition.max_time or site.max_time
     try:
         seconds = time_to_seconds(time)
     except ValueError as err:
         raise UserError(f"time: {err}") from None
+    if seconds == 0:  # Slurm reads --time=0 as no limit at all, past any the site sets
+        raise UserError(f"time: {time!r} is no time limit to Slurm; give one, e.g. 00:30:00")
     if seconds > time_to_seconds(limit):
         raise SiteLacks(f"the job asks for time {time} but {where} allows at most {limit}")
 

@@ -153,7 +153,7 @@ def renderings(template: Template, sites: dict[str, Site], settings: dict[str, A
     """``template`` rendered for every site that can run it, ``{site: (script, job)}``, and the sites skipped,
     ``{site: why}``: not among the job block's ``sites``, or lacking what the job asks for (:class:`SiteLacks`:
     4 GPUs per node on a site whose nodes have 2). Any other problem raises its one line."""
-    only = template.request.get("sites")
+    only = {**template.request, **(settings or {})}.get("sites")  # --set sites=[...] chooses too
     if only is not None and not (isinstance(only, list) and all(isinstance(name, str) for name in only)):
         raise UserError(f"{display_path(template.path)}: 'sites' must be a list of site names, e.g. [generic, lanta]")
     rendered, skipped = {}, {}

@@ -125,10 +125,24 @@ if _pt_has_torch && ! (cd / && python -c 'import importlib.util, sys; sys.exit(i
     export PYTHONPATH="$HPC_DL_LABS_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
+# A site's PyTorch module has PyTorch, not always what else the labs import (the report's pandas, the site
+# profiles' PyYAML, Lab-02's line_profiler, Lab-08's webdataset ...): one note naming what this python lacks.
+if _pt_has_torch; then
+    _pt_missing="$(python -c 'import importlib.util as u
+wanted = {"pandas": "pandas", "matplotlib": "matplotlib", "jinja2": "jinja2", "yaml": "pyyaml",
+          "sklearn": "scikit-learn", "line_profiler": "line_profiler", "webdataset": "webdataset",
+          "torchdata": "torchdata", "submitit": "submitit", "tensorboard": "tensorboard"}
+print(" ".join(name for module, name in wanted.items() if u.find_spec(module) is None))' 2>/dev/null || true)"
+    if [[ -n "$_pt_missing" ]]; then
+        _pt_note "this python lacks what some labs import: $_pt_missing (python -m pip install --user $_pt_missing," \
+            "or the course's own environment: environments/ml-gpu.yaml)"
+    fi
+fi
+
 echo "pytorch.sh: python $(command -v python || command -v python3 || echo '(none)')" \
     "| OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset} | root $HPC_DL_LABS_ROOT" >&2
 
 if ((_pt_nounset)); then set -u; fi
-unset _pt_nounset _pt_modules _pt_site_modules _pt_module _pt_env _pt_envs _pt_name _pt_found _pt_fix
+unset _pt_nounset _pt_modules _pt_site_modules _pt_module _pt_env _pt_envs _pt_name _pt_found _pt_fix _pt_missing
 unset -f _pt_note _pt_has_torch
 eval "unset _pt_status; return $_pt_status"  # 1 only in a job without PyTorch (see above)
