@@ -267,8 +267,9 @@ def add_common_args(
         group.add_argument("--max-steps", type=positive_int, default=None,
                            help="stop each epoch after this many steps, for tiny runs (default: whole epoch)")
     if data and data_dir is not None:
-        group.add_argument("--data-dir", type=input_dir, default=Path(data_dir),
-                           help="folder holding downloaded data sets (default: %(default)s)")
+        group.add_argument("--data-dir", type=input_dir, default=Path(os.environ.get("DATA_DIR") or data_dir),
+                           help="folder holding downloaded data sets: $DATA_DIR when set, as for download_data.py "
+                                "and the jobs (default: %(default)s)")
     if data:
         workers = max(min_workers, default_num_workers()) if num_workers is None else num_workers
         source = "" if num_workers is not None else "; from SLURM_CPUS_PER_TASK when set" + (

@@ -1042,3 +1042,19 @@ def test_a_path_longer_than_the_file_system_allows_is_one_line(tmp_path, capsys)
     err = capsys.readouterr().err
     assert err.startswith("error: File name too long: ") and err.endswith(f"... ({len(str(long))} characters)\n"), err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_data_folder_is_data_dir_when_set_as_for_the_download_script_and_the_jobs(tmp_path, monkeypatch):
+    """`export DATA_DIR=/scratch/...` (the READMEs' one setting) moved the downloads and the jobs, not a script run
+    by hand, which still read data/: mnist "not found" right after it was downloaded."""
+    from pathlib import Path
+
+    from common.cli import add_common_args
+    from helpers import load_script
+
+    monkeypatch.delenv("DATA_DIR", raising=False)
+    assert add_common_args(argparse.ArgumentParser()).parse_args([]).data_dir == Path("data")
+    monkeypatch.setenv("DATA_DIR", str(tmp_path))
+    assert add_common_args(argparse.ArgumentParser()).parse_args([]).data_dir == tmp_path
+    downloads = load_script("scripts/download_data.py")
+    assert downloads.build_parser().parse_args(["mnist"]).data_dir == tmp_path  # the same folder
