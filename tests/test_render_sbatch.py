@@ -445,6 +445,18 @@ def test_all_sites_renders_every_pair_and_a_manifest(tmp_path, capsys):
         assert entry["job"]["nodes"] >= 1 and entry["job"]["partition"]
 
 
+def test_rendering_again_into_a_folder_removes_the_scripts_it_now_skips(tmp_path):
+    """A site changed to 2 GPUs a node: its 4-GPU scripts of the last rendering were left there, submittable."""
+    out = tmp_path / "out"
+    assert rs.main(["--all-sites", str(out), str(HELLO)]) == 0
+    first = {entry["script"] for entry in json.loads((out / "manifest.json").read_text())}
+    (out / "mine.txt").write_text("not the renderer's")
+    assert rs.main(["--all-sites", str(out), "--set", "sites=[lanta]", str(HELLO)]) == 0
+    second = {entry["script"] for entry in json.loads((out / "manifest.json").read_text())}
+    assert second < first and [p for p in out.rglob("*.sbatch")] == [out / script for script in second]
+    assert (out / "mine.txt").read_text() == "not the renderer's"
+
+
 def test_all_sites_skips_a_site_that_cannot_run_a_template_and_says_why(tmp_path, capsys):
     templates = template_folder(tmp_path, eight_gpus="gpus_per_node: 8\n  cpus_per_task: 1")
     out = tmp_path / "out"

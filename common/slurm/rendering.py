@@ -208,6 +208,14 @@ def render_all(paths: Sequence[Path], out_dir: Path, settings: dict[str, Any],
             raise UserError(f"{blocked}: is a {'folder' if blocked.is_dir() else 'file'}, where "
                             f"{'the list' if blocked == manifest else what} {target.relative_to(out_dir)} goes; "
                             "move it away or choose another OUT_DIR (nothing written)")
+    try:  # a script of an earlier rendering into out_dir that this one skips would still look submittable
+        before = json.loads(manifest.read_text()) if manifest.is_file() else []
+        stale = {entry["script"] for entry in before if isinstance(entry, dict) and "script" in entry}
+        for script in stale - {entry["script"] for entry in entries}:
+            if (out_dir / script).resolve().is_relative_to(out_dir.resolve()):  # only what it wrote there
+                (out_dir / script).unlink(missing_ok=True)
+    except (OSError, ValueError):
+        pass  # not a manifest this renderer wrote: leave what is there alone
     try:
         for target, text in outputs:
             write_script(target, text)
