@@ -72,6 +72,14 @@ def render_every_site(templates: Sequence[Path], out_dir: Path, settings: dict[s
         raise UserError(f"{errors[-1]} ({len(errors)} template(s) failed; nothing written)")
     for line in skipped:
         print(f"skipped {line}")
+    if not entries:
+        raise UserError(f"nothing rendered: every site skipped every template ({len(skipped)} pair(s), listed above; "
+                        "nothing written)")
+    for name in sorted({entry["site"] for entry in entries}):  # as one rendering warns, once per site here
+        if any(str(entry["job"][key] or "").startswith(PLACEHOLDER) for entry in entries if entry["site"] == name
+               for key in ("account", "reservation")):
+            print(f"warning: {name}: account or reservation is a placeholder in its scripts: pass --set account=... "
+                  f"or edit {display_path(sites[name].path)} before submitting", file=sys.stderr)
     print(f"rendered {len(entries)} script(s) for {len(sites)} site(s) into {out_dir} (list: "
           f"{out_dir / 'manifest.json'})" + (f"; skipped {len(skipped)} pair(s) a site cannot run, listed above "
                                             "(render one with --site NAME --set ..., e.g. --set gpus_per_node=2)"

@@ -457,6 +457,19 @@ def test_rendering_again_into_a_folder_removes_the_scripts_it_now_skips(tmp_path
     assert (out / "mine.txt").read_text() == "not the renderer's"
 
 
+def test_all_sites_warns_once_a_site_of_a_placeholder_account_and_refuses_to_render_nothing(tmp_path, capsys):
+    """A single rendering warned of lanta's 'edit-me' account; --all-sites wrote 48 such scripts silently. And a
+    request no site can meet rendered 0 scripts, wrote an empty list and exited 0."""
+    assert rs.main(["--all-sites", str(tmp_path / "out"), str(HELLO)]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "placeholder" in line]
+    placeholders = sorted(name for name, site in sites.load_sites().items()
+                          if str(site.account or "").startswith(jobs.PLACEHOLDER))
+    assert "lanta" in placeholders and [line.split(":")[1].strip() for line in warned] == placeholders
+    with pytest.raises(rs.UserError, match=rf"nothing rendered: every site skipped every template \({len(SITES)} pair"):
+        rs.main(["--all-sites", str(tmp_path / "none"), "--set", "gpus_per_node=64", str(HELLO)])
+    assert not (tmp_path / "none").exists()
+
+
 def test_all_sites_skips_a_site_that_cannot_run_a_template_and_says_why(tmp_path, capsys):
     templates = template_folder(tmp_path, eight_gpus="gpus_per_node: 8\n  cpus_per_task: 1")
     out = tmp_path / "out"

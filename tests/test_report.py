@@ -813,3 +813,14 @@ def test_energy_without_any_measurement_is_one_paragraph_not_a_table_of_dashes(t
                                      "source": "nvml"}, provenance=provenance()), folder)
     page = report(folder, "--no-plots")
     assert [row["cells"]["energy"] for row in page.tables["energy-table"]].count("ok") == 1
+
+
+def test_a_failed_run_gets_no_speed_up_or_efficiency(tmp_path: Path) -> None:
+    """A DDP run that failed after timing some steps showed 3.64x and 182% in the summary, beside 'failed'."""
+    records = [write_run(tmp_path, method="baseline", samples_per_s=100.0),
+               write_run(tmp_path, method="ddp", world_size=2, samples_per_s=364.0, status="failed"),
+               write_run(tmp_path, method="ddp", world_size=2, samples_per_s=190.0)]
+    runs = runs_frame(records).set_index("run_id")
+    failed, ok = records[1]["run_id"], records[2]["run_id"]
+    assert math.isnan(runs.loc[failed, "speedup"]) and math.isnan(runs.loc[failed, "scaling_efficiency"])
+    assert runs.loc[ok, "speedup"] == pytest.approx(1.9) and runs.loc[ok, "scaling_efficiency"] == pytest.approx(0.95)

@@ -193,7 +193,7 @@ def runs_frame(records: Iterable[Mapping[str, Any]], results_dir: Path | None = 
     usable = is_baseline & (runs["status"] == "ok") & runs["samples_per_s"].notna()
     baseline = runs[usable].groupby("comparison")["samples_per_s"].median()
     runs["baseline_samples_per_s"] = runs["comparison"].map(baseline).astype("float64")
-    compared = ~is_baseline & runs["baseline_samples_per_s"].notna()
+    compared = ~is_baseline & runs["baseline_samples_per_s"].notna() & (runs["status"] == "ok")  # a failed run: none
     runs["speedup"] = (runs["samples_per_s"] / runs["baseline_samples_per_s"]).where(compared)
     runs["scaling_efficiency"] = (runs["speedup"] / runs["devices"]).where(compared & (runs["devices"] > 1))
 

@@ -199,7 +199,7 @@ def render_all(paths: Sequence[Path], out_dir: Path, settings: dict[str, Any],
             outputs.append((out_dir / name / relative, text))
             entries.append({"site": name, "template": display_path(template.path), "script": str(Path(name) / relative),
                             "job": {key: value for key, value in job.items() if key != "sbatch"}})
-    if errors:
+    if errors or not entries:  # nothing to write: not even an empty list
         return entries, errors, skipped
     manifest = out_dir / "manifest.json"
     for target in [target for target, _ in outputs] + [manifest]:
