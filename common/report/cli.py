@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Sequence
 
 from common.cli import input_dir, one_line_errors, output_file
-from common.errors import UserError
 from common.report import build_report
 from common.report.render import DEFAULT_REPORT_NAME
 
@@ -25,10 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="only this lab's (or chapter's) records, e.g. lab04 or ch04; the report is then "
                              "RESULTS_DIR/LAB_comparison_report.html (default: every record found, all labs in "
                              "one report)")
-    parser.add_argument("--output-report", type=Path, default=None,
+    parser.add_argument("--output-report", type=output_file, default=None,
                         help="HTML file to write; a bare file name (no folder) is put in RESULTS_DIR, beside the "
                              f"records (default: RESULTS_DIR/{DEFAULT_REPORT_NAME})")
-    parser.add_argument("--csv", type=Path, default=None,
+    parser.add_argument("--csv", type=output_file, default=None,
                         help="CSV summary to write, one row per run; a bare file name is put in RESULTS_DIR "
                              "(default: the report's path with .csv)")
     parser.add_argument("--generate-plots", dest="plots", action="store_true", default=True,
@@ -42,11 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def beside_records(path: Path | None, results_dir: Path) -> Path | None:
     """A bare file name goes into the results folder: the Lab-01 handout's ``--output-report comparison_report.html``
-    would otherwise leave the report in whatever folder the command was typed in. Checked where it goes."""
-    try:
-        return None if path is None else output_file(str(results_dir / path if len(path.parts) == 1 else path))
-    except argparse.ArgumentTypeError as err:
-        raise UserError(f"{err}") from None
+    would otherwise leave the report in whatever folder the command was typed in."""
+    return results_dir / path if path is not None and len(path.parts) == 1 else path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
