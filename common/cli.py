@@ -149,6 +149,13 @@ def output_file(text: str) -> Path:
     return _usable_place(Path(text).expanduser(), folder=False)
 
 
+def output_file_or_name(text: str) -> Path:
+    """argparse type: a file path the run can write, as :func:`output_file`, or a bare file name, which the script
+    places elsewhere and checks there (the report puts ``r.html`` into RESULTS_DIR, not where it was typed)."""
+    path = Path(text).expanduser()
+    return path if len(path.parts) == 1 and path.name not in (".", "..") else output_file(text)
+
+
 def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Make ``parser`` report a bad flag as one ``error:`` line (exit 2) instead of a usage block; a folder typed
     where no positional argument is taken gets the flag it needs (``compare_results.py results``)."""

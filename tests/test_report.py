@@ -782,6 +782,25 @@ def test_a_read_only_results_folder_is_said_before_the_report_is_built(tmp_path:
     assert sorted(p.suffix for p in folder.iterdir()) == [".json"]
 
 
+def test_a_bare_report_name_is_checked_where_it_goes_not_where_the_command_is_typed(tmp_path: Path, monkeypatch,
+                                                                                      capsys) -> None:
+    """--output-report r.html goes into RESULTS_DIR: a folder r.html where the command was typed refused it."""
+    folder = tmp_path / "results"
+    write_run(folder)
+    typed_in = tmp_path / "elsewhere"
+    (typed_in / "r.html").mkdir(parents=True)
+    monkeypatch.chdir(typed_in)
+    with pytest.raises(SystemExit) as stopped:
+        run_main(compare_results.main, ["--results-dir", str(folder), "--no-plots", "--output-report", "r.html"])
+    assert stopped.value.code == 0 and (folder / "r.html").is_file() and (folder / "r.csv").is_file()
+    (folder / "q.html").mkdir()  # where it goes, a folder in its place is one line
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        run_main(compare_results.main, ["--results-dir", str(folder), "--no-plots", "--output-report", "q.html"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1 and str(folder / "q.html") in err, err
+
+
 def test_energy_without_any_measurement_is_one_paragraph_not_a_table_of_dashes(tmp_path: Path) -> None:
     folder = tmp_path / "results"
     write_run(folder)

@@ -23,8 +23,8 @@ from common import cli
 from helpers import REPO, load_script
 
 FOLDERS = {cli.input_dir, cli.output_dir}
-FILES = {cli.input_file, cli.output_file}
-WRITTEN = {cli.output_dir, cli.output_file}
+FILES = {cli.input_file, cli.output_file, cli.output_file_or_name}
+WRITTEN = {cli.output_dir, cli.output_file, cli.output_file_or_name}
 PATH_TYPES = FOLDERS | FILES | {cli.input_path}
 SCRIPTS = sorted(str(path.relative_to(REPO)) for pattern in ("chapters/*/*.py", "labs/*/*.py", "scripts/*.py",
                                                              "bench/*.py")
@@ -125,7 +125,8 @@ def test_a_wrong_path_is_one_error_line_and_writes_nothing(relpath, tmp_path, mo
     (root / "input.txt").write_text("read me\n")
     unwritable = unwritable_folder(tmp_path)
     good = {cli.input_dir: root, cli.output_dir: root, cli.input_file: root / "input.txt",
-            cli.output_file: root / "out.json", cli.input_path: root / "input.txt"}
+            cli.output_file: root / "out.json", cli.output_file_or_name: root / "out.html",
+            cli.input_path: root / "input.txt"}
     monkeypatch.chdir(root)  # defaults such as --results-dir results are relative to it
     before = sorted(os.walk(root))
     refused = 0

@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
-from common.cli import input_dir, one_line_errors, output_file
+from common.cli import input_dir, one_line_errors, output_file_or_name
 from common.report import build_report
 from common.report.render import DEFAULT_REPORT_NAME
 
@@ -24,10 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="only this lab's (or chapter's) records, e.g. lab04 or ch04; the report is then "
                              "RESULTS_DIR/LAB_comparison_report.html (default: every record found, all labs in "
                              "one report)")
-    parser.add_argument("--output-report", type=output_file, default=None,
+    parser.add_argument("--output-report", type=output_file_or_name, default=None,
                         help="HTML file to write; a bare file name (no folder) is put in RESULTS_DIR, beside the "
                              f"records (default: RESULTS_DIR/{DEFAULT_REPORT_NAME})")
-    parser.add_argument("--csv", type=output_file, default=None,
+    parser.add_argument("--csv", type=output_file_or_name, default=None,
                         help="CSV summary to write, one row per run; a bare file name is put in RESULTS_DIR "
                              "(default: the report's path with .csv)")
     parser.add_argument("--generate-plots", dest="plots", action="store_true", default=True,
