@@ -17,8 +17,8 @@
 #
 # A GPU machine without internet: wheels for Python modules it lacks (line_profiler, py-spy, PyYAML,
 # webdataset, braceexpand, torchdata) are installed from .whl/ first, and pytorch/examples is read from
-# .examples/; fill both on a machine with internet: bash scripts/gpu_proof_prepare.sh. PYTHON: the interpreter (default .venv/bin/python,
-# else python3).
+# .examples/; fill both on a machine with internet: bash scripts/gpu_proof_prepare.sh. PYTHON: the
+# interpreter (default .venv/bin/python, else python3).
 set -uo pipefail
 GPU_PROOF_STARTED=$(date +%s.%N)
 export GPU_PROOF_STARTED

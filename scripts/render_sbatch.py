@@ -76,23 +76,28 @@ def render_every_site(templates: Sequence[Path], out_dir: Path, settings: dict[s
         raise UserError(f"nothing rendered: every site skipped every template ({len(skipped)} pair(s), listed above; "
                         "nothing written)")
     for name in sorted({entry["site"] for entry in entries}):  # as one rendering warns, once per site here
-        if any(str(entry["job"][key] or "").startswith(PLACEHOLDER) for entry in entries if entry["site"] == name
-               for key in ("account", "reservation")):
-            print(f"warning: {name}: account or reservation is a placeholder in its scripts: pass --set account=... "
-                  f"or edit {display_path(sites[name].path)} before submitting", file=sys.stderr)
+        keys = sorted({key for entry in entries if entry["site"] == name for key in placeholders(entry["job"])})
+        if keys:
+            print(f"warning: {name}: {' and '.join(keys)} in its scripts is a placeholder: pass "
+                  f"{' '.join(f'--set {key}=...' for key in keys)} or edit {display_path(sites[name].path)} before "
+                  "submitting", file=sys.stderr)
     print(f"rendered {len(entries)} script(s) for {len(sites)} site(s) into {out_dir} (list: "
           f"{out_dir / 'manifest.json'})" + (f"; skipped {len(skipped)} pair(s) a site cannot run, listed above "
                                             "(render one with --site NAME --set ..., e.g. --set gpus_per_node=2)"
                                             if skipped else ""))
 
 
+def placeholders(job: dict[str, Any]) -> list[str]:
+    """The job's account and reservation that are still a site profile's placeholder (``edit-me``)."""
+    return [key for key in ("account", "reservation") if str(job[key] or "").startswith(PLACEHOLDER)]
+
+
 def render_one(template: Path, site_name: str, settings: dict[str, Any], output: Path | None) -> None:
     site = find_site(site_name)
     text, job = render(read_template(template), site, settings)
-    for key in ("account", "reservation"):
-        if str(job[key] or "").startswith(PLACEHOLDER):
-            print(f"warning: {key} is the placeholder {job[key]!r}: pass --set {key}=... or edit "
-                  f"{display_path(site.path)} before submitting", file=sys.stderr)
+    for key in placeholders(job):
+        print(f"warning: {key} is the placeholder {job[key]!r}: pass --set {key}=... or edit "
+              f"{display_path(site.path)} before submitting", file=sys.stderr)
     if output is None:
         sys.stdout.write(text)
         return
