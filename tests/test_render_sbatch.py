@@ -269,6 +269,8 @@ def test_settings_override_the_job_block():
     assert text.splitlines()[1].startswith("# Rendered with --set nodes=4 --set gpus_per_node=4 --set "
                                            "account=lt200123 --set time=02:00:00 ")
     assert "# Rendered with" not in render_text(HELLO, "lanta")
+    cleared = render_text(HELLO, "lanta", "time=").splitlines()  # an empty value clears: the site's default
+    assert cleared[1].startswith("# Rendered with --set time= (") and "None" not in cleared[1]
 
 
 def test_set_sites_chooses_the_sites_of_every_rendering(tmp_path):
