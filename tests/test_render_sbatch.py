@@ -273,6 +273,22 @@ def test_settings_override_the_job_block():
     assert cleared[1].startswith("# Rendered with --set time= (") and "None" not in cleared[1]
 
 
+@pytest.mark.parametrize("template", ["sharded_srun_2node", "sharded_torchrun_4gpu"])
+def test_lab04_templates_split_their_global_batch_over_any_number_of_gpus(template):
+    """Rendered for 1 to 16 GPUs a node, each Lab-04 job's micro-batch divides its ranks' share of the
+    global batch, as 02_sharded_training.py requires (4-GPU nodes: 8 ranks of 8, not 16, for the 2-node job)."""
+    path = REPO_ROOT / "labs" / "lab04_sharded_training" / "sbatch" / f"{template}.sbatch.j2"
+    for site, gpus in (("lanta", 1), ("lanta", 2), ("lanta", 4), ("sjtu-pi", 8), ("sjtu-pi", 16)):
+        text = render_text(path, site, f"gpus_per_node={gpus}", "account=lt200123")
+        ranks = gpus * (2 if "2node" in template else 1)
+        if ranks > 16:  # more ranks than the tiny run's 16 sequences: that one cannot split
+            continue
+        batches = re.findall(r"--global-batch-size (\d+) --batch-size (\d+)", text)
+        assert len(batches) == 2, text  # the lab's run and the tiny one
+        for global_batch, micro in ((int(g), int(m)) for g, m in batches):
+            assert global_batch % (ranks * micro) == 0 and micro <= 16, (template, gpus, global_batch, micro)
+
+
 def test_set_sites_chooses_the_sites_of_every_rendering(tmp_path):
     """--all-sites --set sites=[lanta] rendered for every site (each script saying it was rendered with it)."""
     assert rs.main(["--all-sites", str(tmp_path), "--set", "sites=[lanta]", str(HELLO)]) == 0
