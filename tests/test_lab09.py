@@ -449,6 +449,25 @@ def test_submitit_when_sbatch_refuses_is_one_line_and_the_plan_stays_for_the_nex
         assert shared.read_plan(folder).submissions() == []
 
 
+def test_submitit_refuses_a_machine_without_slurm_and_a_task_s_own_flag_before_writing(tmp_path, monkeypatch, capsys):
+    """Without sbatch, submitit's AutoExecutor would train every task here, one after another, then stop on sacct;
+    with it, a seed after -- would replace each task's own, as 01_sweep.py refuses. One line each, nothing written."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    monkeypatch.setenv("PATH", str(tools))
+    folder = tmp_path / "sweep"
+    assert run_main("labs/lab09_many_jobs/05_submitit.py", [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder)]) == 2
+    assert capsys.readouterr().err == ("error: sbatch is not on PATH: submitit submits to Slurm, run this on a "
+                                       "cluster's login node (01_sweep.py --local runs a sweep on this machine)\n")
+    (tools / "sbatch").write_text("#!/bin/sh\nexit 1\n")
+    (tools / "sbatch").chmod(0o755)
+    assert run_main("labs/lab09_many_jobs/05_submitit.py",
+                    [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder), "--", "--seed", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: each task sets --seed itself") and err.count("\n") == 1, err
+    assert not folder.exists()
+
+
 def test_a_local_sweep_sent_sigterm_passes_it_to_the_training_which_saves_and_the_status_says_so(tmp_path):
     """``kill`` on the sweep runner (or a job's end): the training it runs gets the signal and saves, the runner writes
     the attempt's end and stops there (exit 0, one line), no training is left behind, and the status tells that

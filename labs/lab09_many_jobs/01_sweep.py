@@ -30,9 +30,9 @@ from common.cli import input_file, non_negative_int, output_dir, positive_int, s
 from common.errors import UserError, run_main
 from common.slurm.rendering import read_template, render, write_script
 from common.slurm.sites import find_site
-from labs.lab09_many_jobs.lab09_shared import (ARRAY_TEMPLATE, TASK_FLAGS, check_task, check_training_flags,
-                                               check_with_script, display, max_array_size, prepare_folder, run_task,
-                                               slurm, slurm_time, submitted_job_id, write_plan)
+from labs.lab09_many_jobs.lab09_shared import (ARRAY_TEMPLATE, check_task, check_with_script, display, max_array_size,
+                                               prepare_folder, refuse_task_flags, run_task, slurm, slurm_time,
+                                               submitted_job_id, write_plan)
 
 
 def build_parser():
@@ -118,12 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         from common.runtime.device import resolve_device
 
         resolve_device("cuda", start=False)  # the tasks use the GPU: this process holds no context on it
-    varied = {name for task in plan.tasks for name in task.flags
-              if len({repr(other.flags.get(name)) for other in plan.tasks}) > 1}  # a fixed flag may be changed
-    overridden = check_training_flags(plan.script, args.extra, owned=[f"--{n}" for n in sorted(TASK_FLAGS | varied)])
-    if overridden:  # after --, the flag would replace each task's own value: every task alike, or one folder
-        raise UserError(f"each task sets {', '.join(overridden)} itself (its folder, its seed, the values the sweep "
-                        "varies): leave them out after --")
+    refuse_task_flags(plan, args.extra)  # its seed, its folder, what the sweep varies: each task's own
     seconds = check_with_script(plan, run_flags(args))  # its own parser, before anything is written
     print(f"{len(plan.tasks)} task(s) of {display(plan.script)}, flags checked by its parser in {seconds:.1f} s:")
     shown = len(plan.tasks) if args.plan else 10  # --plan writes no plan.yaml: show every task

@@ -18,14 +18,15 @@ compares the two ways.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
 
 from common.cli import input_file, non_negative_int, output_dir, positive_int, script_parser
 from common.errors import UserError, run_main
-from labs.lab09_many_jobs.lab09_shared import (ENDED, check_with_script, prepare_folder, read_plan, run_task,
-                                               status_table, sweep_status, write_plan, write_sweep_record)
+from labs.lab09_many_jobs.lab09_shared import (ENDED, check_with_script, prepare_folder, read_plan, refuse_task_flags,
+                                               run_task, status_table, sweep_status, write_plan, write_sweep_record)
 
 SCRIPT = "labs/lab09_many_jobs/05_submitit.py"
 
@@ -60,8 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     args = build_parser().parse_args(argv[:cut])
+    if shutil.which("sbatch") is None:  # submitit would run the tasks here, one after another, then find no sacct
+        raise UserError("sbatch is not on PATH: submitit submits to Slurm, run this on a cluster's login node "
+                        "(01_sweep.py --local runs a sweep on this machine)")
     extra = ["--device", args.device, *(["--dry-run"] if args.dry_run else []), *argv[cut + 1:]]
     plan = prepare_folder(args.sweep_dir.resolve(), args.sweep_file)
+    refuse_task_flags(plan, argv[cut + 1:])
     check_with_script(plan, extra)
     write_plan(plan)
 

@@ -211,6 +211,17 @@ def check_with_script(plan: Plan, extra: Sequence[str] = ()) -> float:
     return time.perf_counter() - began
 
 
+def refuse_task_flags(plan: Plan, extra: Sequence[str]) -> None:
+    """One line if the flags after ``--`` set what each task sets itself (its folder, its seed) or a value the sweep
+    varies: every task would train alike, or write into one folder. A flag the sweep fixes for all may change."""
+    varied = {name for task in plan.tasks for name in task.flags
+              if len({repr(other.flags.get(name)) for other in plan.tasks}) > 1}
+    overridden = check_training_flags(plan.script, extra, owned=[f"--{n}" for n in sorted(TASK_FLAGS | varied)])
+    if overridden:
+        raise UserError(f"each task sets {', '.join(overridden)} itself (its folder, its seed, the values the sweep "
+                        "varies): leave them out after --")
+
+
 def check_training_flags(script: Path, flags: Sequence[str], *, before: Sequence[str] = (),
                          owned: Sequence[str] = ()) -> list[str]:
     """The flags after ``--`` (``flags``), after those the caller adds itself (``before``), parsed by the training
