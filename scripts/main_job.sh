@@ -9,6 +9,11 @@
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # before the set-up: this header, then the lab's settings
+    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"
+    printf "\nIt runs labs/lab01_dp_vs_ddp/run_lab.sh [RESULTS_DIR]:\n"
+    exec sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' labs/lab01_dp_vs_ddp/run_lab.sh
+fi
 if [[ -z ${PYTHON:-} ]]; then
     bash scripts/bootstrap.sh
     export PYTHON="$repo_root/.venv/bin/python"

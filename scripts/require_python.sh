@@ -4,7 +4,18 @@
 # or the course's package `common`), rather than with a traceback at the lab's first step. It looks the
 # packages up without importing them (a fraction of a second, not the seconds `import torch` takes), the
 # way a lab's scripts see them: without the current folder on the path. It also gives the labs
-# `ranks_on_gpus N`: the ranks to start on GPUs.
+# `ranks_on_gpus N`: the ranks to start on GPUs. Sourced without arguments, it sees the lab's: `--help` prints
+# the lab's header (its usage and settings, with their defaults); an option it does not know, or a second
+# argument, is one line and exit status 2 (a run_lab.sh takes one argument, the results folder).
+case ${1:-} in
+    -h | --help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[1]}"; exit 0 ;;
+    -*) echo "error: unknown option '$1': $(basename "$(dirname "${BASH_SOURCE[1]}")")'s run_lab.sh takes one" \
+             "argument, the results folder (--help for its settings)" >&2; exit 2 ;;
+esac
+if (( $# > 1 )); then
+    echo "error: $# arguments given ($*): a run_lab.sh takes one, the results folder (--help for its settings)" >&2
+    exit 2
+fi
 if ! command -v "$PYTHON" >/dev/null 2>&1; then
     echo "error: no Python interpreter '$PYTHON' on this PATH: activate the course's environment" \
          "(bash scripts/bootstrap.sh, then source .venv/bin/activate) or set PYTHON=/path/to/python" >&2

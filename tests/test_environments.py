@@ -393,6 +393,26 @@ def test_run_lab_without_the_courses_environment_is_one_line_before_anything_is_
         assert sorted(p.name for p in tmp_path.iterdir()) == ["bare-python"]
 
 
+@pytest.mark.parametrize("command", [["bash", run_lab] for run_lab in RUN_LABS] + [["bash", "scripts/main_job.sh"]])
+def test_run_lab_help_prints_its_settings_and_a_wrong_argument_is_one_line(command, tmp_path):
+    """``--help`` prints the lab's header (usage, settings and defaults) and runs nothing; an option it does not
+    know or a second argument is one line, exit 2: neither starts the lab with a folder named after the flag."""
+    env = {key: value for key, value in os.environ.items() if key not in ("RESULTS_DIR", "PYTHON")}
+    env["PYTHON"] = "no-such-python"  # nothing below may need an interpreter (main_job.sh's set-up neither)
+    run = lambda *args: subprocess.run([command[0], str(REPO / command[1]), *args], cwd=tmp_path, env=env,  # noqa: E731
+                                       capture_output=True, text=True, timeout=60)
+    shown = run("--help")
+    header = (REPO / command[1]).read_text().splitlines()[1].removeprefix("# ")
+    assert shown.returncode == 0 and shown.stdout.startswith(header + "\n") and shown.stderr == "", shown
+    assert "[RESULTS_DIR]" in shown.stdout and "#" not in shown.stdout.splitlines()[0]
+    for args, said in ((["--results", "x"], "error: unknown option '--results': "),
+                       (["results/a", "results/b"], "error: 2 arguments given (results/a results/b): ")):
+        done = run(*args)
+        assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, done
+        assert done.stderr.startswith(said), done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- scripts/find_uv.sh: a uv for bootstrap.sh and torch_floor.sh, wherever the user stands ----------------------
 
 #: A stand-in python3: ``-m uv`` runs only where pip or a venv installed it (a file beside this script says so),
