@@ -25,11 +25,24 @@ set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
 
+ALL_PARTS="ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06 lab07 lab08"
+case ${1:-} in
+    -h | --help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -*) echo "error: unknown option '$1' (usage: bash scripts/reference_runs.sh [MACHINE] [PARTS]; --help)" >&2; exit 2 ;;
+esac
+if [[ " $ALL_PARTS " == *" ${1:-} "* ]]; then  # the machine's folder would be named after the part, every part run
+    echo "error: '$1' is a part: give the machine's folder first, e.g. bash scripts/reference_runs.sh cpu-2core $*" >&2
+    exit 2
+fi
+if [[ -n ${1:-} && ! ${1} =~ ^[A-Za-z0-9][A-Za-z0-9._-]*$ ]]; then
+    echo "error: MACHINE '$1' must be a folder name under reference-results/ (letters, digits, . _ -)" >&2
+    exit 2
+fi
 MACHINE=${1:-cpu-2core}
 shift || true
 PARTS=("$@")
 if (( ${#PARTS[@]} == 0 )); then
-    PARTS=(ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06 lab07 lab08)
+    read -ra PARTS <<< "$ALL_PARTS"
 fi
 if [[ -x .venv/bin/python ]]; then PYTHON=${PYTHON:-$repo_root/.venv/bin/python}; else PYTHON=${PYTHON:-python}; fi
 DEVICE=${REFERENCE_DEVICE:-cpu}
@@ -163,7 +176,7 @@ run_part() {  # PART RECORDS_DIR
 for part in "${PARTS[@]}"; do
     case $part in
         ch04 | ch16 | lab01 | lab02 | lab03 | lab04 | lab05 | lab06 | lab07 | lab08) ;;
-        *) echo "error: unknown part '$part' (parts: ch04 ch16 lab01 lab02 lab03 lab04 lab05 lab06 lab07 lab08)" >&2
+        *) echo "error: unknown part '$part' (parts: $ALL_PARTS)" >&2
            exit 2 ;;
     esac
 done

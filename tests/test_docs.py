@@ -53,6 +53,26 @@ def test_the_course_map_has_a_row_for_every_chapter_and_lab():
         f"{sorted(set(rows) - set(folders))}")
 
 
+def test_reference_runs_help_and_a_wrong_first_argument_run_nothing(tmp_path):
+    """``--help`` prints the script's header; a part given where the machine's folder goes (``lab01``), an option or
+    a path is one line, exit 2, before a part runs: none re-measures into reference-results/lab01/ or --help/."""
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(REPO / "scripts" / "reference_runs.sh"), *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin",
+                                                                               "PYTHON": "no-such-python"})
+    shown = run("--help")
+    assert shown.returncode == 0 and shown.stdout.startswith("Re-measure the reference records") and "Parts: " in \
+        shown.stdout and shown.stderr == "", shown
+    for args, said in ((["lab01"], "error: 'lab01' is a part: give the machine's folder first, e.g. bash "
+                                   "scripts/reference_runs.sh cpu-2core lab01\n"),
+                       (["-n"], "error: unknown option '-n' "), (["../x"], "error: MACHINE '../x' must be a folder"),
+                       (["cpu-2core", "lab10"], "error: unknown part 'lab10' ")):
+        done = run(*args)
+        assert done.returncode == 2 and done.stdout == "" and done.stderr.startswith(said), (args, done)
+        assert done.stderr.count("\n") == 1, done.stderr
+    assert not (REPO / "reference-results" / "lab01").exists() and list(tmp_path.iterdir()) == []
+
+
 def test_every_reference_record_reads_and_says_where_its_energy_is():
     """The docs quote these records: each one reads, has an energy entry (version 2 on: a measured
     number or why none could be read), and the docs name the machine each came from. Records of
