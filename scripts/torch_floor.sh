@@ -26,6 +26,11 @@ TORCHVISION=0.23.0
 NUMPY=2.2.6
 venv=.venv-floor
 
+if [[ " $* " == *" -h "* || " $* " == *" --help "* ]]; then  # before the set-up, which downloads GBs the first time
+    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"
+    printf '\nThe arguments of scripts/torch_floor.py (run here by %s):\n' "${PYTHON:-.venv/bin/python}"
+    exec "${PYTHON:-.venv/bin/python}" scripts/torch_floor.py --help
+fi
 source scripts/find_uv.sh
 start=$(date +%s)
 if [ ! -x "$venv/bin/python" ]; then

@@ -413,6 +413,23 @@ def test_run_lab_help_prints_its_settings_and_a_wrong_argument_is_one_line(comma
     assert list(tmp_path.iterdir()) == []
 
 
+def test_torch_floor_help_sets_nothing_up(tmp_path):
+    """``torch_floor.sh --help`` prints its header and torch_floor.py's flags, before the set-up that downloads the
+    oldest torch (GBs, the first time): nothing made, nothing installed."""
+    stub = tmp_path / "python"
+    stub.write_text('#!/bin/sh\necho "stub python: $*"\n')
+    stub.chmod(0o755)
+    floor = REPO / ".venv-floor"
+    there = floor.exists()
+    done = subprocess.run(["bash", str(REPO / "scripts" / "torch_floor.sh"), "--only", "x", "--help"],
+                          cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "PYTHON": str(stub)}, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr == "", done
+    assert done.stdout.startswith("Prove the course's PyTorch floor: a second environment")
+    assert done.stdout.endswith(f"(run here by {stub}):\nstub python: scripts/torch_floor.py --help\n"), done.stdout
+    assert floor.exists() == there and list(tmp_path.iterdir()) == [stub]
+
+
 # --- scripts/find_uv.sh: a uv for bootstrap.sh and torch_floor.sh, wherever the user stands ----------------------
 
 #: A stand-in python3: ``-m uv`` runs only where pip or a venv installed it (a file beside this script says so),
