@@ -824,3 +824,14 @@ def test_a_failed_run_gets_no_speed_up_or_efficiency(tmp_path: Path) -> None:
     failed, ok = records[1]["run_id"], records[2]["run_id"]
     assert math.isnan(runs.loc[failed, "speedup"]) and math.isnan(runs.loc[failed, "scaling_efficiency"])
     assert runs.loc[ok, "speedup"] == pytest.approx(1.9) and runs.loc[ok, "scaling_efficiency"] == pytest.approx(0.95)
+
+
+def test_large_numbers_are_written_out_not_in_e_notation(tmp_path: Path) -> None:
+    """Lab-04's H100 row showed 22,107 tokens/s as '2.21e+04' and Chapter 4's 26,960 samples/s under 'Other metrics'
+    as '2.696e+04': a "g" format switches to e-notation past its digits. Large numbers are whole, with separators."""
+    assert report_sections.fmt(26960.4, "num") == "26,960" and report_sections.fmt(22107.3, "{:.3g}") == "22,107"
+    assert report_sections.fmt(1.5e-5, "{:.2g}") == "1.5e-05" and report_sections.fmt(0.3185, "num") == "0.3185"
+    assert report_sections.fmt("1e+04 steps", "num") == "1e+04 steps"  # text where a number belongs stays text
+    write_run(tmp_path, lab="ch04", method="fp32", metrics={"step_time": {"samples_per_s": 26960.4}})
+    page = report(tmp_path)
+    assert "e+0" not in page.sections["other-metrics"] and "26,960" in page.sections["other-metrics"]

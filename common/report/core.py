@@ -78,12 +78,10 @@ def measuring_machines(runs: pd.DataFrame) -> list[str]:
 def mixed_machines(runs: pd.DataFrame) -> list[Finding]:
     """One warning when runs with a device come from several machines."""
     machines = measuring_machines(runs)
-    if len(machines) < 2:
-        return []
     return [Finding(f"{len(machines)} machines", (
         "this report mixes records of different machines (" + "; ".join(machines) + "): compare a number only "
         "with numbers of the same machine (the summary's machine column); speed-ups and efficiencies are "
-        "computed within one machine"))]
+        "computed within one machine"))] if len(machines) > 1 else []
 
 
 def missing_baselines(runs: pd.DataFrame) -> list[str]:

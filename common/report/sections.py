@@ -151,7 +151,8 @@ def fmt(value: Any, spec: str | Callable[[Any], str] = "text") -> str:
         return MISSING
     spec = FORMATS.get(spec, spec) if isinstance(spec, str) else spec
     try:
-        return spec.format(value) if isinstance(spec, str) else spec(value)
+        shown = spec.format(value) if isinstance(spec, str) else spec(value)
+        return f"{value:,.0f}" if "e+" in shown else shown  # "{:.3g}" would write 26,960 as 2.7e+04
     except (TypeError, ValueError):
         return str(value)
 
