@@ -835,3 +835,17 @@ def test_large_numbers_are_written_out_not_in_e_notation(tmp_path: Path) -> None
     write_run(tmp_path, lab="ch04", method="fp32", metrics={"step_time": {"samples_per_s": 26960.4}})
     page = report(tmp_path)
     assert "e+0" not in page.sections["other-metrics"] and "26,960" in page.sections["other-metrics"]
+
+
+def test_a_json_report_or_csv_name_is_refused_before_it_replaces_a_record(tmp_path: Path, capsys) -> None:
+    """``--csv lab01_dp_....json`` (a record's name, tab-completed) overwrote that record with the CSV: the next report
+    skipped it as 'not valid JSON'. A .json output name is one error line, exit status 2, and every file untouched."""
+    record = write_run(tmp_path)
+    path = next(tmp_path.glob(f"*{record['run_id']}.json"))
+    before = path.read_bytes()
+    for flag in ("--csv", "--output-report"):
+        with pytest.raises(SystemExit) as stopped:
+            run_main(compare_results.main, ["--results-dir", str(tmp_path), "--no-plots", flag, path.name])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and err.count("\n") == 1 and path.name in err, err
+        assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]

@@ -40,8 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def beside_records(path: Path | None, results_dir: Path) -> Path | None:
-    """A bare file name goes into the results folder: the Lab-01 handout's ``--output-report comparison_report.html``
-    would otherwise leave the report in whatever folder the command was typed in."""
+    """A bare file name goes into the results folder, not the one the command was typed in (git ignores results/)."""
     return results_dir / path if path is not None and len(path.parts) == 1 else path
 
 

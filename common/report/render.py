@@ -50,6 +50,8 @@ def build_report(results_dir: str | os.PathLike[str], output_report: str | os.Pa
     csv_out = Path(csv_path) if csv_path else report_path.with_suffix(".csv")
     if report_path.is_dir() or csv_out.is_dir():
         raise UserError(f"{report_path if report_path.is_dir() else csv_out} is a folder; give a file name")
+    if ".json" in (report_path.suffix.lower(), csv_out.suffix.lower()):  # it would replace a record, or be read as one
+        raise UserError(f"*.json is a record's name: write .html and .csv, not {report_path.name}, {csv_out.name}")
     if report_path.resolve() == csv_out.resolve():
         raise UserError(f"the report and the CSV would both be {report_path}; give --csv another name")
     for place in {report_path.parent, csv_out.parent}:
