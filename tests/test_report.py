@@ -849,3 +849,15 @@ def test_a_json_report_or_csv_name_is_refused_before_it_replaces_a_record(tmp_pa
         err = capsys.readouterr().err
         assert stopped.value.code == 2 and err.count("\n") == 1 and path.name in err, err
         assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_each_bar_of_a_plot_names_its_configuration_the_global_batch_included(tmp_path: Path) -> None:
+    """Lab-07's pipeline runs at global batch 4, 8, 16 and 32 were four bars labelled alike ('pp-gpipe · 2 dev ·
+    transformer-2x512 · vm ...'): a bar per configuration must say which, and the batch is part of one."""
+    from common.report import plots
+    records = [write_run(tmp_path, lab="lab07", method="pp-gpipe", world_size=2, metrics={"global_batch_size": batch})
+               for batch in (4, 8)]
+    configs = configurations_frame(runs_frame(records))
+    ax = plots._configuration_axes(configs)[3]
+    labels = sorted(label.get_text() for label in ax.get_yticklabels())
+    assert len(labels) == 2 and "· batch 4 ·" in labels[0] and "· batch 8 ·" in labels[1], labels

@@ -51,9 +51,9 @@ def _configuration_axes(configs: pd.DataFrame,
     note = f" Showing the first {MAX_BARS} of {len(configs)} configurations; the tables list all." \
         if len(configs) > MAX_BARS else ""
     data = configs.head(MAX_BARS)
-    parts = ["method", "devices", "model", "machine"]
-    labels = [plain(" · ".join(f"{v} dev" if key == "devices" else str(v) for key, v in zip(parts, row)
-                               if not is_missing(v))) for row in data[parts].itertuples(index=False)]
+    parts = {"method": "{}", "devices": "{} dev", "model": "{}", "global_batch_size": "batch {:.0f}", "machine": "{}"}
+    labels = [plain(" · ".join(form.format(v) for form, v in zip(parts.values(), row) if not is_missing(v)))
+              for row in data[list(parts)].itertuples(index=False)]  # the batch: Lab-07's pp-gpipe at 4, 8, 16, 32
     fig, ax = axes(9, 1.2 + inches_per_bar * len(data))
     ax.set_yticks(list(range(len(data))), labels)
     ax.invert_yaxis()
