@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fill what the GPU proof needs on a GPU machine without internet; run it where there is internet.
 #
-#   bash scripts/gpu_proof_prepare.sh [PYTHON_VERSION]    # default 3.12, the GPU machine's Python
+#   bash scripts/gpu_proof_prepare.sh [--no-wheels] [PYTHON_VERSION]   # default 3.12, the GPU machine's Python
 #   EXAMPLES_GIT=/path/to/a/clone bash scripts/gpu_proof_prepare.sh   # pytorch/examples from elsewhere
 #
 # - .whl/: wheels (x86_64 Linux, CPython PYTHON_VERSION) of the course's dependencies that a GPU
@@ -15,9 +15,14 @@
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
 packages=(line-profiler py-spy pyyaml webdataset braceexpand torchdata)
 if [[ ${1:-} == --no-wheels ]]; then packages=(); shift; fi
 version=${1:-3.12}
+if [[ ! $version =~ ^3\.[0-9]+$ || $# -gt 1 ]]; then  # before anything is written: pip would print its whole usage
+    echo "error: expected [--no-wheels] [PYTHON_VERSION like 3.12], got: $* (see bash $0 --help)" >&2
+    exit 2
+fi
 locked() {  # the version uv.lock pins for a package
     awk -v name="$1" '$0 == "name = \"" name "\"" {getline; gsub(/version = |"/, ""); print; exit}' uv.lock
 }

@@ -858,3 +858,24 @@ def test_each_check_declares_what_its_scripts_import_inside_functions(tmp_path):
                 undeclared[f"{check.name}: {script.relative_to(REPO)}"] = sorted(missing)
     assert "torchdata" in imports_inside_functions(REPO / "labs/lab08_data_at_scale/03_shards_exactly_once.py")
     assert not undeclared, f"add to the check's needs (and its wheel to scripts/gpu_proof_prepare.sh): {undeclared}"
+
+
+def test_prepare_help_and_a_bad_python_version_write_nothing(tmp_path):
+    """``gpu_proof_prepare.sh --help`` ran ``pip download --python-version --help``: pip's whole usage, exit 2, and an
+    empty ``.whl/`` left behind; ``3.x`` the same. --help prints the header's usage, exit 0; a bad argument is one
+    ``error:`` line, exit 2; neither writes anything (nor reaches the network)."""
+    work = tmp_path / "course"
+    (work / "scripts").mkdir(parents=True)
+    (work / "scripts" / "gpu_proof_prepare.sh").write_bytes((REPO / "scripts/gpu_proof_prepare.sh").read_bytes())
+
+    def prepare(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "scripts/gpu_proof_prepare.sh", *args], cwd=work, capture_output=True,
+                              text=True, timeout=60, env=script_env(EXAMPLES_GIT=str(tmp_path / "gone")))
+
+    helped = prepare("--help")
+    assert helped.returncode == 0 and "[--no-wheels] [PYTHON_VERSION]" in helped.stdout and not helped.stderr
+    for bad in (["3.x"], ["3.12", "--no-wheels"], ["--no-wheels", "3.12", "extra"]):
+        refused = prepare(*bad)
+        assert refused.returncode == 2 and refused.stderr.startswith("error: ") and refused.stderr.count("\n") == 1, \
+            (bad, refused.stderr)
+    assert sorted(path.name for path in work.iterdir()) == ["scripts"]
