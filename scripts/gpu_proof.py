@@ -482,9 +482,9 @@ def main(argv: list[str] | None = None) -> int:
         elif check.name == "ch04_vs_examples" and not (args.examples / "mnist" / "main.py").is_file():
             skipped[check.name] = (f"no pytorch/examples checkout at {args.examples} "
                                    "(bash scripts/gpu_proof_prepare.sh fetches it)")
-    runner.say(f"gpu_proof: {len(checks)} check(s) on {args.device} ({probe['gpus']} GPU(s) "
-               f"{probe.get('gpu_name') or ''}, torch {probe['torch']}), budget {args.budget:g} s, "
-               f"results in {args.out}")
+    gpus = f"{probe['gpus']} GPU(s)" + (f" {probe['gpu_name']}" if probe.get("gpu_name") else "")
+    runner.say(f"gpu_proof: {len(checks)} check(s) on {args.device} ({gpus}, torch {probe['torch']}), budget "
+               f"{args.budget:g} s, results in {args.out}")
     runner.run(checks, skipped)
     runner.write_summary()
     print((args.out / "summary.md").read_text(encoding="utf-8"))

@@ -779,6 +779,8 @@ def test_the_cpu_rehearsal_runs_the_real_checks_within_its_budget(tmp_path):
                           env=script_env(PYTHON=PYTHON), cwd=REPO)
     assert time.time() - began < 90, "the rehearsal ran past its budget"
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert re.search(rf"^gpu_proof: {len(proof.CHECKS)} check\(s\) on cpu \(0 GPU\(s\), torch [^,]+\), budget 60 s, ",
+                     proc.stdout + proc.stderr, re.M), (proc.stdout + proc.stderr)[:1000]
     summary = summary_of(out)
     rows = summary["checks"]
     assert summary["device"] == "cpu" and summary["counts"]["failed"] == 0
