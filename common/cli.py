@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+from common.errors import first_rank
 from common.runtime.cpus import default_num_workers
 
 
@@ -156,12 +157,6 @@ def output_file_or_name(text: str) -> Path:
     return path if len(path.parts) == 1 and path.name not in (".", "..") else output_file(text)
 
 
-def _first_rank() -> bool:
-    """Rank 0 of torchrun (``RANK``) or of an srun step (``SLURM_PROCID``), or no launcher: read before any process
-    group exists, for what every rank would say alike (a bad flag, a former flag name)."""
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
-
-
 def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Make ``parser`` report a bad flag as one ``error:`` line (exit 2) instead of a usage block; a folder typed
     where no positional argument is taken gets the flag it needs (``compare_results.py results``)."""
@@ -172,7 +167,7 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         flags = parser._option_string_actions  # a script that reads its folder of records, not a training's data
         hint = f"; a folder is given as --results-dir {folder}" if folder and "--results-dir" in flags and \
             "--data-dir" not in flags else ""
-        if not _first_rank():  # every rank has the same flags: under torchrun or srun the first says it
+        if not first_rank():  # every rank has the same flags: under torchrun or srun the first says it
             parser.exit(2)
         parser.exit(2, f"error: {message}{hint} (see {parser.prog} --help)\n")
 
@@ -301,7 +296,7 @@ class _FormerName(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        if _first_rank():
+        if first_rank():
             print(f"note: {option_string} is now {self.current}; the old name still works", file=sys.stderr)
         setattr(namespace, self.dest, values)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import os
 import re
 import sys
 from typing import Callable, NoReturn, Sequence
@@ -28,6 +29,18 @@ CPU_ALLOCATION_FAILED = "DefaultCPUAllocator: can't allocate memory"
 
 class UserError(Exception):
     """Something the user asked for cannot be done; the message says what to do instead."""
+
+
+class FlagError(UserError):
+    """A bad value of the command line found after parsing (a list, sizes that contradict each other): every rank
+    of torchrun or srun reads the same flags, so the first rank says it and the others exit 2 silently, as they do
+    for argparse's own errors. What may differ between nodes (a data set, a GPU) stays a :class:`UserError`."""
+
+
+def first_rank() -> bool:
+    """Rank 0 of torchrun (``RANK``) or of an srun step (``SLURM_PROCID``), or no launcher: read before any process
+    group exists, for what every rank would say alike (a bad flag, a former flag name)."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
 class Stopped(Exception):
@@ -57,6 +70,8 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     try:
         status = main(argv)
     except UserError as err:
+        if isinstance(err, FlagError) and not first_rank():
+            sys.exit(EXIT_USER_ERROR)
         message = str(err)
         if "\nOriginal Traceback" in message:  # raised in a DataLoader worker, whose traceback torch puts first
             message = message.rstrip().splitlines()[-1].split(": ", 1)[-1]

@@ -220,6 +220,23 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, script, argv
     assert not results.exists()
 
 
+@pytest.mark.parametrize(("script", "argv"), [
+    (BENCH, ["--collectives", "all_reduc"]), (BENCH, ["--min-bytes", "1M", "--max-bytes", "1K"]),
+    (BENCH, ["--max-bytes", "128M"]), (OVERLAP, ["--bucket-cap-mb", "0"]),
+])
+@pytest.mark.parametrize(("rank", "said"), [("0", True), ("1", False)])
+def test_a_bad_flag_value_under_torchrun_is_said_by_rank_0_alone(tmp_path, capsys, monkeypatch, script, argv, rank,
+                                                                 said):
+    """Every rank reads the same flags: under torchrun each printed the same error line (two copies on two ranks)."""
+    monkeypatch.setenv("RANK", rank)
+    results = tmp_path / "results"
+    assert run_main(script, ["--device", "cpu", *argv, "--results-dir", str(results)]) == 2
+    err = capsys.readouterr().err
+    assert (err.startswith("error: --") or err.startswith("error: unknown collective")) and err.count("\n") == 1 \
+        if said else err == "", err
+    assert not results.exists()
+
+
 def test_training_flags_the_training_refuses_are_one_line_before_any_point_runs(tmp_path, capsys):
     """The flags after -- go to every point's training: checked with its parser first, not found wrong by each point
     (which wrote a failed record per point, exit 1, and a summary line that read like a finished study)."""

@@ -25,7 +25,7 @@ from common.cli import (add_common_args, add_former_names, add_lr_arg, add_run_a
 from common.measure.energy import not_measured
 from common.results import make_record, provenance, write_record
 from common.runtime.cpus import usable_cpus
-from common.errors import UserError
+from common.errors import FlagError, UserError
 from common.slurm.sites import Link, find_site
 from common.units import format_bytes
 
@@ -60,17 +60,17 @@ def message_sizes(min_bytes: int, max_bytes: int, factor: int, device_type: str)
     """``min_bytes, min_bytes*factor, ...`` up to ``max_bytes`` (included), checked against the device's range."""
     limit = MAX_BYTES["cuda" if device_type == "cuda" else "cpu"]
     if min_bytes < MIN_BYTES:
-        raise UserError(f"--min-bytes {format_bytes(min_bytes)} is below the smallest size timed, "
+        raise FlagError(f"--min-bytes {format_bytes(min_bytes)} is below the smallest size timed, "
                         f"{format_bytes(MIN_BYTES)}")
     if max_bytes < min_bytes:
-        raise UserError(f"--max-bytes {format_bytes(max_bytes)} is below --min-bytes {format_bytes(min_bytes)}")
+        raise FlagError(f"--max-bytes {format_bytes(max_bytes)} is below --min-bytes {format_bytes(min_bytes)}")
     if max_bytes > limit:
         why = ("Gloo copies every message through host memory and the run would take minutes; use a GPU for "
                "larger messages" if device_type != "cuda" else "larger buffers do not fit beside NCCL's own")
-        raise UserError(f"--max-bytes {format_bytes(max_bytes)} is above the {device_type} limit of "
+        raise FlagError(f"--max-bytes {format_bytes(max_bytes)} is above the {device_type} limit of "
                         f"{format_bytes(limit)} ({why})")
     if factor < 2:
-        raise UserError(f"--step-factor must be at least 2, got {factor}")
+        raise FlagError(f"--step-factor must be at least 2, got {factor}")
     sizes, size = [], min_bytes
     while size <= max_bytes:
         sizes.append(size)
@@ -113,7 +113,7 @@ def parse_collectives(text: str) -> list[str]:
     names = [name.strip().replace("-", "_") for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in COLLECTIVES]
     if unknown or not names:
-        raise UserError(f"unknown collective {', '.join(unknown) or '(none given)'}; "
+        raise FlagError(f"unknown collective {', '.join(unknown) or '(none given)'}; "
                         f"choose from {', '.join(COLLECTIVES)}")
     return list(dict.fromkeys(names))
 
@@ -640,9 +640,9 @@ def parse_buckets(text: str) -> list[float]:
     try:
         values = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise UserError(f"--bucket-cap-mb takes numbers separated by commas, e.g. 1,25,100; got {text!r}") from None
+        raise FlagError(f"--bucket-cap-mb takes numbers separated by commas, e.g. 1,25,100; got {text!r}") from None
     if not values or min(values) <= 0:
-        raise UserError(f"--bucket-cap-mb needs sizes above 0 MiB, got {text!r}")
+        raise FlagError(f"--bucket-cap-mb needs sizes above 0 MiB, got {text!r}")
     return values
 
 
