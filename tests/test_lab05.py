@@ -211,6 +211,13 @@ def test_time_to_target_from_the_evaluation_history_or_the_final_evaluation():
     (SCALING, ["--device", "cpu", "--processes", "1,2", "--global-batch-size", "63"],
      "error: strong scaling splits the global batch 63 over 2 processes"),
     (OVERLAP, ["--device", "cpu", "--bucket-cap-mb", "25,zero"], "error: --bucket-cap-mb takes numbers"),
+    # The model and the data set every point trains: checked once, not found wrong by each point (which wrote a
+    # failed record per point and exit 1).
+    (SCALING, ["--device", "cpu", "--processes", "1,2", "--model", "resnet"], "error: unknown model 'resnet'"),
+    (SCALING, ["--device", "cpu", "--processes", "1,2", "--dataset", "mnist", "--data-dir", "/nonexistent/data"],
+     "error: mnist not found under /nonexistent/data"),
+    (SCALING, ["--device", "cpu", "--processes", "1,2", "--model", "resnet18"],
+     "error: resnet18 expects 3-channel images, the data has 1"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, script, argv, message):
     results = tmp_path / "results"
@@ -234,6 +241,17 @@ def test_a_bad_flag_value_under_torchrun_is_said_by_rank_0_alone(tmp_path, capsy
     err = capsys.readouterr().err
     assert (err.startswith("error: --") or err.startswith("error: unknown collective")) and err.count("\n") == 1 \
         if said else err == "", err
+    assert not results.exists()
+
+
+def test_the_srun_launcher_where_there_is_no_srun_is_one_line(tmp_path, capsys, monkeypatch):
+    """--launcher srun off a Slurm node was a FileNotFoundError traceback from the first point's Popen."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun on it (CI's Slurm testbed installs one)
+    results = tmp_path / "results"
+    argv = ["--device", "cpu", "--processes", "1", "--launcher", "srun", "--results-dir", str(results)]
+    assert run_main(SCALING, argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --launcher srun: there is no srun here") and err.count("\n") == 1, err
     assert not results.exists()
 
 

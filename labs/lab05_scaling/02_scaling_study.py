@@ -35,6 +35,7 @@ import argparse
 import importlib
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,8 +48,8 @@ from common.cli import apply_dry_run, command_flags, script_parser
 from common.errors import UserError, run_main
 from common.results import read_only_record, write_record
 from labs.lab05_scaling.lab05_shared import (REPO, TRAINING, TRAINING_MODULE, Allocation, add_study_args,
-                                             check_points, current_allocation, nodes_for, parse_modes, parse_points,
-                                             per_process_batch, point_record)
+                                             check_points, check_training_input, current_allocation, nodes_for,
+                                             parse_modes, parse_points, per_process_batch, point_record)
 
 
 def allocation_for(args: argparse.Namespace) -> Allocation:
@@ -132,7 +133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         points = [points[args.point]]
     allocation = allocation_for(args)
     check_points(points, allocation)
-    training = importlib.import_module(TRAINING_MODULE).build_parser()
+    if args.launcher == "srun" and not shutil.which("srun"):
+        raise UserError("--launcher srun: there is no srun here (not a Slurm node); use --launcher auto or torchrun")
+    module = importlib.import_module(TRAINING_MODULE)
+    training = module.build_parser()
 
     def refused(message: str) -> None:  # the flags after -- are the training's: say so, in one line
         raise UserError(f"the training ({TRAINING}) refuses its flags: {message}")
@@ -142,7 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for processes in points:  # every batch split and every point's training flags are checked before anything runs
         for mode in modes:
             batch = per_process_batch(mode, processes, args.batch_size, args.global_batch_size)
-            training.parse_args(training_flags(args, batch, scratch / "records", scratch / "checkpoint.pt"))
+            flags = training.parse_args(training_flags(args, batch, scratch / "records", scratch / "checkpoint.pt"))
+    check_training_input(module, flags)  # a wrong model or a missing data set: one line, not a failed record per point
 
     study = {"id": uuid.uuid4().hex[:8], "processes": parse_points(args.processes), "modes": modes,
              "allocation": allocation.what}

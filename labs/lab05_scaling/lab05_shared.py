@@ -491,6 +491,17 @@ def per_process_batch(mode: str, processes: int, batch_size: int, global_batch_s
     return global_batch_size // processes
 
 
+def check_training_input(training: Any, flags: argparse.Namespace) -> None:
+    """Load the data set and build the model every point's ``training`` (the module) would, from its parsed ``flags``,
+    once before any point runs: an unknown model, a data set missing from ``--data-dir`` or a model that cannot take
+    the images is one line, not a failed record per point. The model is built on the meta device (no memory)."""
+    import torch
+
+    splits = training.lab_data(flags)
+    with torch.device("meta"):
+        training.build_model(flags.model, splits.num_classes, splits.input_shape[0])
+
+
 def evaluations(metrics: Mapping[str, Any]) -> tuple[list[dict[str, float]], str]:
     """The run's validation accuracy over time: ``eval_history`` when the training recorded one.
 
