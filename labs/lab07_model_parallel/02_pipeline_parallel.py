@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from common.cli import add_run_args, positive_int, script_parser
-from common.errors import UserError, run_main
+from common.errors import FlagError, run_main
 from common.measure.memory import local_bytes
 from common.runtime.device import configure_threads, synchronize
 from common.runtime.distributed import all_reduce_sum, gather_objects, init_distributed, print0, teardown_distributed
@@ -79,13 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     if ranks > 1:
         stage_layers(shape.layers, ranks * (2 if args.schedule == "interleaved" else 1))  # refuses too many stages
     if args.batch_size % args.microbatches:
-        raise UserError(f"--microbatches {args.microbatches} does not divide --batch-size {args.batch_size}: "
+        raise FlagError(f"--microbatches {args.microbatches} does not divide --batch-size {args.batch_size}: "
                         "every micro-batch must hold the same number of sequences")
     if ranks > 1 and args.schedule != "gpipe" and args.microbatches < ranks:
-        raise UserError(f"--schedule {args.schedule} on {ranks} stages needs at least {ranks} micro-batches (it keeps "
+        raise FlagError(f"--schedule {args.schedule} on {ranks} stages needs at least {ranks} micro-batches (it keeps "
                         f"one in flight per stage), got --microbatches {args.microbatches}; use --schedule gpipe")
     if ranks > 1 and args.schedule == "interleaved" and args.microbatches % ranks:
-        raise UserError(f"--schedule interleaved runs the micro-batches in rounds of one per process: "
+        raise FlagError(f"--schedule interleaved runs the micro-batches in rounds of one per process: "
                         f"--microbatches {args.microbatches} must be a multiple of the {ranks} processes")
     ctx = init_distributed(args.device)
     try:

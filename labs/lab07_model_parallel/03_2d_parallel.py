@@ -30,7 +30,7 @@ import torch
 from common.checkpoint.sharded import DistributedCheckpointer
 from common.checkpoint.single_file import check_same_settings, check_steps_left
 from common.cli import add_run_args, output_dir, positive_int, script_parser
-from common.errors import UserError, run_main
+from common.errors import FlagError, UserError, run_main
 from common.measure.memory import local_bytes
 from common.measure.timing import StepTimer
 from common.runtime.device import configure_threads
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     check_mesh((dp, tp), world)
     check_tensor_parallel(shape, tp)
     if args.batch_size % dp:
-        raise UserError(f"--batch-size {args.batch_size} is not divisible by the {dp} data-parallel rows of "
+        raise FlagError(f"--batch-size {args.batch_size} is not divisible by the {dp} data-parallel rows of "
                         f"--mesh {dp}x{tp}: each row takes an equal share of every batch")
     checkpoint_dir = args.checkpoint_dir or args.results_dir / "checkpoints" / "03_2d_parallel"
     ctx = init_distributed(args.device)

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.cli import add_lr_arg, add_steps_arg, config_dict, non_negative_int, positive_int
 from common.data.datasets import TEXT_VOCAB_SIZE, load_stdlib_text
-from common.errors import UserError
+from common.errors import FlagError
 from common.models import DecoderOnlyTransformer, TransformerShape, add_transformer_args, transformer_shape
 from common.results import make_record, provenance, write_record
 from common.runtime.device import synchronize
@@ -68,7 +68,7 @@ def apply_dry_run(args: argparse.Namespace) -> argparse.Namespace:
     if args.dry_run:
         args.steps, args.warmup_steps = min(args.steps, 2), min(args.warmup_steps, 1)
     if args.warmup_steps >= args.steps:
-        raise UserError(f"--warmup-steps {args.warmup_steps} leaves none of the --steps {args.steps} timed; "
+        raise FlagError(f"--warmup-steps {args.warmup_steps} leaves none of the --steps {args.steps} timed; "
                         "give more --steps or fewer --warmup-steps")
     return args
 
@@ -143,11 +143,11 @@ def check_tensor_parallel(shape: TransformerShape, degree: int, *, sequence_para
     """Tensor parallel gives each rank whole heads, so an equal slice of every width (the width is
     a multiple of the heads), and with sequence parallel an equal slice of the sequence."""
     if shape.heads % degree:
-        raise UserError(f"--heads {shape.heads} is not divisible by the tensor-parallel degree {degree}: "
+        raise FlagError(f"--heads {shape.heads} is not divisible by the tensor-parallel degree {degree}: "
                         "each rank computes whole attention heads (and width / degree columns of every layer); "
                         "use a head count that is a multiple of it")
     if sequence_parallel and shape.context % degree:
-        raise UserError(f"--context {shape.context} is not divisible by the tensor-parallel degree {degree}: "
+        raise FlagError(f"--context {shape.context} is not divisible by the tensor-parallel degree {degree}: "
                         "--sequence-parallel gives each rank context / degree positions")
 
 
@@ -161,7 +161,7 @@ def parse_mesh(text: str) -> tuple[int, int]:
 
 def check_mesh(mesh: tuple[int, int], world_size: int) -> None:
     if mesh[0] * mesh[1] != world_size:
-        raise UserError(f"--mesh {mesh[0]}x{mesh[1]} has {mesh[0] * mesh[1]} places but {world_size} process(es) "
+        raise FlagError(f"--mesh {mesh[0]}x{mesh[1]} has {mesh[0] * mesh[1]} places but {world_size} process(es) "
                         "were started: the mesh's sizes must multiply to the world size")
 
 
@@ -274,7 +274,7 @@ class PipelineStageModule(nn.Module):
 def stage_layers(layers: int, stages: int) -> list[tuple[int, int]]:
     """The blocks of each stage, as even as they divide: ``stage_layers(5, 2) == [(0, 2), (2, 5)]``."""
     if stages > layers:
-        raise UserError(f"{stages} pipeline stages need at least {stages} transformer blocks, the model has "
+        raise FlagError(f"{stages} pipeline stages need at least {stages} transformer blocks, the model has "
                         f"--layers {layers}: each stage holds one block or more; use more --layers or fewer "
                         "processes")
     bounds = [round(i * layers / stages) for i in range(stages + 1)]
