@@ -103,6 +103,19 @@ def test_job_slurm_s_allocation_gives_the_usc_lab_s_baseline_and_its_step_5(monk
     assert (args.num_workers, default_method(args)) == (workers, method)
 
 
+def test_the_sweep_s_workers_step_on_job_slurm_s_one_core_keeps_the_baseline_s_one_worker(monkeypatch):
+    """On one core (SLURM_CPUS_PER_TASK=1) the allocation leaves no spare core: the workers step, like
+    mnist_classify.py's default, keeps one worker (the README: "at least one"), not 0, which would load
+    in the training process and make persistent-workers a no-op."""
+    for key in ("SLURM_CPUS_ON_NODE", "SLURM_JOB_CPUS_PER_NODE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
+    sweep = load_script(f"{LAB}/sweep.py")
+    args = sweep.build_parser().parse_args([])
+    workers = next(step for step in sweep.optimisation_path(args) if step.name == "workers")
+    assert dict(workers.settings)["num_workers"] == 1
+
+
 def test_the_three_pipelines_give_the_same_numbers():
     import torch
 

@@ -240,7 +240,7 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_log_interval_arg(parser, unit="batches")
     parser.add_argument("--profile-dir", type=output_dir, default=None,
                         help="where the .lprof of every step is kept (default: RESULTS_DIR/lab02_lprof)")
-    add_common_args(parser, epochs=3, batch_size=64)
+    add_common_args(parser, epochs=3, batch_size=64, min_workers=1)  # the workers step: never fewer than baseline's
     return parser
 
 
