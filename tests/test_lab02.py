@@ -215,6 +215,19 @@ def test_profile_trace_writes_a_valid_trace_with_labelled_regions(tmp_path, caps
     assert record["metrics"]["trace_events"] == len(events)
 
 
+def test_profile_trace_s_two_readme_runs_keep_both_timelines(tmp_path, capsys):
+    """The README runs the USC lab's pipeline, then the device pipeline, without --trace: the second run must
+    not overwrite the first one's timeline, which its record names."""
+    for pipeline in ("pil", "device"):
+        status = run_main(f"{LAB}/profile_trace.py", ["--device", "cpu", "--pipeline", pipeline, "--num-workers", "0",
+                                                      "--wait", "0", "--warmup", "0", "--active", "1",
+                                                      "--results-dir", str(tmp_path)])
+        assert status == 0
+    traces = {record["config"]["pipeline"]: Path(record["metrics"]["trace_file"])
+              for record in records(tmp_path, "lab02_torch-profiler-*.json")}
+    assert traces["pil"] != traces["device"] and all(path.is_file() for path in traces.values())
+
+
 def test_data_pipeline_benchmark_dry_run_writes_three_records(tmp_path, capsys):
     assert run_main("bench/data_pipeline.py", ["--device", "cpu", "--dry-run", "--results-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
