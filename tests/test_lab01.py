@@ -440,3 +440,13 @@ def test_run_lab_with_its_defaults_is_the_main_job_on_real_data(tmp_path):
     warnings = re.search(r'<section id="warnings">(.*?)</section>', html, re.S)
     assert warnings is None or "scaling efficiency" not in warnings.group(1)
     assert not (tmp_path / "checkpoints").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["results"]
+
+
+def test_image_size_help_names_every_data_set_it_resizes(capsys):
+    """run_lab.sh passes --image-size 16 for the digits: the help must say the digits are resized to it."""
+    from common.data.datasets import get_dataset
+
+    assert run_main(f"{LAB}/02_baseline_single_gpu.py", ["--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert get_dataset("digits", image_size=16).input_shape == (1, 16, 16)
+    assert "resize of digits and imagefolder images" in help_text

@@ -54,7 +54,8 @@ def add_lab_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "read --data-dir (default: %(default)s)")
     group.add_argument("--image-size", type=positive_int, default=32,
                        help="side of the synthetic images: 32 is CIFAR-shaped, 224 ImageNet-shaped; also the "
-                            "resize of imagefolder images (default: %(default)s)")
+                            "resize of digits and imagefolder images (mnist and cifar10 keep theirs) "
+                            "(default: %(default)s)")
     group.add_argument("--synthetic-size", type=positive_int, default=12800,
                        help="training samples of the synthetic data set; the test split is a quarter of it "
                             "(default: %(default)s)")
