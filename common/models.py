@@ -54,7 +54,8 @@ class PlainCNN(nn.Module):
     For equivalence checks (Lab-01): BatchNorm normalises with the statistics of the batch each
     replica sees, and dropout draws masks, so with either a replica of DataParallel or DDP computes
     a different function than one device; without them the methods agree to floating-point
-    rounding. Any number of channels and image size: the features are pooled to a 4x4 grid.
+    rounding. Any number of channels and any image of at least 4x4 (its two 2x2 pools): the features are
+    pooled to a 4x4 grid.
     """
 
     def __init__(self, num_classes: int = 10, in_channels: int = 3, width: int = 32) -> None:
@@ -67,6 +68,9 @@ class PlainCNN(nn.Module):
         self.classifier = nn.Sequential(nn.Linear(2 * width * 16, 128), nn.ReLU(), nn.Linear(128, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if min(x.shape[-2:]) < 4:  # max_pool2d's traceback would not say which flag to change
+            raise UserError(f"plain_cnn needs images of at least 4x4 (two 2x2 pools), got {x.shape[-2]}x{x.shape[-1]}: "
+                            "give a larger --image-size")
         return self.classifier(self.features(x))
 
 

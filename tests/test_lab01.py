@@ -285,6 +285,16 @@ def test_gpus_that_do_not_exist_is_one_error_line(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+def test_images_too_small_for_the_plain_cnn_are_one_error_line(tmp_path, capsys):
+    """Two 2x2 pools need 4x4 images: --image-size 3 is one line naming the flag, not max_pool2d's traceback."""
+    status = run_main(BASELINE, ["--device", "cpu", "--model", "plain_cnn", "--image-size", "3", "--max-steps", "1",
+                                 "--results-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and err == ["error: plain_cnn needs images of at least 4x4 (two 2x2 pools), got 3x3: give a "
+                                   "larger --image-size"], err
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("text, ok", [("0,1,2,3", [0, 1, 2, 3]), ("2", [2]), ("0,a", None), ("1,1", None),
                                       ("", None), ("-1", None)])
 def test_parse_gpu_ids(text, ok):
