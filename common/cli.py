@@ -184,6 +184,17 @@ def refuse_unused(parser: argparse.ArgumentParser, args: argparse.Namespace, use
         parser.error(f"{' and '.join(given)}: only with {where}")
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's formatter that adds every flag's default to its help, a switch's said as on or off (not False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "(default:" in (action.help or "") or action.default is argparse.SUPPRESS:  # said already, or --help
+            return action.help
+        if action.nargs == 0:
+            return f"{action.help} (default: {'on' if action.default else 'off'})"
+        return super()._get_help_string(action)
+
+
 def script_parser(doc: str | None, *,
                   formatter_class: type[argparse.HelpFormatter] = argparse.RawDescriptionHelpFormatter,
                   ) -> argparse.ArgumentParser:
@@ -231,7 +242,7 @@ def add_run_args(
     if seed is not None:
         group.add_argument("--seed", type=int, default=seed, help="random seed (default: %(default)s)")
     if dry_run is not None:
-        group.add_argument("--dry-run", action="store_true", help=f"{dry_run} (default: %(default)s)")
+        group.add_argument("--dry-run", action="store_true", help=f"{dry_run} (default: off)")
     group.add_argument("--results-dir", type=output_dir, default=results_dir,
                        help="folder where the result records are written (default: %(default)s)")
     accept_launcher_local_rank(parser)

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import io
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -114,6 +115,20 @@ def test_every_script_has_a_parser_and_every_path_flag_says_folder_or_file():
                 untyped[" ".join((relpath, *prefix))] = odd
     assert not untyped, f"path flags without a path type of common.cli: {untyped}"
     assert len(SCRIPTS) >= 35 and counted >= 60, (len(SCRIPTS), counted)
+
+
+def test_every_on_off_flag_says_its_default_as_on_or_off():
+    """A switch's help says "(default: off)" or "(default: on)", as every other flag says its value; argparse's
+    %(default)s would print Python's False or True (28 scripts' --dry-run did)."""
+    said = {}
+    for relpath in SCRIPTS:
+        for prefix, parser in parsers(script_parser_of(relpath)):
+            for action in parser._actions:
+                if action.nargs == 0 and action.help not in (None, argparse.SUPPRESS) and action.dest != "help":
+                    text = parser._get_formatter()._expand_help(action)
+                    if re.search(r"\(default: (True|False)\)", text):
+                        said.setdefault("/".join(action.option_strings), []).append(" ".join((relpath, *prefix)))
+    assert not said, said
 
 
 @pytest.mark.parametrize("relpath", SCRIPTS)

@@ -92,12 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         "DDP options (the Lab-01 handout's 'optimised DDP' settings are the defaults)")
     group.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction, default=True,
                        help="gradients are views into the all-reduce buckets, saving a copy; PyTorch's own "
-                            "default is off (default: %(default)s)")
+                            "default is off (default: on)")
     group.add_argument("--bucket-cap-mb", type=positive_float, default=DDP_BUCKET_CAP_MB,
                        help="size of one gradient bucket (one all-reduce) in MiB (default: %(default)s)")
     group.add_argument("--broadcast-buffers", action=argparse.BooleanOptionalAction, default=False,
                        help="copy rank 0's buffers (BatchNorm running statistics) to all ranks before every "
-                            "forward; PyTorch's own default is on (default: %(default)s)")
+                            "forward; PyTorch's own default is on (default: off)")
     group.add_argument("--find-unused-parameters", action="store_true",
                        help="look for parameters that got no gradient every step; only for models that "
                             "skip layers (default: off)")

@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from common.precision import set_fp32_math
 from common.train import amp
-from common.cli import script_parser
+from common.cli import DefaultsHelpFormatter, script_parser
 from common.runtime.device import configure_threads, seed_everything
 from common.runtime.distributed import DistContext, init_distributed, teardown_distributed
 from common.measure.energy import EnergyMeter
@@ -199,7 +199,7 @@ def benchmark(args: argparse.Namespace, flops: dict[str, dict[str, int]], ctx: D
 
 
 def build_parser() -> argparse.ArgumentParser:  # --help shows the defaults without "(default: ...)" in each help
-    return add_benchmark_args(script_parser(__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    return add_benchmark_args(script_parser(__doc__, formatter_class=DefaultsHelpFormatter))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                        help="FSDP2 frees each gathered block after its forward and gathers it again for backward "
                             "(ZeRO-3); --no-reshard-after-forward keeps it until backward: one all-gather "
-                            "fewer per block, more memory (ZeRO-2) (default: %(default)s)")
+                            "fewer per block, more memory (ZeRO-2) (default: on)")
     group.add_argument("--compile", action="store_true",
                        help="torch.compile each transformer block (fuses its small kernels; the first steps "
                             "compile, so raise --warmup-steps) (default: off)")

@@ -36,7 +36,7 @@ from common.runtime.distributed import gather_objects, init_distributed, print0,
 from common.runtime.launch import detect_launch
 from common.units import format_bytes
 from labs.lab07_model_parallel.lab07_shared import (
-    CollectiveTally, add_model_args, add_training_flags, apply_dry_run, batch_for_step, build_model,
+    DRY_RUN, CollectiveTally, add_model_args, add_training_flags, apply_dry_run, batch_for_step, build_model,
     check_tensor_parallel, language_model_loss, predicted_tensor_parallel_traffic, shape_from_args, training_text,
     write_lab_record,
 )
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     group = add_training_flags(parser, batch="sequences per step; every rank sees all of them")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="cut the norms and the residual stream along the sequence too (default: off)")
-    add_run_args(parser)
+    add_run_args(parser, dry_run=DRY_RUN)
     return parser
 
 

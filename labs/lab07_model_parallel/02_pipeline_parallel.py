@@ -38,7 +38,7 @@ from common.runtime.device import configure_threads, synchronize
 from common.runtime.distributed import all_reduce_sum, gather_objects, init_distributed, print0, teardown_distributed
 from common.runtime.launch import detect_launch
 from labs.lab07_model_parallel.lab07_shared import (
-    SCHEDULES, add_model_args, add_training_flags, apply_dry_run, batch_for_step, bubble_formula, build_model,
+    DRY_RUN, SCHEDULES, add_model_args, add_training_flags, apply_dry_run, batch_for_step, bubble_formula, build_model,
     language_model_loss, pipeline_stage_module, shape_from_args, stage_layers, timed_stage_class,
     training_text, write_lab_record,
 )
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "stages per rank (default: %(default)s)")
     group.add_argument("--microbatches", type=positive_int, default=4,
                        help="pieces of each batch in the pipe at once; must divide --batch-size (default: %(default)s)")
-    add_run_args(parser)
+    add_run_args(parser, dry_run=DRY_RUN)
     return parser
 
 

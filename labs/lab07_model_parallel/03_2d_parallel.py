@@ -38,7 +38,7 @@ from common.runtime.distributed import all_reduce_mean, gather_objects, init_dis
 from common.runtime.launch import detect_launch
 from common.units import format_bytes
 from labs.lab07_model_parallel.lab07_shared import (
-    add_model_args, add_training_flags, apply_dry_run, batch_for_step, build_model, check_mesh,
+    DRY_RUN, add_model_args, add_training_flags, apply_dry_run, batch_for_step, build_model, check_mesh,
     check_tensor_parallel, language_model_loss, parse_mesh, shape_from_args, training_text,
     write_lab_record,
 )
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="save after every this many steps, and after the last (default: after the last only)")
     group.add_argument("--resume", action="store_true",
                        help="continue from the newest checkpoint, on any mesh (default: start fresh)")
-    add_run_args(parser)
+    add_run_args(parser, dry_run=DRY_RUN)
     return parser
 
 

@@ -62,6 +62,9 @@ def add_training_flags(parser: argparse.ArgumentParser, *, batch: str, steps: in
     return parser
 
 
+DRY_RUN = "two steps, the first one untimed: checks that everything runs"  # --dry-run's help
+
+
 def apply_dry_run(args: argparse.Namespace) -> argparse.Namespace:
     """``--dry-run``: two steps, the first one untimed (what the course's tiny runs and CI use). Then a run that
     would time no step at all is refused: its timings and bubble would be empty."""
