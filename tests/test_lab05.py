@@ -203,6 +203,10 @@ def test_time_to_target_from_the_evaluation_history_or_the_final_evaluation():
      "error: unknown collective broadcast; choose from all_reduce, all_gather, reduce_scatter"),
     (BENCH, ["--device", "cpu", "--max-bytes", "lots"], "error: argument --max-bytes: not a size: 'lots'"),
     (BENCH, ["--device", "cpu", "--site", "nowhere"], "error: unknown site 'nowhere'"),
+    (BENCH, ["--device", "cpu", "--partition", "gpu"], "error: --partition gpu is a partition of a site profile: "
+                                                       "give --site too"),
+    (SCALING, ["--device", "cpu", "--modes", "weak", "--global-batch-size", "64"],
+     "error: --global-batch-size 64: only with strong scaling"),
     (SCALING, ["--device", "cpu", "--processes", "1,2,4096"],
      "error: scaling point of 4096 processes is larger than the allocation"),
     (SCALING, ["--device", "cpu", "--modes", "diagonal"], "error: unknown scaling mode diagonal"),

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Sequence
 
 from common.cli import apply_dry_run, command_flags, script_parser
-from common.errors import UserError, run_main
+from common.errors import FlagError, UserError, run_main
 from common.results import read_only_record, write_record
 from labs.lab05_scaling.lab05_shared import (REPO, TRAINING, TRAINING_MODULE, Allocation, add_study_args,
                                              check_points, check_training_input, current_allocation, nodes_for,
@@ -125,6 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.training_args = [a for a in args.training_args if a != "--"] if args.training_args else []
     points = parse_points(args.processes)
     modes = parse_modes(args.modes)
+    if args.global_batch_size is not None and "strong" not in modes:  # weak scaling keeps --batch-size per process
+        raise FlagError(f"--global-batch-size {args.global_batch_size}: only with strong scaling (--modes strong or "
+                        "both); weak scaling keeps --batch-size per process")
     args.global_batch_size = args.global_batch_size or args.batch_size
     if args.point is not None:
         if args.point >= len(points):

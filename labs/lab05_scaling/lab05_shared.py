@@ -332,6 +332,9 @@ def checked_sizes(args: argparse.Namespace, device_type: str) -> list[int]:
         args.min_bytes = min(args.min_bytes, max_bytes)
     sizes = message_sizes(args.min_bytes, max_bytes, args.step_factor, device_type)
     args.site = args.site or os.environ.get("HPC_DL_LABS_SITE") or None
+    if args.partition is not None and args.site is None:  # the flag's own value would be ignored
+        raise FlagError(f"--partition {args.partition} is a partition of a site profile: give --site too "
+                        "(the link peaks come from slurm/sites/SITE.yaml)")
     args.partition = args.partition or os.environ.get("SLURM_JOB_PARTITION") or None
     if args.site is not None:
         site_links(args.site, args.partition)  # an unknown site or partition: one line, before any work
