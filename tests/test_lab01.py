@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -159,6 +160,23 @@ def test_preempted_ddp_run_resumes_to_the_same_parameters(tmp_path, monkeypatch,
                        stopped_at="epoch 2 step 3")  # 6 steps per epoch
     cut, whole = _record(tmp_path / "cut"), _record(tmp_path / "whole")
     assert cut["metrics"]["loss_at_step"] == whole["metrics"]["loss_at_step"]
+
+
+def test_an_unexpected_error_with_loader_workers_ends_the_process(tmp_path):
+    """The workers ignore SIGTERM (below); a training that raised an unexpected error kept its loader alive in the
+    printed traceback, so at exit multiprocessing sent its workers that SIGTERM and waited for them forever: the
+    job sat until its time limit. Now the traceback, exit status 1, and no worker left."""
+    script = tmp_path / "raises.py"
+    script.write_text("import runpy, sys\nimport common.models\n"
+                      "def forward(self, x):\n    raise RuntimeError('an error nobody expected')\n"
+                      "common.models.PlainCNN.forward = forward\n"
+                      f"sys.argv[0] = {str(REPO / BASELINE)!r}\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+    done = subprocess.run([PYTHON, str(script), "--device", "cpu", "--model", "plain_cnn", "--num-workers", "2",
+                           "--results-dir", str(tmp_path / "r")], capture_output=True, text=True, env=script_env(),
+                          timeout=240, start_new_session=True)  # a hang fails here, at the timeout
+    assert done.returncode == 1 and done.stderr.rstrip().endswith("RuntimeError: an error nobody expected"), \
+        done.stderr[-3000:]
+    assert [pid for pid in os.listdir("/proc") if pid.isdigit() and str(script) in _cmdline(pid)] == []
 
 
 def test_scancel_s_sigterm_to_every_process_saves_even_with_loader_workers(tmp_path):

@@ -27,7 +27,9 @@ operation. :func:`make_loader` feeds them through a DataLoader (``num_workers`` 
 
 from __future__ import annotations
 
+import atexit
 import math
+import multiprocessing.util  # registers its exit handler first: the one below runs before it
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +68,20 @@ def worker_ignores_sigterm(worker_id: int, then: Callable[[int], None] | None = 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if then is not None:
         then(worker_id)
+
+
+@atexit.register
+def _end_workers_left_at_exit() -> None:
+    """A process that ends with its loader's workers running (an exception's traceback, printed, keeps the loader
+    alive to the end) would wait for them forever: multiprocessing's exit handler stops them with the SIGTERM they
+    ignore, then joins them. This runs before it and ends them for good."""
+    workers = [child for child in multiprocessing.active_children() if child.daemon]  # nothing else of ours is
+    if workers:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # PyTorch's raises for a worker that ended: nobody reads it now
+        for worker in workers:
+            worker.kill()
+        for worker in workers:
+            worker.join(timeout=10)
 
 
 @dataclass
