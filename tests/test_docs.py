@@ -55,7 +55,7 @@ def test_the_course_map_has_a_row_for_every_chapter_and_lab():
 
 def test_reference_runs_help_and_a_wrong_first_argument_run_nothing(tmp_path):
     """``--help`` prints the script's header; a part given where the machine's folder goes (``lab01``), an option or
-    a path is one line, exit 2, before a part runs: none re-measures into reference-results/lab01/ or --help/."""
+    a path is one line, exit 2, before a part runs: none re-measures every part into a folder named lab01 or --help."""
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", str(REPO / "scripts" / "reference_runs.sh"), *args], cwd=tmp_path,
                               capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin",
