@@ -183,7 +183,6 @@ def test_scancel_s_sigterm_to_every_process_saves_even_with_loader_workers(tmp_p
     """``scancel``, pre-emption and torchrun's stop send SIGTERM to every process of the job, the DataLoader's workers
     too: the workers leave it to the training process (``worker_ignores_sigterm``), which saves and exits 0, instead
     of dying and making it raise "DataLoader worker ... is killed by signal: Terminated" with nothing saved."""
-    import os
     import signal
     import time
 
