@@ -7,7 +7,8 @@ and ``OUT/summary.md`` are written again (name, tier, seconds, status ok/failed/
 one-line reason, what the judge measured, the records), so a lease that ends mid-run loses nothing
 that finished. A command is never started past the budget: one that would run past it is cut there,
 and its check is ``not-run`` (cut at the budget), like the checks after it. Exit status 0 when every
-check that ran is ok, 1 when one failed, 2 for bad usage.
+check ran and is ok (or skipped, with its reason), 1 when one failed, 3 when none failed but the budget ran out
+before one or more (``--only pending`` runs them), 2 for bad usage.
 """
 
 from __future__ import annotations
@@ -489,7 +490,14 @@ def main(argv: list[str] | None = None) -> int:
     runner.write_summary()
     print((args.out / "summary.md").read_text(encoding="utf-8"))
     ran = [runner.results[c.name] for c in checks if c.name in runner.results]
-    return 1 if any(row["status"] == "failed" for row in ran) else 0
+    if any(row["status"] == "failed" for row in ran):
+        return 1
+    pending = [row["name"] for row in ran if row["status"] == "not-run"]
+    if pending:  # not a pass: a script or CI reading the status alone must not take a cut run for a proven one
+        print(f"gpu_proof: {len(pending)} of {len(checks)} check(s) not run within the budget "
+              f"({', '.join(pending)}): --only pending runs them", file=sys.stderr)
+        return 3
+    return 0
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@
 # first, each alone on the machine. Tier 2: every other path one GPU can run, pytest -m gpu last.
 # The checks and what each record must say: scripts/gpu_proof_checks.py. After every check,
 # OUT/summary.json and OUT/summary.md are written again, so a lease that ends mid-run keeps what
-# finished. Exit status: 0 every check that ran is ok, 1 one failed, 2 bad usage (or no GPU with
-# --device cuda).
+# finished. Exit status: 0 every check ran and is ok (or skipped), 1 one failed, 3 none failed but the
+# budget ran out before some (--only pending runs them), 2 bad usage (or no GPU with --device cuda).
 #
 # A GPU machine without internet: wheels for Python modules it lacks (line_profiler, py-spy, PyYAML,
 # webdataset, braceexpand, torchdata) are installed from .whl/ first, and pytorch/examples is read from
