@@ -24,6 +24,7 @@ This module must not import torch (2-4 s): parsers and the report read it.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from pathlib import Path
@@ -155,6 +156,16 @@ def output_file_or_name(text: str) -> Path:
     places elsewhere and checks there (the report puts ``r.html`` into RESULTS_DIR, not where it was typed)."""
     path = Path(text).expanduser()
     return path if len(path.parts) == 1 and path.name not in (".", "..") else output_file(text)
+
+
+def unknown_names(what: str, unknown: list[str], valid: list[str], same: Any = None) -> str:
+    """``unknown models 'resnt18'; did you mean resnet18?``: another spelling of a name (``same`` maps each to one
+    name: Lab-03's ``fp16`` is ``half`` or ``amp-fp16``) or close ones; all of ``valid`` only when they are few."""
+    near = {guess: None for name in unknown for guess in
+            [v for v in valid if same and same(v) == same(name) != v] or difflib.get_close_matches(name, valid, 4, 0.6)}
+    choices = (f"did you mean {' or '.join(near)}?" if near else f"valid {what}: {', '.join(valid)}" if len(valid) <= 12
+               else f"none of the {len(valid)} valid ones is close ({', '.join(valid[:5])}, ...)")
+    return f"unknown {what} {', '.join(map(repr, unknown))}; {choices}"
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

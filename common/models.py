@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from common.cli import positive_int
+from common.cli import positive_int, unknown_names
 from common.errors import UserError
 
 LOCAL_MODELS = ("mnist_cnn", "plain_cnn")
@@ -82,7 +82,7 @@ def zoo_models() -> list[str]:
 
 
 def build_model(name: str, num_classes: int = 10, in_channels: int = 3, weights: str | None = None) -> nn.Module:
-    """Build a model by name; unknown names raise a :class:`UserError` listing the valid ones.
+    """Build a model by name; unknown names raise a :class:`UserError` naming close ones.
 
     ``weights`` is passed to torchvision (e.g. ``"DEFAULT"``) and needs the weights already in the
     torch hub cache (``$TORCH_HOME``); it is ``None`` (random init) unless asked for.
@@ -93,7 +93,7 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3, weights:
         return PlainCNN(num_classes=num_classes, in_channels=in_channels)
     zoo = zoo_models()
     if name not in zoo:
-        raise UserError(f"unknown model {name!r}; valid models: {', '.join([*LOCAL_MODELS, *zoo])}")
+        raise UserError(unknown_names("model", [name], [*LOCAL_MODELS, *zoo]))
     import torchvision
 
     if in_channels != 3:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from common import precision as precisions
 from common.atomic import write_text_atomic
 from common.cli import (BENCHMARK_MODES as MODES, BENCHMARK_PRECISIONS as PRECISIONS, add_former_names, add_run_args,
-                        config_dict, non_negative_int, output_dir, positive_float, positive_int)
+                        config_dict, non_negative_int, output_dir, positive_float, positive_int, unknown_names)
 from common.errors import UserError
 from common.models import build_model, zoo_models
 from common.runtime.device import describe, resolve_device
@@ -219,8 +219,8 @@ def parse_list(text: str, valid: Sequence[str], what: str) -> list[str]:
     if not names:
         raise UserError(f"no {what} given; choose from: {', '.join(valid)}")
     unknown = [name for name in names if name not in valid]
-    if unknown:
-        raise UserError(f"unknown {what} {', '.join(map(repr, unknown))}; valid {what}: {', '.join(valid)}")
+    if unknown:  # "fp16" is two rows here: half or amp-fp16
+        raise UserError(unknown_names(what, unknown, list(valid), same=precisions.normalise))
     return list(dict.fromkeys(names))
 
 
