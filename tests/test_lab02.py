@@ -220,7 +220,7 @@ def test_profile_trace_s_two_readme_runs_keep_both_timelines(tmp_path, capsys):
     not overwrite the first one's timeline, which its record names."""
     for pipeline in ("pil", "device"):
         status = run_main(f"{LAB}/profile_trace.py", ["--device", "cpu", "--pipeline", pipeline, "--num-workers", "0",
-                                                      "--wait", "0", "--warmup", "0", "--active", "1",
+                                                      "--wait", "0", "--warmup", "1", "--active", "1",
                                                       "--results-dir", str(tmp_path)])
         assert status == 0
     traces = {record["config"]["pipeline"]: Path(record["metrics"]["trace_file"])
