@@ -300,6 +300,11 @@ def validate_record(record: Any) -> list[str]:
     """The reasons ``record`` is not a readable record (an empty list when it is)."""
     if not isinstance(record, Mapping):
         return [f"expected a JSON object, got {type(record).__name__}"]
+    version = record.get("schema_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > max(READABLE_VERSIONS):
+        # Another course's keys, or this one's from a newer commit: what it lacks by this code's schema says nothing.
+        return [f"schema_version {version} is newer than this code reads ({', '.join(map(str, READABLE_VERSIONS))}): "
+                "update the course's code (git pull) to read it"]
     problems = []
     for key, kind in REQUIRED_KEYS.items():
         if key not in record:
@@ -308,7 +313,6 @@ def validate_record(record: Any) -> list[str]:
             problems.append(f"key '{key}' should be {getattr(kind, '__name__', kind)}")
     if isinstance(record.get("schema"), str) and record["schema"] != SCHEMA_NAME:
         problems.append(f"schema is {record['schema']!r}, not {SCHEMA_NAME!r}")
-    version = record.get("schema_version")
     if isinstance(version, int) and version not in READABLE_VERSIONS:
         problems.append(f"schema_version {version} is not one this code reads {READABLE_VERSIONS}")
     if isinstance(version, int) and version >= 2:
