@@ -474,8 +474,10 @@ def test_models_by_name():
     resnet = build_model("resnet18", num_classes=7)
     assert resnet.eval()(torch.zeros(1, 3, 32, 32)).shape == (1, 7)
     assert sum(p.numel() for p in net.parameters()) == 1199882  # the pytorch/examples MNIST network
-    with pytest.raises(UserError, match="resnet18, resnet34"):
+    with pytest.raises(UserError, match="^unknown model 'resnet51'; did you mean resnet50 or "):
         build_model("resnet51")
+    with pytest.raises(UserError, match=r"^unknown model .fancynet.; none of the \d+ valid ones is close \(mnist_cnn"):
+        build_model("fancynet")  # a sample, not torchvision's 80 names on one line
     torch.manual_seed(0)
     a = build_model("mnist_cnn", in_channels=1)
     torch.manual_seed(0)
