@@ -5,11 +5,13 @@ The profiles of the repository and what the renderer does with them: tests/test_
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from common.errors import UserError
+from common.slurm import sites
 from common.slurm.sites import Link, find_site, load_site, load_sites, site_names
 
 PROFILE = """\
@@ -157,3 +159,14 @@ def test_a_site_name_that_is_not_one_word_is_refused(tmp_path):
     (tmp_path / "lab u.yaml").write_text(BASE.replace("name: lab", "name: lab u"))
     with pytest.raises(UserError, match=r"lab u\.yaml: name must be one word of letters, digits"):
         load_site(tmp_path / "lab u.yaml")
+
+
+def test_the_readme_profile_format_shows_every_key_a_profile_may_have(tmp_path):
+    """An instructor writes a profile from the format block of slurm/sites/README.md: it must name every key the
+    reader accepts (and no other), and be a profile that loads as it stands."""
+    readme = (Path(__file__).resolve().parents[1] / "slurm" / "sites" / "README.md").read_text()
+    block = readme.split("\n## Profile format\n", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "lanta.yaml").write_text(block)
+    assert load_site(tmp_path / "lanta.yaml").name == "lanta"
+    assert set(re.findall(r"^(\w+):", block, re.M)) == sites._SITE_KEYS
+    assert set(re.findall(r"^    (\w+):", block, re.M)) == sites._PARTITION_KEYS
