@@ -356,6 +356,9 @@ def test_preamble_finds_the_repository_root_from_a_folder_inside_it(tmp_path):
         # Zero is no limit to Slurm (--time=0) and all of the node's memory (--mem=0): past what the site allows.
         ("carc-discovery", ["time=0"], "time: '0' is no time limit to Slurm"),
         ("generic", ["mem=0G"], "mem: '0G' asks Slurm for all of each node's memory"),
+        # sbatch splits an #SBATCH line into words: "my logs/%j.out" would log to "my" and pass "logs/%j.out" on.
+        ("generic", ["output=my logs/%j.out"], "output must be one path without spaces or quotes"),
+        ("generic", ["output=it's-%j.out"], "output must be one path without spaces or quotes"),
     ],
 )
 def test_impossible_requests_fail_with_one_clear_line(site, settings, expected):

@@ -102,6 +102,16 @@ def _word(value: Any, where: str) -> str | None:
     return None if not text else slurm_name(text, where)
 
 
+def _output(value: Any) -> str:
+    """The log file pattern: one word, as sbatch splits an ``#SBATCH`` line into words (``my logs/%j.out`` would log
+    to ``my``) and reads quotes in it."""
+    output = one_line(str(value or "%x-%j.out"), "output")
+    if re.search(r"[\s'\"\\]", output):
+        raise UserError(f"output must be one path without spaces or quotes (sbatch splits an #SBATCH line into "
+                        f"words), got {output!r}")
+    return output
+
+
 def resolve_job(site: Site, request: dict[str, Any], default_name: str) -> dict[str, Any]:
     """Fill the request's defaults from the site and check that the site can run it."""
     def whole(key: str, default: int, minimum: int) -> int:
@@ -209,7 +219,7 @@ def resolve_job(site: Site, request: dict[str, Any], default_name: str) -> dict[
         "constraint": None if constraint is None else str(constraint),
         "account": account,
         "reservation": reservation,
-        "output": one_line(str(request.get("output") or "%x-%j.out"), "output"),
+        "output": _output(request.get("output")),
     }
     job["sbatch"] = sbatch_directives(site, partition, job)
     return job
