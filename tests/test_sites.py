@@ -136,6 +136,12 @@ partitions:
     (("  cpu: {cpus_per_node: 8}", "  cpu: {cpus_per_node: 8}\n  cpu: {cpus_per_node: 16}"), None,
      "line 9: not valid YAML: 'cpu' is given twice (first on line 8)"),
     (("  gpu: {", "  gpu a100: {"), None, "partitions.gpu a100 must be one word"),
+    # node_local goes into NODE_LOCAL="${NODE_LOCAL:-...}" of Lab-08's job: "~" stays a folder named ~ there, and a
+    # quote or an unmatched brace is a syntax error only when the job runs.
+    (("account: null", "account: null\nnode_local: ~/scratch"), None,
+     "node_local must be an absolute path or start with a variable"),
+    (("account: null", "account: null\nnode_local: '/local/my\"dir'"), None, "node_local must not hold"),
+    (("account: null", "account: null\nnode_local: '${LOCAL_SCRATCH:-/tmp'"), None, "node_local must not hold"),
 ])
 def test_a_profile_value_a_script_would_misread_is_one_line_naming_the_field(tmp_path, change, value, expected):
     (tmp_path / "lab.yaml").write_text(BASE.replace(*change))

@@ -347,6 +347,22 @@ def _parse_partition(name: str, data: Any, where: str) -> Partition:
     )
 
 
+def _node_local(value: Any, where: str) -> str | None:
+    """A node's own storage, as Lab-08's job reads it: ``NODE_LOCAL="${NODE_LOCAL:-<value>}"``. Inside those quotes
+    ``~`` is not the home folder but a folder named ``~``, and a quote, a backslash or an unmatched brace is a syntax
+    error only when the job runs: each is one line naming ``where`` here."""
+    text = text_or_none(value, where)
+    if text is None:
+        return None
+    if not text.startswith(("/", "$")):
+        raise UserError(f"{where} must be an absolute path or start with a variable, e.g. /local/scratch or "
+                        f"'${{TMPDIR:-/tmp}}', got {text!r}")
+    if any(char in text for char in "\"`\\") or text.count("{") != text.count("}"):
+        raise UserError(f"{where} must not hold quotes, backslashes or unmatched braces (it goes inside a double-quoted"
+                        f" ${{NODE_LOCAL:-...}} of the job script), got {text!r}")
+    return text
+
+
 def load_site(path: Path) -> Site:
     """Read and check one site profile; every problem is one line naming the file and the field."""
     where = display_path(path)
@@ -391,7 +407,7 @@ def load_site(path: Path) -> Site:
         partitions=partitions,
         setup=tuple(setup),
         path=path,
-        node_local=text_or_none(data.get("node_local"), f"{where}: node_local"),
+        node_local=_node_local(data.get("node_local"), f"{where}: node_local"),
     )
 
 
