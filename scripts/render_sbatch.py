@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Sequence
 
 from common.cli import input_path, one_line_errors, output_dir, output_file
@@ -98,6 +98,10 @@ def render_one(template: Path, site_name: str, settings: dict[str, Any], output:
     for key in placeholders(job):
         print(f"warning: {key} is the placeholder {job[key]!r}: pass --set {key}=... or edit "
               f"{display_path(site.path)} before submitting", file=sys.stderr)
+    folder = PurePosixPath(job["output"]).parent
+    if str(folder) != ".":  # a job whose log folder is missing fails at once and leaves no log to say why
+        print(f"warning: output {job['output']}: Slurm does not create the folder {folder}; make it before sbatch "
+              f"(mkdir -p {folder} where you submit), or the job fails without a log", file=sys.stderr)
     if output is None:
         sys.stdout.write(text)
         return

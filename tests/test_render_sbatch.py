@@ -393,6 +393,16 @@ def test_placeholder_account_warns(capsys, tmp_path):
     assert "warning: account is the placeholder 'edit-me'" in capsys.readouterr().err
 
 
+def test_an_output_in_a_folder_warns_that_slurm_does_not_create_it(capsys, tmp_path):
+    """sbatch leaves a missing log folder missing: the job fails at once and no log says why."""
+    argv = ["--site", "generic", str(HELLO), "-o", str(tmp_path / "x.sbatch")]
+    assert rs.main([*argv, "--set", "output=logs/%x-%j.out"]) == 0
+    assert "warning: output logs/%x-%j.out: Slurm does not create the folder logs; make it before sbatch " \
+           "(mkdir -p logs where you submit)" in capsys.readouterr().err
+    assert rs.main(argv) == 0
+    assert "Slurm does not create" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
