@@ -129,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.site:
         raise UserError("choose a site with --site NAME (see --list-sites)")
+    if "sites" in settings:  # it would be ignored, and stamped into the script's second line as if it did something
+        raise UserError(f"--set sites: chooses the sites of --all-sites only; --site {args.site} renders for that site")
     if len(args.templates) != 1:
         raise UserError("give exactly one TEMPLATE (or use --all-sites OUT_DIR with folders)")
     if args.templates[0].is_dir():

@@ -410,6 +410,7 @@ def test_an_output_in_a_folder_warns_that_slurm_does_not_create_it(capsys, tmp_p
         (["--site", "lanta", str(HELLO), "--set", "gpus=2"], "--set gpus: unknown key"),
         (["--site", "lanta", str(HELLO), "--set", "nodes"], "expected key=value"),
         (["--site", "lanta", str(HELLO), "--set", "nodes=0"], "nodes must be a whole number >= 1, got 0"),
+        (["--site", "lanta", str(HELLO), "--set", "sites=[generic]"], "--set sites: chooses the sites of --all-sites"),
         ([str(HELLO)], "choose a site with --site NAME"),
         (["--site", "lanta", "missing.sbatch.j2"], "missing.sbatch.j2: no such template"),
     ],
