@@ -297,6 +297,9 @@ def test_set_sites_chooses_the_sites_of_every_rendering(tmp_path):
     assert rs.main(["--all-sites", str(tmp_path), "--set", "sites=[lanta]", str(HELLO)]) == 0
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert [entry["site"] for entry in manifest] == ["lanta"]
+    # the script says what was typed, not Python's ['lanta'] quoted for the shell
+    second = (tmp_path / manifest[0]["script"]).read_text().splitlines()[1]
+    assert second.startswith("# Rendered with --set 'sites=[lanta]' ("), second
 
 
 def test_gpu_model_is_named_only_where_the_site_types_its_gres():

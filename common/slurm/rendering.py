@@ -112,10 +112,18 @@ def render(template: Template, site: Site, settings: dict[str, Any] | None = Non
         raise UserError(f"{where}: the rendered script must start with '#!/bin/bash' right after the job block")
     if settings:  # the header's render command is the template's: say what this script was rendered with beyond it
         shebang, rest = text.split("\n", 1)
-        given = " ".join(f"--set {shlex.quote(key + '=' + ('' if value is None else str(value)))}"  # key= clears
-                         for key, value in settings.items())
+        given = " ".join(f"--set {shlex.quote(key + '=' + _as_typed(value))}" for key, value in settings.items())
         text = f"{shebang}\n# Rendered with {given} (the #SBATCH lines follow it where the comments differ)\n{rest}"
     return text, job
+
+
+def _as_typed(value: Any) -> str:
+    """A --set value as typed: ``key=`` clears (None), a list is YAML's ``[a, b]`` (not ``['a', 'b']``)."""
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_as_typed, value)) + "]"
+    return str(value)
 
 
 def write_script(path: Path, text: str) -> Path:
