@@ -95,6 +95,15 @@ def test_unknown_site_lists_the_known_ones(tmp_path):
         find_site("nowhere", tmp_path)
 
 
+def test_a_profile_named_yml_is_one_line_asking_for_yaml(tmp_path):
+    """Read as *.yaml only, a lab.yml would be missing from every site list without a word."""
+    write_profile(tmp_path).rename(tmp_path / "lab.yml")
+    for call in (lambda: site_names(tmp_path), lambda: load_sites(tmp_path), lambda: find_site("lab", tmp_path)):
+        with pytest.raises(UserError, match=r"lab\.yml: a site profile's file name ends in \.yaml: rename it to "
+                                            r"lab\.yaml$"):
+            call()
+
+
 def test_unknown_site_given_as_its_file_names_the_profile_to_give(tmp_path):
     write_profile(tmp_path)
     for given in ("lab.yaml", "slurm/sites/lab.yaml"):

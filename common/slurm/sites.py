@@ -412,7 +412,12 @@ def load_site(path: Path) -> Site:
 
 
 def site_names(sites_dir: Path = SITES_DIR) -> list[str]:
-    """The names of the profiles in ``sites_dir`` (their file names without .yaml), sorted."""
+    """The names of the profiles in ``sites_dir`` (their file names without .yaml), sorted. A ``NAME.yml`` there is
+    one line asking for ``NAME.yaml``: left out, it would be missing from --list-sites, --all-sites and CI unnoticed."""
+    misnamed = sorted(sites_dir.glob("*.yml"))
+    if misnamed:
+        raise UserError(f"{display_path(misnamed[0])}: a site profile's file name ends in .yaml: rename it to "
+                        f"{misnamed[0].stem}.yaml")
     return sorted(path.stem for path in sites_dir.glob("*.yaml"))
 
 
