@@ -148,12 +148,20 @@ def output_dir(text: str) -> Path:
 
 def output_file(text: str) -> Path:
     """argparse type: a file path the run can write (checked before anything runs; nothing created)."""
+    _no_folder_slash(text)
     return _usable_place(Path(text).expanduser(), folder=False)
+
+
+def _no_folder_slash(text: str) -> None:
+    """``-o build/`` means a folder: Path drops the slash, and the run would write a file called ``build``."""
+    if text.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"{text} ends in /, which names a folder: give a file path")
 
 
 def output_file_or_name(text: str) -> Path:
     """argparse type: a file path the run can write, as :func:`output_file`, or a bare file name, which the script
     places elsewhere and checks there (the report puts ``r.html`` into RESULTS_DIR, not where it was typed)."""
+    _no_folder_slash(text)
     path = Path(text).expanduser()
     return path if len(path.parts) == 1 and path.name not in (".", "..") else output_file(text)
 

@@ -93,13 +93,15 @@ def valid_argv(prefix: tuple[str, ...], parser: argparse.ArgumentParser, skip: a
     return argv
 
 
-def bad_paths(kind, root: Path, unwritable: Path) -> dict[str, Path]:
+def bad_paths(kind, root: Path, unwritable: Path) -> dict[str, Path | str]:
     """What each kind of path flag must refuse."""
-    cases = {}
+    cases: dict[str, Path | str] = {}
     if kind in FOLDERS:
         cases["a file where a folder belongs"] = root / "a-file"
     if kind in FILES:
         cases["a folder where a file belongs"] = root / "a-folder"
+    if kind in WRITTEN and kind in FILES:  # Path("new/") is "new": it would write a file where a folder was meant
+        cases["a new folder where a file belongs"] = f"{root / 'new-folder'}/"
     if kind in WRITTEN:
         cases["a place that cannot be written"] = unwritable / ("new-folder" if kind in FOLDERS else "new.json")
     return cases
