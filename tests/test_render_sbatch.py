@@ -354,7 +354,9 @@ def test_preamble_finds_the_repository_root_from_a_folder_inside_it(tmp_path):
         ("carc-discovery", ["time=3-00:00:00"], "allows at most 2-00:00:00"),
         ("carc-discovery", ["constraint=epyc"], "asks for feature 'epyc'"),
         ("generic", ["mem=1T"], "asks for 1T of memory per node"),
-        ("lanta", ["account=null"], "site lanta needs an account: pass --set account=YOUR_PROJECT"),
+        # --all-sites --set account=... would charge every site's jobs to it: the profile is the other place to say it
+        ("lanta", ["account=null"], "site lanta needs an account: pass --set account=YOUR_PROJECT, or give "
+                                    "slurm/sites/lanta.yaml an account (edit-me renders, with a warning)"),
         ("generic", ["gpu_type=a100"], "asks for a100 GPUs but site generic, partition gpu has no named models"),
         # Zero is no limit to Slurm (--time=0) and all of the node's memory (--mem=0): past what the site allows.
         ("carc-discovery", ["time=0"], "time: '0' is no time limit to Slurm"),

@@ -191,7 +191,8 @@ def resolve_job(site: Site, request: dict[str, Any], default_name: str) -> dict[
 
     account = _word(request.get("account", site.account), "account")
     if site.account_required and not account:
-        raise UserError(f"site {site.name} needs an account: pass --set account=YOUR_PROJECT")
+        raise UserError(f"site {site.name} needs an account: pass --set account=YOUR_PROJECT, or give "
+                        f"{display_path(site.path)} an account ({PLACEHOLDER} renders, with a warning)")
     reservation = _word(request.get("reservation", site.reservation), "reservation")
 
     if gpus_per_node == 0:
