@@ -327,6 +327,13 @@ def test_readme_commands_name_existing_files_and_accepted_flags():
             "download_data.py"} <= checked_scripts
 
 
+def test_readme_timeout_demo_exits_with_the_trainings_own_status():
+    """``timeout`` exits 124 once its time is up, whatever the command did; the README says a signalled run saves
+    and exits 0, so its pre-emption demo passes ``--preserve-status`` and ``echo $?`` shows the training's 0."""
+    timeouts = [words for words in _commands() if words[0] == "timeout"]
+    assert timeouts and all("--preserve-status" in words for words in timeouts), timeouts
+
+
 def test_readme_file_map_lists_existing_files():
     table = re.findall(r"^\| `([^`]+)` \|", README.read_text(), re.M)
     assert "sbatch/single_gpu.sbatch" in table and "sbatch/multi_gpu.sbatch" in table
