@@ -65,6 +65,20 @@ def test_same_seed_gives_same_final_loss(tmp_path, capsys):
     assert _records(tmp_path / "2")[0]["metrics"]["final_loss"] != finals[0]
 
 
+def test_a_fresh_run_onto_an_existing_checkpoint_says_it_replaces_it(tmp_path, capsys):
+    """The pre-emption demo's first command run again, --resume forgotten: it starts over and its first save
+    replaces the checkpoint of the run that was stopped. It says so at the start, while Ctrl-C still keeps it."""
+    argv = ["--device", "cpu", "--epochs", "1", "--max-steps", "1", "--log-interval", "1000",
+            "--checkpoint", str(tmp_path / "mnist.pt"), "--results-dir", str(tmp_path)]
+    assert run_main(TRAIN, argv) == 0
+    assert "starting fresh" not in capsys.readouterr().out  # nothing there yet: nothing to say
+    assert run_main(TRAIN, argv) == 0
+    out = capsys.readouterr().out
+    assert f"starting fresh (no --resume): {tmp_path / 'mnist.pt'} holds an earlier run" in out, out
+    assert run_main(TRAIN, [*argv, "--resume"]) == 0
+    assert "starting fresh" not in capsys.readouterr().out  # --resume: it goes on from it (here: nothing left)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_preempted_single_device_run_resumes_to_the_same_weights(device, tmp_path, monkeypatch, capsys):
     """A real SIGUSR1 (what ``#SBATCH --signal=B:USR1@120`` sends) mid-epoch, then ``--resume``:

@@ -187,7 +187,13 @@ class Preemption:
         run stopped (epoch, step, progress); ``settings`` must be those the checkpoint was made with.
         ``None``: starting fresh."""
         self.tracked = {name: unwrap(obj) for name, obj in objects.items()}
-        if not self.wants_resume or self.checkpointer is None:
+        if self.checkpointer is None:
+            return None
+        if not self.wants_resume:  # the same command run again without --resume: say what its first save replaces
+            path = Path(self.checkpointer.path)
+            if path.is_file() or (path.is_dir() and any(path.iterdir())):
+                print0(f"starting fresh (no --resume): {path} holds an earlier run and is replaced at this run's "
+                       f"first save; to go on from it instead: the same command with --resume")
             return None
         state = self.checkpointer.read()
         path = self.checkpointer.path
