@@ -28,7 +28,7 @@ import difflib
 import os
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from common.errors import first_rank
 from common.runtime.cpus import default_num_workers
@@ -166,13 +166,20 @@ def output_file_or_name(text: str) -> Path:
     return path if len(path.parts) == 1 and path.name not in (".", "..") else output_file(text)
 
 
-def unknown_names(what: str, unknown: list[str], valid: list[str], same: Any = None) -> str:
+def unknown_names(what: str, unknown: list[str], valid: list[str],
+                  same: Callable[[str], str] | None = None) -> str:
     """``unknown models 'resnt18'; did you mean resnet18?``: another spelling of a name (``same`` maps each to one
     name: Lab-03's ``fp16`` is ``half`` or ``amp-fp16``) or close ones; all of ``valid`` only when they are few."""
-    near = {guess: None for name in unknown for guess in
-            [v for v in valid if same and same(v) == same(name) != v] or difflib.get_close_matches(name, valid, 4, 0.6)}
-    choices = (f"did you mean {' or '.join(near)}?" if near else f"valid {what}: {', '.join(valid)}" if len(valid) <= 12
-               else f"none of the {len(valid)} valid ones is close ({', '.join(valid[:5])}, ...)")
+    near: list[str] = []
+    for name in unknown:
+        spellings = [v for v in valid if same is not None and v != name and same(v) == same(name)]
+        near += [v for v in spellings or difflib.get_close_matches(name, valid, n=4, cutoff=0.6) if v not in near]
+    if near:
+        choices = f"did you mean {' or '.join(near)}?"
+    elif len(valid) <= 12:
+        choices = f"valid {what}: {', '.join(valid)}"
+    else:
+        choices = f"none of the {len(valid)} valid ones is close ({', '.join(valid[:5])}, ...)"
     return f"unknown {what} {', '.join(map(repr, unknown))}; {choices}"
 
 
