@@ -88,6 +88,34 @@ def test_accumulation_check_would_catch_a_wrong_gradient():
     assert shared.compare(full, skipped_half)["match"] is False
 
 
+@pytest.mark.parametrize("flags", [["--batch-size", "2", "--accumulation-steps", "4"],
+                                   ["--batch-size", "8", "--accumulation-steps", "16", "--dry-run"],
+                                   ["--accumulation-steps", "1"]])
+def test_memory_management_refuses_accumulation_steps_it_cannot_split_the_batch_into(tmp_path, capsys, flags):
+    """More micro-batches than samples made empty ones (sizes 1/1/0/0, printed as an equal split); one micro-batch
+    is the batch itself: one error line, exit 2, before anything runs or is written."""
+    assert run_main(f"{CHAPTER}/memory_management.py", [*flags, "--results-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --accumulation-steps ") and "\n" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("batch, steps", [(10, 4), (12, 2)])
+def test_accumulation_rows_are_equal_and_unequal_splits_as_labelled(tmp_path, batch, steps):
+    """A batch that does not split evenly (10 into 4) was printed as "equal micro-batches" 3/3/2/2, and with 2
+    micro-batches the "unequal" batch split evenly (14 into 7/7), so the notes' loss / k showed as right there."""
+    status = run_main(f"{CHAPTER}/memory_management.py", ["--device", "cpu", "--depth", "2", "--width", "16",
+                                                           "--batch-size", str(batch), "--accumulation-steps",
+                                                           str(steps), "--repeats", "1", "--results-dir",
+                                                           str(tmp_path)])
+    assert status == 0
+    accumulation = only_record(tmp_path)["metrics"]["accumulation"]
+    assert len(set(accumulation["equal"]["micro_batches"])) == 1
+    assert len(accumulation["equal"]["micro_batches"]) == len(accumulation["unequal"]["micro_batches"]) == steps
+    assert len(set(accumulation["unequal"]["micro_batches"])) == 2
+    assert accumulation["unequal"]["seed_loss_over_k"]["match"] is False
+
+
 def test_checkpointing_peaks_are_measured_after_each_variant_has_run_once(monkeypatch):
     """What a variant allocates once per process (on a GPU, the workspace of the thread that recomputes
     checkpointed blocks) lands in an unmeasured pass of that same variant, not in its measured peak."""

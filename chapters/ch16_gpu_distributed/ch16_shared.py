@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.cli import add_common_args, config_dict, positive_int
+from common.cli import add_common_args, apply_dry_run, config_dict, positive_int
 from common.measure.timing import process_peak_rss_bytes
 from common.results import make_record, provenance, write_record
 from common.runtime.device import describe, synchronize
@@ -179,11 +179,22 @@ def add_memory_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--depth", type=positive_int, default=16,
                         help="blocks of Linear-LayerNorm-GELU (default: %(default)s)")
     parser.add_argument("--accumulation-steps", type=positive_int, default=4,
-                        help="micro-batches the batch is split into in part 3 (default: %(default)s)")
+                        help="micro-batches the batch is split into in part 3, from 2 to the batch size "
+                             "(default: %(default)s)")
     parser.add_argument("--repeats", type=positive_int, default=5,
                         help="timed forward+backward pairs (plain, checkpointed) in part 2 (default: %(default)s)")
     add_common_args(parser, batch_size=256, epochs_and_steps=False, data=False)  # random inputs
     return parser
+
+
+def parse_memory_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """The flags, ``--dry-run``'s smaller sizes applied, and one ``error:`` line (exit 2) when part 3 cannot split
+    the batch: it needs at least two micro-batches, and no more than the batch has samples (an empty one is none)."""
+    args = parser.parse_args(argv)
+    if not 2 <= args.accumulation_steps <= args.batch_size:
+        parser.error(f"--accumulation-steps {args.accumulation_steps}: part 3 splits the batch into 2 .. "
+                     f"--batch-size ({args.batch_size}) micro-batches")
+    return apply_dry_run(args, width=64, depth=4, batch_size=32, repeats=1, accumulation_steps=4)
 
 
 def print_header(args: argparse.Namespace, device: torch.device, model: nn.Module, threads: int) -> str:

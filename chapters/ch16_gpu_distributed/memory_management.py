@@ -43,14 +43,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from common.cli import apply_dry_run, script_parser
+from common.cli import script_parser
 from common.runtime.device import configure_threads, resolve_device, seed_everything, synchronize
 from common.measure.energy import EnergyMeter
 from common.errors import run_main
 from common.measure.timing import peak_memory
 from chapters.ch16_gpu_distributed.ch16_shared import (
-    add_memory_args, compare, cpu_memory_by_phase, cpu_peak_bytes, print_accumulation, print_checkpointing,
-    print_header, print_phases, saved_for_backward_bytes, time_alternately, write_memory_record,
+    add_memory_args, compare, cpu_memory_by_phase, cpu_peak_bytes, parse_memory_args, print_accumulation,
+    print_checkpointing, print_header, print_phases, saved_for_backward_bytes, time_alternately, write_memory_record,
 )
 
 
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = apply_dry_run(build_parser().parse_args(argv), width=64, depth=4, batch_size=32, repeats=1)
+    args = parse_memory_args(build_parser(), argv)  # --dry-run: the smallest sizes
     seed_everything(args.seed)
     threads = configure_threads()
     device = resolve_device(args.device)
@@ -204,11 +204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ckpt = checkpointing_comparison(model, data, target, device, args.repeats)
     print_checkpointing(ckpt)
 
-    # 3. gradient accumulation: part 1's batch split evenly, then a batch that does not split evenly
+    # 3. gradient accumulation: part 1's batch cut to k equal micro-batches, then a batch one to k-1 samples larger
     width, k = min(args.width, 128), args.accumulation_steps
     accumulation_model = DeepNet(width, min(args.depth, 4)).to(device)
-    even = accumulation_check(accumulation_model, data[:, :width], target, k)
-    uneven_size = args.batch_size - args.batch_size % k + k // 2 + 1
+    even_size = args.batch_size - args.batch_size % k
+    even = accumulation_check(accumulation_model, data[:even_size, :width], target[:even_size], k)
+    uneven_size = even_size + min(k // 2 + 1, k - 1)  # micro-batch sizes then differ by one
     uneven = accumulation_check(accumulation_model, torch.randn(uneven_size, width, device=device),
                                 torch.randint(0, 10, (uneven_size,), device=device), k)
     print_accumulation(even, uneven, k)
