@@ -67,9 +67,10 @@ def render_every_site(templates: Sequence[Path], out_dir: Path, settings: dict[s
     sites = load_sites()
     entries, errors, skipped = render_all(templates, out_dir, settings, sites)
     if errors:
-        for line in errors[:-1]:
+        lines = once_per_message(errors)
+        for line in lines[:-1]:
             print(f"error: {line}", file=sys.stderr)
-        raise UserError(f"{errors[-1]} ({len(errors)} template(s) failed; nothing written)")
+        raise UserError(f"{lines[-1]} ({len(errors)} template(s) failed; nothing written)")
     for line in skipped:
         print(f"skipped {line}")
     if not entries:
@@ -85,6 +86,21 @@ def render_every_site(templates: Sequence[Path], out_dir: Path, settings: dict[s
           f"{out_dir / 'manifest.json'})" + (f"; skipped {len(skipped)} pair(s) a site cannot run, listed above "
                                             "(render one with --site NAME --set ..., e.g. --set gpus_per_node=2)"
                                             if skipped else ""))
+
+
+def once_per_message(errors: Sequence[str]) -> list[str]:
+    """The errors, a site's message that several templates meet (no account given) said once: "24 templates for
+    site zz: ..." instead of 24 lines that differ only in the template."""
+    templates: dict[str, list[str]] = {}
+    for line in errors:  # "TEMPLATE for site NAME: message", or a template's own error
+        template, found, message = line.partition(" for site ")
+        templates.setdefault(found + message if found else line, []).append(template)
+    lines = []
+    for key, names in templates.items():
+        if key.startswith(" for site "):
+            key = (names[0] if len(names) == 1 else f"{len(names)} templates") + key
+        lines.append(key)
+    return lines
 
 
 def placeholders(job: dict[str, Any]) -> list[str]:

@@ -579,6 +579,29 @@ def test_all_sites_fails_whole_when_a_template_is_wrong(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_all_sites_says_once_what_every_template_meets_at_a_site(tmp_path, capsys, monkeypatch):
+    """A new site that needs an account and has none: one line said it for each of the repository's templates
+    (24 lines that differ only in the template); now one line with the count, and nothing written."""
+    folder = tmp_path / "sites"
+    folder.mkdir()
+    shutil.copy(sites.SITES_DIR / "generic.yaml", folder)
+    text = (sites.SITES_DIR / "generic.yaml").read_text().replace("name: generic", "name: zz")
+    (folder / "zz.yaml").write_text(text.replace("account_required: false", "account_required: true"))
+    monkeypatch.setattr(rs, "load_sites", lambda: sites.load_sites(folder))
+    templates = template_folder(tmp_path, first="nodes: 1", second="nodes: 1", typo="kind: tpu")
+    with pytest.raises(UserError) as raised:
+        rs.main(["--all-sites", str(tmp_path / "out"), str(templates)])
+    printed, last = capsys.readouterr().err.splitlines(), str(raised.value)
+    assert len(printed) == 1 and printed[0].startswith("error: ") and last.endswith("(3 template(s) failed; nothing "
+                                                                                   "written)")
+    said = [printed[0].removeprefix("error: "), last.removesuffix(" (3 template(s) failed; nothing written)")]
+    assert [line for line in said if line.startswith("2 templates for site zz: site zz needs an account: pass "
+                                                     "--set account=")]
+    assert [line for line in said if line.endswith("typo.sbatch.j2 for site generic: kind must be cpu or gpu, got "
+                                                   "'tpu'")]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("blocker", ["lanta", "manifest.json"])
 def test_all_sites_writes_nothing_when_something_stands_where_it_writes(tmp_path, blocker):
     out = tmp_path / "out"
