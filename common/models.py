@@ -81,6 +81,14 @@ def zoo_models() -> list[str]:
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
+def model_name(value: str) -> str:
+    """The argparse type of a ``--model`` flag: a name :func:`build_model` knows, checked as the flags are read, so
+    a script that trains several times (Chapter 4's ``amp_training.py``) stops before its first run, not in it."""
+    if value in (*LOCAL_MODELS, "net") or value in zoo_models():
+        return value
+    raise argparse.ArgumentTypeError(unknown_names("model", [value], [*LOCAL_MODELS, *zoo_models()]))
+
+
 def build_model(name: str, num_classes: int = 10, in_channels: int = 3, weights: str | None = None) -> nn.Module:
     """Build a model by name; unknown names raise a :class:`UserError` naming close ones.
 

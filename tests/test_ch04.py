@@ -12,6 +12,7 @@ from helpers import (REPO, code_diff, load_script, preempt_and_resume, run_main,
 
 TRAIN = "chapters/ch04_deep_learning/mnist_training.py"
 DDP = "chapters/ch04_deep_learning/multi_gpu_ddp.py"
+AMP = "chapters/ch04_deep_learning/amp_training.py"
 
 
 def _records(folder):
@@ -218,6 +219,15 @@ def test_bad_input_one_line_and_nothing_written(argv, message, tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not (tmp_path / "results").exists()
+
+
+def test_amp_comparison_refuses_an_unknown_model_before_its_first_run(tmp_path, capsys):
+    """The comparison printed its header and "=== run 1/2: fp32 ===" before the first training found the name."""
+    assert run_main(AMP, ["--device", "cpu", "--model", "resnet5", "--results-dir", str(tmp_path / "results")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, (out, err)
+    assert err.startswith("error: argument --model: unknown model 'resnet5'; did you mean resnet50")
     assert not (tmp_path / "results").exists()
 
 

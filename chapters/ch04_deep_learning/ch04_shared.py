@@ -14,6 +14,7 @@ from typing import Callable, Collection
 
 from common.cli import add_precision_arg, non_negative_float, positive_int
 from common.data.datasets import DATASETS, RESIDENT_CHOICES, RESIDENT_SHARE
+from common.models import model_name
 from common.train.flags import add_adadelta_args, add_training_args
 
 #: Settings a resumed run must share with the run that wrote the checkpoint (more --epochs is fine).
@@ -26,7 +27,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("MNIST training (same in mnist_training.py and multi_gpu_ddp.py)")
     group.add_argument("--dataset", choices=DATASETS, default="digits",
                        help="digits is bundled (offline); mnist needs --data-dir (default: %(default)s)")
-    group.add_argument("--model", default="mnist_cnn", help="model name (default: %(default)s)")
+    group.add_argument("--model", type=model_name, default="mnist_cnn",
+                       help="mnist_cnn, plain_cnn or a torchvision classifier (default: %(default)s)")
     group.add_argument("--data-on-device", choices=RESIDENT_CHOICES, default="auto",
                        help="keep the whole data set in the memory of --device and cut the batches there, with no "
                             "DataLoader: auto = when it is held as tensors (mnist, digits) and, on a GPU, takes at "
