@@ -165,8 +165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for row in loading:
         options = ", ".join(f"{key}={value}" for key, value in row.items() if not key.startswith(("epoch", "samples")))
         print(f"  {options:<75} epoch 1 {row['epoch1_s']:6.2f} s, epoch 2 {row['epoch2_s']:6.2f} s "
-              f"({row['samples_per_s_epoch2']:,.0f} samples/s)")
-    print("  (workers start again every epoch unless persistent_workers=True: compare the epoch-2 column)")
+              f"({row['samples_per_s_epoch2']:,.0f} samples/s in epoch 2)")
+    if any(row.get("persistent_workers") for row in loading):
+        print("  (workers start again every epoch unless persistent_workers=True: compare the epoch-2 column)")
+    else:  # --num-workers 0: the rows stop at one worker
+        print("  (no persistent_workers row: it needs workers of its own; give --num-workers 2 or more)")
     energy = meter.stop().result()
 
     metrics = {"thread_scaling": scaling, "cudnn_benchmark": cudnn, "loader_options": loading, "world_size": 1}
