@@ -665,3 +665,25 @@ def test_run_lab_runs_every_step_with_flags_the_scripts_accept_and_ends_with_the
     assert {a.device for a in parsed[1:]} == {device}  # the reads and the exactly-once run
     assert commands[14][-4:] == ["--results-dir", str(tmp_path / "results"), "--output-report",
                                  str(tmp_path / "results" / "comparison_report.html")]
+
+
+def test_resuming_on_a_data_set_made_again_with_other_settings_is_one_line(tmp_path, capsys):
+    """A checkpoint's loader position belongs to its shards: after the data set is remade with other sizes,
+    --resume stops with one error line naming the shards, not an IndexError deep in the loader."""
+    def make(samples: int, shard: int) -> None:
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert run_main(MAKE, ["--samples", str(samples), "--shard-size", str(shard), "--formats", "webdataset",
+                                   "--overwrite", "--data-dir", str(tmp_path / "d"),
+                                   "--results-dir", str(tmp_path / "m")]) == 0
+
+    def shards(*extra: str) -> int:
+        return run_main(SHARDS, ["--data-dir", str(tmp_path / "d"), "--device", "cpu", "--num-workers", "0",
+                                 "--batch-size", "4", "--epochs", "2", "--verify-only", "--results-dir",
+                                 str(tmp_path / "r"), "--checkpoint", str(tmp_path / "c.pt"), *extra])
+    make(30, 7)
+    assert shards("--step-budget", "1") == 0
+    make(12, 5)
+    capsys.readouterr()
+    assert shards("--resume") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "shards" in err and "Traceback" not in err

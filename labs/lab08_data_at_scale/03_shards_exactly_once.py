@@ -32,6 +32,7 @@ leaves the sample out, counts it in the record, and the run goes on.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import warnings
 from collections import Counter
@@ -89,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     shard_dir = args.data_dir / "shards" if (args.data_dir / "shards").is_dir() else args.data_dir
-    read_shard_table(shard_dir)  # a folder without the shards: one line now, before the device and the group
+    shards = read_shard_table(shard_dir)  # a folder without the shards: one line now, before the device and the group
+    args.shards = (f"{sum(s.samples for s in shards)} samples in {len(shards)} shards (sha256 "
+                   f"{hashlib.sha256(''.join(s.sha256 for s in shards).encode()).hexdigest()[:12]})")
     set_metadata_latency(args.metadata_latency)
     launch = detect_launch()  # this process's rank, before the process group exists
     # Where the checkpoint goes (--checkpoint, else RESULTS_DIR/checkpoints/): every rank adds its loader's position.
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with TrainingRun(args, lab=LAB, script=SCRIPT, method=f"shards-{args.shard_policy}", distributed=True,
                          checkpointer=checkpointer, resume_settings=("seed", "batch_size", "shard_policy",
-                                                                     "shuffle_buffer", "num_workers")) as run:
+                                                                     "shuffle_buffer", "num_workers", "shards")) as run:
             device = run.device
             if args.shard_policy == "uneven" and run.world_size > 1:
                 raise UserError(f"--shard-policy uneven on {run.world_size} ranks: the ranks would take different "
