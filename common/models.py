@@ -81,12 +81,19 @@ def zoo_models() -> list[str]:
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
+def unknown_model(name: str) -> str | None:
+    """Why ``name`` is no model :func:`build_model` knows, close names named; ``None`` when it is one."""
+    if name in (*LOCAL_MODELS, "net") or name in zoo_models():
+        return None
+    return unknown_names("model", [name], [*LOCAL_MODELS, *zoo_models()])
+
+
 def model_name(value: str) -> str:
     """The argparse type of a ``--model`` flag: a name :func:`build_model` knows, checked as the flags are read, so
     a script that trains several times (Chapter 4's ``amp_training.py``) stops before its first run, not in it."""
-    if value in (*LOCAL_MODELS, "net") or value in zoo_models():
-        return value
-    raise argparse.ArgumentTypeError(unknown_names("model", [value], [*LOCAL_MODELS, *zoo_models()]))
+    if (problem := unknown_model(value)) is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return value
 
 
 def build_model(name: str, num_classes: int = 10, in_channels: int = 3, weights: str | None = None) -> nn.Module:
@@ -99,9 +106,8 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3, weights:
         return MnistNet(num_classes=num_classes, in_channels=in_channels)
     if name == "plain_cnn":
         return PlainCNN(num_classes=num_classes, in_channels=in_channels)
-    zoo = zoo_models()
-    if name not in zoo:
-        raise UserError(unknown_names("model", [name], [*LOCAL_MODELS, *zoo]))
+    if (problem := unknown_model(name)) is not None:
+        raise UserError(problem)
     import torchvision
 
     if in_channels != 3:
