@@ -196,6 +196,16 @@ def test_benchmark_times_the_cpu_and_says_when_there_is_no_gpu(tmp_path, capsys,
         assert "nothing to compare" in out and set(records) == {"train-cpu"}
 
 
+def test_benchmark_with_device_cpu_does_not_say_no_gpu_is_visible(tmp_path, capsys):
+    """--device cpu on a GPU node times the CPU only: that is what it asked for, not a missing GPU, whatever
+    this machine has (on a GPU node the old line said "no CUDA GPU visible" with one visible)."""
+    status = run_main(f"{CHAPTER}/benchmark_cpu_vs_gpu.py", ["--device", "cpu", "--repeats", "2", "--warmup", "0",
+                                                             "--batch-size", "8", "--results-dir", str(tmp_path)])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "no CUDA GPU visible" not in out and "--device cpu: the CPU only, nothing to compare" in out
+
+
 def test_benchmark_with_cuda_on_a_cpu_machine_is_a_one_line_error(capsys):
     import torch
 

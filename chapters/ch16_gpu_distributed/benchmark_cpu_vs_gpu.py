@@ -100,7 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "cpu" in results and "cuda" in results:
         speedup = results["cuda"]["samples_per_s"] / results["cpu"]["samples_per_s"]
         print(f"speed-up of the GPU over the CPU: {speedup:.2f}x")
-    elif "cuda" not in results:
+    elif args.device == "cpu":  # asked for the CPU only: a GPU may well be visible
+        print("--device cpu: the CPU only, nothing to compare it with (--device auto adds the GPU when one is visible)")
+    else:
         print("no CUDA GPU visible: nothing to compare the CPU with (run this on a GPU node for the speed-up)")
 
     for device in devices:
