@@ -176,6 +176,20 @@ def test_profiling_exports_a_valid_trace_with_events(tmp_path, capsys, monkeypat
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_profiling_table_and_record_list_the_same_top_operators(tmp_path, capsys):
+    """The record's top operators (and its sorted_by) are the table's rows, not another ranking."""
+    status = run_main(f"{CHAPTER}/profiling.py", ["--device", "cpu", "--model", "mnist_cnn", "--batch-size", "4",
+                                                  "--repeats", "1", "--row-limit", "5", "--trace",
+                                                  str(tmp_path / "t" / "trace.json"), "--results-dir", str(tmp_path)])
+    assert status == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.strip().startswith("Name"))
+    table = [line.split()[0] for line in lines[header + 2:header + 7]]
+    metrics = only_record(tmp_path)["metrics"]
+    assert table == [row["name"] for row in metrics["top_operators"]]
+    assert metrics["sorted_by"] == "self_cpu_time_total"
+
+
 def test_benchmark_times_the_cpu_and_says_when_there_is_no_gpu(tmp_path, capsys, monkeypatch):
     import torch
 

@@ -12,7 +12,8 @@ which ones took the time, and the exported Chrome trace (open it at https://ui.p
 chrome://tracing) shows them on a timeline. Changes from the Chapter 16 notes' example, and why:
 
 - CUDA activity is recorded only when a GPU is there (the notes' list fails on a CPU-only node), and
-  the table is sorted by device time on a GPU and by CPU time otherwise;
+  the table is sorted by self time (an operator's own, not its callees'), on the device on a GPU and on
+  the CPU otherwise, and the record keeps the same top operators;
 - the input is created on the device once, before profiling (the notes' ``.cuda()`` inside the loop
   puts a host-to-device copy into every iteration of what it measures);
 - one warm-up iteration runs before the profiler starts, so lazy initialisation (cuDNN, the
@@ -87,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 heartbeat(iteration + 1)
         synchronize(device)
 
-    sort_by = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"  # as top_operators
     print(prof.key_averages().table(sort_by=sort_by, row_limit=args.row_limit))
     with atomic_path(trace) as partial:  # the trace appears whole or not at all
         prof.export_chrome_trace(str(partial))
