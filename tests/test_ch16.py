@@ -116,6 +116,16 @@ def test_accumulation_rows_are_equal_and_unequal_splits_as_labelled(tmp_path, ba
     assert accumulation["unequal"]["seed_loss_over_k"]["match"] is False
 
 
+def test_checkpointing_that_raises_the_peak_does_not_say_it_saves_a_negative_share(capsys):
+    shared = load_script(f"{CHAPTER}/ch16_shared.py")
+    ckpt = {"plain_peak_bytes": 288, "checkpointed_peak_bytes": 10_160, "plain_saved_bytes": 148,
+            "checkpointed_saved_bytes": 116, "plain_time_s": 0.009, "checkpointed_time_s": 0.017,
+            "peak_saving": 1 - 10_160 / 288, "time_ratio": 1.89}  # --depth 1 --width 1 --batch-size 2, measured
+    shared.print_checkpointing(ckpt)
+    out = capsys.readouterr().out
+    assert "saves -" not in out and "raises the peak 35.28x" in out
+
+
 def test_checkpointing_peaks_are_measured_after_each_variant_has_run_once(monkeypatch):
     """What a variant allocates once per process (on a GPU, the workspace of the thread that recomputes
     checkpointed blocks) lands in an unmeasured pass of that same variant, not in its measured peak."""

@@ -236,8 +236,10 @@ def print_checkpointing(ckpt: dict[str, Any]) -> None:
                 ["", "peak above start", "saved for backward", "median time"],
                 [[label, format_bytes(ckpt[f"{label}_peak_bytes"]), format_bytes(ckpt[f"{label}_saved_bytes"]),
                   f"{1000 * ckpt[f'{label}_time_s']:.1f} ms"] for label in ("plain", "checkpointed")])
-    print(f"  checkpointing saves {ckpt['peak_saving']:.0%} of the peak and costs {ckpt['time_ratio']:.2f}x the time "
-          "(each block's forward runs twice)")
+    saving = ckpt["peak_saving"]
+    effect = (f"saves {saving:.0%} of the peak" if saving >= 0 else  # a model too small: its bookkeeping outweighs
+              f"raises the peak {1 - saving:.2f}x (this model has fewer activations to drop than checkpointing keeps)")
+    print(f"  checkpointing {effect} and costs {ckpt['time_ratio']:.2f}x the time (each block's forward runs twice)")
 
 
 def print_accumulation(even: dict[str, Any], uneven: dict[str, Any], steps: int) -> None:
