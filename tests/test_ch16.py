@@ -200,6 +200,18 @@ def test_profiling_table_and_record_list_the_same_top_operators(tmp_path, capsys
     assert metrics["sorted_by"] == "self_cpu_time_total"
 
 
+def test_profiling_trace_named_gz_is_gzip_compressed(tmp_path):
+    """torch's export_chrome_trace compresses a .gz path; the script's own --trace t.json.gz must too."""
+    import gzip
+
+    trace = tmp_path / "t.json.gz"
+    status = run_main(f"{CHAPTER}/profiling.py", ["--device", "cpu", "--model", "mnist_cnn", "--batch-size", "2",
+                                                  "--repeats", "1", "--trace", str(trace), "--results-dir",
+                                                  str(tmp_path / "r")])
+    assert status == 0
+    assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+
+
 def test_benchmark_times_the_cpu_and_says_when_there_is_no_gpu(tmp_path, capsys, monkeypatch):
     import torch
 

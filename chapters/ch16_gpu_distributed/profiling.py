@@ -25,6 +25,7 @@ chrome://tracing) shows them on a timeline. Changes from the Chapter 16 notes' e
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from typing import Sequence
 
@@ -93,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with atomic_path(trace) as partial:  # the trace appears whole or not at all
         prof.export_chrome_trace(str(partial))
         events = len(json.loads(partial.read_text())["traceEvents"])
+        if trace.suffix == ".gz":  # what export_chrome_trace does for a .gz name, which the partial file lacks
+            partial.write_bytes(gzip.compress(partial.read_bytes()))
     print(f"trace: {trace} ({events:,} events; open it at https://ui.perfetto.dev or chrome://tracing)")
 
     metrics = {"trace_file": str(trace), "trace_events": events, "iterations": args.repeats, "sorted_by": sort_by,
