@@ -168,7 +168,7 @@ def test_a_wrong_path_is_one_error_line_and_writes_nothing(relpath, tmp_path, mo
 NOT_OFFERED = {
     "chapters/ch16_gpu_distributed/profiling.py": ("--epochs", "--max-steps", "--data-dir", "--num-workers"),
     "chapters/ch16_gpu_distributed/benchmark_cpu_vs_gpu.py": ("--epochs", "--max-steps", "--data-dir", "--num-workers"),
-    "chapters/ch16_gpu_distributed/efficient_loading.py": ("--epochs", "--max-steps"),
+    "chapters/ch16_gpu_distributed/efficient_loading.py": ("--epochs", "--max-steps", "--data-dir"),  # digits ships
     "labs/lab02_profiling/profile_trace.py": ("--epochs", "--max-steps"),
     "labs/lab04_sharded_training/01_memory_budget.py": ("--epochs", "--max-steps", "--data-dir", "--num-workers"),
     "labs/lab04_sharded_training/03_largest_model.py": ("--epochs", "--max-steps", "--data-dir", "--num-workers"),
