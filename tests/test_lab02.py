@@ -215,6 +215,21 @@ def test_profile_trace_writes_a_valid_trace_with_labelled_regions(tmp_path, caps
     assert record["metrics"]["trace_events"] == len(events)
 
 
+def test_profile_trace_named_gz_is_gzip_compressed(tmp_path):
+    """torch's export_chrome_trace compresses a .gz path; --trace t.json.gz must be gzip too, whole, with its events
+    counted in the record."""
+    import gzip
+
+    trace = tmp_path / "t.json.gz"
+    status = run_main(f"{LAB}/profile_trace.py", ["--device", "cpu", "--pipeline", "tensor", "--num-workers", "0",
+                                                  "--wait", "0", "--warmup", "0", "--active", "1",
+                                                  "--trace", str(trace), "--results-dir", str(tmp_path)])
+    assert status == 0
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    (record,) = records(tmp_path, "lab02_*.json")
+    assert record["metrics"]["trace_events"] == len(events) > 0
+
+
 def test_profile_trace_s_two_readme_runs_keep_both_timelines(tmp_path, capsys):
     """The README runs the USC lab's pipeline, then the device pipeline, without --trace: the second run must
     not overwrite the first one's timeline, which its record names."""

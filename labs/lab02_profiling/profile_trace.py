@@ -21,6 +21,7 @@ away (the profiler's own start-up), then ``--active`` steps recorded.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from typing import Sequence
 
@@ -94,6 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         recorded["averages"] = prof.key_averages()
         with atomic_path(trace) as partial:  # the trace appears whole or not at all
             prof.export_chrome_trace(str(partial))
+            recorded["events"] = len(json.loads(partial.read_text())["traceEvents"])
+            if trace.suffix == ".gz":  # what export_chrome_trace does for a .gz name, which the partial file lacks
+                partial.write_bytes(gzip.compress(partial.read_bytes()))
 
     batches = endless(loader)
     model.train()
@@ -114,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 optimizer.step()
             synchronize(device)
             prof.step()
-    events = json.loads(trace.read_text())["traceEvents"]
+    events = recorded["events"]
 
     averages = recorded["averages"]
     sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
@@ -125,9 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"CPU time of the labelled regions over {args.active} step(s){gpu_hint if device.type == 'cuda' else ''}:")
     for name in REGIONS:
         print(f"  {name:<15} {region_us.get(name, 0) / 1000:9.1f} ms  {region_us.get(name, 0) / max(total_us, 1):6.1%}")
-    print(f"trace: {trace} ({len(events):,} events; open it at https://ui.perfetto.dev or chrome://tracing)")
+    print(f"trace: {trace} ({events:,} events; open it at https://ui.perfetto.dev or chrome://tracing)")
 
-    metrics = {"trace_file": str(trace), "trace_events": len(events), "profiled_steps": args.active,
+    metrics = {"trace_file": str(trace), "trace_events": events, "profiled_steps": args.active,
                "region_cpu_time_us": region_us,
                "data_loading_cpu_share": region_us.get("data loading", 0) / total_us if total_us else None,
                "top_operators": top_operators(averages, device, args.row_limit),
