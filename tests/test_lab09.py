@@ -64,6 +64,9 @@ def write_sweep(folder: Path, text: str) -> Path:
     ('[fixed]\nepochs = 1\n', "error: .*bad.toml: the grid is empty and there is no \\[random\\] table"),
     ('[grid]\nresults-dir = ["a", "b"]\n', "error: .*sets results-dir, which each task sets itself"),
     ('speed = 3\n[grid]\nlr = [1]\n', "error: .*bad.toml: unknown key\\(s\\) speed"),
+    ('[grid]\nlr = [1]\n[random]\nsamples = 3\n',  # three alike tasks
+     "error: .*bad.toml: \\[random\\] has samples = 3 but no flag to draw"),
+    ('seed = "abc"\n[grid]\nlr = [1]\n', "error: .*bad.toml: 'seed' must be a whole number, got 'abc'"),  # 'seeds'
 ])
 def test_bad_sweep_input_is_one_line_and_exit_2_with_nothing_written(tmp_path, body, message):
     sweep_dir = tmp_path / "sweep"

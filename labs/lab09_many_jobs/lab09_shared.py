@@ -161,7 +161,12 @@ def expand(sweep: Mapping[str, Any], where: Path) -> list[Task]:
         raise UserError(f"{where}: the grid is empty and there is no [random] table: the sweep would have no run")
     if not isinstance(samples, int) or samples < (1 if randoms else 0):
         raise UserError(f"{where}: random 'samples' must be a whole number of at least 1, got {samples!r}")
+    if samples and not randoms:  # no flag to draw: `samples` copies of each grid point, every one alike
+        raise UserError(f"{where}: [random] has samples = {samples} but no flag to draw: add one "
+                        "(e.g. lr = {log-uniform = [0.1, 2.0]}) or leave out [random]")
     seed = sweep.get("seed", 1)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise UserError(f"{where}: 'seed' must be a whole number, got {seed!r}")
     seeds = sweep.get("seeds", [seed])
     if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
         raise UserError(f"{where}: 'seeds' must be a non-empty list of whole numbers, got {seeds!r}")
