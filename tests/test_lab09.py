@@ -260,7 +260,7 @@ def test_a_local_chain_in_the_folder_of_a_finished_run_ends_at_the_link_that_tra
     chain = load_script(f"{LAB}/03_chain.py")
     links = []
 
-    def link(command, check):
+    def link(command, check, env):
         links.append(command)
         if len(links) == 1:
             (tmp_path / "run" / "checkpoint.pt").write_bytes(b"saved")
@@ -298,13 +298,25 @@ def test_the_chains_training_flags_are_checked_by_the_trainings_parser_before_li
 def test_a_chain_passes_flags_its_training_takes_to_every_link(tmp_path, monkeypatch, capsys):
     chain = load_script(f"{LAB}/03_chain.py")
     links = []
-    monkeypatch.setattr(chain.subprocess, "run", lambda command, check: links.append(command) or
-                        subprocess.CompletedProcess(command, 0))
+    envs = []
+    monkeypatch.setattr(chain.subprocess, "run", lambda command, check, env: links.append(command) or
+                        envs.append(env) or subprocess.CompletedProcess(command, 0))
     assert run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--local", "--device", "cpu", "--",
                                            "--dataset", "digits", "--epochs=1", "--lr", "0.5"]) == 0
     (command,) = links  # no record, no checkpoint: the chain ends after one link
     assert command[-6:] == ["--save-model", "--dataset", "digits", "--epochs=1", "--lr", "0.5"]
     assert command[command.index("--checkpoint") + 1] == str(tmp_path / "run" / "checkpoint.pt")
+    # What the training says when a link stops or finds the run finished: the chain's next step, not a lone run's
+    # "the same command with --resume" (it has it) or "leave out --resume to train again" (the chain always sets it).
+    assert envs[0]["HPC_DL_LABS_ON_STOP"] == "link 2 of the chain resumes from it"
+    assert envs[0]["HPC_DL_LABS_TRAIN_AGAIN"] == "give 03_chain.py another --run-dir to train again"
+
+
+def test_a_chain_for_a_site_that_does_not_exist_is_one_line_and_makes_no_folder(tmp_path, capsys):
+    assert run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--site", "lantaa"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown site 'lantaa'") and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
 
 
 def test_status_refuses_a_negative_wait(tmp_path, capsys):

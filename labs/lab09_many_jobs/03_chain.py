@@ -20,6 +20,7 @@ line, not a broken link); the chain sets ``--checkpoint``, ``--resume`` and ``--
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,7 +82,10 @@ def run_links_here(args, train_flags: list[str]) -> int:
     for link in range(1, args.max_links + 1):
         before, saved = len(load_records(args.results_dir).records), saved_at(checkpoint)
         print(f"== chain link {link}: {' '.join(command[1:])}", flush=True)
-        status = subprocess.run(command, check=False).returncode
+        env = {**os.environ, "HPC_DL_LABS_TRAIN_AGAIN": "give 03_chain.py another --run-dir to train again",
+               "HPC_DL_LABS_ON_STOP": (f"link {link + 1} of the chain resumes from it" if link < args.max_links
+                                       else f"this is the chain's last link (--max-links {args.max_links})")}
+        status = subprocess.run(command, check=False, env=env).returncode
         if status != 0:
             print(f"== chain broken at link {link}: the training exited with status {status}; no link follows")
             return status
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     if check_training_flags(TRAIN_SCRIPT, train_flags, before=link_flags(args),
                             owned=("--checkpoint", "--resume", "--results-dir")):  # --checkpoint X or --checkpoint=X
         raise UserError("the chain sets --checkpoint, --resume and --results-dir itself: leave them out after --")
+    if not args.local:
+        find_site(args.site)  # a misspelt --site is one line before the run's folders are made
     args.results_dir.mkdir(parents=True, exist_ok=True)
     if args.local:
         return run_links_here(args, train_flags)
