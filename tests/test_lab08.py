@@ -514,6 +514,18 @@ def test_bad_data_skipped_is_counted_and_named(damaged, tmp_path):
     assert "skipped: shard-000002.tar: 000085.jpg: corrupt JPEG" in printed.getvalue()
 
 
+def test_a_shard_cut_at_a_samples_first_member_keeps_the_whole_sample_before_the_cut(data):
+    """Cut where sample 20's .cls begins, sample 19 (whole, before the cut) was lost too, counted nowhere: the
+    tar reader's grouping held it until the next key, and the break came first. Skipped said 20, 21 were gone."""
+    lab = load_script(f"{LAB}/lab08_shared.py")
+    info = lab.read_shard_table(data / "shards")[0]
+    cut = next(row for row in info.members if row["member"] == "000020.cls")
+    shard = (data / "shards" / info.name).read_bytes()[:cut["offset"]]  # the header of 000020.cls, not its data
+    good, bad = lab.check_shard(info, shard)
+    assert [sample["__key__"] for sample in good] == [f"{i:06d}" for i in range(20)]
+    assert [(b.member, b.samples) for b in bad] == [("000020.cls", SHARD_SIZE - 20)]
+
+
 # -- flags -------------------------------------------------------------------------------------------------
 
 

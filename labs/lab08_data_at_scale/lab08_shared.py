@@ -457,8 +457,15 @@ def split_samples(data: bytes, samples: list[dict[str, Any]]) -> None:
     """A tar shard's members grouped into samples by key, in the tar's order, with WebDataset's own tar
     reader (``webdataset.tariterators``), appended to ``samples`` as they come (a tar cut short keeps what
     came before the cut): ``{"__key__": "000042", "jpg": b"...", "cls": b"3"}``."""
-    members = ({**member, "__url__": None} for member in tar_file_iterator(io.BytesIO(data), handler=_reraise))
-    samples.extend(group_by_keys(members, handler=_reraise))
+    members, error = [], None
+    try:  # every member up to the break first: grouping holds the sample before it until the next key comes
+        for member in tar_file_iterator(io.BytesIO(data), handler=_reraise):
+            members.append({**member, "__url__": None})
+    except Exception as err:  # noqa: BLE001 - raised again once the samples before the break are kept
+        error = err
+    samples.extend(group_by_keys(iter(members), handler=_reraise))
+    if error is not None:
+        raise error
 
 
 def index_samples(info: ShardInfo, data: bytes) -> list[dict[str, Any]]:
