@@ -526,6 +526,20 @@ def test_a_shard_cut_at_a_samples_first_member_keeps_the_whole_sample_before_the
     assert [(b.member, b.samples) for b in bad] == [("000020.cls", SHARD_SIZE - 20)]
 
 
+def test_a_shard_file_that_is_not_there_is_named_missing_not_truncated(data, tmp_path, capsys):
+    """A deleted shard said 'truncated shard: 0 of N bytes' and named its first member."""
+    shards = tmp_path / "shards"
+    shutil.copytree(data / "shards", shards)
+    (shards / "shard-000001.tar").unlink()
+    assert run_main(SHARDS, ["--data-dir", str(shards), "--device", "cpu", "--num-workers", "0", "--batch-size", "8",
+                             "--epochs", "1", "--verify-only", "--results-dir", str(tmp_path / "r"),
+                             "--checkpoint", str(tmp_path / "c.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: bad data: shard-000001.tar: (the shard file): no such file in {shards}; its "
+                          f"{SHARD_SIZE} sample(s) are missing") and err.count("\n") == 1, err
+    assert not (tmp_path / "r").exists()
+
+
 # -- flags -------------------------------------------------------------------------------------------------
 
 

@@ -628,8 +628,11 @@ class ShardStream(IterableDataset):
         info = self.shards[index]
         try:
             data = read_file(self.shard_dir / info.name)
-        except FileNotFoundError:
-            data = b""
+        except FileNotFoundError:  # not a truncated shard (its first member named): the file is not there
+            self._bad(BadSample(info.name, "(the shard file)", f"no such file in {self.shard_dir}; its "
+                                f"{len(info.members) // 2} sample(s) are missing", samples=len(info.members) // 2),
+                      bad_samples)
+            return []
         good, bad = check_shard(info, data, self.reader)
         for sample in good:
             sample["__shard__"] = info.name
