@@ -132,6 +132,16 @@ def test_a_refused_submission_names_the_placeholder_account_when_the_script_hold
         assert ("placeholder 'edit-me': set account: in that profile" in str(refusal.value)) is hinted
 
 
+def test_a_local_sweep_with_a_stall_fault_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """faults.toml --local ran task 2, which stalls 'until the time limit' that nothing here sets: it hung for ever."""
+    monkeypatch.setattr(load_script(SWEEP), "run_task", lambda *a, **k: pytest.fail("a task ran"))
+    folder = tmp_path / "faults"
+    assert run_main(SWEEP, [str(SWEEPS / "faults.toml"), "--sweep-dir", str(folder), "--local"]) == 2
+    err = capsys.readouterr().err
+    assert "[faults] stall waits for a Slurm time limit, and --local has none" in err and err.count("\n") == 1, err
+    assert not folder.exists()
+
+
 def test_a_bad_flag_after_the_double_dash_is_one_line_before_anything_is_written(tmp_path, capsys):
     """The flags after -- go to every run: the training's parser checks them with the sweep's own (they ran, and
     every task failed, attempts written, exit 1)."""

@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         if len(plan.tasks) > limit:
             raise UserError(f"the sweep has {len(plan.tasks)} tasks, more than this cluster's MaxArraySize of {limit} "
                             "(scontrol show config): split it into several sweep files")
+    if args.local and plan.sweep.get("faults", {}).get("stall"):  # nothing here would ever end the stalled task
+        raise UserError(f"{args.sweep_file}: [faults] stall waits for a Slurm time limit, and --local has none (it "
+                        "would wait for ever): submit it with --time 1, or leave stall out to run it here")
     if args.local and args.device == "cuda":  # every task would fail in turn: say it once, before anything is written
         from common.runtime.device import resolve_device
 
