@@ -322,6 +322,13 @@ def test_a_chain_passes_flags_its_training_takes_to_every_link(tmp_path, monkeyp
     assert envs[0]["HPC_DL_LABS_TRAIN_AGAIN"] == "give 03_chain.py another --run-dir to train again"
 
 
+def test_a_chain_link_tells_a_finished_run_how_a_chain_trains_again():
+    """A link of a finished run said 'leave out --resume to train again', a flag the link passes itself."""
+    link = (REPO / LAB / "sbatch" / "chain_link.sbatch.j2").read_text()
+    assert 'export HPC_DL_LABS_TRAIN_AGAIN="give 03_chain.py another --run-dir' in link
+    assert link.index("HPC_DL_LABS_TRAIN_AGAIN") < link.index("python chapters/ch04_deep_learning/mnist_training.py")
+
+
 def test_a_chain_for_a_site_that_does_not_exist_is_one_line_and_makes_no_folder(tmp_path, capsys):
     assert run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--site", "lantaa"]) == 2
     err = capsys.readouterr().err
