@@ -142,6 +142,16 @@ def test_a_local_sweep_with_a_stall_fault_is_refused_before_anything_is_written(
     assert not folder.exists()
 
 
+@pytest.mark.parametrize("flag", [["--time", "1"], ["--hold"]])
+def test_a_job_array_setting_with_local_is_one_line_not_ignored(flag, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(load_script(SWEEP), "run_task", lambda *a, **k: pytest.fail("a task ran"))
+    folder = tmp_path / "sweep"
+    assert run_main(SWEEP, [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder), "--local", *flag]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {flag[0]} is a setting of the job array: --local ignores it\n", err
+    assert not folder.exists()
+
+
 def test_a_bad_flag_after_the_double_dash_is_one_line_before_anything_is_written(tmp_path, capsys):
     """The flags after -- go to every run: the training's parser checks them with the sweep's own (they ran, and
     every task failed, attempts written, exit 1)."""

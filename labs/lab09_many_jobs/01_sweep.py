@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     args = build_parser().parse_args(argv[:cut])
     args.extra = argv[cut + 1:]
+    if args.local and (args.time or args.hold):  # the job array's settings: a run here has no time limit, no hold
+        raise UserError(f"{'--time' if args.time else '--hold'} is a setting of the job array: --local ignores it")
     folder = (args.sweep_dir or Path("results") / "lab09" / args.sweep_file.stem).resolve()  # tasks run elsewhere
     if args.task is not None:  # inside an array task: planned at submission (submitted by hand: planned here)
         plan = prepare_folder(folder, args.sweep_file, planning_now=True)
