@@ -339,6 +339,14 @@ def test_a_chain_link_tells_a_finished_run_how_a_chain_trains_again():
     assert link.index("HPC_DL_LABS_TRAIN_AGAIN") < link.index("python chapters/ch04_deep_learning/mnist_training.py")
 
 
+def test_a_local_chain_with_a_time_limit_is_one_line_not_ignored(tmp_path, capsys):
+    assert run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--local", "--time", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --time is a setting of the chain's jobs: --local ignores it") and \
+        err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_chain_for_a_site_that_does_not_exist_is_one_line_and_makes_no_folder(tmp_path, capsys):
     assert run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--site", "lantaa"]) == 2
     err = capsys.readouterr().err

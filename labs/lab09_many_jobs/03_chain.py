@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     args = build_parser().parse_args(argv[:cut])
     train_flags = argv[cut + 1:]
+    if args.local and args.time:  # a link here has no time limit: --step-budget ends it
+        raise UserError("--time is a setting of the chain's jobs: --local ignores it (--step-budget N ends a link)")
     args.run_dir = args.run_dir.resolve()
     args.results_dir = (args.results_dir or args.run_dir / "results").resolve()
     # The training's own parser reads its flags now: a typo is one line here, not a broken link 1.
