@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slurm
 LAB = REPO / "labs" / "lab09_many_jobs"
 RUN_LAB_TIMEOUT = 600
 shared = load_script("labs/lab09_many_jobs/lab09_shared.py")
+render_sbatch = load_script("scripts/render_sbatch.py")
 
 
 def finished(run_lab) -> tuple[Path, str]:
@@ -139,6 +140,20 @@ def test_a_broken_link_stops_the_chain_with_one_line(slurm_cluster, tmp_path):
     assert "cannot be read as a checkpoint" in log
     time.sleep(2)
     assert slurm_cluster.command("squeue", "-h", f"--name={name}", "-o", "%i").stdout.strip() == ""  # no link 3
+
+
+def test_a_misspelt_pipeline_stage_fails_with_one_line_and_runs_nothing(slurm_cluster, tmp_path):
+    template = LAB / "sbatch" / "pipeline_stage.sbatch.j2"
+    script = tmp_path / "pipeline_stage.sbatch"
+    script.write_text(render_sbatch.render(render_sbatch.read_template(template), render_sbatch.find_site("generic"))[0])
+    sweep = tmp_path / "sweep"
+    job = slurm_cluster.submit(script, env={"SWEEP_DIR": str(sweep), "RESULTS_DIR": str(tmp_path / "results")},
+                               script_args=["evalute"])
+    result = slurm_cluster.wait(job, timeout=60)
+    log = slurm_cluster.output(job)
+    assert result.state == "FAILED" and result.exit_code == 2, log[-3000:]
+    assert "error: unknown pipeline stage 'evalute': evaluate, report or all (nothing ran)" in log
+    assert "== pipeline stage" not in log and not sweep.exists()
 
 
 def test_run_lab_ends_with_the_report(run_lab):
