@@ -142,7 +142,7 @@ def test_a_local_sweep_with_a_stall_fault_is_refused_before_anything_is_written(
     assert not folder.exists()
 
 
-@pytest.mark.parametrize("flag", [["--time", "1"], ["--hold"]])
+@pytest.mark.parametrize("flag", [["--time", "1"], ["--hold"], ["--parallel", "2"], ["--site", "lanta"]])
 def test_a_job_array_setting_with_local_is_one_line_not_ignored(flag, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(load_script(SWEEP), "run_task", lambda *a, **k: pytest.fail("a task ran"))
     folder = tmp_path / "sweep"
@@ -339,10 +339,11 @@ def test_a_chain_link_tells_a_finished_run_how_a_chain_trains_again():
     assert link.index("HPC_DL_LABS_TRAIN_AGAIN") < link.index("python chapters/ch04_deep_learning/mnist_training.py")
 
 
-def test_a_local_chain_with_a_time_limit_is_one_line_not_ignored(tmp_path, capsys):
-    assert run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--local", "--time", "5"]) == 2
+@pytest.mark.parametrize("flag", [["--time", "5"], ["--site", "lanta"]])
+def test_a_local_chain_with_a_job_setting_is_one_line_not_ignored(flag, tmp_path, capsys):
+    assert run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--local", *flag]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --time is a setting of the chain's jobs: --local ignores it") and \
+    assert err.startswith(f"error: {flag[0]} is a setting of the chain's jobs: --local ignores it") and \
         err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()
 

@@ -48,11 +48,10 @@ def build_parser():
     how.add_argument("--task", type=non_negative_int, default=None, metavar="INDEX",
                      help="run one task of the sweep (what each array task does, with $SLURM_ARRAY_TASK_ID)")
     slurm_flags = parser.add_argument_group("the job array (Slurm)")
-    slurm_flags.add_argument("--parallel", type=positive_int, default=4,
-                             help="at most this many tasks run at once: --array=0-N%%K (default: %(default)s)")
-    slurm_flags.add_argument("--site", default="generic",
-                             help="the site profile the array job is rendered for (slurm/sites/) "
-                                  "(default: %(default)s)")
+    slurm_flags.add_argument("--parallel", type=positive_int, default=None,  # None: not given (--local refuses it)
+                             help="at most this many tasks run at once: --array=0-N%%K (default: 4)")
+    slurm_flags.add_argument("--site", default=None,
+                             help="the site profile the array job is rendered for (slurm/sites/) (default: generic)")
     slurm_flags.add_argument("--time", type=slurm_time, default=None,
                              help="each task's time limit, e.g. 00:10:00 or 1 (minutes) (default: the template's)")
     slurm_flags.add_argument("--hold", action="store_true",
@@ -94,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     args = build_parser().parse_args(argv[:cut])
     args.extra = argv[cut + 1:]
-    if args.local and (args.time or args.hold):  # the job array's settings: a run here has no time limit, no hold
-        raise UserError(f"{'--time' if args.time else '--hold'} is a setting of the job array: --local ignores it")
+    given = [flag for flag in ("parallel", "site", "time", "hold") if getattr(args, flag)]
+    if args.local and given:  # the job array's settings: a run here is one task after another, no limit, no hold
+        raise UserError(f"--{given[0]} is a setting of the job array: --local ignores it")
+    args.parallel, args.site = args.parallel or 4, args.site or "generic"
     folder = (args.sweep_dir or Path("results") / "lab09" / args.sweep_file.stem).resolve()  # tasks run elsewhere
     if args.task is not None:  # inside an array task: planned at submission (submitted by hand: planned here)
         plan = prepare_folder(folder, args.sweep_file, planning_now=True)

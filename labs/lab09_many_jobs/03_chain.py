@@ -46,7 +46,7 @@ def build_parser():
     parser.add_argument("--local", action="store_true", help="run the links here, one after another (default: submit)")
     parser.add_argument("--max-links", type=positive_int, default=20,
                         help="stop the chain after this many links (default: %(default)s)")
-    parser.add_argument("--site", default="generic", help="the site the link is rendered for (default: %(default)s)")
+    parser.add_argument("--site", default=None, help="the site the link is rendered for (default: generic)")
     parser.add_argument("--time", type=slurm_time, default=None,
                         help="each link's time limit (default: the template's)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -110,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     args = build_parser().parse_args(argv[:cut])
     train_flags = argv[cut + 1:]
-    if args.local and args.time:  # a link here has no time limit: --step-budget ends it
-        raise UserError("--time is a setting of the chain's jobs: --local ignores it (--step-budget N ends a link)")
+    if args.local and (args.time or args.site):  # a link here has no time limit (--step-budget ends it), no site
+        raise UserError(f"{'--time' if args.time else '--site'} is a setting of the chain's jobs: --local ignores it "
+                        "(--step-budget N ends a link)")
+    args.site = args.site or "generic"
     args.run_dir = args.run_dir.resolve()
     args.results_dir = (args.results_dir or args.run_dir / "results").resolve()
     # The training's own parser reads its flags now: a typo is one line here, not a broken link 1.

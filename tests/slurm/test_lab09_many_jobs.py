@@ -145,7 +145,8 @@ def test_a_broken_link_stops_the_chain_with_one_line(slurm_cluster, tmp_path):
 def test_a_misspelt_pipeline_stage_fails_with_one_line_and_runs_nothing(slurm_cluster, tmp_path):
     template = LAB / "sbatch" / "pipeline_stage.sbatch.j2"
     script = tmp_path / "pipeline_stage.sbatch"
-    script.write_text(render_sbatch.render(render_sbatch.read_template(template), render_sbatch.find_site("generic"))[0])
+    rendered, _ = render_sbatch.render(render_sbatch.read_template(template), render_sbatch.find_site("generic"))
+    script.write_text(rendered)
     sweep = tmp_path / "sweep"
     job = slurm_cluster.submit(script, env={"SWEEP_DIR": str(sweep), "RESULTS_DIR": str(tmp_path / "results")},
                                script_args=["evalute"])
