@@ -161,6 +161,20 @@ def test_a_resume_that_cannot_go_on_is_one_line_and_writes_no_record(argv, messa
     assert sorted((tmp_path / "res").iterdir()) == written
 
 
+def test_a_nan_before_the_first_checkpoint_says_there_is_none(tmp_path, capsys):
+    """A NaN at step 1 said "last good checkpoint: step 0" although nothing had been saved: there is no step 0
+    checkpoint, and a restart starts from step 1."""
+    run_dir = tmp_path / "run"
+    assert run_main(INJECT, [*TINY, "--fault", "nan-loss", "--rank", "0", "--step", "1", "--run-dir", str(run_dir),
+                             "--results-dir", str(tmp_path / "res")]) == 1
+    out = capsys.readouterr().out
+    assert "step 1: loss not finite on rank(s) [0]; every rank stops at this step; no checkpoint yet: a restart " \
+        "starts from step 1" in out and "last good checkpoint" not in out, out
+    assert not (run_dir / shared.CHECKPOINT).exists()
+    assert shared.nan_stop(5, [3], 0, 2)[1].endswith("last good checkpoint: step 4")
+    assert shared.nan_stop(6, [1], 5, 3)[0]["checkpoint_step"] == 5  # resumed from step 5: its checkpoint is newer
+
+
 def test_a_rank_beyond_the_world_of_a_torchrun_launch_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -47,7 +47,7 @@ from common.runtime.distributed import open_process, print0, print_rank, teardow
 from common.runtime.launch import detect_launch
 from labs.lab06_failures.lab06_shared import (CHECKPOINT, END_OF_RUN, GRADIENTS, RUN_META, FaultPlan, Ledger,
                                               add_inject_args, block_until_parent_dies, check_resumable, diagnose,
-                                              dump_flight_recorder, read_history, read_ledger, restart_count,
+                                              dump_flight_recorder, nan_stop, read_history, read_ledger, restart_count,
                                               start_afresh, timeout_fired, write_inject_record, write_run_meta)
 
 IMAGE_SIZE, CLASSES = 8, 4
@@ -152,10 +152,8 @@ def train(args, ctx, plan: FaultPlan) -> int:
             loss_value, not_finite = reduce_step(model, loss, ctx, plan, ledger, step,
                                                  slow_s=args.collective_timeout + 2.0)
             if not_finite:  # every rank learns it from the same all-reduce: all stop here, together
-                stopped = {"step": step, "ranks": not_finite,
-                           "checkpoint_step": (step - 1) // args.checkpoint_every * args.checkpoint_every}
-                print0(f"step {step}: loss not finite on rank(s) {not_finite}; every rank stops at this step; "
-                       f"last good checkpoint: step {stopped['checkpoint_step']}")
+                stopped, line = nan_stop(step, not_finite, start, args.checkpoint_every)
+                print0(line)
                 break
             optimizer.step()
             if step % args.log_interval == 0:

@@ -427,6 +427,16 @@ def check_resumable(state: dict[str, Any] | None, args: argparse.Namespace, path
     return state
 
 
+def nan_stop(step: int, ranks: list[int], start: int, checkpoint_every: int) -> tuple[dict[str, Any], str]:
+    """Where a run that met a not-finite loss at ``step`` stands: the record's ``nan_stop`` and rank 0's line. The last
+    good checkpoint is the newest save before ``step`` (rank 0 saves every ``checkpoint_every`` steps), or the one
+    this run resumed from (``start``); 0: none yet, and a restart starts from step 1."""
+    good = max(start, (step - 1) // checkpoint_every * checkpoint_every)
+    line = (f"step {step}: loss not finite on rank(s) {ranks}; every rank stops at this step; "
+            + (f"last good checkpoint: step {good}" if good else "no checkpoint yet: a restart starts from step 1"))
+    return {"step": step, "ranks": ranks, "checkpoint_step": good}, line
+
+
 def write_run_meta(args: argparse.Namespace, ctx: Any, gradient_numel: int) -> None:
     """Rank 0 writes what the doctor (and a rank that times out) needs to know about the run (:data:`RUN_META`);
     then the run's first line (rank 0)."""
