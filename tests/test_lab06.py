@@ -92,6 +92,19 @@ def test_at_the_last_step_the_verdict_tells_a_rank_that_skipped_from_one_that_fi
     assert shared.diagnose(ledger, 1, 6, 100).ranks == [0]
 
 
+def test_the_timeout_line_names_a_rank_that_waited_not_the_slow_one():
+    """slow-rank and stuck-loader said "[... fired: rank 1 waited 8.1 s ...]" naming the rank at fault: its last
+    ledger entry is the collective of the step before, which it left long ago; the others are the ones waiting."""
+    import time
+
+    now = time.time()
+    ledger = {0: {**entry(0, 3), "time": now - 8.1}, 1: {**entry(1, 2), "time": now - 9.5}}  # rank 1 sleeps
+    verdict = shared.diagnose(ledger, 2, 6, 100)
+    assert verdict.ranks == [1]
+    fields, why = shared.timeout_fired(ledger, 0, "Timed out waiting 8000ms for recv", 8.0, verdict.ranks)
+    assert "rank 0 waited 8.1 s" in why and fields["timeout_fired_s"] == 8.0, why
+
+
 def test_a_fault_fires_once_and_never_in_a_restarted_run(tmp_path, monkeypatch):
     plan = shared.FaultPlan("crash-rank", 1, 3, tmp_path)
     assert not plan.fires(0, 3, "crash-rank") and not plan.fires(1, 2, "crash-rank")
