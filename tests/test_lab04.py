@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -714,3 +715,19 @@ def test_a_dry_run_validates_on_two_batches(tmp_path):
     assert run_main(TRAIN, [*MODEL, "--dry-run", "--eval-steps", "1", "--results-dir", str(tmp_path / "one")]) == 0
     (record,) = [json.loads(path.read_text()) for path in (tmp_path / "one").glob("lab04_*.json")]
     assert record["config"]["eval_steps"] == 1  # a smaller count stays
+
+
+@pytest.mark.parametrize("template", ["sharded_srun_2node", "sharded_torchrun_4gpu"])
+def test_the_templates_give_fsdp_a_block_per_rank_on_any_number_of_gpus(template):
+    """Rendered for 8 or 16 ranks (``--set gpus_per_node=4`` on the 2-node job, as its header suggests), the tiny
+    run (and on 16 ranks the lab's) kept 4 (8) blocks, and 02_sharded_training.py stopped with "--strategy fsdp on
+    8 ranks needs at least 8 blocks": the model now has at least one block per rank."""
+    from common.slurm import jobs, rendering, sites
+
+    path = REPO / LAB / "sbatch" / f"{template}.sbatch.j2"
+    for site, gpus in (("lanta", 1), ("lanta", 2), ("lanta", 4), ("sjtu-pi", 8), ("sjtu-pi", 16)):
+        settings = jobs.parse_settings([f"gpus_per_node={gpus}", "account=lt200123"])
+        text, _ = rendering.render(jobs.read_template(path), sites.find_site(site), settings)
+        ranks = gpus * (2 if "2node" in template else 1)
+        layers = [int(n) for n in re.findall(r"--layers (\d+)", text)]
+        assert len(layers) == 2 and min(layers) >= ranks, (template, gpus, layers)
