@@ -101,8 +101,14 @@ def test_the_timeout_line_names_a_rank_that_waited_not_the_slow_one():
     ledger = {0: {**entry(0, 3), "time": now - 8.1}, 1: {**entry(1, 2), "time": now - 9.5}}  # rank 1 sleeps
     verdict = shared.diagnose(ledger, 2, 6, 100)
     assert verdict.ranks == [1]
-    fields, why = shared.timeout_fired(ledger, 0, "Timed out waiting 8000ms for recv", 8.0, verdict.ranks)
+    fields, why = shared.timeout_fired(ledger, 0, "Timed out waiting 8000ms for recv", 8.0, verdict)
     assert "rank 0 waited 8.1 s" in why and fields["timeout_fired_s"] == 8.0, why
+    # A rank that skipped the all-reduce does wait, in the end-of-run barrier: its wait alone shows the timeout
+    # fired where this rank saw only its peer close the connection.
+    ledger = {0: {**entry(0, 3), "time": now - 29.0}, 1: {**entry(1, 3, shared.END_OF_RUN, 1), "time": now - 30.2}}
+    verdict = shared.diagnose(ledger, 2, 6, 100)
+    fields, why = shared.timeout_fired(ledger, 0, "Connection closed by peer", 30.0, verdict)
+    assert verdict.ranks == [1] and "rank 1 waited 30.2 s" in why and fields["timeout_fired_s"] == 30.0, why
 
 
 def test_a_fault_fires_once_and_never_in_a_restarted_run(tmp_path, monkeypatch):

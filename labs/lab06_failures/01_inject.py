@@ -187,7 +187,7 @@ def report_failure(args, ctx, error: RuntimeError, step: int, stacks) -> int:
     verdict = diagnose(ledger, ctx.world_size, meta["steps"], meta["gradient_numel"],
                        history=read_history(args.run_dir))
     waiting = [r for r in range(ctx.world_size) if r not in verdict.ranks]
-    timeout, why = timeout_fired(ledger, ctx.rank, message, args.collective_timeout, verdict.ranks)
+    timeout, why = timeout_fired(ledger, ctx.rank, message, args.collective_timeout, verdict)
     print_rank(f"error at step {step}: {message[:160]}", file=sys.stderr)
     dump_flight_recorder(args.run_dir, ctx.rank, ctx.backend)  # what 02_diagnose.py shows after the fact
     if waiting and ctx.rank == min(waiting):

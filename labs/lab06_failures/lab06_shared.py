@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, TextIO
+from typing import Any, Mapping, TextIO
 
 from common.cli import (add_collective_timeout_arg, add_log_interval_arg, add_lr_arg, add_run_args, add_steps_arg,
                         non_negative_int, output_dir, positive_int)
@@ -150,16 +150,19 @@ class Ledger:
 
 
 def timeout_fired(ledger: Mapping[int, Mapping[str, Any]], rank: int, message: str,
-                  timeout_s: float, culprits: Iterable[int] = ()) -> tuple[dict[str, Any], str]:
+                  timeout_s: float, verdict: Verdict | None = None) -> tuple[dict[str, Any], str]:
     """Did the collective timeout end the run? ``ledger`` holds each rank's last entry, written just before
-    it entered its last collective; ``rank`` is this rank; ``culprits`` (the verdict's ranks) are not counted as
-    waiting: a slow or stuck rank's last entry is a collective it left long ago. The timeout fired when the error
-    says so, or when some rank has waited as long as the timeout: the first rank to time out closes its
-    connections, and a peer still waiting sees only "Connection closed by peer", a moment before its own timeout
-    would have fired. Returns the record's fields (``timeout_fired_s``: the timeout when it fired, else None;
-    ``waited_s``: this rank's wait) and what the diagnosis line adds when it fired."""
+    it entered its last collective; ``rank`` is this rank. The ranks ``verdict`` finds behind (at a step before
+    its step: slow, or stuck in their loader) are not counted as waiting: their last entry is a collective they
+    left long ago (a rank that skipped a collective does wait, in the end-of-run barrier). The timeout fired
+    when the error says so, or when some rank has waited as long as the timeout: the first rank to time out
+    closes its connections, and a peer still waiting sees only "Connection closed by peer", a moment before its
+    own timeout would have fired. Returns the record's fields (``timeout_fired_s``: the timeout when it fired,
+    else None; ``waited_s``: this rank's wait) and what the diagnosis line adds when it fired."""
     now = time.time()
-    waits = {r: now - entry["time"] for r, entry in ledger.items() if "time" in entry and r not in culprits}
+    culprits, step = (verdict.ranks, verdict.step or 0) if verdict else ([], 0)
+    behind = [r for r in culprits if r in ledger and int(ledger[r]["step"]) < step]
+    waits = {r: now - entry["time"] for r, entry in ledger.items() if "time" in entry and r not in behind}
     longest = max(waits, key=waits.get, default=rank)
     fired = "timed out" in message.lower() or waits.get(longest, 0.0) >= timeout_s
     why = (f" [the {timeout_s:g} s collective timeout fired: rank {longest} waited {waits.get(longest, 0.0):.1f} s; "
