@@ -153,6 +153,8 @@ def test_a_step_builds_its_one_all_reduce_buffer_on_the_gradients_device(tmp_pat
     (["--fault", "crash-rank", "--rank", "1"], "--rank 1 does not exist: the run has 1 rank(s)"),
     (["--fault", "slow-rank", "--rank", "0", "--step", "7"], "--step 7 is past the run: it takes 6 step(s)"),
     (["--fault", "oom", "--rank", "0"], "--fault oom needs a GPU"),
+    # A stuck loader on one process, or in the rank itself (no worker), hung for ever: nothing times out.
+    (["--fault", "stuck-loader", "--rank", "0"], "--fault stuck-loader needs --num-workers 1 or more"),
 ])
 def test_bad_input_is_one_error_line_and_writes_nothing(argv, message, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -192,6 +194,15 @@ def test_a_nan_before_the_first_checkpoint_says_there_is_none(tmp_path, capsys):
     assert not (run_dir / shared.CHECKPOINT).exists()
     assert shared.nan_stop(5, [3], 0, 2)[1].endswith("last good checkpoint: step 4")
     assert shared.nan_stop(6, [1], 5, 3)[0]["checkpoint_step"] == 5  # resumed from step 5: its checkpoint is newer
+
+
+def test_a_stuck_loader_without_a_worker_is_refused_and_with_one_on_two_ranks_accepted(tmp_path):
+    from common.errors import UserError
+
+    plan = shared.FaultPlan("stuck-loader", 0, 3, tmp_path)
+    with pytest.raises(UserError, match="needs --num-workers 1 or more"):
+        plan.check(2, 6, False, 0)  # the rank's own main process would block, not a worker
+    plan.check(2, 6, False, 1)
 
 
 def test_a_rank_beyond_the_world_of_a_torchrun_launch_is_refused(tmp_path, capsys, monkeypatch):

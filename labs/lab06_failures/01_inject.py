@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = min(args.steps, 4) if args.dry_run else args.steps
     launch = detect_launch()
     plan = FaultPlan(args.fault, args.rank, args.step, args.run_dir)
-    plan.check(launch.world_size, args.steps, cuda=device_type(args.device) == "cuda")  # one error line, nothing yet
+    plan.check(launch.world_size, args.steps, device_type(args.device) == "cuda", args.num_workers)  # or one line
     # The flight recorder keeps each rank's last 64 collectives; NCCL's watchdog dumps it on a timeout.
     enable_flight_recorder(64, dump_prefix=args.run_dir / "ledger" / "nccl-watchdog-rank")
     ctx = open_process(args.device, distributed=True, collective_timeout_s=args.collective_timeout)

@@ -74,8 +74,9 @@ class FaultPlan:
     step: int
     run_dir: Path
 
-    def check(self, world_size: int, steps: int, cuda: bool) -> None:
-        """One error line for a plan that cannot happen (before anything is written)."""
+    def check(self, world_size: int, steps: int, cuda: bool, num_workers: int = 1) -> None:
+        """One error line for a plan that cannot happen (before anything is written), or whose hang nothing would
+        end: a stuck loader on one process (no other rank times out) or without a worker (the rank itself blocks)."""
         if self.fault not in FAULTS:
             raise UserError(f"unknown fault {self.fault!r}; faults: {', '.join(FAULTS)}")
         if self.fault == "none":  # --rank and --step mean nothing without a fault
@@ -85,6 +86,9 @@ class FaultPlan:
                             f"{world_size - 1}")
         if self.step > steps:
             raise UserError(f"--step {self.step} is past the run: it takes {steps} step(s)")
+        if self.fault == "stuck-loader" and (world_size < 2 or num_workers < 1):
+            raise UserError("--fault stuck-loader needs --num-workers 1 or more (the worker is what blocks) and two "
+                            "or more processes (the others time out and end the run): here it would hang for ever")
         if self.fault == "oom" and not cuda:
             raise UserError("--fault oom needs a GPU: on a CPU running out of memory means the kernel's OOM "
                             "killer, not an error PyTorch can report")
