@@ -332,14 +332,6 @@ def test_a_chain_passes_flags_its_training_takes_to_every_link(tmp_path, monkeyp
     assert envs[0]["HPC_DL_LABS_TRAIN_AGAIN"] == "give 03_chain.py another --run-dir to train again"
 
 
-def test_a_chain_link_tells_a_finished_run_how_a_chain_trains_again():
-    """A link of a finished run said 'leave out --resume to train again', a flag the link passes itself."""
-    link = (REPO / LAB / "sbatch" / "chain_link.sbatch.j2").read_text()
-    assert 'export HPC_DL_LABS_TRAIN_AGAIN="give 03_chain.py another --run-dir' in link
-    assert link.index("HPC_DL_LABS_TRAIN_AGAIN") < link.index("python chapters/ch04_deep_learning/mnist_training.py")
-
-
-@pytest.mark.parametrize("flag", [["--time", "5"], ["--site", "lanta"]])
 def test_a_local_chain_with_a_job_setting_is_one_line_not_ignored(flag, tmp_path, capsys):
     assert run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--local", *flag]) == 2
     err = capsys.readouterr().err

@@ -237,3 +237,25 @@ def test_three_links_end_with_the_weights_of_the_unbroken_run(run_lab):
     assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
     unbroken_logs = "".join(p.read_text() for p in (results / "unbroken").glob("*.out"))
     assert "== chain done: link 1 finished the run" in unbroken_logs
+
+
+def test_a_link_of_a_finished_chain_trains_nothing_and_says_how_to_train_again(run_lab, slurm_cluster, tmp_path):
+    """A chain started again on a finished run's folder: its link passes --resume itself, so the training's advice for
+    a lone job ('leave out --resume') is not the student's to follow; the link names the chain's own way."""
+    results, _ = finished(run_lab)
+    run_dir, records = results / "chain", results / "chain" / "results"
+    before = sorted(records.iterdir())
+    script = tmp_path / "chain_link.sbatch"
+    template = LAB / "sbatch" / "chain_link.sbatch.j2"
+    rendered, _ = render_sbatch.render(render_sbatch.read_template(template), render_sbatch.find_site("generic"))
+    script.write_text(rendered)
+    chain = ["--dataset", "digits", "--epochs", "1", "--max-steps", "9", "--batch-size", "32", "--num-workers", "0",
+             "--step-budget", "3"]  # run_lab.sh's chain
+    job = slurm_cluster.submit(script, env={"RUN_DIR": str(run_dir), "RESULTS_DIR": str(records), "CHAIN_LINK": "4",
+                                            "HPC_DL_LABS_TINY": "0"}, script_args=chain)
+    result = slurm_cluster.wait(job, timeout=180)
+    log = slurm_cluster.output(job)
+    assert result.ok, log[-3000:]
+    assert "give 03_chain.py another --run-dir (RUN_DIR) to train again" in log and "leave out --resume" not in log
+    assert f"== chain done: link 4 trained nothing, the run in {run_dir} had finished already" in log, log[-3000:]
+    assert sorted(records.iterdir()) == before
