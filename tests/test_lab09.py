@@ -332,6 +332,7 @@ def test_a_chain_passes_flags_its_training_takes_to_every_link(tmp_path, monkeyp
     assert envs[0]["HPC_DL_LABS_TRAIN_AGAIN"] == "give 03_chain.py another --run-dir to train again"
 
 
+@pytest.mark.parametrize("flag", [["--time", "5"], ["--site", "lanta"]])
 def test_a_local_chain_with_a_job_setting_is_one_line_not_ignored(flag, tmp_path, capsys):
     assert run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--local", *flag]) == 2
     err = capsys.readouterr().err
@@ -490,6 +491,27 @@ def test_submitit_when_sbatch_refuses_is_one_line_and_the_plan_stays_for_the_nex
                        "error: sbatch refused the array (exit status 1; its words above), nothing was submitted: the "
                        f"plan in {folder} stays, run this again once `sinfo` answers\n")
         assert shared.read_plan(folder).submissions() == []
+
+
+def test_submitit_refuses_a_sweep_folder_submitted_already_before_calling_sbatch(tmp_path, monkeypatch, capsys):
+    """As 01_sweep.py does: a second submission of the same folder would train every task again beside the first."""
+    tools, called = tmp_path / "bin", tmp_path / "sbatch-called"
+    tools.mkdir()
+    for name, body in (("srun", "exit 0"), ("sbatch", f"touch {called}; exit 1")):
+        (tools / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tools / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    folder = tmp_path / "sweep"
+    assert run_main("labs/lab09_many_jobs/05_submitit.py", [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder)]) == 2
+    assert called.exists()  # sbatch refused: the plan stays, nothing submitted
+    called.unlink()
+    shared.read_plan(folder).add_submission("submitit", "4242", [0, 1])  # what a submission that went through adds
+    capsys.readouterr()
+    assert run_main("labs/lab09_many_jobs/05_submitit.py", [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {folder} was submitted already (job 4242): follow it or resubmit what failed with "
+                          "02_status.py") and err.count("\n") == 1, err
+    assert not called.exists() and len(shared.read_plan(folder).submissions()) == 1
 
 
 def test_submitit_refuses_a_machine_without_slurm_and_a_task_s_own_flag_before_writing(tmp_path, monkeypatch, capsys):

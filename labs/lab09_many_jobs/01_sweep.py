@@ -31,8 +31,8 @@ from common.errors import UserError, run_main
 from common.slurm.rendering import read_template, render, write_script
 from common.slurm.sites import find_site
 from labs.lab09_many_jobs.lab09_shared import (ARRAY_TEMPLATE, check_task, check_with_script, display, max_array_size,
-                                               prepare_folder, refuse_task_flags, run_task, slurm, slurm_time,
-                                               submitted_job_id, write_plan)
+                                               prepare_folder, refuse_second_submission, refuse_task_flags, run_task,
+                                               slurm, slurm_time, submitted_job_id, write_plan)
 
 
 def build_parser():
@@ -109,10 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         # A site that is not in slurm/sites/ is one line now, --plan too, not after the plan is written.
         find_site(args.site)
     if not (args.plan or args.local):
-        if plan.submissions():
-            raise UserError(f"{folder} was submitted already (job {plan.submissions()[-1]['job_id']}): follow it or "
-                            f"resubmit what failed with 02_status.py --sweep-dir {folder} [--resubmit], or give a new "
-                            "--sweep-dir to start again")
+        refuse_second_submission(plan)
         limit = max_array_size()  # array indices run from 0 to MaxArraySize - 1
         if len(plan.tasks) > limit:
             raise UserError(f"the sweep has {len(plan.tasks)} tasks, more than this cluster's MaxArraySize of {limit} "

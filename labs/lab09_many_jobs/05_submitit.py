@@ -25,8 +25,9 @@ from pathlib import Path
 
 from common.cli import input_file, non_negative_int, output_dir, positive_int, script_parser
 from common.errors import UserError, run_main
-from labs.lab09_many_jobs.lab09_shared import (ENDED, check_with_script, prepare_folder, read_plan, refuse_task_flags,
-                                               run_task, status_table, sweep_status, write_plan, write_sweep_record)
+from labs.lab09_many_jobs.lab09_shared import (ENDED, check_with_script, prepare_folder, read_plan,
+                                               refuse_second_submission, refuse_task_flags, run_task, status_table,
+                                               sweep_status, write_plan, write_sweep_record)
 
 SCRIPT = "labs/lab09_many_jobs/05_submitit.py"
 
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(01_sweep.py --local runs a sweep on this machine)")
     extra = ["--device", args.device, *(["--dry-run"] if args.dry_run else []), *argv[cut + 1:]]
     plan = prepare_folder(args.sweep_dir.resolve(), args.sweep_file)
+    refuse_second_submission(plan)  # as 01_sweep.py: submitting again would train every task again
     refuse_task_flags(plan, argv[cut + 1:])
     check_with_script(plan, extra)
     write_plan(plan)

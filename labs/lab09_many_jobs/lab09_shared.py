@@ -297,6 +297,15 @@ def sweep_id(sweep: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(sweep, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+def refuse_second_submission(plan: Plan) -> None:
+    """A sweep's folder is submitted once (01_sweep.py or 05_submitit.py): a second submission would train every task
+    again beside the first; what failed is resubmitted by 02_status.py, a new sweep gets a new folder."""
+    if plan.submissions():
+        raise UserError(f"{plan.folder} was submitted already (job {plan.submissions()[-1]['job_id']}): follow it or "
+                        f"resubmit what failed with 02_status.py --sweep-dir {plan.folder} [--resubmit], or give a new "
+                        "--sweep-dir to start again")
+
+
 def prepare_folder(folder: Path, sweep_file: Path, *, planning_now: bool = False) -> Plan:
     """Read the sweep file and the folder: a new folder gets the plan; a folder holding this very sweep
     is reused; one holding another sweep, or other files, is refused (nothing is written then).
