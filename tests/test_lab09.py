@@ -493,6 +493,22 @@ def test_submitit_when_sbatch_refuses_is_one_line_and_the_plan_stays_for_the_nex
         assert shared.read_plan(folder).submissions() == []
 
 
+def test_resubmit_says_which_way_a_sweep_never_submitted_goes_on(tmp_path, capsys):
+    """A folder whose array sbatch refused holds the plan and no submission: --resubmit has nothing to resubmit and
+    sends the student to submit the sweep (it never ran here); a sweep that ran here goes on with --local."""
+    folder = tmp_path / "sweep"
+    plan = shared.prepare_folder(folder, SWEEPS / "tiny.toml")
+    shared.write_plan(plan)
+    assert run_main(f"{LAB}/02_status.py", ["--sweep-dir", str(folder), "--resubmit"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {folder} holds no submission (did sbatch refuse it?): submit the whole sweep with "
+                   f"01_sweep.py {plan.sweep_file} --sweep-dir {folder}, or run it here with --local\n"), err
+    plan.add_submission("local", "local", [0, 1])
+    assert run_main(f"{LAB}/02_status.py", ["--sweep-dir", str(folder), "--resubmit"]) == 2
+    assert capsys.readouterr().err == (f"error: {folder} was not submitted to Slurm: run 01_sweep.py --local again to "
+                                       "retry here\n")
+
+
 def test_submitit_refuses_a_sweep_folder_submitted_already_before_calling_sbatch(tmp_path, monkeypatch, capsys):
     """As 01_sweep.py does: a second submission of the same folder would train every task again beside the first."""
     tools, called = tmp_path / "bin", tmp_path / "sbatch-called"

@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"task(s) {', '.join(retry)} did not complete: " + ("01_sweep.py --local with the same sweep goes on "
               "from their checkpoints" if local else "--resubmit runs just those again, each from its checkpoint"))
     if args.resubmit:
-        if not plan.submissions() or plan.submissions()[-1]["how"] == "local":
+        if not plan.submissions():  # planned, then sbatch refused the array: nothing ran, nothing to resubmit
+            raise UserError(f"{plan.folder} holds no submission (did sbatch refuse it?): submit the whole sweep with "
+                            f"01_sweep.py {plan.sweep_file} --sweep-dir {plan.folder}, or run it here with --local")
+        if plan.submissions()[-1]["how"] == "local":
             raise UserError(f"{plan.folder} was not submitted to Slurm: run 01_sweep.py --local again to retry here")
         resubmit(plan, statuses)
     if args.record:
