@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="wait this long before every open (see 02_read_formats.py) (default: %(default)s)")
     group.add_argument("--ids-out", type=output_dir, default=None,
                        help="write the sample ids each rank read, in order, one line per epoch, to ids-rank<r>.jsonl "
-                            "here (default: none)")
+                            "here; a resumed run writes what it read since the resume (default: none)")
     return add_training_run_args(parser, group, epochs=2, checkpoint=True,
                                  data="the data set 01_make_dataset.py wrote, or a staged copy of it")
 
