@@ -25,19 +25,16 @@ chrome://tracing) shows them on a timeline. Changes from the Chapter 16 notes' e
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 from typing import Sequence
 
 import torch
 
-from common.atomic import atomic_path
 from common.cli import add_common_args, add_former_names, apply_dry_run, config_dict, positive_int, script_parser
 from common.runtime.device import configure_threads, describe, resolve_device, seed_everything, synchronize
 from common.measure.energy import EnergyMeter
 from common.errors import run_main
 from common.models import add_image_model_args, build_model, input_shape
-from common.measure.profiling import add_trace_args, top_operators
+from common.measure.profiling import add_trace_args, self_time_key, top_operators, write_trace
 from common.measure.timing import Heartbeat
 from common.results import make_record, provenance, write_record
 
@@ -89,13 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 heartbeat(iteration + 1)
         synchronize(device)
 
-    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"  # as top_operators
+    sort_by = self_time_key(device)  # an operator's own time: the same ranking as the record's top_operators
     print(prof.key_averages().table(sort_by=sort_by, row_limit=args.row_limit))
-    with atomic_path(trace) as partial:  # the trace appears whole or not at all
-        prof.export_chrome_trace(str(partial))
-        events = len(json.loads(partial.read_text())["traceEvents"])
-        if trace.suffix == ".gz":  # what export_chrome_trace does for a .gz name, which the partial file lacks
-            partial.write_bytes(gzip.compress(partial.read_bytes()))
+    events = write_trace(trace, prof.export_chrome_trace)  # the trace appears whole or not at all
     print(f"trace: {trace} ({events:,} events; open it at https://ui.perfetto.dev or chrome://tracing)")
 
     metrics = {"trace_file": str(trace), "trace_events": events, "iterations": args.repeats, "sorted_by": sort_by,

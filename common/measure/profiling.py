@@ -9,13 +9,17 @@ in them.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Iterable
+import gzip
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterable
 
 import torch
 
+from common.atomic import atomic_path
 from common.cli import output_file, positive_int
 
-__all__ = ["add_trace_args", "top_operators"]
+__all__ = ["add_trace_args", "self_time_key", "top_operators", "write_trace"]
 
 
 def add_trace_args(parser: argparse.ArgumentParser, *, row_limit: int, trace: str) -> None:
@@ -26,10 +30,28 @@ def add_trace_args(parser: argparse.ArgumentParser, *, row_limit: int, trace: st
                         help=f"Chrome/Perfetto trace to write (default: RESULTS_DIR/{trace})")
 
 
+def self_time_key(device: torch.device) -> str:
+    """The key the table is sorted by and the record ranks by: an operator's own time (not its callees'), on the GPU
+    when ``device`` is one, else on the CPU."""
+    return "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+
+
+def write_trace(trace: Path, export: Callable[[str], None]) -> int:
+    """Write ``trace`` with ``export`` (the script's ``prof.export_chrome_trace``) whole or not at all, and return
+    its number of events. A ``.gz`` name is gzip-compressed, as torch does for such a name: the temporary file's
+    name, which ``export`` gets, does not end in ``.gz``."""
+    with atomic_path(trace) as partial:
+        export(str(partial))
+        events = len(json.loads(partial.read_text())["traceEvents"])
+        if trace.suffix == ".gz":
+            partial.write_bytes(gzip.compress(partial.read_bytes()))
+    return events
+
+
 def top_operators(averages: Iterable[Any], device: torch.device, limit: int) -> list[dict[str, Any]]:
-    """The ``limit`` operators of ``prof.key_averages()`` with the most self time (on the GPU when
-    ``device`` is one, else on the CPU), as plain numbers for the record."""
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    """The ``limit`` operators of ``prof.key_averages()`` with the most self time (:func:`self_time_key`), as plain
+    numbers for the record."""
+    key = self_time_key(device)
     top = sorted(averages, key=lambda event: getattr(event, key), reverse=True)[:limit]
     return [{"name": event.key, "calls": event.count, "self_cpu_time_us": event.self_cpu_time_total,
              "self_device_time_us": getattr(event, "self_device_time_total", 0.0)} for event in top]

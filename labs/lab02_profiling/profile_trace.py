@@ -21,22 +21,19 @@ away (the profiler's own start-up), then ``--active`` steps recorded.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from common.data import pipelines
-from common.atomic import atomic_path
 from common.cli import (PIPELINES, add_common_args, add_dataset_args, config_dict, non_negative_int, positive_int,
                         script_parser)
 from common.runtime.device import configure_threads, describe, resolve_device, seed_everything, synchronize
 from common.measure.energy import EnergyMeter
 from common.errors import run_main
 from common.models import MnistNet
-from common.measure.profiling import add_trace_args, top_operators
+from common.measure.profiling import add_trace_args, self_time_key, top_operators, write_trace
 from common.results import make_record, provenance, write_record
 
 SCRIPT = "labs/lab02_profiling/profile_trace.py"
@@ -93,11 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def on_trace_ready(prof) -> None:
         """Called when the active steps are done: keep the table and write the trace before the profiler resets."""
         recorded["averages"] = prof.key_averages()
-        with atomic_path(trace) as partial:  # the trace appears whole or not at all
-            prof.export_chrome_trace(str(partial))
-            recorded["events"] = len(json.loads(partial.read_text())["traceEvents"])
-            if trace.suffix == ".gz":  # what export_chrome_trace does for a .gz name, which the partial file lacks
-                partial.write_bytes(gzip.compress(partial.read_bytes()))
+        recorded["events"] = write_trace(trace, prof.export_chrome_trace)  # whole or not at all
 
     batches = endless(loader)
     model.train()
@@ -121,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     events = recorded["events"]
 
     averages = recorded["averages"]
-    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    sort_by = self_time_key(device)  # an operator's own time, as the record's top_operators
     print(averages.table(sort_by=sort_by, row_limit=args.row_limit))
     region_us = {event.key: event.cpu_time_total for event in averages if event.key in REGIONS}
     total_us = sum(region_us.values())
