@@ -100,7 +100,7 @@ def test_preempted_single_device_run_resumes_to_the_same_weights(device, tmp_pat
     # Resuming with other settings would train something else: refused, one line, nothing written.
     assert run("cut", "--resume", "--batch-size", "16") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "batch_size 32 there, 16 here" in err[0], err
+    assert len(err) == 1 and "--batch-size 32 there, 16 here" in err[0], err
     assert run_main(TRAIN, [*argv, "--resume", "--results-dir", str(tmp_path / "none")]) == 2
     assert "--resume needs --checkpoint" in capsys.readouterr().err
     torch.save({"model": whole["model"], "epoch": 2}, tmp_path / "old.pt")  # another version's checkpoint

@@ -645,6 +645,20 @@ def test_checkpoint_is_atomic_and_stop_signal_sets_flag(tmp_path):
         stop.restore()
 
 
+def test_a_resume_with_other_settings_names_each_by_its_flag_or_in_words():
+    """The refusal names what the user changes: a flag as typed (--batch-size), what no flag sets in words."""
+    from common.checkpoint.single_file import check_same_settings
+    from common.errors import UserError
+
+    saved = {"config": {"batch_size": 8, "world_size": 2, "seed": 0}}
+    check_same_settings(saved, {"batch_size": 8, "world_size": 2, "lr": 0.1}, "c.pt")  # a key not saved is not compared
+    with pytest.raises(UserError) as refused:
+        check_same_settings(saved, {"batch_size": 16, "world_size": 4, "seed": 0}, "c.pt")
+    assert str(refused.value) == ("c.pt was written with other settings (--batch-size 8 there, 16 here; the number "
+                                  "of ranks 2 there, 4 here); resume with the same settings or start fresh without "
+                                  "--resume")
+
+
 def test_the_atomic_writer_replaces_whole_and_makes_scripts_executable(tmp_path):
     from common.atomic import atomic_path, write_text_atomic
 

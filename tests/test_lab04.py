@@ -462,7 +462,7 @@ def test_a_checkpoint_of_another_model_shape_is_one_error_line(runs, capsys):
     status = run_main(TRAIN, [*_train("wrong_shape", root, "--resume"), "--width", "64"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1, err
-    assert "was written with other settings (width 32 there, 64 here)" in err[0]
+    assert "was written with other settings (--width 32 there, 64 here)" in err[0]
     assert not (root / "wrong_shape" / "results").exists()
 
 

@@ -167,7 +167,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(argv, message, tmp_path,
 
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "4"], "checkpoint.pt is at step 6: a run of --steps 4 has nothing left to train"),
-    (["--width", "8"], "checkpoint.pt was written with other settings (width 4 there, 8 here)"),
+    (["--width", "8"], "checkpoint.pt was written with other settings (--width 4 there, 8 here)"),
 ])
 def test_a_resume_that_cannot_go_on_is_one_line_and_writes_no_record(argv, message, tmp_path, capsys):
     """A finished run resumed with fewer steps printed "final loss nan" and wrote an ok record with no loss; a

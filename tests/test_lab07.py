@@ -205,7 +205,7 @@ def test_resuming_a_2d_run_with_other_settings_is_one_line(runs, capsys):
                  "--steps", str(STEPS + 4), "--batch-size", "16", "--lr", "0.01", base=TINY)
     assert run_main(TWO_D, argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "was written with other settings (batch_size 8 there, 16 here; lr " in err[0], err
+    assert len(err) == 1 and "was written with other settings (--batch-size 8 there, 16 here; --lr " in err[0], err
     assert not (root / "resume_other").exists()
 
 

@@ -49,12 +49,16 @@ def unreadable_checkpoint(path: str | os.PathLike[str], why: object) -> UserErro
                      "to start fresh")
 
 
+#: What a resumed run may not change but no flag sets, by its key; every other key is a flag's (``--batch-size``).
+SETTING_NAMES = {"world_size": "the number of ranks", "shards": "the shard set"}
+
+
 def check_same_settings(state: dict[str, Any], settings: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Refuse to resume from a checkpoint written with other ``settings`` (batch size, data set ...):
     the resumed run would silently train something else. ``state["config"]`` is what was saved."""
     saved = state.get("config", {})
-    differ = [f"{key} {saved[key]!r} there, {value!r} here" for key, value in settings.items()
-              if key in saved and saved[key] != value]
+    differ = [f"{SETTING_NAMES.get(key, '--' + key.replace('_', '-'))} {saved[key]!r} there, {value!r} here"
+              for key, value in settings.items() if key in saved and saved[key] != value]
     if differ:
         raise UserError(f"{path} was written with other settings ({'; '.join(differ)}); "
                         "resume with the same settings or start fresh without --resume")

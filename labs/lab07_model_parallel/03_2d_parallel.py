@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, foreach=False)
         checkpointer = DistributedCheckpointer(checkpoint_dir)
         # What a resumed run must share with the saved one (the mesh may differ: DCP reshards on load).
-        settings = {**shape.describe(), "batch_size": args.batch_size, "seed": args.seed, "lr": args.lr}
+        settings = {key: getattr(args, key) for key in ("layers", "width", "heads", "context", "batch_size", "seed",
+                                                        "lr")}
         first = 0
         if args.resume:
             saved = checkpointer.read()
