@@ -77,6 +77,18 @@ def test_bad_sweep_input_is_one_line_and_exit_2_with_nothing_written(tmp_path, b
     assert not sweep_dir.exists()
 
 
+@pytest.mark.parametrize(("body", "message"), [
+    ("[grid]\nlr = [0.1, 0.01, 0.1]\n", "the grid's 'lr' lists 0.1 more than once: those tasks would be the same run"),
+    ("[grid]\nepochs = [1, 2]\nlr = [1, 1.0]\n", "the grid's 'lr' lists 1.0 more than once"),  # --lr 1 is --lr 1.0
+    ("seeds = [1, 2, 1]\n[grid]\nlr = [0.1]\n", r"'seeds' lists a seed more than once \(\[1, 2, 1\]\)"),
+])
+def test_a_sweep_that_would_run_one_task_twice_is_refused(tmp_path, body, message):
+    """A value typed twice (a copy-paste) planned two identical runs: refused before anything is written (the
+    test above shows that such a refusal is one line, exit 2)."""
+    with pytest.raises(UserError, match=message):
+        shared.expand(shared.read_sweep_file(write_sweep(tmp_path, body)), tmp_path / "bad.toml")
+
+
 def test_a_sweep_of_a_script_without_build_parser_is_one_line_and_nothing_written(tmp_path, capsys):
     """The flags are checked by the named script's own parser, loaded into the sweep's process: a script that has
     none (here a shared module) cannot check them, and says so in one line before anything is written."""

@@ -157,6 +157,10 @@ def expand(sweep: Mapping[str, Any], where: Path) -> list[Task]:
     for name, values in grid.items():
         if not isinstance(values, list) or not values:
             raise UserError(f"{where}: the grid's '{name}' has no values (give a list): the sweep would have no run")
+        again = [value for at, value in enumerate(values) if value in values[:at]]
+        if again:
+            raise UserError(f"{where}: the grid's '{name}' lists {again[0]!r} more than once: those tasks would be "
+                            "the same run twice")
     if not grid and not randoms:
         raise UserError(f"{where}: the grid is empty and there is no [random] table: the sweep would have no run")
     if not isinstance(samples, int) or samples < (1 if randoms else 0):
@@ -170,6 +174,9 @@ def expand(sweep: Mapping[str, Any], where: Path) -> list[Task]:
     seeds = sweep.get("seeds", [seed])
     if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
         raise UserError(f"{where}: 'seeds' must be a non-empty list of whole numbers, got {seeds!r}")
+    if len(set(seeds)) < len(seeds):
+        raise UserError(f"{where}: 'seeds' lists a seed more than once ({seeds!r}): those tasks would be the same run "
+                        "twice")
     rng = random.Random(seed)
     draws = [{name: _draw(rng, name, spec, where) for name, spec in randoms.items()} for _ in range(samples)] or [{}]
     points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
