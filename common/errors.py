@@ -65,6 +65,16 @@ def out_of_memory(err: BaseException) -> str | None:
     return None
 
 
+def batch_too_small(err: BaseException) -> str | None:
+    """What BatchNorm's refusal of a one-value batch means, in one line, or ``None`` when ``err`` is something else:
+    training with one sample per rank where a feature map is down to 1x1 (a ResNet on small images)."""
+    said = re.match(r"Expected more than 1 value per channel when training, got input size torch\.Size\((.*)\)",
+                    str(err)) if isinstance(err, ValueError) else None
+    return None if said is None else (f"BatchNorm cannot train on one value per channel (a layer got {said[1]}: one "
+                                      "sample whose feature map is 1x1); use a --batch-size of 2 or more per rank, or "
+                                      "larger images")
+
+
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> NoReturn:
     """Run ``main(argv)`` and exit with its status; a :class:`UserError` becomes one line on stderr."""
     try:
@@ -88,6 +98,12 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
         name = str(err.filename or "")  # a path typed on the command line, usually: bad input, not a bug
         print(f"error: {err.strerror}: {name[:60]}{'...' if len(name) > 60 else ''} ({len(name)} characters)",
               file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
+    except ValueError as err:
+        said = batch_too_small(err)
+        if said is None:
+            raise
+        print(f"error: {said}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
     except (MemoryError, RuntimeError) as err:
         said = out_of_memory(err)

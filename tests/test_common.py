@@ -1015,6 +1015,28 @@ def test_running_out_of_memory_is_one_line_and_exit_1_and_a_bug_keeps_its_traceb
         run_main(bug, [])
 
 
+def test_one_sample_per_rank_into_batchnorm_is_one_line_and_another_value_error_keeps_its_traceback(capsys):
+    """A ResNet trained with --batch-size 1 on small images: BatchNorm's ValueError ended the run in a traceback."""
+    import torch
+
+    from common.errors import run_main
+
+    def one_sample(argv):
+        torch.nn.BatchNorm2d(4).train()(torch.zeros(1, 4, 1, 1))
+
+    def bug(argv):
+        raise ValueError("Expected more than 1 value per channel")  # not BatchNorm's words in full
+
+    with pytest.raises(SystemExit) as stopped:
+        run_main(one_sample, [])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: BatchNorm cannot train on one value per channel (a layer got [1, 4, 1, 1]: one "
+                          "sample whose feature map is 1x1); use a --batch-size of 2 or more per rank"), err
+    with pytest.raises(ValueError, match="per channel"):
+        run_main(bug, [])
+
+
 def test_a_stopped_run_says_how_to_go_on_where_it_ran(monkeypatch):
     """SIGUSR1 in a job: the template requeues it, unless what started the training says otherwise
     (HPC_DL_LABS_ON_STOP: a chain's next link, a sweep task's resubmission, a time limit too short to
