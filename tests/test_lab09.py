@@ -154,6 +154,18 @@ def test_a_local_sweep_with_a_stall_fault_is_refused_before_anything_is_written(
     assert not folder.exists()
 
 
+@pytest.mark.parametrize("how", [[], ["--plan"], ["--task", "0"]])
+def test_device_without_local_is_one_line_not_ignored(how, tmp_path, monkeypatch, capsys):
+    """A submitted (or planned) sweep's tasks train on their job's device: --device cuda there was silently dropped."""
+    monkeypatch.setattr(load_script(SWEEP), "run_task", lambda *a, **k: pytest.fail("a task ran"))
+    folder = tmp_path / "sweep"
+    assert run_main(SWEEP, [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder), "--device", "cuda", *how]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --device is where --local runs train; a submitted task trains on its job's") and \
+        "leave --device cuda out, or run here with --local\n" in err and err.count("\n") == 1, err
+    assert not folder.exists()
+
+
 @pytest.mark.parametrize("flag", [["--time", "1"], ["--hold"], ["--parallel", "2"], ["--site", "lanta"]])
 def test_a_job_array_setting_with_local_is_one_line_not_ignored(flag, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(load_script(SWEEP), "run_task", lambda *a, **k: pytest.fail("a task ran"))

@@ -56,8 +56,8 @@ def build_parser():
                              help="each task's time limit, e.g. 00:10:00 or 1 (minutes) (default: the template's)")
     slurm_flags.add_argument("--hold", action="store_true",
                              help="submit the array held: nothing starts until `scontrol release JOBID` (default: off)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="--local: where every run trains (default: %(default)s)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,  # None: not given
+                        help="--local: where every run trains (default: auto)")
     parser.add_argument("--dry-run", action="store_true",
                         help="every run trains one epoch of two steps (its own --dry-run) (default: off)")
     parser.epilog = "Flags after -- are added to every run (an array task adds its job's --device and --num-workers)."
@@ -96,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     given = [flag for flag in ("parallel", "site", "time", "hold") if getattr(args, flag)]
     if args.local and given:  # the job array's settings: a run here is one task after another, no limit, no hold
         raise UserError(f"--{given[0]} is a setting of the job array: --local ignores it")
-    args.parallel, args.site = args.parallel or 4, args.site or "generic"
+    if args.device is not None and not args.local:  # an array task trains on its job's device, not this flag's
+        raise UserError(f"--device is where --local runs train; a submitted task trains on its job's device (cuda "
+                        "where Slurm gave it GPUs; HPC_DL_LABS_DEVICE=cpu|cuda chooses): leave --device "
+                        f"{args.device} out, or run here with --local")
+    args.parallel, args.site, args.device = args.parallel or 4, args.site or "generic", args.device or "auto"
     folder = (args.sweep_dir or Path("results") / "lab09" / args.sweep_file.stem).resolve()  # tasks run elsewhere
     if args.task is not None:  # inside an array task: planned at submission (submitted by hand: planned here)
         plan = prepare_folder(folder, args.sweep_file, planning_now=True)
