@@ -9,6 +9,7 @@ The job array, the resubmission, the chain, the pipeline and submitit run on the
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import re
 import os
@@ -126,7 +127,8 @@ def test_a_demonstration_fault_ends_its_task_with_status_3_and_records_the_attem
     assert shared.run_task(plan, 1) == 3
     assert "task 1: demonstration fault: failing after 3 step(s)" in capsys.readouterr().out
     assert run_main(STATUS, ["--sweep-dir", str(plan.folder)]) == 0  # the status says what to do next
-    assert "task(s) 1 did not complete: 01_sweep.py --local with the same sweep goes on" in capsys.readouterr().out
+    assert ("task(s) 1 did not complete and task(s) 0, 2 have not run: 01_sweep.py --local with the same sweep goes on"
+            in capsys.readouterr().out)
     assert shared.run_task(plan, 1) == 0
     attempts = shared.local_attempts(plan.task_dir(1))
     assert [(a["attempt"], a["exit"]) for a in attempts if "ended" in a] == [(1, 3), (2, 0)]
@@ -606,7 +608,11 @@ def test_a_local_sweep_sent_sigterm_passes_it_to_the_training_which_saves_and_th
     ended = json.loads((folder / "tasks" / "000" / "attempts.jsonl").read_text().splitlines()[-1])
     assert (ended["exit"], ended["stopped_by"]) == (0, "SIGTERM")
     statuses, _ = shared.sweep_status(shared.read_plan(folder))
-    assert [s.state for s in statuses] == ["UNFINISHED", "NOT SUBMITTED"]
+    assert [s.state for s in statuses] == ["UNFINISHED", "NOT RUN"]  # a local sweep: nothing is submitted
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        assert run_main(STATUS, ["--sweep-dir", str(folder)]) == 0
+    assert ("task(s) 0 did not complete and task(s) 1 have not run: 01_sweep.py --local with the same sweep goes on"
+            in said.getvalue())
 
 
 def _cmdline(pid: str) -> str:

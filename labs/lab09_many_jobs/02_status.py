@@ -23,8 +23,8 @@ import time
 
 from common.cli import input_dir, non_negative_float, script_parser
 from common.errors import UserError, run_main
-from labs.lab09_many_jobs.lab09_shared import (ENDED, RETRY, read_plan, slurm, status_table, submitted_job_id,
-                                               sweep_status, write_sweep_record)
+from labs.lab09_many_jobs.lab09_shared import (ENDED, NOT_RUN, RETRY, read_plan, slurm, status_table,
+                                               submitted_job_id, sweep_status, write_sweep_record)
 
 SCRIPT = "labs/lab09_many_jobs/02_status.py"
 
@@ -74,11 +74,14 @@ def main(argv: list[str] | None = None) -> int:
           f"(every attempt) | read in {time.perf_counter() - began:.2f} s")
     if problem:
         print(f"note: {problem}; states from squeue (queued and running jobs only)")
+    local = bool(plan.submissions()) and plan.submissions()[-1]["how"] == "local"
     retry = [str(s.index) for s in statuses if s.state in RETRY]
-    if retry and not args.resubmit:  # what to do next, said where the student reads the states
-        local = bool(plan.submissions()) and plan.submissions()[-1]["how"] == "local"
-        print(f"task(s) {', '.join(retry)} did not complete: " + ("01_sweep.py --local with the same sweep goes on "
-              "from their checkpoints" if local else "--resubmit runs just those again, each from its checkpoint"))
+    waiting = [str(s.index) for s in statuses if local and s.state == NOT_RUN]  # the same command runs them
+    if (retry or waiting) and not args.resubmit:  # what to do next, said where the student reads the states
+        said = [f"task(s) {', '.join(retry)} did not complete"] if retry else []
+        said += [f"task(s) {', '.join(waiting)} have not run"] if waiting else []
+        print(" and ".join(said) + ": " + ("01_sweep.py --local with the same sweep goes on (from their checkpoints)"
+              if local else "--resubmit runs just those again, each from its checkpoint"))
     if args.resubmit:
         if not plan.submissions():  # planned, then sbatch refused the array: nothing ran, nothing to resubmit
             raise UserError(f"{plan.folder} holds no submission (did sbatch refuse it?): submit the whole sweep with "

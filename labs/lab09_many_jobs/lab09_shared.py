@@ -58,6 +58,8 @@ UNFINISHED = "UNFINISHED"
 ENDED.add(UNFINISHED)
 #: The ended states that resubmission retries (a COMPLETED task is done).
 RETRY = ENDED - {"COMPLETED"}
+#: A task of a sweep run here (--local) that has not started: the same command runs it.
+NOT_RUN = "NOT RUN"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -659,7 +661,8 @@ def sweep_status(plan: Plan) -> tuple[list[TaskStatus], str | None]:
         records[index] = record
     for status in statuses:
         folder = plan.task_dir(status.index)
-        if not slurm_jobs:  # a local sweep: the attempts the runner wrote
+        if not slurm_jobs and submissions:  # a local sweep: the attempts the runner wrote
+            status.state = NOT_RUN
             ended = [a for a in local_attempts(folder) if "ended" in a]
             started = {a["attempt"]: a["started"] for a in local_attempts(folder) if "started" in a}
             status.attempts = len(started)
@@ -737,7 +740,7 @@ def sweep_record_metrics(plan: Plan, statuses: Sequence[TaskStatus]) -> dict[str
     return {
         "tasks": tasks,
         "varied_flags": varied_flags(plan),
-        "failed": [s.index for s in statuses if s.state in RETRY or s.state == "NOT SUBMITTED"],
+        "failed": [s.index for s in statuses if s.state in {*RETRY, "NOT SUBMITTED", NOT_RUN}],
         "states": {state: sum(1 for s in statuses if s.state == state)
                    for state in sorted({s.state for s in statuses})},
         "core_hours": sum(s.core_hours for s in statuses),
