@@ -253,12 +253,16 @@ def test_a_sweep_folder_of_another_sweep_is_refused_before_anything_is_written(t
     assert "is not a sweep folder (no plan.yaml)" in capsys.readouterr().err
 
 
-def test_the_pipeline_s_failed_list_of_a_folder_that_is_not_there_is_one_line(tmp_path, capsys):
-    missing = tmp_path / "never-started"
-    assert run_main(f"{LAB}/04_pipeline.py", ["--sweep-dir", str(missing), "--failed"]) == 2
-    err = capsys.readouterr().err
-    assert err == f"error: {missing} is not a sweep folder: give the --sweep-dir the pipeline was started with\n"
-    assert not missing.exists()
+def test_the_pipeline_s_failed_list_of_a_folder_that_is_not_a_sweep_s_is_one_line(tmp_path, capsys):
+    """Not there, or another folder (results/ itself): not 'no sweep record yet: the evaluate stage writes it'."""
+    missing, other = tmp_path / "never-started", tmp_path / "results"
+    other.mkdir()
+    for folder in (missing, other):
+        assert run_main(f"{LAB}/04_pipeline.py", ["--sweep-dir", str(folder), "--failed"]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"error: {folder} is not a sweep folder (no plan.yaml): give the --sweep-dir the pipeline was "
+                       "started with\n")
+    assert not missing.exists() and not any(other.iterdir())
 
 
 def test_a_slurm_without_a_controller_is_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):

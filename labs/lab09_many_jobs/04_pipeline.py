@@ -46,8 +46,9 @@ def build_parser():
 
 def which_failed(folder: Path) -> int:
     """One line from the newest sweep record in ``folder``: every task completed, or which did not."""
-    if not folder.is_dir():
-        raise UserError(f"{folder} is not a sweep folder: give the --sweep-dir the pipeline was started with")
+    if not (folder / "plan.yaml").is_file():  # not there, or a folder of something else (results/, a typo's parent)
+        raise UserError(f"{folder} is not a sweep folder (no plan.yaml): give the --sweep-dir the pipeline was "
+                        "started with")
     records = sorted((r for r in load_records(folder, recursive=False).records if r["lab"] == "lab09"),
                      key=lambda r: r["created"])
     if not records:
