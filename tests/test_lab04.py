@@ -718,16 +718,23 @@ def test_a_dry_run_validates_on_two_batches(tmp_path):
 
 
 @pytest.mark.parametrize("template", ["sharded_srun_2node", "sharded_torchrun_4gpu"])
-def test_the_templates_give_fsdp_a_block_per_rank_on_any_number_of_gpus(template):
+def test_the_templates_give_fsdp_a_block_and_a_batch_per_rank_on_any_number_of_gpus(template):
     """Rendered for 8 or 16 ranks (``--set gpus_per_node=4`` on the 2-node job, as its header suggests), the tiny
     run (and on 16 ranks the lab's) kept 4 (8) blocks, and 02_sharded_training.py stopped with "--strategy fsdp on
-    8 ranks needs at least 8 blocks": the model now has at least one block per rank."""
+    8 ranks needs at least 8 blocks": the model now has at least one block per rank. On 32 ranks the tiny run's
+    --batch-size was 0, and on 3 or 6 the global batch of 64 (16) was no multiple of the ranks' micro-batches: each
+    rank now has a whole micro-batch, and the global batch is a multiple of them, as the script checks."""
     from common.slurm import jobs, rendering, sites
 
     path = REPO / LAB / "sbatch" / f"{template}.sbatch.j2"
-    for site, gpus in (("lanta", 1), ("lanta", 2), ("lanta", 4), ("sjtu-pi", 8), ("sjtu-pi", 16)):
+    for site, gpus in (("lanta", 1), ("lanta", 2), ("lanta", 3), ("lanta", 4), ("sjtu-pi", 6), ("sjtu-pi", 8),
+                       ("sjtu-pi", 16)):
         settings = jobs.parse_settings([f"gpus_per_node={gpus}", "account=lt200123"])
         text, _ = rendering.render(jobs.read_template(path), sites.find_site(site), settings)
         ranks = gpus * (2 if "2node" in template else 1)
         layers = [int(n) for n in re.findall(r"--layers (\d+)", text)]
         assert len(layers) == 2 and min(layers) >= ranks, (template, gpus, layers)
+        batches = [(int(g), int(b)) for g, b in re.findall(r"--global-batch-size (\d+) --batch-size (\d+)", text)]
+        assert len(batches) == 2 and all(b >= 1 and g % (b * ranks) == 0 for g, b in batches), (template, gpus, batches)
+        # The lab's global batch, or the largest multiple below it, or one sequence per rank where there are more ranks.
+        assert all(lab - b * ranks < g <= max(lab, ranks) for (g, b), lab in zip(batches, (64, 16))), batches
