@@ -194,6 +194,11 @@ def test_a_nan_before_the_first_checkpoint_says_there_is_none(tmp_path, capsys):
     assert not (run_dir / shared.CHECKPOINT).exists()
     assert shared.nan_stop(5, [3], 0, 2)[1].endswith("last good checkpoint: step 4")
     assert shared.nan_stop(6, [1], 5, 3)[0]["checkpoint_step"] == 5  # resumed from step 5: its checkpoint is newer
+    # Resumed by hand (as a restart would): the first line says that the fault does not fire again, and it does not.
+    assert run_main(INJECT, [*TINY, "--fault", "nan-loss", "--rank", "0", "--step", "1", "--run-dir", str(run_dir),
+                             "--results-dir", str(tmp_path / "res"), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "| fault nan-loss on rank 0 at step 1 (not again: it fired already in this run folder) |" in out, out
 
 
 def test_a_stuck_loader_without_a_worker_is_refused_and_with_one_on_two_ranks_accepted(tmp_path):
@@ -443,6 +448,9 @@ def test_a_hang_or_desync_ends_in_one_line_naming_the_rank_and_the_step(runs, na
     assert job.returncode != 0
     line = diagnosis(job.output)
     assert f"rank(s) {culprit} " in line and words in line, line
+    if name.startswith("skip-collective"):  # where its own timeout found the culprit (if torchrun let it say so)
+        said = re.findall(rf"^\[[^\]]*:{culprit}\] error (.*?): ", job.output, re.M)
+        assert set(said) <= {f"in barrier(end of run), having left the loop at step {step}"}, said
     records = [json.loads(p.read_text()) for p in (runs["root"] / name / "res").glob("*.json")]
     assert [(r["status"], r["metrics"]["culprits"], r["metrics"]["culprit_step"]) for r in records] == \
         [("failed", [culprit], step)]
@@ -466,6 +474,9 @@ def test_a_restarted_run_resumes_from_the_checkpoint_and_ends_with_the_uninterru
     assert clean.returncode == 0 and job.returncode == 0, job.output[-3000:]
     assert "resumed from" in job.output and "at step 2 (restart 1)" in job.output, job.output[-3000:]
     assert final_loss(job.output) == final_loss(clean.output)
+    # The run's first line says the fault, and after the restart that it does not fire again.
+    faults = re.findall(r"\| (fault .*?) \| \d+ elements all-reduced", job.output)
+    assert len(faults) == 2 and faults[1] == f"{faults[0]} (not again: this is restart 1)", faults
 
 
 def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step_with_the_last_good_checkpoint(runs):

@@ -135,6 +135,7 @@ def train(args, ctx, plan: FaultPlan) -> int:
     loader = DataLoader(dataset, batch_size=None, num_workers=args.num_workers,
                         sampler=range(start, args.steps))  # a resumed run starts at its next step
     step, loss_value, began, stopped, left_early = start, float("nan"), time.perf_counter(), None, False
+    where = None  # where a failure found this rank: at its step, unless it got to the end-of-run barrier
     try:
         for step, (images, labels) in enumerate(loader, start=start + 1):
             if plan.fires(ctx.rank, step, "crash-rank"):
@@ -162,9 +163,10 @@ def train(args, ctx, plan: FaultPlan) -> int:
                 save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                                  "config": config_dict(args)}, checkpoint_path)
         ledger.enter(END_OF_RUN, step, 1, left_early=left_early)
+        where = f"in {END_OF_RUN}, having left the loop at step {step}" if left_early else f"in {END_OF_RUN}"
         dist.barrier()  # a rank that left the loop early waits here, and the others in the all-reduce: a hang
     except RuntimeError as error:  # Gloo's timeout, a peer that closed its connection, a desync
-        return report_failure(args, ctx, error, step, stacks)
+        return report_failure(args, ctx, error, step, stacks, where)
     wall = time.perf_counter() - began
     if stopped:
         write_inject_record(args, ctx, "failed", step, loss_value, wall, {"nan_stop": stopped})
@@ -174,7 +176,7 @@ def train(args, ctx, plan: FaultPlan) -> int:
     return 0
 
 
-def report_failure(args, ctx, error: RuntimeError, step: int, stacks) -> int:
+def report_failure(args, ctx, error: RuntimeError, step: int, stacks, where: str | None = None) -> int:
     """One line from one rank: the lowest rank that waited for the others, after reading the ledger."""
     message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if isinstance(error, torch.OutOfMemoryError):  # this rank's own failure, not a peer's: it says so itself
@@ -188,7 +190,7 @@ def report_failure(args, ctx, error: RuntimeError, step: int, stacks) -> int:
                        history=read_history(args.run_dir))
     waiting = [r for r in range(ctx.world_size) if r not in verdict.ranks]
     timeout, why = timeout_fired(ledger, ctx.rank, message, args.collective_timeout, verdict)
-    print_rank(f"error at step {step}: {message[:160]}", file=sys.stderr)
+    print_rank(f"error {where or 'at step ' + str(step)}: {message[:160]}", file=sys.stderr)
     dump_flight_recorder(args.run_dir, ctx.rank, ctx.backend)  # what 02_diagnose.py shows after the fact
     if waiting and ctx.rank == min(waiting):
         print_rank(f"diagnosis: {verdict.line}{why}")

@@ -454,6 +454,10 @@ def write_run_meta(args: argparse.Namespace, ctx: Any, gradient_numel: int) -> N
                 "collective_timeout": args.collective_timeout}
         (Path(args.run_dir) / RUN_META).write_text(json.dumps(meta))
         fault = "no fault" if args.fault == "none" else f"fault {args.fault} on rank {args.rank} at step {args.step}"
+        # A restarted run, or one resumed after the fault fired, trains on without it (FaultPlan.fires).
+        spent = (f"this is restart {restart_count()}" if restart_count() else
+                 "it fired already in this run folder" if (Path(args.run_dir) / FIRED_MARKER).exists() else "")
+        fault += f" (not again: {spent})" if spent and args.fault != "none" else ""
         print(f"{ctx.line(distributed=True)} | {fault} | {gradient_numel} elements all-reduced per step | "
               f"run folder {args.run_dir}", flush=True)
         print(f"a collective that waits {args.collective_timeout:g} s for the other ranks fails (--collective-timeout)",
