@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "users of a shared machine (default: SLURM_CPUS_PER_TASK, else PyTorch's)")
     parser.add_argument("--channels-last", action="store_true", help="NHWC layout for all three (default: off)")
     add_precision_arg(parser, "--amp", help="precision of all three: fp32, bf16, fp16 (GPU) (default: %(default)s)")
-    add_common_args(parser, epochs=1, batch_size=64, results_dir="results")
+    # one epoch per variant and round; (a) is the USC lab's loader with its 1 worker: no --epochs, no --num-workers
+    add_common_args(parser, epochs=None, batch_size=64, results_dir="results", workers=False)
     return parser
 
 

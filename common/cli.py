@@ -278,7 +278,7 @@ def add_run_args(
 def add_common_args(
     parser: argparse.ArgumentParser,
     *,
-    epochs: int = 1,
+    epochs: int | None = 1,
     batch_size: int = 64,
     seed: int = 1,
     data_dir: str | None = "data",
@@ -287,6 +287,7 @@ def add_common_args(
     min_workers: int = 0,
     epochs_and_steps: bool = True,
     data: bool = True,
+    workers: bool = True,
     dry_run: str | None = None,
 ) -> argparse.ArgumentParser:
     """Add the flags every training script shares, with the script's own defaults shown in ``--help``.
@@ -294,16 +295,17 @@ def add_common_args(
     Those of :func:`add_run_args`, then ``--epochs --batch-size --max-steps --data-dir --num-workers``. A script
     without epochs (a profiler's fixed number of steps) leaves out ``--epochs --max-steps`` with
     ``epochs_and_steps=False``, one without a data set ``--data-dir --num-workers`` with ``data=False``, one whose data
-    come with the code (a DataLoader all the same) ``--data-dir`` with ``data_dir=None``: a flag that would change
-    nothing is not offered. ``num_workers`` fixes ``--num-workers``' default, else it is the
-    allocation's (``common.runtime.cpus.default_num_workers``), at least ``min_workers``. ``dry_run`` says what
-    ``--dry-run`` does where it is not one epoch of two steps (a script without epochs).
+    come with the code (a DataLoader all the same) ``--data-dir`` with ``data_dir=None``, one that trains a fixed
+    number of epochs ``--epochs`` with ``epochs=None``, one whose loaders have fixed workers ``--num-workers`` with
+    ``workers=False``: a flag that would change nothing is not offered. ``num_workers`` fixes ``--num-workers``'
+    default, else it is the allocation's (``common.runtime.cpus.default_num_workers``), at least ``min_workers``.
+    ``dry_run`` says what ``--dry-run`` does where it is not one epoch of two steps (a script without epochs).
     """
     if dry_run is None:
         dry_run = ("one epoch of two steps: checks that everything runs" if epochs_and_steps else
                    "the script's smallest settings, each count capped: checks that everything runs")
     group = add_run_args(parser, seed=seed, results_dir=results_dir, dry_run=dry_run)
-    if epochs_and_steps:
+    if epochs_and_steps and epochs is not None:
         group.add_argument("--epochs", type=positive_int, default=epochs,
                            help="number of epochs to train (default: %(default)s)")
     group.add_argument("--batch-size", type=positive_int, default=batch_size,
@@ -315,11 +317,11 @@ def add_common_args(
         group.add_argument("--data-dir", type=input_dir, default=Path(os.environ.get("DATA_DIR") or data_dir),
                            help="folder holding downloaded data sets: $DATA_DIR when set, as for download_data.py "
                                 "and the jobs (default: %(default)s)")
-    if data:
-        workers = max(min_workers, default_num_workers()) if num_workers is None else num_workers
+    if data and workers:
+        default = max(min_workers, default_num_workers()) if num_workers is None else num_workers
         source = "" if num_workers is not None else "; from SLURM_CPUS_PER_TASK when set" + (
             f", at least {min_workers}" if min_workers else "")
-        group.add_argument("--num-workers", type=non_negative_int, default=workers,
+        group.add_argument("--num-workers", type=non_negative_int, default=default,
                            help=f"DataLoader worker processes{source} (default: %(default)s)")
     return parser
 

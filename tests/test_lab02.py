@@ -258,6 +258,16 @@ def test_data_pipeline_benchmark_dry_run_writes_three_records(tmp_path, capsys):
     assert metrics["ratios"]["b/c"]["per_round"] == [pytest.approx(metrics["b_over_c"])]
 
 
+@pytest.mark.parametrize("flag", [["--epochs", "3"], ["--num-workers", "4"]])
+def test_data_pipeline_benchmark_offers_no_flag_it_would_ignore(flag, tmp_path, capsys):
+    """Each variant trains one epoch per round and (a) has the USC lab's one worker: --epochs and
+    --num-workers would change nothing, so they are refused in one line, nothing written."""
+    status = run_main("bench/data_pipeline.py", ["--device", "cpu", "--dry-run", "--results-dir", str(tmp_path), *flag])
+    err = capsys.readouterr().err
+    assert status == 2 and f"unrecognized arguments: {' '.join(flag)}" in err and "Traceback" not in err
+    assert not any(tmp_path.iterdir())
+
+
 def _run_job_script(tmp_path: Path, job_id: str | None, kernprof_status: int = 0) -> subprocess.CompletedProcess:
     """``bash job.slurm`` from the lab folder with stand-ins for kernprof (prints how it was called,
     exits ``kernprof_status``) and python (pytorch.sh asks: is torch importable? yes)."""
