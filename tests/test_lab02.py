@@ -168,6 +168,29 @@ def test_sweep_records_each_step_and_the_report_shows_the_path(tmp_path, capsys,
     assert "data:image/png;base64," in section
 
 
+@pytest.mark.parametrize("ending, status, message", [
+    (KeyboardInterrupt, 130, "interrupted"),
+    (2, 2, "error: step baseline stopped at its input (exit status 2); the steps after it were not started"),
+])
+def test_sweep_stopped_mid_step_keeps_no_profile_of_the_unfinished_step(ending, status, message, tmp_path, capsys,
+                                                                         monkeypatch):
+    """Ctrl-C while a step runs, or a step that refuses its input: kernprof still writes that step's .lprof as it
+    exits, but the step has no record and its profile is of a run that did not finish; the sweep removes it (it used
+    to stay in lab02_lprof)."""
+    sweep = load_script(f"{LAB}/sweep.py")
+
+    def stopped(step, flags, lprof, records_dir):
+        lprof.write_bytes(b"kernprof's profile of the part that ran")
+        if ending is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return ending, []
+
+    monkeypatch.setattr(sweep, "run_step", stopped)
+    assert run_main(f"{LAB}/sweep.py", ["--stages", "baseline", *TINY, "--results-dir", str(tmp_path)]) == status
+    assert capsys.readouterr().err.strip() == message
+    assert not list(tmp_path.rglob("*.lprof")) and not list(tmp_path.rglob("*.json"))
+
+
 def test_sweep_rejects_an_unknown_step(capsys):
     assert run_main(f"{LAB}/sweep.py", ["--stages", "baseline,warp-drive"]) == 2
     err = capsys.readouterr().err

@@ -159,11 +159,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             index = path.index(step)
             lprof = profile_dir / f"{sweep_id}_{index:02d}_{step.name}.lprof"
             records_dir = Path(scratch) / step.name
-            status, tail = run_step(step, flags, lprof, records_dir)
+            try:
+                status, tail = run_step(step, flags, lprof, records_dir)
+            except BaseException:  # Ctrl-C: kernprof wrote the profile of a step that did not finish
+                lprof.unlink(missing_ok=True)
+                raise
             sweep_info = {"sweep_id": sweep_id, "index": index, "step": step.name, "change": step.change,
                           "step_flags": command_line(dict(step.settings)), "flags": flags[len(shared):],
                           "lprof": str(lprof), "script": SCRIPT}
             if status == 2:  # the step refused its input in one line (above): every later step would refuse it too
+                lprof.unlink(missing_ok=True)  # a profile of nothing
                 raise UserError(f"step {step.name} stopped at its input (exit status 2); the steps after it were "
                                 "not started")
             if status != 0:
