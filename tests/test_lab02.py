@@ -255,7 +255,10 @@ def test_profile_trace_named_gz_is_gzip_compressed(tmp_path):
 
 def test_profile_trace_s_two_readme_runs_keep_both_timelines(tmp_path, capsys):
     """The README runs the USC lab's pipeline, then the device pipeline, without --trace: the second run must
-    not overwrite the first one's timeline, which its record names."""
+    not overwrite the first one's timeline, which its record names; and the report of that folder reads the two
+    records, not the traces beside them (lab02_trace_pil.json was read whole and warned of as a broken record)."""
+    from common.results import load_records
+
     for pipeline in ("pil", "device"):
         status = run_main(f"{LAB}/profile_trace.py", ["--device", "cpu", "--pipeline", pipeline, "--num-workers", "0",
                                                       "--wait", "0", "--warmup", "1", "--active", "1",
@@ -264,6 +267,9 @@ def test_profile_trace_s_two_readme_runs_keep_both_timelines(tmp_path, capsys):
     traces = {record["config"]["pipeline"]: Path(record["metrics"]["trace_file"])
               for record in records(tmp_path, "lab02_torch-profiler-*.json")}
     assert traces["pil"] != traces["device"] and all(path.is_file() for path in traces.values())
+    assert all(path.parent == tmp_path for path in traces.values())
+    loaded = load_records(tmp_path)
+    assert len(loaded.records) == 2 and loaded.errors == []
 
 
 def test_data_pipeline_benchmark_dry_run_writes_three_records(tmp_path, capsys):

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=non_negative_int, default=1,
                         help="steps traced and discarded (default: %(default)s)")
     parser.add_argument("--active", type=positive_int, default=5, help="steps recorded (default: %(default)s)")
-    add_trace_args(parser, row_limit=15, trace="lab02_trace_PIPELINE.json")
+    add_trace_args(parser, row_limit=15, trace="lab02_PIPELINE_trace.json")
     add_common_args(parser, batch_size=64, num_workers=1, epochs_and_steps=False)  # --wait, --warmup, --active
     return parser
 
@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    seed=args.seed)
     model = MnistNet().to(device)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    trace = args.trace or args.results_dir / f"lab02_trace_{args.pipeline}.json"  # before/after both kept
+    trace = args.trace or args.results_dir / f"lab02_{args.pipeline}_trace.json"  # both kept; *trace.json: no record
     trace.parent.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     print(f"device {describe(device)} | pipeline {args.pipeline} | workers {args.num_workers} | "
