@@ -4,7 +4,7 @@
 Usage:
     python profile_trace.py                                    # the USC lab's pipeline, 5 profiled steps
     python profile_trace.py --pipeline device --batch-size 256 # after the optimisations
-    sbatch job.slurm   # with the kernprof line replaced by: python profile_trace.py --num-workers "$workers"
+    sbatch job.slurm   # with the kernprof line replaced by: python profile_trace.py
     (one process, one device: there is no torchrun form)
 
 What it teaches: line_profiler (``mnist_classify.py`` under kernprof) says which *line* of
