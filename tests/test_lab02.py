@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -73,6 +74,21 @@ def test_runs_under_plain_python_with_each_pipeline(tmp_path, capsys, monkeypatc
     assert metrics["steps"] == 4 and len(metrics["epoch_time_s"]) == 2
     assert metrics["samples_per_s"] > 0 and 0 <= metrics["test_accuracy"] <= 1
     assert record["method"] == ("baseline" if pipeline == "pil" else "custom")
+
+
+@pytest.mark.parametrize("flags, noted", [
+    ([], False),  # the README's --pipeline device runs: no worker or pinning flag typed, none to call useless
+    (["--num-workers", "3"], True), (["--pin-memory"], True), (["--persistent-workers"], True),
+])
+def test_the_device_pipeline_notes_only_the_loader_flags_that_were_given(flags, noted):
+    """--pipeline device has no DataLoader: the note that worker and pinning flags change nothing is for a run that
+    gave one (it used to be printed on every run, for the default number of workers)."""
+    from common.cli import script_parser
+    from labs.lab02_profiling.lab02_shared import add_train_args, flag_notes
+
+    args = add_train_args(script_parser(None)).parse_args(["--pipeline", "device", *flags])
+    notes = flag_notes(args, SimpleNamespace(type="cpu"))
+    assert any(note.startswith("--pipeline device has no DataLoader") for note in notes) is noted, notes
 
 
 @pytest.mark.parametrize("flags, method", [

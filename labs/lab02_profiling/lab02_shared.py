@@ -95,7 +95,8 @@ def flag_notes(args: argparse.Namespace, device: Any) -> list[str]:
         notes.append("--launch-blocking changes nothing on a CPU: CPU operators already run synchronously")
     if args.pin_memory and device.type != "cuda":
         notes.append("--pin-memory ignored: pinning only speeds up copies to a GPU")
-    if args.pipeline == "device" and (args.num_workers or args.pin_memory or args.persistent_workers):
+    workers_given = args.num_workers != add_train_args(argparse.ArgumentParser()).get_default("num_workers")
+    if args.pipeline == "device" and (workers_given or args.pin_memory or args.persistent_workers):
         notes.append("--pipeline device has no DataLoader: worker and pinning flags have no effect")
     if args.num_workers == 0 and (args.persistent_workers or args.prefetch_factor):
         notes.append("--persistent-workers/--prefetch-factor need --num-workers >= 1: ignored")
