@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--channels-last", action="store_true", help="NHWC layout for all three (default: off)")
     add_precision_arg(parser, "--amp", help="precision of all three: fp32, bf16, fp16 (GPU) (default: %(default)s)")
     # one epoch per variant and round; (a) is the USC lab's loader with its 1 worker: no --epochs, no --num-workers
-    add_common_args(parser, epochs=None, batch_size=64, results_dir="results", workers=False)
+    add_common_args(parser, epochs=None, batch_size=64, results_dir="results", workers=False,
+                    dry_run="two rounds (the first a warm-up) of two steps per variant: checks that everything runs")
     return parser
 
 
