@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -220,6 +221,19 @@ def test_bad_input_one_line_and_nothing_written(argv, message, tmp_path, capsys)
     assert status == 2
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert not (tmp_path / "results").exists()
+
+
+def test_tensorboard_without_its_package_is_one_line_before_the_run(tmp_path, capsys, monkeypatch):
+    """The GPU image lacks the tensorboard package: --tensorboard ended in torch.utils.tensorboard's ImportError
+    traceback after the process had started (a process group open under torchrun)."""
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed: importlib finds no module
+    status = run_main(TRAIN, ["--device", "cpu", "--dataset", "digits", "--dry-run", "--tensorboard",
+                              str(tmp_path / "curves"), "--results-dir", str(tmp_path / "results")])
+    err = capsys.readouterr().err
+    assert status == 2 and err == ("error: --tensorboard needs the tensorboard package, which this Python lacks (a GPU "
+                                   "image without the course's environment): pip install tensorboard, or leave "
+                                   "--tensorboard out\n"), err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_amp_comparison_refuses_an_unknown_model_before_its_first_run(tmp_path, capsys):

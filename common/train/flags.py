@@ -7,6 +7,7 @@ helpers read ``args`` and never repeat a default.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,9 @@ def settle(args: argparse.Namespace, script: str, *, distributed: bool) -> Path 
     record shows it.
     """
     apply_dry_run(args)  # --dry-run: one epoch of at most two steps
+    if getattr(args, "tensorboard", None) is not None and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("--tensorboard needs the tensorboard package, which this Python lacks (a GPU image without "
+                        "the course's environment): pip install tensorboard, or leave --tensorboard out")
     if not hasattr(args, "checkpoint"):
         return None
     if args.checkpoint is None and distributed:
