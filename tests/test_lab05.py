@@ -271,6 +271,21 @@ def test_training_flags_the_training_refuses_are_one_line_before_any_point_runs(
     assert "scaling study" not in captured.out and not results.exists()
 
 
+@pytest.mark.parametrize("extra, flag", [(["--batch-size", "4"], "--batch-size"), (["--epochs=5"], "--epochs"),
+                                         (["--results-dir", "elsewhere"], "--results-dir"),
+                                         (["--dry-run"], "--dry-run")])
+def test_a_flag_the_study_sets_itself_after_dashdash_is_one_line(tmp_path, capsys, extra, flag):
+    """A flag after -- that the study sets for every point came last and won: '-- --batch-size 4' trained at batch 4
+    under records that said 32, and '-- --results-dir X' wrote the training's record to X and ended in a traceback
+    ('expected one record ..., found 0'). Now one error line, exit 2, before any point runs."""
+    results = tmp_path / "results"
+    argv = ["--device", "cpu", "--processes", "1", "--results-dir", str(results), "--", "--lr", "0.1", *extra]
+    assert run_main(SCALING, argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: {flag} after --: ") and captured.err.count("\n") == 1, captured.err
+    assert "scaling study" not in captured.out and not results.exists()
+
+
 # --- real runs ---------------------------------------------------------------------------------------
 
 def _records(folder: Path) -> list[dict]:

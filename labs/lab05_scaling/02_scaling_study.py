@@ -47,9 +47,10 @@ from typing import Sequence
 from common.cli import apply_dry_run, command_flags, script_parser
 from common.errors import FlagError, UserError, run_main
 from common.results import read_only_record, write_record
-from labs.lab05_scaling.lab05_shared import (REPO, TRAINING, TRAINING_MODULE, Allocation, add_study_args,
+from labs.lab05_scaling.lab05_shared import (REPO, STUDY_SETS, TRAINING, TRAINING_MODULE, Allocation, add_study_args,
                                              check_points, check_training_input, current_allocation, nodes_for,
-                                             parse_modes, parse_points, per_process_batch, point_record)
+                                             parse_modes, parse_points, per_process_batch, point_record,
+                                             refuse_study_flags)
 
 
 def allocation_for(args: argparse.Namespace) -> Allocation:
@@ -79,8 +80,7 @@ def launcher(args: argparse.Namespace, processes: int, nodes: int, allocation: A
 def training_flags(args: argparse.Namespace, batch_size: int, records: Path, checkpoint: Path) -> list[str]:
     """The command line of one point's training, written from the training script's own parser (a flag it
     no longer has is an error before anything runs), then the study's pass-through ``training_args``."""
-    shared = {name: getattr(args, name) for name in ("device", "seed", "epochs", "model", "dataset", "image_size",
-                                                     "data_dir", "num_workers", "max_steps", "dry_run")}
+    shared = {name: getattr(args, name) for name in STUDY_SETS}
     flags = command_flags(importlib.import_module(TRAINING_MODULE).build_parser(),
                           {**shared, "batch_size": batch_size, "results_dir": records, "checkpoint": checkpoint})
     return [*flags, *args.training_args]
@@ -145,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"the training ({TRAINING}) refuses its flags: {message}")
 
     training.error = refused
+    refuse_study_flags(training, args.training_args)  # one the study sets itself would win over the study's value
     scratch = Path(tempfile.gettempdir())  # where the points will write (nothing is created to check)
     for processes in points:  # every batch split and every point's training flags are checked before anything runs
         for mode in modes:

@@ -544,6 +544,32 @@ TRAINING = "labs/lab01_dp_vs_ddp/04_ddp_training.py"
 TRAINING_MODULE = "labs.lab01_dp_vs_ddp.04_ddp_training"
 
 
+#: The training's flags the study writes for every point: its own flags of the same names, then each point's batch
+#: and the scratch folder it reads the point's record back from.
+STUDY_SETS = ("device", "seed", "epochs", "model", "dataset", "image_size", "data_dir", "num_workers", "max_steps",
+              "dry_run")
+POINT_SETS = ("batch_size", "results_dir", "checkpoint")
+
+
+def refuse_study_flags(training: argparse.ArgumentParser, training_args: Sequence[str]) -> None:
+    """A flag after ``--`` that the study sets itself came last and won: the point trained with it while the study's
+    record said the study's value (``-- --results-dir X`` also hid the point's record from the study). One line."""
+    unset = object()
+    given, _ = training.parse_known_args(list(training_args),
+                                         argparse.Namespace(**dict.fromkeys(STUDY_SETS + POINT_SETS, unset)))
+    names = {action.dest: max(action.option_strings, key=len) for action in reversed(training._actions)
+             if action.option_strings and action.help != argparse.SUPPRESS}
+    for dest in (dest for dest in STUDY_SETS + POINT_SETS if getattr(given, dest) is not unset):
+        flag = names[dest]
+        why = {"batch_size": "the study sets each point's batch; give --batch-size (weak scaling, per process) or "
+                             "--global-batch-size (strong scaling) before --",
+               "results_dir": "each point writes its record to a scratch folder the study reads back; the study's "
+                              "own --results-dir (before --) says where its records go",
+               "checkpoint": "each point writes its checkpoint to a scratch folder the study removes"}
+        raise UserError(f"{flag} after --: " + why.get(dest, f"the study passes its own {flag} to every point; "
+                                                                 "give it before --"))
+
+
 def fraction(text: str) -> float:
     """argparse type: an accuracy, a number from 0 to 1."""
     try:
