@@ -364,3 +364,18 @@ def test_lab07_shared_cuts_a_model_into_stages_that_together_compute_the_whole_m
             chained = pipeline_stage_module(model, stage, 2)(chained)
         assert torch.equal(chained, model(tokens))
     assert bubble_formula(4, 8) == pytest.approx(3 / 11) and bubble_formula(4, 8, 2) == pytest.approx(3 / 19)
+
+
+def test_ctrl_c_during_a_dcp_save_is_interrupted_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while DCP wrote a checkpoint printed a traceback of CheckpointException (DCP wraps whatever a step
+    raised, KeyboardInterrupt included, in that BaseException) and exited 1; it is now 'interrupted', exit 130,
+    as everywhere else, and the folder without its .metadata is one a resume ignores."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    def ctrl_c(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(DefaultSavePlanner, "create_local_plan", ctrl_c)
+    argv = _args(tmp_path, "r", "--steps", "3", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "ck"))
+    assert run_main(TWO_D, argv) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted"

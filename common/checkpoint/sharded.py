@@ -69,12 +69,21 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
 @contextlib.contextmanager
 def _one_process_quiet():
     """DCP without a process group (one process, as Lab-07's ``--mesh 1x1``) saves and loads as it should, but warns
-    that it is "assuming" so at every call, even when told (``no_dist=True``): that one warning is left out here."""
+    that it is "assuming" so at every call, even when told (``no_dist=True``): that one warning is left out here.
+    DCP also wraps whatever one of its steps raised in ``CheckpointException`` (a ``BaseException``), Ctrl-C
+    included: that is turned back into ``KeyboardInterrupt``, so Ctrl-C mid-save is 'interrupted', not a traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():
         if not dist.is_initialized():
             warnings.filterwarnings("ignore", "torch.distributed is (disabled, )?unavailable or uninitialized",
                                     UserWarning)
-        yield
+        try:
+            yield
+        except CheckpointException as error:
+            if any(isinstance(failure[0], KeyboardInterrupt) for failure in error.failures.values()):
+                raise KeyboardInterrupt from error
+            raise
 
 
 class _Pickled:
