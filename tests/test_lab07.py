@@ -379,3 +379,13 @@ def test_ctrl_c_during_a_dcp_save_is_interrupted_not_a_traceback(tmp_path, monke
     argv = _args(tmp_path, "r", "--steps", "3", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "ck"))
     assert run_main(TWO_D, argv) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted"
+
+
+def test_a_fresh_run_into_a_folder_of_checkpoints_says_it_replaces_them(tmp_path, capsys):
+    """Run twice into the same folder without --resume, the second run's saves went after the first run's and removed
+    them, without a word; it now says so at the start, as every TrainingRun script does, and how to go on instead."""
+    argv = _args(tmp_path, "r", "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"))
+    assert run_main(TWO_D, argv) == 0
+    assert "starting fresh" not in capsys.readouterr().out
+    assert run_main(TWO_D, argv) == 0
+    assert f"starting fresh (no --resume): {tmp_path / 'ck'} holds an earlier run" in capsys.readouterr().out

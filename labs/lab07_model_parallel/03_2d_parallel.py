@@ -39,7 +39,7 @@ from common.runtime.launch import detect_launch
 from common.units import format_bytes
 from labs.lab07_model_parallel.lab07_shared import (
     DRY_RUN, add_model_args, add_training_flags, apply_dry_run, batch_for_step, build_model, check_mesh,
-    check_tensor_parallel, language_model_loss, parse_mesh, shape_from_args, training_text,
+    check_tensor_parallel, language_model_loss, note_earlier_run, parse_mesh, shape_from_args, training_text,
     write_lab_record,
 )
 
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = {key: getattr(args, key) for key in ("layers", "width", "heads", "context", "batch_size", "seed",
                                                         "lr")}
         first = 0
+        note_earlier_run(checkpoint_dir, args.resume)  # the same command again: its saves replace the earlier run's
         if args.resume:
             saved = checkpointer.read()
             if saved is None:
