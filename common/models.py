@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from common.cli import positive_int, unknown_names
-from common.errors import UserError
+from common.errors import FlagError, UserError
 
 LOCAL_MODELS = ("mnist_cnn", "plain_cnn")
 
@@ -177,7 +177,7 @@ class TransformerShape:
 
     def check(self) -> "TransformerShape":
         if self.width % self.heads:
-            raise UserError(f"--width {self.width} must be a multiple of --heads {self.heads} "
+            raise FlagError(f"--width {self.width} must be a multiple of --heads {self.heads} "  # every rank alike
                             "(each head gets width / heads features)")
         return self
 

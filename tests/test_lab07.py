@@ -216,6 +216,7 @@ def test_resuming_a_2d_run_with_other_settings_is_one_line(runs, capsys):
 @pytest.mark.parametrize("script, world, extra, message", [
     (TWO_D, 4, ["--mesh", "3x1"], "--mesh 3x1 has 3 places but 4 process(es) were started"),
     (TP, 2, ["--width", "36", "--heads", "3"], "--heads 3 is not divisible by the tensor-parallel degree 2"),
+    (TP, 2, ["--heads", "3"], "--width 32 must be a multiple of --heads 3"),  # the shape's own check: once, too
     (TWO_D, 4, ["--mesh", "1x4", "--width", "30", "--heads", "2"], "--heads 2 is not divisible by the tensor-parallel"),
     (TP, 2, ["--sequence-parallel", "--context", "15"], "--context 15 is not divisible by the tensor-parallel"),
     (PP, 2, ["--layers", "1"], "2 pipeline stages need at least 2 transformer blocks"),
