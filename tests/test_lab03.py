@@ -327,6 +327,35 @@ def test_a_run_adds_its_models_to_the_csvs_an_earlier_run_left(tmp_path):
     assert times.read_text() == "resnet18,resnet34\n1.0,oops\n"
 
 
+def test_a_stopped_run_keeps_what_it_measured_and_the_earlier_run_s_rows_and_says_how_to_go_on(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """Ctrl-C during the second model: it said only 'interrupted', and the CSVs written after the first model had
+    already dropped an earlier run's rows of the second, a model this run never finished measuring."""
+    argv = [*TINY, "--image-size", "32", "--check-steps", "2", "--modes", "train", "--precision", "fp32",
+            "--folder", str(tmp_path / "csv"), "--results-dir", str(tmp_path / "records")]
+    times = tmp_path / "csv" / "cpu_1_procs_fp32_model_train_benchmark.csv"
+    assert run_main(SCRIPT, [*argv, "--models", "resnet34"]) == 0
+    earlier = read_csv(times)
+    script, calls = load_script(SCRIPT), []
+    real = script.time_mode
+
+    def stopped_in_the_second_model(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # as Ctrl-C in the middle of a measurement
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(script, "time_mode", stopped_in_the_second_model)
+    capsys.readouterr()
+    assert run_main(SCRIPT, [*argv, "--models", "resnet18,resnet34"]) == 130
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1] == (f"stopped: 1 record(s) in {tmp_path / 'records'}; the CSVs in {tmp_path / 'csv'} "
+                                    "hold resnet18; to measure the rest: --models resnet34"), out
+    assert err == "interrupted\n"
+    now = read_csv(times)
+    assert now[0] == ["resnet34", "resnet18"] and [row[0] for row in now[1:]] == [row[0] for row in earlier[1:]], now
+
+
 def test_g_on_a_cpu_starts_only_as_many_processes_as_the_available_memory_holds():
     """Each process at least this one's resident size (PyTorch imported), against MemAvailable: 512 MiB each in
     8 GiB available is 16 processes; a 17th is one error line that says how many fit."""

@@ -491,6 +491,7 @@ class Output:
         self.rows: list[dict[str, Any]] = []
         self.records = self.failures = self.results = 0
         self.plan: list[tuple[str, str]] = []  # (model, precision) in the order they run, set by start()
+        self.in_csvs: set[str] = set()  # the models of this run whose results the CSVs hold
         self._said = time.monotonic()  # when the last line was printed
         # What an earlier run wrote into --folder: kept, but for the models this run measures again.
         self.earlier_rows, self.earlier_ms = earlier_results(args.folder, self.tag) if ctx.is_main else ([], {})
@@ -506,10 +507,15 @@ class Output:
             self._thread.start()
         return self
 
-    def __exit__(self, *_exc: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *_exc: Any) -> None:
         self._done.set()
         if self._thread.is_alive():
             self._thread.join()
+        if kind is KeyboardInterrupt and self.ctx.is_main:  # what a stopped run kept, and how to measure the rest
+            kept = [model for model in self.args.models if model in self.in_csvs]
+            rest = [model for model in self.args.models if model not in self.in_csvs]
+            self.print(f"stopped: {self.records} record(s) in {self.args.results_dir}; the CSVs in {self.args.folder} "
+                       f"hold {', '.join(kept) or 'none of this run'}; to measure the rest: --models {','.join(rest)}")
 
     def _still_measuring(self) -> None:
         while not self._done.wait(min(self.QUIET_S / 3, 5.0)):
@@ -651,7 +657,9 @@ class Output:
     def write_csvs(self) -> None:
         if not self.ctx.is_main:
             return
-        folder, now = self.args.folder, set(self.args.models)
+        # An earlier run's rows stay until this run has measured the same model (a stopped run keeps them).
+        folder, now = self.args.folder, {row["model"] for row in self.rows}
+        self.in_csvs = now
         for (mode, precision), ms_by_model in self.ms_by_run.items():
             earlier = {model: ms for model, ms in self.earlier_ms.get((mode, precision), {}).items()
                        if model not in now}
