@@ -38,9 +38,9 @@ from common.runtime.distributed import all_reduce_mean, gather_objects, init_dis
 from common.runtime.launch import detect_launch
 from common.units import format_bytes
 from labs.lab07_model_parallel.lab07_shared import (
-    DRY_RUN, add_model_args, add_training_flags, apply_dry_run, batch_for_step, build_model, check_mesh,
-    check_tensor_parallel, language_model_loss, note_earlier_run, parse_mesh, shape_from_args, training_text,
-    write_lab_record,
+    DRY_RUN, RESUME_SETTINGS, add_model_args, add_training_flags, apply_dry_run, batch_for_step, build_model,
+    check_mesh, check_tensor_parallel, language_model_loss, note_earlier_run, parse_mesh, shape_from_args,
+    training_text, write_lab_record,
 )
 
 SCRIPT = "labs/lab07_model_parallel/03_2d_parallel.py"
@@ -102,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, foreach=False)
         checkpointer = DistributedCheckpointer(checkpoint_dir)
         # What a resumed run must share with the saved one (the mesh may differ: DCP reshards on load).
-        settings = {key: getattr(args, key) for key in ("layers", "width", "heads", "context", "batch_size", "seed",
-                                                        "lr")}
+        settings = {key: getattr(args, key) for key in RESUME_SETTINGS}
         first = 0
         note_earlier_run(checkpoint_dir, args.resume)  # the same command again: its saves replace the earlier run's
         if args.resume:

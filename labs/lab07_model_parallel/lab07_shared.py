@@ -63,6 +63,8 @@ def add_training_flags(parser: argparse.ArgumentParser, *, batch: str, steps: in
 
 
 DRY_RUN = "two steps, the first one untimed: checks that everything runs"  # --dry-run's help
+#: The flags a resumed 2-D run must share with the saved one (the mesh may differ: DCP reshards on load).
+RESUME_SETTINGS = ("layers", "width", "heads", "context", "batch_size", "seed", "lr")
 
 
 def apply_dry_run(args: argparse.Namespace) -> argparse.Namespace:

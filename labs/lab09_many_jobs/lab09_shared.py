@@ -661,8 +661,8 @@ def sweep_status(plan: Plan) -> tuple[list[TaskStatus], str | None]:
         records[index] = record
     for status in statuses:
         folder = plan.task_dir(status.index)
-        if not slurm_jobs and submissions:  # a local sweep: the attempts the runner wrote
-            status.state = NOT_RUN
+        if not slurm_jobs:  # a local sweep (or a task run by hand with --task): the attempts the runner wrote
+            status.state = NOT_RUN if submissions else status.state  # --local: the same command runs it
             ended = [a for a in local_attempts(folder) if "ended" in a]
             started = {a["attempt"]: a["started"] for a in local_attempts(folder) if "started" in a}
             status.attempts = len(started)
