@@ -657,8 +657,10 @@ class Output:
     def write_csvs(self) -> None:
         if not self.ctx.is_main:
             return
-        # An earlier run's rows stay until this run has measured the same model (a stopped run keeps them).
-        folder, now = self.args.folder, {row["model"] for row in self.rows}
+        # An earlier run's rows stay until this run has measured the same model (a stopped run keeps them); the
+        # skipped precisions' rows are there from the start, and with nothing to run every model is done at once.
+        folder = self.args.folder
+        now = {row["model"] for row in self.rows if row["status"] != "skipped" or not self.plan}
         self.in_csvs = now
         for (mode, precision), ms_by_model in self.ms_by_run.items():
             earlier = {model: ms for model, ms in self.earlier_ms.get((mode, precision), {}).items()
