@@ -34,7 +34,16 @@ from common.results import load_records
 from common.runtime.distributed import any_rank_on_host, gather_objects, print0
 from common.train.progress import Progress
 
-__all__ = ["StopSignal", "Preempted", "Checkpointer", "TorchCheckpointer", "Preemption", "unwrap"]
+__all__ = ["StopSignal", "Preempted", "Checkpointer", "TorchCheckpointer", "Preemption", "unwrap", "note_fresh_start"]
+
+
+def note_fresh_start(path: str | os.PathLike[str], *, resume: bool = False) -> None:
+    """A run without --resume (``resume``) whose checkpoint file (or folder) holds an earlier run's: say, on rank 0,
+    that this run's first save replaces it, and how to go on from it instead."""
+    path = Path(path)
+    if not resume and (path.is_file() or (path.is_dir() and any(path.iterdir()))):
+        print0(f"starting fresh (no --resume): {path} holds an earlier run and is replaced at this run's first save; "
+               "to go on from it instead: the same command with --resume")
 
 
 class StopSignal:
@@ -190,10 +199,7 @@ class Preemption:
         if self.checkpointer is None:
             return None
         if not self.wants_resume:  # the same command run again without --resume: say what its first save replaces
-            path = Path(self.checkpointer.path)
-            if path.is_file() or (path.is_dir() and any(path.iterdir())):
-                print0(f"starting fresh (no --resume): {path} holds an earlier run and is replaced at this run's "
-                       f"first save; to go on from it instead: the same command with --resume")
+            note_fresh_start(self.checkpointer.path)
             return None
         state = self.checkpointer.read()
         path = self.checkpointer.path

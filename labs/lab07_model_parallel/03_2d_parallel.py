@@ -36,12 +36,12 @@ from common.measure.timing import StepTimer
 from common.runtime.device import configure_threads
 from common.runtime.distributed import all_reduce_mean, gather_objects, init_distributed, print0, teardown_distributed
 from common.runtime.launch import detect_launch
+from common.train.preemption import note_fresh_start
 from common.units import format_bytes
-from labs.lab07_model_parallel.lab07_shared import (
-    DRY_RUN, RESUME_SETTINGS, add_model_args, add_training_flags, apply_dry_run, batch_for_step, build_model,
-    check_mesh, check_tensor_parallel, language_model_loss, note_earlier_run, parse_mesh, shape_from_args,
-    training_text, write_lab_record,
-)
+from labs.lab07_model_parallel.lab07_shared import (DRY_RUN, RESUME_SETTINGS, add_model_args, add_training_flags,
+                                                    apply_dry_run, batch_for_step, build_model, check_mesh,
+                                                    check_tensor_parallel, language_model_loss, parse_mesh,
+                                                    shape_from_args, training_text, write_lab_record)
 
 SCRIPT = "labs/lab07_model_parallel/03_2d_parallel.py"
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         # What a resumed run must share with the saved one (the mesh may differ: DCP reshards on load).
         settings = {key: getattr(args, key) for key in RESUME_SETTINGS}
         first = 0
-        note_earlier_run(checkpoint_dir, args.resume)  # the same command again: its saves replace the earlier run's
+        note_fresh_start(checkpoint_dir, resume=args.resume)  # the same command again: the earlier run is replaced
         if args.resume:
             saved = checkpointer.read()
             if saved is None:

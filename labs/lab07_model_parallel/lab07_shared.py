@@ -156,17 +156,6 @@ def check_tensor_parallel(shape: TransformerShape, degree: int, *, sequence_para
                         "--sequence-parallel gives each rank context / degree positions")
 
 
-def note_earlier_run(checkpoint_dir, resume: bool) -> None:
-    """Without ``--resume``, a folder of an earlier run's checkpoints is replaced by this run's saves (the oldest beyond
-    ``keep`` are removed): say so at the start, as every ``TrainingRun`` script does."""
-    from common.checkpoint.sharded import complete_checkpoints
-    from common.runtime.distributed import print0
-
-    if not resume and complete_checkpoints(checkpoint_dir):
-        print0(f"starting fresh (no --resume): {checkpoint_dir} holds an earlier run, whose checkpoints this run's "
-               "saves replace; to go on from it instead: the same command with --resume")
-
-
 def parse_mesh(text: str) -> tuple[int, int]:
     """argparse type: ``DPxTP`` such as ``2x2`` or ``4x1``."""
     parts = text.lower().split("x")
