@@ -28,7 +28,7 @@ import difflib
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from common.errors import first_rank
 from common.runtime.cpus import default_num_workers
@@ -444,6 +444,18 @@ def command_flags(parser: argparse.ArgumentParser, values: Mapping[str, Any]) ->
         elif value is not None:
             argv += [flag, str(value)]
     return argv
+
+
+def flags_given(parser: argparse.ArgumentParser, argv: Sequence[str], dests: Iterable[str]) -> dict[str, str]:
+    """Which of ``dests`` the command line ``argv`` sets, in any spelling ``parser`` takes (``--seed 3``,
+    ``--seed=3``, a prefix, a former name): {destination: its long flag}. For a script that passes flags after
+    ``--`` to another and sets some of them itself. Flags ``parser`` does not know are left to its own check."""
+    wanted = set(dests)
+    names = {action.dest: max(action.option_strings, key=len) for action in parser._actions
+             if action.dest in wanted and action.option_strings and not isinstance(action, _FormerName)}
+    unset = object()  # a default no value can equal: what argv sets shows
+    given, _ = parser.parse_known_args(list(argv), argparse.Namespace(**dict.fromkeys(names, unset)))
+    return {dest: flag for dest, flag in names.items() if getattr(given, dest) is not unset}
 
 
 def config_dict(args: argparse.Namespace, **derived: Any) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from common.cli import (add_common_args, add_former_names, add_lr_arg, add_run_args, add_timing_args, apply_dry_run,
-                        config_dict, non_negative_int, positive_float, positive_int)
+                        config_dict, flags_given, non_negative_int, positive_float, positive_int)
 from common.measure.energy import not_measured
 from common.results import make_record, provenance, write_record
 from common.runtime.cpus import usable_cpus
@@ -554,13 +554,7 @@ POINT_SETS = ("batch_size", "results_dir", "checkpoint")
 def refuse_study_flags(training: argparse.ArgumentParser, training_args: Sequence[str]) -> None:
     """A flag after ``--`` that the study sets itself came last and won: the point trained with it while the study's
     record said the study's value (``-- --results-dir X`` also hid the point's record from the study). One line."""
-    unset = object()
-    given, _ = training.parse_known_args(list(training_args),
-                                         argparse.Namespace(**dict.fromkeys(STUDY_SETS + POINT_SETS, unset)))
-    names = {action.dest: max(action.option_strings, key=len) for action in reversed(training._actions)
-             if action.option_strings and action.help != argparse.SUPPRESS}
-    for dest in (dest for dest in STUDY_SETS + POINT_SETS if getattr(given, dest) is not unset):
-        flag = names[dest]
+    for dest, flag in flags_given(training, training_args, STUDY_SETS + POINT_SETS).items():
         why = {"batch_size": "the study sets each point's batch; give --batch-size (weak scaling, per process) or "
                              "--global-batch-size (strong scaling) before --",
                "results_dir": "each point writes its record to a scratch folder the study reads back; the study's "

@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
 import yaml
 
 from common.atomic import write_text_atomic
+from common.cli import flags_given
 from common.errors import Stopped, UserError
 from common.results import load_records, make_record, provenance, write_record
 from common.slurm.jobs import PLACEHOLDER
@@ -247,13 +248,9 @@ def check_training_flags(script: Path, flags: Sequence[str], *, before: Sequence
         raise UserError(f"the flags after -- ({' '.join(flags)}): {display(script)} says: {message}")
 
     parser = training_parser(script, refuse)
-    dests = {action.dest: action.option_strings[0] for action in parser._actions
-             if set(action.option_strings) & set(owned)}
-    unset = object()  # a default no value can equal: what the flags set shows
-    parser.set_defaults(**dict.fromkeys(dests, unset))
-    given = vars(parser.parse_args(list(flags)))
     parser.parse_args([*before, *flags])
-    return [flag for dest, flag in dests.items() if given[dest] is not unset]
+    known = parser._option_string_actions
+    return list(flags_given(parser, flags, {known[flag].dest for flag in owned if flag in known}).values())
 
 
 def display(path: Path) -> str:
