@@ -261,6 +261,8 @@ NEWER_THAN_THE_FLOOR = {"torch.backends.fp32_precision", "torch.backends.cudnn.f
                         "torch.distributed.set_timeout"}
 SET_ONCE_A_GROUP_EXISTS = {"torch.distributed.group.WORLD"}
 PACKAGES = ("torch", "torchvision", "torchdata", "webdataset")
+#: What missing_names finds where a name's module needs a package this environment lacks: it cannot say.
+UNCHECKED = object()
 
 
 def missing_names(source: str) -> dict[str, int]:
@@ -272,8 +274,14 @@ def missing_names(source: str) -> dict[str, int]:
     import inspect
 
     def module(name: str):
+        """The module, ``None`` where this release lacks it, or UNCHECKED where it imports a package this environment
+        does not have (``torch.utils.tensorboard`` without tensorboard, webdataset on a GPU image): nothing to ask."""
         try:
             return importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            lacks_it = err.name is not None and (name == err.name or name.startswith(f"{err.name}."))
+            installed = importlib.util.find_spec(name.split(".")[0]) is not None
+            return None if lacks_it and installed else UNCHECKED
         except ImportError:
             return None
 
@@ -298,10 +306,14 @@ def missing_names(source: str) -> dict[str, int]:
             continue
         parts = names[node.id].split(".") + chain
         found = module(parts[0])
+        if found is UNCHECKED:
+            continue
         for depth, part in enumerate(parts[1:], 2):
             inner = getattr(found, part, None)
             if inner is None and inspect.ismodule(found):
                 inner = module(f"{found.__name__}.{part}")
+            if inner is UNCHECKED:
+                break
             if inner is None:
                 missing[".".join(parts[:depth])] = node.lineno
                 break
@@ -309,6 +321,17 @@ def missing_names(source: str) -> dict[str, int]:
                 break
             found = inner
     return missing
+
+
+def test_a_name_whose_module_needs_a_package_this_environment_lacks_is_not_called_missing(monkeypatch):
+    """The GPU image has torch but not tensorboard, torchdata or webdataset: the lookup cannot say there, and a
+    misspelt torch name next to them is still found."""
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` fails, as where it is not installed
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    monkeypatch.setitem(sys.modules, "webdataset", None)
+    assert missing_names("from torch.utils.tensorboard import SummaryWriter\nimport torch.utils.tensorboard\n"
+                         "import webdataset as wds\nwds.WebDataset\nimport torch.utils.no_such_module\n") == {
+        "torch.utils.no_such_module": 5}
 
 
 def test_every_torch_name_the_code_uses_is_in_this_release():
