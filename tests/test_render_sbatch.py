@@ -113,6 +113,50 @@ def test_a_broken_profile_is_reported_with_its_file(tmp_path):
         sites.load_sites(tmp_path)
 
 
+def instructors_profile(folder: Path) -> Path:
+    """An instructor's new site, made as the README says: generic.yaml copied to kestrel.yaml and edited."""
+    text = (sites.SITES_DIR / "generic.yaml").read_text().replace("name: generic", "name: kestrel")
+    text = text.replace("gpu_types: []", "gpu_types: [a100]").replace("account: null", "account: kst-dl")
+    modules = '  - export HPC_DL_LABS_MODULES="${HPC_DL_LABS_MODULES:-cuda/12.4 py/3.11}"\n'
+    text = text.replace("setup:\n", "setup:\n" + modules)
+    folder.mkdir(exist_ok=True)
+    path = folder / "kestrel.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(("mistake", "expected"), [
+    (("account_required:", "acount_required:"), "kestrel.yaml: unknown key(s) acount_required (allowed: account, "),
+    (("    gpus_per_node:", "    gpus_per_nod:"), "kestrel.yaml: partitions.gpu: unknown key(s) gpus_per_nod "),
+    (('max_time: "1-00:00:00"', ""), "kestrel.yaml: 'max_time' is required"),
+    (("    cpus_per_gpu: 8", ""), "kestrel.yaml: partitions.gpu: a partition with GPUs needs cpus_per_gpu"),
+    (("gpus_per_node: 4", "gpus_per_node: four"), "kestrel.yaml: partitions.gpu.gpus_per_node must be a whole number"),
+    (("gpus_per_node: 4", 'gpus_per_node: "4"'), "kestrel.yaml: partitions.gpu.gpus_per_node must be a whole number"),
+    (("default_partitions:", "default_partitions: ["), "kestrel.yaml line 19: not valid YAML: "),
+    # `module avail` marks the default version "(D)"; copied into a setup line it is a syntax error of every job
+    (("cuda/12.4 py/3.11}\"", "cuda/12.4 py/3.11}\"\n  - module load cuda/12.4 (D)"),
+     "kestrel.yaml: setup[1] must be one whole command bash can read, got 'module load cuda/12.4 (D)' (bash: syntax "
+     "error near unexpected token `('); every job would fail at this line"),
+    (("py/3.11}\"", "py/3.11}"), "kestrel.yaml: setup[0] must be one whole command bash can read, got 'export "),
+], ids=["typo-site-key", "typo-partition-key", "missing-max_time", "missing-cpus_per_gpu", "text-for-a-number",
+        "quoted-number", "not-yaml", "module-avail-marker", "open-quote"])
+def test_an_instructors_profile_mistake_is_one_line_naming_file_and_field_and_nothing_is_written(
+        tmp_path, monkeypatch, mistake, expected):
+    profile = instructors_profile(tmp_path / "sites")
+    monkeypatch.setattr(rs, "find_site", lambda name: sites.find_site(name, profile.parent))
+    out = tmp_path / "out" / "job.sbatch"
+    assert rs.main(["--site", "kestrel", str(HELLO), "-o", str(out)]) == 0  # the profile as made renders
+    out.unlink()
+    text = profile.read_text()
+    assert mistake[0] in text
+    profile.write_text(text.replace(mistake[0], mistake[1], 1))
+    with pytest.raises(UserError) as raised:
+        rs.main(["--site", "kestrel", str(HELLO), "-o", str(out)])
+    message = str(raised.value)
+    assert message.startswith(str(profile)) and expected in message and "\n" not in message
+    assert list(out.parent.iterdir()) == []
+
+
 # -- rendering -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("site", SITES)

@@ -185,3 +185,13 @@ def test_the_readme_profile_format_shows_every_key_a_profile_may_have(tmp_path):
     assert load_site(tmp_path / "lanta.yaml").name == "lanta"
     assert set(re.findall(r"^(\w+):", block, re.M)) == sites._SITE_KEYS
     assert set(re.findall(r"^    (\w+):", block, re.M)) == sites._PARTITION_KEYS
+
+
+def test_setup_lines_bash_reads_are_kept_as_written(tmp_path):
+    """Each setup line is checked with bash -n on its own: a `|` block holding a whole `if` is one such line."""
+    lines = ["module load cuda/12.4; module load py", "if true; then\n  module load x\nfi", "cat <<'EOF'\nx\nEOF"]
+    setup = "".join(f"  - {line}\n" if "\n" not in line else "  - |-\n" + "".join(f"    {part}\n"
+                                                                                for part in line.split("\n"))
+                    for line in lines)
+    (tmp_path / "lab.yaml").write_text(BASE + "setup:\n" + setup)
+    assert load_site(tmp_path / "lab.yaml").setup == tuple(lines)

@@ -30,13 +30,17 @@ The YAML reader keeps Slurm's times and names as text: YAML 1.1 would read ``tim
 base-60 number 600, ``account: 012345`` as the octal 5349 and ``reservation: 2024_05`` as 202405; a
 number here is plain decimal. A key given twice is an error (YAML would keep the last silently), and
 so is ``true``/``false`` (or YAML 1.1's ``yes``/``no``/``on``/``off``) where text belongs. Text that
-goes into a script's ``#SBATCH`` or comment lines is one line. This module must not import torch (the
+goes into a script's ``#SBATCH`` or comment lines is one line, and each ``setup`` line one command that
+``bash -n`` reads (where there is a bash to ask). This module must not import torch (the
 sbatch renderer and the tests use it).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -363,6 +367,35 @@ def _node_local(value: Any, where: str) -> str | None:
     return text
 
 
+def _bash_syntax_error(text: str) -> str | None:
+    """What ``bash -n`` says about ``text`` (its first line), or None when bash reads it without a word. A here-document
+    left open is only a warning to bash, yet it swallows the rest of the job script: any word counts."""
+    bash = shutil.which("bash")
+    if bash is None:  # no bash to ask (a Windows laptop): the job's own bash says it
+        return None
+    done = subprocess.run([bash, "--norc", "--noprofile", "-n"], input=text.encode(), capture_output=True,
+                          env={"PATH": os.environ.get("PATH", ""), "LC_ALL": "C"}, check=False)
+    said = done.stderr.decode(errors="replace").strip()
+    if done.returncode == 0 and not said:
+        return None
+    return re.sub(r"^.*?line \d+: ", "", said.splitlines()[0] if said else f"exit status {done.returncode}")
+
+
+def _setup_lines(value: Any, where: str) -> tuple[str, ...]:
+    """The shell lines of ``setup``, each one whole command bash can read: a quote left open, or ``module load
+    cuda/12.4 (D)`` copied from ``module avail``, would otherwise stop every job with a syntax error only once it runs,
+    after its wait in the queue."""
+    if not value:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(line, str) for line in value):
+        raise UserError(f"{where} must be a list of shell lines")
+    for index, line in enumerate(value):
+        if (problem := _bash_syntax_error(line)) is not None:
+            raise UserError(f"{where}[{index}] must be one whole command bash can read, got {line!r} "
+                            f"(bash: {problem}); every job would fail at this line")
+    return tuple(value)
+
+
 def load_site(path: Path) -> Site:
     """Read and check one site profile; every problem is one line naming the file and the field."""
     where = display_path(path)
@@ -389,9 +422,7 @@ def load_site(path: Path) -> Site:
             raise UserError(f"{where}: default_partitions.{kind} is {name!r}, which is not in partitions")
     if partitions[defaults["gpu"]].gpus_per_node == 0:
         raise UserError(f"{where}: default_partitions.gpu names {defaults['gpu']!r}, which has no GPUs")
-    setup = data.get("setup") or []
-    if not isinstance(setup, list) or not all(isinstance(line, str) for line in setup):
-        raise UserError(f"{where}: setup must be a list of shell lines")
+    setup = _setup_lines(data.get("setup"), f"{where}: setup")
     account, reservation = (data.get(key) for key in ("account", "reservation"))
     return Site(
         name=data["name"],
@@ -405,7 +436,7 @@ def load_site(path: Path) -> Site:
         max_time=_checked_time(data["max_time"], f"{where}: max_time"),
         default_partitions=dict(defaults),
         partitions=partitions,
-        setup=tuple(setup),
+        setup=setup,
         path=path,
         node_local=_node_local(data.get("node_local"), f"{where}: node_local"),
     )
