@@ -157,6 +157,24 @@ def test_an_instructors_profile_mistake_is_one_line_naming_file_and_field_and_no
     assert list(out.parent.iterdir()) == []
 
 
+def test_a_profile_or_template_saved_in_another_encoding_is_one_line_naming_its_line(tmp_path, monkeypatch):
+    """An editor that saves Latin-1 or Windows-1252 (an \u00fc in the cluster's title): a traceback before."""
+    profile = instructors_profile(tmp_path / "sites")
+    monkeypatch.setattr(rs, "find_site", lambda name: sites.find_site(name, profile.parent))
+    text = profile.read_text().replace("title: 'A generic", "title: 'Kestrel Z\u00fcrich, a generic")
+    profile.write_bytes(text.encode("latin-1"))
+    out = tmp_path / "out" / "job.sbatch"
+    with pytest.raises(UserError, match=rf"^{re.escape(str(profile))} line 5: not UTF-8 text \(byte 0xfc\): save the "
+                                        "file as UTF-8$"):
+        rs.main(["--site", "kestrel", str(HELLO), "-o", str(out)])
+    profile.write_text(text)  # saved again as UTF-8: the profile renders, the template does not
+    template = write_template(tmp_path, "# caf\u00e9\n")
+    template.write_bytes(template.read_text().encode("cp1252"))
+    with pytest.raises(UserError, match=rf"^{re.escape(str(template))} line 5: not UTF-8 text \(byte 0xe9\)"):
+        rs.main(["--site", "kestrel", str(template), "-o", str(out)])
+    assert not out.parent.exists()
+
+
 # -- rendering -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("site", SITES)

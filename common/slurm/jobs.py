@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from common.errors import UserError
 from common.slurm.sites import (Partition, Site, check_keys, display_path, load_yaml, memory_to_mb, one_line,
-                                slurm_name, text_or_none, time_to_seconds, whole_number)
+                                read_text, slurm_name, text_or_none, time_to_seconds, whole_number)
 
 __all__ = ["JOB_KEYS", "PLACEHOLDER", "TEMPLATE_SUFFIX", "SiteLacks", "Template", "parse_settings", "read_template",
            "resolve_job", "sbatch_directives", "template_stem"]
@@ -62,7 +62,7 @@ def read_template(path: Path) -> Template:
     where = display_path(path)
     if not path.is_file():
         raise UserError(f"{where}: no such template")
-    match = _JOB_BLOCK.match(path.read_text(encoding="utf-8"))
+    match = _JOB_BLOCK.match(read_text(path, where))
     if not match:
         raise UserError(f"{where}: a template must start with its job block, e.g. '{{# job:' ... '#}}' "
                         "(see slurm/sites/README.md)")

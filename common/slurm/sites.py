@@ -51,8 +51,8 @@ from common.errors import UserError
 
 __all__ = [
     "LINK_SCOPES", "REPO_ROOT", "SITES_DIR", "Link", "Partition", "Site", "check_keys", "display_path",
-    "find_site", "flag", "load_site", "load_sites", "load_yaml", "memory_to_mb", "one_line", "site_names",
-    "slurm_name", "text_or_none", "time_to_seconds", "whole_number",
+    "find_site", "flag", "load_site", "load_sites", "load_yaml", "memory_to_mb", "one_line", "read_text",
+    "site_names", "slurm_name", "text_or_none", "time_to_seconds", "whole_number",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -101,6 +101,21 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float",
                               re.compile(r"^[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$"),
                               list("-+.0123456789"))
+
+
+def read_text(path: Path, where: str) -> str:
+    """The text of a profile or template; one that is not UTF-8 (an editor's Latin-1 or Windows-1252 ``ü`` in a title)
+    or cannot be read is one line naming ``where`` and the line, not a traceback."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise UserError(f"{where}: cannot read it: {err.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise UserError(f"{where} line {line}: not UTF-8 text (byte 0x{data[err.start]:02x}): save the file as "
+                        "UTF-8") from None
 
 
 def load_yaml(text: str, where: str) -> Any:
@@ -399,7 +414,7 @@ def _setup_lines(value: Any, where: str) -> tuple[str, ...]:
 def load_site(path: Path) -> Site:
     """Read and check one site profile; every problem is one line naming the file and the field."""
     where = display_path(path)
-    data = load_yaml(path.read_text(encoding="utf-8"), where)
+    data = load_yaml(read_text(path, where), where)
     if not isinstance(data, dict):
         raise UserError(f"{where}: a site profile is a mapping (name:, partitions: ...)")
     check_keys(data, _SITE_KEYS, where)
