@@ -138,8 +138,11 @@ def instructors_profile(folder: Path) -> Path:
      "kestrel.yaml: setup[1] must be one whole command bash can read, got 'module load cuda/12.4 (D)' (bash: syntax "
      "error near unexpected token `('); every job would fail at this line"),
     (("py/3.11}\"", "py/3.11}"), "kestrel.yaml: setup[0] must be one whole command bash can read, got 'export "),
+    # a key YAML reads as a number or true (on, yes) beside a typo: sorting them for the message raised TypeError
+    (("account_required:", "on: true\n2: 4\nacount_required:"),
+     "kestrel.yaml: unknown key(s) 2, True, acount_required (allowed: "),
 ], ids=["typo-site-key", "typo-partition-key", "missing-max_time", "missing-cpus_per_gpu", "text-for-a-number",
-        "quoted-number", "not-yaml", "module-avail-marker", "open-quote"])
+        "quoted-number", "not-yaml", "module-avail-marker", "open-quote", "keys-of-other-types"])
 def test_an_instructors_profile_mistake_is_one_line_naming_file_and_field_and_nothing_is_written(
         tmp_path, monkeypatch, mistake, expected):
     profile = instructors_profile(tmp_path / "sites")

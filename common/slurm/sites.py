@@ -230,7 +230,8 @@ _LINK_KEYS = {"gb_per_s", "source"}
 
 def check_keys(mapping: dict, allowed: set[str], where: str) -> None:
     """One line naming the keys of ``mapping`` that are not ``allowed``."""
-    unknown = sorted(set(mapping) - allowed)
+    # YAML reads `2:` as a number and `on:` as true: sorted with the typos, they would raise TypeError
+    unknown = [str(key) for key in sorted(set(mapping) - allowed, key=lambda key: (isinstance(key, str), str(key)))]
     if unknown:
         raise UserError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
 
