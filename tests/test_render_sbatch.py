@@ -483,6 +483,15 @@ def test_an_output_in_a_folder_warns_that_slurm_does_not_create_it(capsys, tmp_p
         (["--site", "lanta", str(HELLO), "--set", "sites=[generic]"], "--set sites: chooses the sites of --all-sites"),
         ([str(HELLO)], "choose a site with --site NAME"),
         (["--site", "lanta", "missing.sbatch.j2"], "missing.sbatch.j2: no such template"),
+        # the name a README submits (the rendering's), the template without its folder, a committed rendering
+        (["--site", "lanta", str(REPO_ROOT / "labs/lab01_dp_vs_ddp/sbatch/dp_4gpu.sbatch")],
+         "labs/lab01_dp_vs_ddp/sbatch/dp_4gpu.sbatch: no such template (did you mean "
+         "labs/lab01_dp_vs_ddp/sbatch/dp_4gpu.sbatch.j2?)"),
+        (["--site", "lanta", "hello.sbatch.j2"], "hello.sbatch.j2: no such template (did you mean "
+                                                  "slurm/examples/hello.sbatch.j2?)"),
+        (["--site", "lanta", str(REPO_ROOT / "chapters/ch04_deep_learning/sbatch/single_gpu.sbatch")],
+         "chapters/ch04_deep_learning/sbatch/single_gpu.sbatch: a rendered script, not a template: render its "
+         "template, chapters/ch04_deep_learning/sbatch/single_gpu.sbatch.j2"),
     ],
 )
 def test_bad_arguments_are_user_errors(argv, expected):

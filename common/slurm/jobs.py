@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from common.errors import UserError
-from common.slurm.sites import (Partition, Site, check_keys, display_path, load_yaml, memory_to_mb, one_line,
+from common.slurm.sites import (REPO_ROOT, Partition, Site, check_keys, display_path, load_yaml, memory_to_mb, one_line,
                                 read_text, slurm_name, text_or_none, time_to_seconds, whole_number)
 
 __all__ = ["JOB_KEYS", "PLACEHOLDER", "TEMPLATE_SUFFIX", "SiteLacks", "Template", "parse_settings", "read_template",
@@ -57,13 +57,26 @@ class Template:
     request: dict[str, Any]  # the job block, before --set
 
 
+def _templates_named(path: Path) -> list[str]:
+    """The repository's templates a mistyped ``path`` may have meant: its name with ``.j2`` (the rendered script's
+    name, the one READMEs submit), or the same name in another folder (a template given without its folder)."""
+    names = {path.name, path.name + TEMPLATE_SUFFIX}
+    return sorted(display_path(found) for folder in ("chapters", "labs", "slurm")
+                  for found in (REPO_ROOT / folder).rglob(f"*{TEMPLATE_SUFFIX}")
+                  if found.name in names)
+
+
 def read_template(path: Path) -> Template:
     """A template file and its job block (checked for unknown keys)."""
     where = display_path(path)
+    beside = path.with_name(path.name + TEMPLATE_SUFFIX)
     if not path.is_file():
-        raise UserError(f"{where}: no such template")
+        meant = [display_path(beside)] if beside.is_file() else _templates_named(path)
+        raise UserError(f"{where}: no such template" + (f" (did you mean {' or '.join(meant[:3])}?)" if meant else ""))
     match = _JOB_BLOCK.match(read_text(path, where))
     if not match:
+        if beside.is_file():  # Chapter 4's committed renderings sit beside their templates
+            raise UserError(f"{where}: a rendered script, not a template: render its template, {display_path(beside)}")
         raise UserError(f"{where}: a template must start with its job block, e.g. '{{# job:' ... '#}}' "
                         "(see slurm/sites/README.md)")
     data = load_yaml(match["body"], f"{where} (job block)")
