@@ -195,3 +195,14 @@ def test_setup_lines_bash_reads_are_kept_as_written(tmp_path):
                     for line in lines)
     (tmp_path / "lab.yaml").write_text(BASE + "setup:\n" + setup)
     assert load_site(tmp_path / "lab.yaml").setup == tuple(lines)
+
+
+def test_an_editors_hidden_files_beside_the_profiles_are_not_profiles(tmp_path):
+    """Emacs links .#lab.yaml to nowhere while a change to lab.yaml is unsaved: --list-sites and --all-sites failed on
+    it ('cannot read it'), as they did on a hidden copy such as .lab.yaml, whose name is not its file's."""
+    write_profile(tmp_path)
+    (tmp_path / ".#lab.yaml").symlink_to("user@host.1234:1700000000")
+    (tmp_path / ".lab.yaml").write_text((tmp_path / "lab.yaml").read_text())
+    (tmp_path / ".#lab.yml").symlink_to("user@host.1234:1700000000")
+    assert site_names(tmp_path) == ["lab"]
+    assert list(load_sites(tmp_path)) == ["lab"]

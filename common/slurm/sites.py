@@ -460,12 +460,17 @@ def load_site(path: Path) -> Site:
 
 def site_names(sites_dir: Path = SITES_DIR) -> list[str]:
     """The names of the profiles in ``sites_dir`` (their file names without .yaml), sorted. A ``NAME.yml`` there is
-    one line asking for ``NAME.yaml``: left out, it would be missing from --list-sites, --all-sites and CI unnoticed."""
-    misnamed = sorted(sites_dir.glob("*.yml"))
+    one line asking for ``NAME.yaml``: left out, it would be missing from --list-sites, --all-sites and CI unnoticed.
+    A name starting with ``.`` is an editor's, not a profile: Emacs links ``.#NAME.yaml`` to nowhere while a change to
+    NAME.yaml is unsaved, and every site list failed on it meanwhile."""
+    def profiles(pattern: str) -> list[Path]:
+        return sorted(path for path in sites_dir.glob(pattern) if not path.name.startswith("."))
+
+    misnamed = profiles("*.yml")
     if misnamed:
         raise UserError(f"{display_path(misnamed[0])}: a site profile's file name ends in .yaml: rename it to "
                         f"{misnamed[0].stem}.yaml")
-    return sorted(path.stem for path in sites_dir.glob("*.yaml"))
+    return sorted(path.stem for path in profiles("*.yaml"))
 
 
 def load_sites(sites_dir: Path = SITES_DIR) -> dict[str, Site]:
