@@ -426,6 +426,10 @@ def test_preamble_finds_the_repository_root_from_a_folder_inside_it(tmp_path):
         # Zero is no limit to Slurm (--time=0) and all of the node's memory (--mem=0): past what the site allows.
         ("carc-discovery", ["time=0"], "time: '0' is no time limit to Slurm"),
         ("generic", ["mem=0G"], "mem: '0G' asks Slurm for all of each node's memory"),
+        # sbatch reads whole numbers only: --mem=1.5G and --mem=32B are "Invalid --mem specification" at submission
+        ("generic", ["mem=1.5G"], "mem: '1.5G' is not a size sbatch reads: a whole number, then K, M, G or T"),
+        ("generic", ["mem=32B"], "mem: '32B' is not a size sbatch reads"),
+        ("generic", ["mem=32 G"], "mem: '32 G' is not a size sbatch reads"),
         # sbatch splits an #SBATCH line into words: "my logs/%j.out" would log to "my" and pass "logs/%j.out" on.
         ("generic", ["output=my logs/%j.out"], "output must be one path without spaces or quotes"),
         ("generic", ["output=it's-%j.out"], "output must be one path without spaces or quotes"),

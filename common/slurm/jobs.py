@@ -24,6 +24,8 @@ __all__ = ["JOB_KEYS", "PLACEHOLDER", "TEMPLATE_SUFFIX", "SiteLacks", "Template"
 
 TEMPLATE_SUFFIX = ".j2"
 PLACEHOLDER = "edit-me"  # a site value starting with this must be replaced before a real submission
+#: --mem as sbatch reads it (Slurm's str_to_mbytes): a whole number of MB, or one with K, M, G or T (B after it allowed)
+_SBATCH_MEMORY = re.compile(r"\d+(?:[KMGTkmgt][Bb]?)?")
 _JOB_BLOCK = re.compile(r"\A\{#-?\s*\n?(?P<body>job:.*?)-?#\}", re.DOTALL)
 
 #: Keys a template's job block (and --set) may use, with what each means.
@@ -181,6 +183,9 @@ def resolve_job(site: Site, request: dict[str, Any], default_name: str) -> dict[
             mem_mb = memory_to_mb(mem)
         except ValueError as err:
             raise UserError(f"mem: {err}") from None
+        if not _SBATCH_MEMORY.fullmatch(mem):  # what the profile's mem_per_node may say, but sbatch refuses it
+            raise UserError(f"mem: {mem!r} is not a size sbatch reads: a whole number, then K, M, G or T "
+                            "(e.g. 1536M for 1.5G)")
         if mem_mb == 0:  # Slurm reads --mem=0 as all of the node's memory
             raise UserError(f"mem: {mem!r} asks Slurm for all of each node's memory; give an amount, e.g. 16G")
         if partition.mem_per_node is not None and mem_mb > memory_to_mb(partition.mem_per_node):
