@@ -430,6 +430,8 @@ def test_preamble_finds_the_repository_root_from_a_folder_inside_it(tmp_path):
         ("generic", ["mem=1.5G"], "mem: '1.5G' is not a size sbatch reads: a whole number, then K, M, G or T"),
         ("generic", ["mem=32B"], "mem: '32B' is not a size sbatch reads"),
         ("generic", ["mem=32 G"], "mem: '32 G' is not a size sbatch reads"),
+        ("generic", ["ntasks_per_node=gpu"], "ntasks_per_node must be a whole number >= 1 or gpus (one process per "
+                                             "GPU), got 'gpu'"),
         # sbatch splits an #SBATCH line into words: "my logs/%j.out" would log to "my" and pass "logs/%j.out" on.
         ("generic", ["output=my logs/%j.out"], "output must be one path without spaces or quotes"),
         ("generic", ["output=it's-%j.out"], "output must be one path without spaces or quotes"),

@@ -155,6 +155,9 @@ def resolve_job(site: Site, request: dict[str, Any], default_name: str) -> dict[
         if gpus_per_node == 0:
             raise UserError("ntasks_per_node is 'gpus' (one process per GPU) but the job asks for no GPUs")
         ntasks_per_node = gpus_per_node
+    elif isinstance(request.get("ntasks_per_node"), str):  # `gpu`, `GPUs`: the word meant, misspelt
+        raise UserError(f"ntasks_per_node must be a whole number >= 1 or gpus (one process per GPU), got "
+                        f"{request['ntasks_per_node']!r}")
     else:
         ntasks_per_node = whole("ntasks_per_node", 1, 1)
 
