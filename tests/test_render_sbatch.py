@@ -130,6 +130,10 @@ def instructors_profile(folder: Path) -> Path:
     (("    gpus_per_node:", "    gpus_per_nod:"), "kestrel.yaml: partitions.gpu: unknown key(s) gpus_per_nod "),
     (('max_time: "1-00:00:00"', ""), "kestrel.yaml: 'max_time' is required"),
     (("    cpus_per_gpu: 8", ""), "kestrel.yaml: partitions.gpu: a partition with GPUs needs cpus_per_gpu"),
+    # a cluster of GPU nodes only: the instructor leaves out the cpu default along with the cpu partition
+    (("  cpu: cpu\n", ""), "kestrel.yaml: default_partitions must name a partition for cpu and for gpu jobs, e.g. "
+                           "{cpu: cpu, gpu: gpu} (missing: cpu; a cluster without CPU nodes names its GPU partition "
+                           "for cpu)"),
     (("gpus_per_node: 4", "gpus_per_node: four"), "kestrel.yaml: partitions.gpu.gpus_per_node must be a whole number"),
     (("gpus_per_node: 4", 'gpus_per_node: "4"'), "kestrel.yaml: partitions.gpu.gpus_per_node must be a whole number"),
     (("default_partitions:", "default_partitions: ["), "kestrel.yaml line 19: not valid YAML: "),
@@ -141,8 +145,8 @@ def instructors_profile(folder: Path) -> Path:
     # a key YAML reads as a number or true (on, yes) beside a typo: sorting them for the message raised TypeError
     (("account_required:", "on: true\n2: 4\nacount_required:"),
      "kestrel.yaml: unknown key(s) 2, True, acount_required (allowed: "),
-], ids=["typo-site-key", "typo-partition-key", "missing-max_time", "missing-cpus_per_gpu", "text-for-a-number",
-        "quoted-number", "not-yaml", "module-avail-marker", "open-quote", "keys-of-other-types"])
+], ids=["typo-site-key", "typo-partition-key", "missing-max_time", "missing-cpus_per_gpu", "missing-cpu-default",
+        "text-for-a-number", "quoted-number", "not-yaml", "module-avail-marker", "open-quote", "keys-of-other-types"])
 def test_an_instructors_profile_mistake_is_one_line_naming_file_and_field_and_nothing_is_written(
         tmp_path, monkeypatch, mistake, expected):
     profile = instructors_profile(tmp_path / "sites")

@@ -432,7 +432,10 @@ def load_site(path: Path) -> Site:
                   for name, part in data["partitions"].items()}
     defaults = data["default_partitions"]
     if not isinstance(defaults, dict) or set(defaults) != {"cpu", "gpu"}:
-        raise UserError(f"{where}: default_partitions must name a partition for cpu and for gpu jobs")
+        said = (f"missing: {', '.join(sorted({'cpu', 'gpu'} - set(defaults)))}" if isinstance(defaults, dict)
+                and set(defaults) <= {"cpu", "gpu"} else f"got {defaults!r}")
+        raise UserError(f"{where}: default_partitions must name a partition for cpu and for gpu jobs, e.g. "
+                        f"{{cpu: cpu, gpu: gpu}} ({said}; a cluster without CPU nodes names its GPU partition for cpu)")
     for kind, name in defaults.items():
         if name not in partitions:
             raise UserError(f"{where}: default_partitions.{kind} is {name!r}, which is not in partitions")
