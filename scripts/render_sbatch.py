@@ -151,6 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError("give exactly one TEMPLATE (or use --all-sites OUT_DIR with folders)")
     if args.templates[0].is_dir():
         raise UserError(f"{args.templates[0]} is a folder: give one template file (folders: --all-sites OUT_DIR)")
+    if args.output is not None and args.output.resolve() == args.templates[0].resolve():  # tab completion's slip
+        raise UserError(f"-o {args.output}: is the template itself, which the script would replace; give the script's "
+                        f"name, e.g. -o {args.templates[0].name.removesuffix(TEMPLATE_SUFFIX)}")
     render_one(args.templates[0], args.site, settings, args.output)
     return 0
 

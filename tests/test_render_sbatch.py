@@ -468,6 +468,16 @@ def test_output_file_is_written_whole_and_executable(tmp_path, capsys):
     assert [p.name for p in out.parent.iterdir()] == ["hello.sbatch"]
 
 
+def test_an_output_that_is_the_template_itself_is_refused_and_the_template_kept(tmp_path):
+    """-o completed by the shell's tab to the template's own name replaced the template with its rendering."""
+    template = write_template(tmp_path, "{{ job.sbatch }}\n")
+    before = template.read_text()
+    with pytest.raises(UserError, match=rf"^-o {re.escape(str(template))}: is the template itself, which the script "
+                                        r"would replace; give the script's name, e\.g\. -o custom\.sbatch$"):
+        rs.main(["--site", "generic", str(template), "-o", str(template)])
+    assert template.read_text() == before and [path.name for path in tmp_path.iterdir()] == [template.name]
+
+
 def test_placeholder_account_warns(capsys, tmp_path):
     assert rs.main(["--site", "lanta", str(HELLO), "-o", str(tmp_path / "x.sbatch")]) == 0
     assert "warning: account is the placeholder 'edit-me'" in capsys.readouterr().err
