@@ -468,6 +468,16 @@ def test_output_file_is_written_whole_and_executable(tmp_path, capsys):
     assert [p.name for p in out.parent.iterdir()] == ["hello.sbatch"]
 
 
+def test_a_template_saved_with_a_bom_renders_as_without_one(tmp_path):
+    """Notepad's UTF-8 starts with a byte-order mark: read as text, the job block was not first ('a template must start
+    with its job block'), and a script starting with it is no batch script to sbatch."""
+    template = tmp_path / "hello.sbatch.j2"
+    template.write_bytes(b"\xef\xbb\xbf" + HELLO.read_bytes())
+    out = tmp_path / "hello.sbatch"
+    assert rs.main(["--site", "generic", str(template), "-o", str(out)]) == 0
+    assert out.read_text() == render_text(HELLO, "generic")
+
+
 def test_an_output_that_is_the_template_itself_is_refused_and_the_template_kept(tmp_path):
     """-o completed by the shell's tab to the template's own name replaced the template with its rendering."""
     template = write_template(tmp_path, "{{ job.sbatch }}\n")

@@ -71,7 +71,8 @@ source slurm/lib/job_header.sh"""
 
 def _environment(template_path: Path) -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader([str(template_path.parent), str(REPO_ROOT)]),
+        # utf-8-sig: a template saved with a BOM (older Windows editors) renders a script that starts with #!
+        loader=jinja2.FileSystemLoader([str(template_path.parent), str(REPO_ROOT)], encoding="utf-8-sig"),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,

@@ -111,7 +111,7 @@ def read_text(path: Path, where: str) -> str:
     except OSError as err:
         raise UserError(f"{where}: cannot read it: {err.strerror}") from None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # the BOM older Windows editors put first is no part of the text
     except UnicodeDecodeError as err:
         line = data[:err.start].count(b"\n") + 1
         raise UserError(f"{where} line {line}: not UTF-8 text (byte 0x{data[err.start]:02x}): save the file as "
