@@ -541,6 +541,19 @@ def test_undefined_variable_names_the_template_line(tmp_path):
     assert "'nmoes'" in message and "site.*, job.*" in message
 
 
+@pytest.mark.parametrize(("expression", "expected"), [
+    ("{{ job.time + 1 }}", 'TypeError: can only concatenate str (not "int") to str'),
+    ("{{ job.gpus // (job.nodes - 1) }}", "ZeroDivisionError: integer division or modulo by zero"),
+])
+def test_an_expression_that_fails_names_the_template_line(tmp_path, expression, expected):
+    """An instructor's own template: a failing expression was a traceback from inside Jinja."""
+    template = write_template(tmp_path, "{{ job.sbatch }}\n\necho " + expression + "\n")
+    with pytest.raises(UserError) as raised:
+        rs.main(["--site", "generic", str(template), "-o", str(tmp_path / "job.sbatch")])
+    assert str(raised.value) == f"{template}:7: {expected}"
+    assert not (tmp_path / "job.sbatch").exists()
+
+
 def test_undefined_site_variable_is_an_error_too(tmp_path):
     template = write_template(tmp_path, "echo {{ site.partitions.gpu.tflops }}\n")
     with pytest.raises(UserError, match=r"undefined variable: .*'tflops'"):

@@ -109,6 +109,8 @@ def render(template: Template, site: Site, settings: dict[str, Any] | None = Non
         raise UserError(f"{where}:{err.lineno}: template syntax error: {err.message}") from None
     except jinja2.TemplateError as err:
         raise UserError(f"{where}{_template_line(err, template.path)}: {err}") from None
+    except (ArithmeticError, LookupError, TypeError, ValueError) as err:  # an expression of the template: its line
+        raise UserError(f"{where}{_template_line(err, template.path)}: {type(err).__name__}: {err}") from None
     if not text.startswith("#!"):
         raise UserError(f"{where}: the rendered script must start with '#!/bin/bash' right after the job block")
     if settings:  # the header's render command is the template's: say what this script was rendered with beyond it
