@@ -37,6 +37,7 @@ sbatch renderer and the tests use it).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -383,6 +384,7 @@ def _node_local(value: Any, where: str) -> str | None:
     return text
 
 
+@functools.lru_cache(maxsize=None)  # a process reads the same profiles again and again (each rendering loads them)
 def _bash_syntax_error(text: str) -> str | None:
     """What ``bash -n`` says about ``text`` (its first line), or None when bash reads it without a word. A here-document
     left open is only a warning to bash, yet it swallows the rest of the job script: any word counts."""
