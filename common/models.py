@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from common.cli import positive_int, unknown_names
-from common.errors import FlagError, UserError
+from common.errors import FlagError, UserError, batch_too_small
 
 LOCAL_MODELS = ("mnist_cnn", "plain_cnn")
 
@@ -117,6 +117,19 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3, weights:
         return torchvision.models.get_model(name, weights=weights, num_classes=num_classes)
     except (ValueError, TypeError) as err:
         raise UserError(f"cannot build {name} with num_classes={num_classes} and weights={weights}: {err}") from None
+
+
+def check_image_input(name: str, batch_size: int, in_channels: int, image_size: int, num_classes: int = 10) -> None:
+    """Run model ``name`` once, training, on a batch of the shape a run will give it, on the meta device (shapes
+    only: nothing is computed or allocated), so that images it cannot take are one line before anything is timed,
+    not its own traceback at the first step (``vit_b_16`` asserts 224x224, ``inception_v3`` needs 75x75 or more)."""
+    try:
+        with torch.device("meta"):
+            build_model(name, num_classes, in_channels).train()(
+                torch.empty(batch_size, in_channels, image_size, image_size))
+    except (RuntimeError, AssertionError, ValueError) as err:
+        raise UserError(batch_too_small(err) or f"{name} cannot run on {image_size}x{image_size} images: "
+                        f"{str(err).splitlines()[0]} (choose another --image-size)") from None
 
 
 def input_shape(name: str, image_size: int) -> tuple[int, int]:

@@ -252,6 +252,19 @@ def test_benchmark_with_cuda_on_a_cpu_machine_is_a_one_line_error(capsys):
     assert err.startswith("error: --device cuda") and "\n" not in err
 
 
+@pytest.mark.parametrize("model, size, said", [
+    ("vit_b_16", 32, "vit_b_16 cannot run on 32x32 images: Wrong image height! Expected 224 but got 32!"),
+    ("inception_v3", 32, "inception_v3 cannot run on 32x32 images: Calculated padded input size per channel")])
+def test_benchmark_of_a_model_that_cannot_take_the_image_size_is_one_line(tmp_path, capsys, model, size, said):
+    """A zoo model that cannot take --image-size (the default 32 included) ended in the model's own traceback
+    (vit_b_16's AssertionError, inception_v3's RuntimeError); it is one line naming the model, before any step."""
+    assert run_main(f"{CHAPTER}/benchmark_cpu_vs_gpu.py", ["--dry-run", "--model", model, "--image-size", str(size),
+                                                           "--results-dir", str(tmp_path / "r")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: {said}") and captured.err.count("\n") == 1, captured.err
+    assert "steps per device" not in captured.out and not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("workers", [1, 0])
 def test_efficient_loading_measures_threads_and_loader_options(tmp_path, capsys, workers):
     """With --num-workers 0 no persistent_workers row runs, and the table said to compare it all the same."""

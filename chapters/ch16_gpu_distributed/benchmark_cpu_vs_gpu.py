@@ -33,7 +33,7 @@ from common.cli import add_common_args, add_timing_args, apply_dry_run, config_d
 from common.runtime.device import configure_threads, describe, device_type, resolve_device, seed_everything
 from common.measure.energy import EnergyMeter
 from common.errors import run_main
-from common.models import add_image_model_args, build_model, input_shape
+from common.models import add_image_model_args, build_model, check_image_input, input_shape
 from common.results import make_record, provenance, write_record
 from common.measure.timing import Heartbeat, StepTimer
 
@@ -77,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The GPU side when --device asks for one (auto: when there is one); --device cuda without one: a clear error.
     gpu = resolve_device(args.device) if device_type(args.device) == "cuda" else None
     channels, size = input_shape(args.model, args.image_size)
+    check_image_input(args.model, args.batch_size, channels, size)  # a size the model cannot take: one line, now
     reference = build_model(args.model, num_classes=10, in_channels=channels)
     generator = torch.Generator().manual_seed(args.seed)
     batches = [(torch.randn(args.batch_size, channels, size, size, generator=generator),
