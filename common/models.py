@@ -132,6 +132,11 @@ def check_image_input(name: str, batch_size: int, in_channels: int, image_size: 
                         f"{str(err).splitlines()[0]} (choose another --image-size)") from None
 
 
+def logits(output: torch.Tensor | tuple) -> torch.Tensor:
+    """A classifier's class scores: GoogLeNet and Inception, training, return their auxiliary classifiers' too."""
+    return output.logits if hasattr(output, "logits") else output
+
+
 def input_shape(name: str, image_size: int) -> tuple[int, int]:
     """(channels, side) of the square images model ``name`` takes: the MNIST CNN always 1 x 28 x 28
     (its classifier is sized for it), any other model 3 channels of ``image_size``."""

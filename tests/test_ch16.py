@@ -265,6 +265,15 @@ def test_benchmark_of_a_model_that_cannot_take_the_image_size_is_one_line(tmp_pa
     assert "steps per device" not in captured.out and not (tmp_path / "r").exists()
 
 
+def test_benchmark_trains_a_model_with_auxiliary_outputs(tmp_path, capsys):
+    """googlenet (and inception_v3) return their auxiliary classifiers' outputs too while training: the step's
+    cross_entropy got GoogLeNetOutputs and ended in a TypeError traceback; it takes the main logits now."""
+    assert run_main(f"{CHAPTER}/benchmark_cpu_vs_gpu.py", ["--dry-run", "--device", "cpu", "--model", "googlenet",
+                                                           "--batch-size", "2", "--results-dir", str(tmp_path)]) == 0
+    record = only_record(tmp_path)
+    assert record["config"]["model"] == "googlenet" and record["metrics"]["step_time"]["median_s"] > 0
+
+
 @pytest.mark.parametrize("workers", [1, 0])
 def test_efficient_loading_measures_threads_and_loader_options(tmp_path, capsys, workers):
     """With --num-workers 0 no persistent_workers row runs, and the table said to compare it all the same."""

@@ -33,7 +33,7 @@ from common.cli import add_common_args, add_timing_args, apply_dry_run, config_d
 from common.runtime.device import configure_threads, describe, device_type, resolve_device, seed_everything
 from common.measure.energy import EnergyMeter
 from common.errors import run_main
-from common.models import add_image_model_args, build_model, check_image_input, input_shape
+from common.models import add_image_model_args, build_model, check_image_input, input_shape, logits
 from common.results import make_record, provenance, write_record
 from common.measure.timing import Heartbeat, StepTimer
 
@@ -53,7 +53,7 @@ def benchmark_training(model: torch.nn.Module, batches: list[tuple[torch.Tensor,
         with timer.step(samples=len(data)):
             data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(data), target)
+            loss = F.cross_entropy(logits(model(data)), target)  # googlenet, inception_v3: auxiliary outputs too
             loss.backward()
             optimizer.step()
         heartbeat(step + 1)

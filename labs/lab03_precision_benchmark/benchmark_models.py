@@ -46,11 +46,11 @@ from common.runtime.distributed import DistContext, init_distributed, teardown_d
 from common.measure.energy import EnergyMeter
 from common.errors import run_main
 from common.runtime.launch import detect_launch
-from common.models import build_model
+from common.models import build_model, logits
 from common.measure.timing import StepTimer, peak_memory, reset_peak_memory
 from labs.lab03_precision_benchmark.lab03_shared import (
     MAX_SKIPPED_CHECK_STEPS, MOMENTUM, NUM_CLASSES, Output, add_benchmark_args, check_request, compare_losses,
-    compile_fresh, compile_outcome, count_flops, fixed_batch, logits, read_args, run_under_torchrun,
+    compile_fresh, compile_outcome, count_flops, fixed_batch, read_args, run_under_torchrun,
 )
 
 #: Precisions that cast the whole model; the others keep float32 weights.

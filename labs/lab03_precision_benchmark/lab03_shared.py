@@ -46,7 +46,7 @@ from common.atomic import write_text_atomic
 from common.cli import (BENCHMARK_MODES as MODES, BENCHMARK_PRECISIONS as PRECISIONS, add_former_names, add_run_args,
                         config_dict, non_negative_int, output_dir, positive_float, positive_int, unknown_names)
 from common.errors import UserError
-from common.models import build_model, zoo_models
+from common.models import build_model, logits, zoo_models
 from common.runtime.device import describe, resolve_device
 from common.runtime.machine import cpu_description
 from common.train.amp import announce_bf16_emulation
@@ -297,11 +297,6 @@ def count_flops(model_name: str, batch_size: int, image_size: int) -> dict[str, 
         raise UserError(f"{model_name} cannot run on {image_size}x{image_size} images: "
                         f"{str(err).splitlines()[0]} (try --image-size 224)") from None
     return {"train": train.get_total_flops(), "inference": inference.get_total_flops()}
-
-
-def logits(output: Any) -> torch.Tensor:
-    """The class scores (GoogLeNet and Inception return extra auxiliary outputs while training)."""
-    return output.logits if hasattr(output, "logits") else output
 
 
 def launch_bound_line(rows: Sequence[Mapping[str, Any]], batch_size: int) -> str | None:
