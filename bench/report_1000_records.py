@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 _start_imports = time.perf_counter()
-from common.cli import one_line_errors, output_dir, positive_int
+from common.cli import one_line_errors, output_dir, positive_int, seed_int
 from common.errors import run_main
 from common.report import build_report
 from common.results import make_record, write_record
@@ -74,7 +74,8 @@ def synthetic_record(rng: random.Random) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = one_line_errors(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--records", type=positive_int, default=1000, help="records to generate (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the synthetic data (default: %(default)s)")
+    parser.add_argument("--seed", type=seed_int, default=0,
+                        help="random seed of the synthetic data (default: %(default)s)")
     parser.add_argument("--no-plots", dest="plots", action="store_false", help="time without plots (default: plots on)")
     parser.add_argument("--keep", type=output_dir, default=None,
                         help="write records and report into this (empty) folder and keep them (default: a temp folder)")

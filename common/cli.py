@@ -49,6 +49,14 @@ def positive_int(text: str) -> int:
     return _whole_number(text, 1)
 
 
+def seed_int(text: str) -> int:
+    """argparse type: a random seed, as ``torch.manual_seed`` takes one (64 bits; a negative one counts from 2**64)."""
+    value = _whole_number(text, -2**63)
+    if value >= 2**64:
+        raise argparse.ArgumentTypeError(f"must be at most 2**64 - 1 ({2**64 - 1}), got {value}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     return _whole_number(text, 0)
@@ -113,7 +121,7 @@ def _usable_place(path: Path, *, folder: bool) -> Path:
 def input_dir(text: str) -> Path:
     """argparse type: a folder the run reads. A file there is an error line; a folder that does not
     exist is left to the script, which says what belongs in it (a data set, records)."""
-    path = Path(text).expanduser()
+    path = _given_path(text, "folder")
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{path} is a file, expected a folder")
     return path
@@ -122,7 +130,7 @@ def input_dir(text: str) -> Path:
 def input_file(text: str) -> Path:
     """argparse type: a file the run reads. A folder there is an error line; a missing file is left to
     the script, which says where it comes from."""
-    path = Path(text).expanduser()
+    path = _given_path(text, "file")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{path} is a folder, expected a file")
     return path
@@ -131,7 +139,7 @@ def input_file(text: str) -> Path:
 def input_path(text: str) -> Path:
     """argparse type: a file or a folder the run reads, either being right (``render_sbatch.py``'s
     templates: one file, or with ``--all-sites`` folders of them); the script checks which it got."""
-    return Path(text).expanduser()
+    return _given_path(text, "file or folder")
 
 
 def from_here(path: Path) -> str:
@@ -141,15 +149,24 @@ def from_here(path: Path) -> str:
     return os.path.relpath(path) if here == repository or repository in here.parents else str(Path(path).resolve())
 
 
+def _given_path(text: str, what: str) -> Path:
+    """``text`` as a path; an empty one (``--results-dir ""``, a variable that was not set) is an error line, not the
+    current folder, which is what ``Path("")`` means."""
+    if not text.strip():
+        here = " ('.' for the current one)" if what == "folder" else ""
+        raise argparse.ArgumentTypeError(f"an empty path: give a {what}{here}")
+    return Path(text).expanduser()
+
+
 def output_dir(text: str) -> Path:
     """argparse type: a folder the run can write into (checked before anything runs; nothing created)."""
-    return _usable_place(Path(text).expanduser(), folder=True)
+    return _usable_place(_given_path(text, "folder"), folder=True)
 
 
 def output_file(text: str) -> Path:
     """argparse type: a file path the run can write (checked before anything runs; nothing created)."""
     _no_folder_slash(text)
-    return _usable_place(Path(text).expanduser(), folder=False)
+    return _usable_place(_given_path(text, "file path"), folder=False)
 
 
 def _no_folder_slash(text: str) -> None:
@@ -162,7 +179,7 @@ def output_file_or_name(text: str) -> Path:
     """argparse type: a file path the run can write, as :func:`output_file`, or a bare file name, which the script
     places elsewhere and checks there (the report puts ``r.html`` into RESULTS_DIR, not where it was typed)."""
     _no_folder_slash(text)
-    path = Path(text).expanduser()
+    path = _given_path(text, "file name or path")
     return path if len(path.parts) == 1 and path.name not in (".", "..") else output_file(text)
 
 
@@ -266,7 +283,7 @@ def add_run_args(
         group.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                            help="where to run: auto picks cuda when a GPU is visible (default: %(default)s)")
     if seed is not None:
-        group.add_argument("--seed", type=int, default=seed, help="random seed (default: %(default)s)")
+        group.add_argument("--seed", type=seed_int, default=seed, help="random seed (default: %(default)s)")
     if dry_run is not None:
         group.add_argument("--dry-run", action="store_true", help=f"{dry_run} (default: off)")
     group.add_argument("--results-dir", type=output_dir, default=results_dir,

@@ -30,7 +30,8 @@ from typing import Any, Iterator
 
 import torch
 
-from common.cli import add_former_names, add_timing_args, config_dict, output_dir, positive_int, script_parser
+from common.cli import (add_former_names, add_timing_args, config_dict, output_dir, positive_int, script_parser,
+                        seed_int)
 from common.runtime.device import configure_threads, describe, resolve_device, seed_everything
 from common.measure.energy import EnergyMeter
 from common.errors import UserError, run_main
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The shared flags that apply here (common.cli.add_common_args would add training flags too).
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run: auto picks cuda when a GPU is visible (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=1, help="random seed (default: %(default)s)")
+    parser.add_argument("--seed", type=seed_int, default=1, help="random seed (default: %(default)s)")
     parser.add_argument("--results-dir", type=output_dir, default="results",
                         help="folder where the result record is written (default: %(default)s)")
     return parser
