@@ -225,6 +225,12 @@ def training_metrics(*, train_loss: list[float], loss_at_step: list[float], epoc
     return metrics
 
 
+def new_run_id(now: _dt.datetime | None = None) -> str:
+    """A run's id, ``YYYYmmddTHHMMSS-<8 hex>`` (UTC), unique per run."""
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    return f"{now:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+
+
 def make_record(
     *,
     lab: str,
@@ -236,8 +242,12 @@ def make_record(
     status: str = "ok",
     notes: Iterable[str] = (),
     energy: Mapping[str, Any] | None = None,
+    run_id: str | None = None,
 ) -> dict[str, Any]:
     """Build a record dictionary in the current schema (see ``docs/results-schema.md``).
+
+    ``run_id`` is :func:`new_run_id`'s, made here unless the run needed it earlier (a file of its own named after
+    it, such as a profiler's trace).
 
     ``energy`` is what ``common.measure.energy.EnergyMeter.result()`` measured over the run's timed region;
     without it the record says energy was not measured (never a guessed number). A ``provenance``
@@ -256,7 +266,7 @@ def make_record(
     return _json_safe({
         "schema": SCHEMA_NAME,
         "schema_version": SCHEMA_VERSION,
-        "run_id": f"{now:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}",
+        "run_id": run_id or new_run_id(now),
         "created": now.isoformat(timespec="seconds"),
         "lab": lab,
         "script": script,

@@ -186,6 +186,19 @@ def test_profiling_exports_a_valid_trace_with_events(tmp_path, capsys, monkeypat
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_profiling_run_twice_into_one_folder_keeps_each_record_s_own_trace(tmp_path, capsys):
+    """Two runs (1, then 2 iterations) into one folder: the second replaced ch16_profile_trace.json, so the first
+    record's trace_file named the second run's trace."""
+    for repeats in ("1", "2"):
+        assert run_main(f"{CHAPTER}/profiling.py", ["--device", "cpu", "--model", "mnist_cnn", "--batch-size", "2",
+                                                    "--repeats", repeats, "--results-dir", str(tmp_path)]) == 0
+    runs = [json.loads(path.read_text()) for path in tmp_path.glob("ch16_torch-profiler_*.json")]
+    assert sorted(run["metrics"]["iterations"] for run in runs) == [1, 2]
+    for run in runs:
+        events = json.loads(Path(run["metrics"]["trace_file"]).read_text())["traceEvents"]
+        assert run["metrics"]["trace_events"] == len(events)
+
+
 def test_profiling_table_and_record_list_the_same_top_operators(tmp_path, capsys):
     """The record's top operators (and its sorted_by) are the table's rows, not another ranking."""
     status = run_main(f"{CHAPTER}/profiling.py", ["--device", "cpu", "--model", "mnist_cnn", "--batch-size", "4",

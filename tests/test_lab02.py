@@ -288,6 +288,21 @@ def test_profile_trace_s_two_readme_runs_keep_both_timelines(tmp_path, capsys):
     assert len(loaded.records) == 2 and loaded.errors == []
 
 
+def test_profile_trace_run_twice_into_one_folder_keeps_each_record_s_own_trace(tmp_path, capsys):
+    """The same command twice (here 1, then 2 recorded steps) into one folder, to compare the runs: the second run
+    replaced lab02_tensor_trace.json, so the first record's trace_file named the second run's timeline."""
+    for active in ("1", "2"):
+        assert run_main(f"{LAB}/profile_trace.py", ["--device", "cpu", "--pipeline", "tensor", "--num-workers", "0",
+                                                    "--wait", "0", "--warmup", "0", "--active", active,
+                                                    "--results-dir", str(tmp_path)]) == 0
+    runs = records(tmp_path, "lab02_torch-profiler-*.json")
+    assert sorted(run["metrics"]["profiled_steps"] for run in runs) == [1, 2]
+    for run in runs:
+        events = json.loads(Path(run["metrics"]["trace_file"]).read_text())["traceEvents"]
+        assert run["metrics"]["trace_events"] == len(events)
+        assert sum(event.get("name") == "forward" for event in events) == run["metrics"]["profiled_steps"]
+
+
 def test_data_pipeline_benchmark_dry_run_writes_three_records(tmp_path, capsys):
     assert run_main("bench/data_pipeline.py", ["--device", "cpu", "--dry-run", "--results-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -34,9 +34,9 @@ from common.runtime.device import configure_threads, describe, resolve_device, s
 from common.measure.energy import EnergyMeter
 from common.errors import run_main
 from common.models import add_image_model_args, build_model, input_shape
-from common.measure.profiling import add_trace_args, self_time_key, top_operators, write_trace
+from common.measure.profiling import add_trace_args, self_time_key, top_operators, trace_path, write_trace
 from common.measure.timing import Heartbeat
-from common.results import make_record, provenance, write_record
+from common.results import make_record, new_run_id, provenance, write_record
 
 SCRIPT = "chapters/ch16_gpu_distributed/profiling.py"
 
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "--iterations")
     parser.add_argument("--with-stack", action="store_true",
                         help="record Python stacks (larger trace, slower) (default: off)")
-    add_trace_args(parser, row_limit=10, trace="ch16_profile_trace.json")
+    add_trace_args(parser, row_limit=10, trace="ch16_profile_RUNID_trace.json")
     add_common_args(parser, batch_size=32, epochs_and_steps=False, data=False)  # random images, --repeats steps
     return parser
 
@@ -65,8 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     channels, size = input_shape(args.model, args.image_size)  # MnistNet's classifier is sized for 28x28
     model = build_model(args.model, num_classes=10, in_channels=channels).to(device)
     data = torch.randn(args.batch_size, channels, size, size, device=device)
-    trace = args.trace or args.results_dir / "ch16_profile_trace.json"
-    trace.parent.mkdir(parents=True, exist_ok=True)
+    run_id = new_run_id()
+    trace = trace_path(args.trace, args.results_dir, "ch16_profile", run_id)
     print(f"device {describe(device)} | model {args.model} | input {args.batch_size}x{channels}x{size}x{size} | "
           f"{args.repeats} iterations | threads {threads}", flush=True)
 
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     record = make_record(lab="ch16", script=SCRIPT, method="torch-profiler",
                          config=config_dict(args, resolved_device=str(device), threads=threads),
                          metrics=metrics, provenance=provenance(device),
-                         energy=meter.result(samples=args.repeats * args.batch_size))
+                         energy=meter.result(samples=args.repeats * args.batch_size), run_id=run_id)
     print(f"record: {write_record(record, args.results_dir)}")
     return 0
 

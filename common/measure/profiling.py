@@ -19,15 +19,28 @@ import torch
 from common.atomic import atomic_path
 from common.cli import output_file, positive_int
 
-__all__ = ["add_trace_args", "self_time_key", "top_operators", "write_trace"]
+__all__ = ["add_trace_args", "self_time_key", "top_operators", "trace_path", "write_trace"]
 
 
 def add_trace_args(parser: argparse.ArgumentParser, *, row_limit: int, trace: str) -> None:
-    """``--row-limit`` (operators in the table and the record) and ``--trace`` (default ``RESULTS_DIR/trace``)."""
+    """``--row-limit`` (operators in the table and the record) and ``--trace`` (default ``RESULTS_DIR/trace``, the
+    name :func:`trace_path` gives)."""
     parser.add_argument("--row-limit", type=positive_int, default=row_limit,
                         help="operators in the table and in the record (default: %(default)s)")
     parser.add_argument("--trace", type=output_file, default=None,
                         help=f"Chrome/Perfetto trace to write (default: RESULTS_DIR/{trace})")
+
+
+def trace_path(chosen: Path | None, results_dir: Path, stem: str, run_id: str) -> Path:
+    """The trace a run writes, its folder made: ``chosen`` (``--trace``), else
+    ``RESULTS_DIR/<stem>_<run_id>_trace.json``, ``run_id`` the one its record will carry.
+
+    The run's own id in the name: students profile twice into one folder and compare, and a fixed name let the
+    second run replace the trace that the first run's record names. The ``trace.json`` ending keeps record readers
+    (``common.results.load_records``) off it."""
+    trace = chosen or results_dir / f"{stem}_{run_id}_trace.json"
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    return trace
 
 
 def self_time_key(device: torch.device) -> str:

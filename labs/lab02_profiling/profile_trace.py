@@ -33,8 +33,8 @@ from common.runtime.device import configure_threads, describe, resolve_device, s
 from common.measure.energy import EnergyMeter
 from common.errors import run_main
 from common.models import MnistNet
-from common.measure.profiling import add_trace_args, self_time_key, top_operators, write_trace
-from common.results import make_record, provenance, write_record
+from common.measure.profiling import add_trace_args, self_time_key, top_operators, trace_path, write_trace
+from common.results import make_record, new_run_id, provenance, write_record
 
 SCRIPT = "labs/lab02_profiling/profile_trace.py"
 REGIONS = ("data loading", "copy to device", "forward", "backward", "optimizer step")
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=non_negative_int, default=1,
                         help="steps traced and discarded (default: %(default)s)")
     parser.add_argument("--active", type=positive_int, default=5, help="steps recorded (default: %(default)s)")
-    add_trace_args(parser, row_limit=15, trace="lab02_PIPELINE_trace.json")
+    add_trace_args(parser, row_limit=15, trace="lab02_PIPELINE_RUNID_trace.json")
     add_common_args(parser, batch_size=64, num_workers=1, epochs_and_steps=False)  # --wait, --warmup, --active
     return parser
 
@@ -77,8 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    seed=args.seed)
     model = MnistNet().to(device)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    trace = args.trace or args.results_dir / f"lab02_{args.pipeline}_trace.json"  # both kept; *trace.json: no record
-    trace.parent.mkdir(parents=True, exist_ok=True)
+    run_id = new_run_id()
+    trace = trace_path(args.trace, args.results_dir, f"lab02_{args.pipeline}", run_id)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     print(f"device {describe(device)} | pipeline {args.pipeline} | workers {args.num_workers} | "
           f"batch {args.batch_size} | profiling steps {args.wait + 1}..{args.wait + args.warmup + args.active}, "
@@ -132,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     record = make_record(lab="lab02", script=SCRIPT, method=f"torch-profiler-{args.pipeline}",
                          config=config_dict(args, resolved_device=str(device), model="mnist_cnn", threads=threads),
                          metrics=metrics, provenance=provenance(device),
-                         energy=meter.result(samples=(args.wait + args.warmup + args.active) * args.batch_size))
+                         energy=meter.result(samples=(args.wait + args.warmup + args.active) * args.batch_size),
+                         run_id=run_id)
     print(f"record: {write_record(record, args.results_dir)}")
     return 0
 
