@@ -18,17 +18,18 @@ progression from those records.
 
 Every step is a fresh process, as a student would run it. Before the first one starts, the sweep reads each
 step's flags with the training script's parser and checks its device and precision (the one time it imports
-torch): a setting no step could run is one line, with nothing written.
+torch): a setting no step could run is one line, with nothing written. Ctrl-C or SIGTERM (``scancel``, a time
+limit) stops the step that runs and removes its profile and the sweep's scratch folder; SIGTERM's line says what
+was kept.
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
+import signal
 import sys
 import tempfile
 import uuid
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -36,8 +37,8 @@ from typing import Any, Sequence
 from common.cli import apply_dry_run, command_flags, from_here, script_parser
 from common.errors import UserError, run_main
 from common.results import make_record, provenance, read_only_record, write_record
-from labs.lab02_profiling.lab02_shared import (TRAIN_SCRIPT, add_sweep_args, add_train_args, data_loading_share,
-                                               markdown_table)
+from labs.lab02_profiling.lab02_shared import (TRAIN_SCRIPT, Terminated, add_sweep_args, add_train_args,
+                                               data_loading_share, markdown_table, run_echoing, sigterm_raises)
 
 LAB_DIR = Path(__file__).resolve().parent
 TRAIN_PATH = LAB_DIR / "mnist_classify.py"
@@ -97,13 +98,7 @@ def run_step(step: Step, flags: list[str], lprof: Path, records_dir: Path) -> tu
     command = [sys.executable, "-m", "kernprof", "-l", "-o", str(lprof), str(TRAIN_PATH), *flags,
                *command_line({"method": step.name, "results_dir": records_dir})]
     print(f"\n== {step.name}: {step.change}\n$ {' '.join(command)}", flush=True)
-    tail: deque[str] = deque(maxlen=15)
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
-        assert process.stdout is not None
-        for line in process.stdout:
-            print(f"[{step.name}] {line}", end="", flush=True)
-            tail.append(line.rstrip())
-    return process.returncode, list(tail)
+    return run_echoing(command, step.name)
 
 
 def preflight(steps: list[tuple[Step, list[str]]]) -> None:
@@ -154,46 +149,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     baseline_rate = None
     failures = 0
-    with tempfile.TemporaryDirectory(prefix="lab02_sweep_") as scratch:
-        for step, flags in planned:
-            index = path.index(step)
-            lprof = profile_dir / f"{sweep_id}_{index:02d}_{step.name}.lprof"
-            records_dir = Path(scratch) / step.name
-            try:
-                status, tail = run_step(step, flags, lprof, records_dir)
-            except BaseException:  # Ctrl-C: kernprof wrote the profile of a step that did not finish
-                lprof.unlink(missing_ok=True)
-                raise
-            sweep_info = {"sweep_id": sweep_id, "index": index, "step": step.name, "change": step.change,
-                          "step_flags": command_line(dict(step.settings)), "flags": flags[len(shared):],
-                          "lprof": str(lprof), "script": SCRIPT}
-            if status == 2:  # the step refused its input in one line (above): every later step would refuse it too
-                lprof.unlink(missing_ok=True)  # a profile of nothing
-                raise UserError(f"step {step.name} stopped at its input (exit status 2); the steps after it were "
-                                "not started")
-            if status != 0:
-                failures += 1
-                print(f"step {step.name} failed with exit status {status}", file=sys.stderr, flush=True)
-                record = make_record(lab="lab02", script=TRAIN_SCRIPT, method=step.name,
-                                     config={"sweep": sweep_info, "model": "mnist_cnn", "flags": flags},
-                                     metrics={}, provenance=provenance(), status="failed",
-                                     notes=[f"exit status {status}", *tail])
-                write_record(record, args.results_dir)
-                continue
-            record = read_only_record(records_dir)
-            metrics = record["metrics"]
-            share = data_loading_share(lprof)
-            if step.name == "baseline":
-                baseline_rate = metrics["samples_per_s"]
-            speedup = metrics["samples_per_s"] / baseline_rate if baseline_rate else None
-            metrics.update({"data_loading_share": share, "speedup_vs_seed": speedup})
-            record["config"]["sweep"] = sweep_info  # config.line_profiler is true: all steps pay its overhead
-            written = write_record(record, args.results_dir)
-            rows.append({"step": step.name, "change": step.change, "time_per_epoch_s": metrics["time_per_epoch_s"],
-                         "samples_per_s": metrics["samples_per_s"], "speedup": speedup, "share": share,
-                         "regime": metrics.get("regime"), "test_accuracy": metrics.get("test_accuracy")})
-            print(f"== {step.name}: {metrics['time_per_epoch_s']:.2f} s/epoch, {metrics['samples_per_s']:.0f} "
-                  f"samples/s, data-loading line {share:.1%} of train() | record {written}", flush=True)
+    try:
+        with sigterm_raises(), tempfile.TemporaryDirectory(prefix="lab02_sweep_") as scratch:
+            for step, flags in planned:
+                index = path.index(step)
+                lprof = profile_dir / f"{sweep_id}_{index:02d}_{step.name}.lprof"
+                records_dir = Path(scratch) / step.name
+                try:
+                    status, tail = run_step(step, flags, lprof, records_dir)
+                except BaseException:  # Ctrl-C, SIGTERM: kernprof wrote the profile of a step that did not finish
+                    lprof.unlink(missing_ok=True)
+                    raise
+                sweep_info = {"sweep_id": sweep_id, "index": index, "step": step.name, "change": step.change,
+                              "step_flags": command_line(dict(step.settings)), "flags": flags[len(shared):],
+                              "lprof": str(lprof), "script": SCRIPT}
+                if status == 2:  # the step refused its input in one line (above): so would every later step
+                    lprof.unlink(missing_ok=True)  # a profile of nothing
+                    raise UserError(f"step {step.name} stopped at its input (exit status 2); the steps after it "
+                                    "were not started")
+                if status != 0:
+                    failures += 1
+                    print(f"step {step.name} failed with exit status {status}", file=sys.stderr, flush=True)
+                    record = make_record(lab="lab02", script=TRAIN_SCRIPT, method=step.name,
+                                         config={"sweep": sweep_info, "model": "mnist_cnn", "flags": flags},
+                                         metrics={}, provenance=provenance(), status="failed",
+                                         notes=[f"exit status {status}", *tail])
+                    write_record(record, args.results_dir)
+                    continue
+                record = read_only_record(records_dir)
+                metrics = record["metrics"]
+                share = data_loading_share(lprof)
+                if step.name == "baseline":
+                    baseline_rate = metrics["samples_per_s"]
+                speedup = metrics["samples_per_s"] / baseline_rate if baseline_rate else None
+                metrics.update({"data_loading_share": share, "speedup_vs_seed": speedup})
+                record["config"]["sweep"] = sweep_info  # config.line_profiler true: every step pays its overhead
+                written = write_record(record, args.results_dir)
+                rows.append({"step": step.name, "change": step.change, "speedup": speedup, "share": share,
+                             **{key: metrics.get(key) for key in ("time_per_epoch_s", "samples_per_s", "regime",
+                                                                  "test_accuracy")}})
+                print(f"== {step.name}: {metrics['time_per_epoch_s']:.2f} s/epoch, {metrics['samples_per_s']:.0f} "
+                      f"samples/s, data-loading line {share:.1%} of train() | record {written}", flush=True)
+    except Terminated:  # the step was stopped, its profile and the scratch folder removed
+        done = ", ".join(before.name for before, _ in planned[:planned.index((step, flags))]) or "none"
+        print(f"sweep {sweep_id}: stopped by SIGTERM during step {step.name} (removed); kept the records in "
+              f"{args.results_dir} and line profiles {profile_dir}/{sweep_id}_*.lprof of the steps before it: {done}",
+              file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
 
     print(f"\nsweep {sweep_id} ({args.dataset}, {args.epochs} epoch(s) per step; provisional on a shared machine)")
     print(markdown_table(rows))
