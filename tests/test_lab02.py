@@ -52,6 +52,19 @@ def test_kernprof_writes_a_profile_whose_table_names_the_lines_of_train(tmp_path
     assert record["config"]["line_profiler"] is True and record["method"] == "custom"
 
 
+@pytest.mark.parametrize("refused", [["--batch-size", "0"], ["--dataset", "mnist", "--data-dir", "absent"]])
+def test_kernprof_on_refused_input_writes_no_profile(tmp_path, refused):
+    """kernprof writes its .lprof however the script ends: a bad flag value (argparse's refusal, or one found after
+    parsing, a data set not there) left an empty profile beside the one error line."""
+    lprof = tmp_path / "run.lprof"
+    done = subprocess.run([str(KERNPROF), "-l", "-o", str(lprof), str(REPO / TRAIN), "--device", "cpu", *refused,
+                           "--results-dir", str(tmp_path / "results")],
+                          cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("pipeline,workers", [("pil", "1"), ("tensor", "0"), ("device", "0")])
 def test_runs_under_plain_python_with_each_pipeline(tmp_path, capsys, monkeypatch, pipeline, workers):
     script, modes = load_script(TRAIN), []  # the floors time a training step: dropout on, after test()'s eval()

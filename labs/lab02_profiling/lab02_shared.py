@@ -12,18 +12,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import linecache
+import os
 import signal
 import statistics
 import subprocess
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 from common.cli import (PIPELINES, add_common_args, add_dataset_args, add_former_names, add_log_interval_arg,
                         add_precision_arg, config_dict, output_dir, positive_int)
-from common.errors import UserError
+from common.errors import EXIT_USER_ERROR, UserError, run_main
 from common.train.flags import add_adadelta_args
 from common.results import make_record, provenance, write_record
 from common.units import format_bytes
@@ -80,6 +82,22 @@ def add_train_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "configuration, 'workers' for it with more than one worker, else 'custom')")
     add_common_args(parser, epochs=3, batch_size=64, min_workers=1)  # one core: the USC lab's one worker
     return parser
+
+
+def run_main_profiled(main: Callable[[Any], int | None]) -> NoReturn:
+    """``common.errors.run_main(main)``, but under kernprof a refused input (exit status 2) ends the process at
+    once, its one line flushed: kernprof writes its ``.lprof`` in a ``finally`` however the script ends, and a bad
+    flag value left a profile of nothing (refused input writes nothing)."""
+    from line_profiler import profile
+
+    try:
+        run_main(main)
+    except SystemExit as stop:
+        if stop.code == EXIT_USER_ERROR and profile.enabled:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_USER_ERROR)  # past kernprof's finally: no .lprof
+        raise
 
 
 def default_method(args) -> str:

@@ -45,11 +45,10 @@ from common.data import pipelines
 from common.cli import apply_dry_run, script_parser
 from common.runtime.device import configure_threads, resolve_device, seed_everything, set_launch_blocking, synchronize
 from common.measure.energy import EnergyMeter
-from common.errors import run_main
 from common.models import MnistNet
 from common.measure.timing import peak_memory, reset_peak_memory
 from labs.lab02_profiling.lab02_shared import (Epochs, add_train_args, flag_notes, measure_floors, print_header,
-                                              time_first_call, write_train_record)
+                                              run_main_profiled, time_first_call, write_train_record)
 
 
 @profile
@@ -210,4 +209,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main_profiled(main)
