@@ -80,6 +80,10 @@ def test_runs_under_plain_python_with_each_pipeline(tmp_path, capsys, monkeypatc
     assert status == 0 and modes == [True]
     out = capsys.readouterr().out
     assert "line profiler off" in out and "Train Epoch: 2" in out
+    # The header says how batches are made: the device pipeline has no DataLoader (it said "workers 0" here).
+    loader = "no DataLoader" if pipeline == "device" else f"workers {workers}"
+    assert f"| pipeline {pipeline} | {loader} | batch " in next(line for line in out.splitlines()
+                                                                if line.startswith("device "))
     (record,) = records(tmp_path)
     metrics = record["metrics"]
     assert record["lab"] == "lab02" and record["config"]["pipeline"] == pipeline
@@ -328,6 +332,9 @@ def test_profile_trace_s_two_readme_runs_keep_both_timelines(tmp_path, capsys):
                                                       "--wait", "0", "--warmup", "1", "--active", "1",
                                                       "--results-dir", str(tmp_path)])
         assert status == 0
+        header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("device "))
+        loader = "no DataLoader" if pipeline == "device" else "workers 0"  # the device run said "workers 0"
+        assert f"| pipeline {pipeline} | {loader} | batch " in header
     traces = {record["config"]["pipeline"]: Path(record["metrics"]["trace_file"])
               for record in records(tmp_path, "lab02_torch-profiler-*.json")}
     assert traces["pil"] != traces["device"] and all(path.is_file() for path in traces.values())

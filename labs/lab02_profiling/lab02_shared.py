@@ -127,12 +127,18 @@ def flag_notes(args: argparse.Namespace, device: Any) -> list[str]:
     return notes
 
 
+def batch_maker(args: argparse.Namespace) -> str:
+    """How batches are made, for a run's header: the DataLoader's workers, or ``no DataLoader`` for ``--pipeline
+    device`` (its header said "workers 2", the allocation's default, which nothing used)."""
+    return "no DataLoader" if args.pipeline == "device" else f"workers {args.num_workers}"
+
+
 def print_header(args: argparse.Namespace, device: Any, threads: int, sizes: tuple[int, int], *,
                  line_profiler: bool) -> None:
     from common.runtime.device import describe  # imports torch
 
     print(f"device {describe(device)} | data {args.dataset} train={sizes[0]} test={sizes[1]} | "
-          f"pipeline {args.pipeline} | workers {args.num_workers} | batch {args.batch_size} | "
+          f"pipeline {args.pipeline} | {batch_maker(args)} | batch {args.batch_size} | "
           f"precision {args.precision} | threads {threads} | line profiler {'on' if line_profiler else 'off'}",
           flush=True)
 

@@ -35,6 +35,7 @@ from common.errors import run_main
 from common.models import MnistNet
 from common.measure.profiling import add_trace_args, self_time_key, top_operators, trace_path, write_trace
 from common.results import make_record, new_run_id, provenance, write_record
+from labs.lab02_profiling.lab02_shared import batch_maker
 
 SCRIPT = "labs/lab02_profiling/profile_trace.py"
 REGIONS = ("data loading", "copy to device", "forward", "backward", "optimizer step")
@@ -80,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_id = new_run_id()
     trace = trace_path(args.trace, args.results_dir, f"lab02_{args.pipeline}", run_id)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    print(f"device {describe(device)} | pipeline {args.pipeline} | workers {args.num_workers} | "
+    print(f"device {describe(device)} | pipeline {args.pipeline} | {batch_maker(args)} | "
           f"batch {args.batch_size} | profiling steps {args.wait + 1}..{args.wait + args.warmup + args.active}, "
           f"recording the last {args.active}",
           flush=True)
