@@ -306,6 +306,20 @@ def test_profile_trace_writes_a_valid_trace_with_labelled_regions(tmp_path, caps
     assert record["metrics"]["trace_events"] == len(events)
 
 
+@pytest.mark.parametrize("script, flags", [
+    (TRAIN, ["--pipeline", "tensor", "--num-workers", "0", "--epochs", "1"]),
+    (f"{LAB}/profile_trace.py", ["--pipeline", "device", "--wait", "0", "--warmup", "0", "--active", "1"]),
+])
+def test_a_batch_larger_than_the_training_set_is_said_in_one_line(tmp_path, capsys, script, flags):
+    """--batch-size 2000 on digits' 1,438 training images: one short step per epoch, and the run said nothing."""
+    assert run_main(script, ["--device", "cpu", "--batch-size", "2000", *flags, "--results-dir", str(tmp_path)]) == 0
+    said = "--batch-size 2000 is larger than the training set (1438 samples): every step trains on those 1438, " \
+           "one step per epoch"
+    assert capsys.readouterr().out.count(f"note: {said}\n") == 1
+    (record,) = records(tmp_path, "lab02_[ct]*.json")  # lab02_custom_*, lab02_torch-profiler-*: not the trace
+    assert said in record["notes"]
+
+
 def test_profile_trace_named_gz_is_gzip_compressed(tmp_path):
     """torch's export_chrome_trace compresses a .gz path; --trace t.json.gz must be gzip too, whole, with its events
     counted in the record."""

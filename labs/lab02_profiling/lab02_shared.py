@@ -110,9 +110,21 @@ def default_method(args) -> str:
         current["num_workers"] > 1 else "custom"
 
 
-def flag_notes(args: argparse.Namespace, device: Any) -> list[str]:
-    """The flags that change nothing on this device or with these other flags, each printed as one note."""
+def batch_note(batch_size: int, train_size: int) -> str | None:
+    """The note for a batch larger than the training set (a run used to say nothing of its one short step), or
+    ``None``. Not refused: it is full-batch training, and a small ``--synthetic-size`` may well ask for it."""
+    if batch_size <= train_size:
+        return None
+    return f"--batch-size {batch_size} is larger than the training set ({train_size} samples): every step trains on " \
+           f"those {train_size}, one step per epoch"
+
+
+def flag_notes(args: argparse.Namespace, device: Any, train_size: int | None = None) -> list[str]:
+    """The flags that change nothing on this device or with these other flags (or, given ``train_size``, do less than
+    they say: :func:`batch_note`), each printed as one note."""
     notes = []
+    if train_size is not None and (too_large := batch_note(args.batch_size, train_size)):
+        notes.append(too_large)
     if args.launch_blocking and device.type != "cuda":
         notes.append("--launch-blocking changes nothing on a CPU: CPU operators already run synchronously")
     if args.pin_memory and device.type != "cuda":

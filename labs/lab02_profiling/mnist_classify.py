@@ -144,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(args.device)
     args.precision = amp.check_precision(args.precision, device)
     pin_memory = args.pin_memory and device.type == "cuda"  # pinning only speeds up copies to a GPU
-    notes = flag_notes(args, device)  # flags that change nothing here, each said once
     train_data, test_data = pipelines.load_uint8(args.dataset, args.data_dir, seed=args.seed,
                                                  synthetic_size=args.synthetic_size)
+    notes = flag_notes(args, device, len(train_data))  # flags that change nothing here (or less), each said once
     loader_options = dict(device=device, num_workers=args.num_workers, pin_memory=pin_memory,
                           persistent_workers=args.persistent_workers, prefetch_factor=args.prefetch_factor,
                           channels_last=args.channels_last)
