@@ -430,10 +430,6 @@ def test_preamble_finds_the_repository_root_from_a_folder_inside_it(tmp_path):
         # Zero is no limit to Slurm (--time=0) and all of the node's memory (--mem=0): past what the site allows.
         ("carc-discovery", ["time=0"], "time: '0' is no time limit to Slurm"),
         ("generic", ["mem=0G"], "mem: '0G' asks Slurm for all of each node's memory"),
-        # sbatch reads whole numbers only: --mem=1.5G and --mem=32B are "Invalid --mem specification" at submission
-        ("generic", ["mem=1.5G"], "mem: '1.5G' is not a size sbatch reads: a whole number, then K, M, G or T"),
-        ("generic", ["mem=32B"], "mem: '32B' is not a size sbatch reads"),
-        ("generic", ["mem=32 G"], "mem: '32 G' is not a size sbatch reads"),
         ("generic", ["ntasks_per_node=gpu"], "ntasks_per_node must be a whole number >= 1 or gpus (one process per "
                                              "GPU), got 'gpu'"),
         # sbatch splits an #SBATCH line into words: "my logs/%j.out" would log to "my" and pass "logs/%j.out" on.
@@ -448,6 +444,13 @@ def test_impossible_requests_fail_with_one_clear_line(site, settings, expected):
     assert expected in message
     assert "\n" not in message
     assert message.startswith("slurm/examples/hello.sbatch.j2 for site ")
+
+
+@pytest.mark.parametrize("mem", ["1.5G", "32B", "32 G"])
+def test_a_memory_size_sbatch_cannot_read_is_refused(mem):
+    """sbatch reads whole numbers only: --mem=1.5G and --mem=32B are "Invalid --mem specification" at submission."""
+    with pytest.raises(UserError, match=f"mem: '{mem}' is not a size sbatch reads: a whole number, then K, M, G or T"):
+        render_text(HELLO, "generic", f"mem={mem}")
 
 
 def test_command_line_error_is_one_line_and_exit_2(tmp_path):
