@@ -4,25 +4,33 @@ Scripts raise :class:`UserError` for anything the user can fix (a flag, a path, 
 set) and wrap their entry point with :func:`run_main`, which prints ``error: <message>`` on
 stderr and exits with status 2. Running out of memory (CUDA's or the CPU's allocator) is one line
 too, exit 1. A run that stopped on purpose (:class:`Stopped`: pre-empted, its checkpoint saved)
-exits 0. Bugs still raise normally so they keep their tracebacks.
+exits 0. Bugs still raise normally so they keep their tracebacks. A script that runs others one after another (Lab-02's
+sweep, Lab-05's study) runs each with :func:`run_echoing` inside :func:`sigterm_raises`, so that Ctrl-C or SIGTERM
+stops the child with it and the script can clean up and say what it kept.
 
 This module must not import torch: the report tool and the test suite use it too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import os
 import re
+import signal
+import subprocess
 import sys
-from typing import Callable, NoReturn, Sequence
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 from common.units import format_bytes
 
 EXIT_USER_ERROR = 2
 EXIT_OUT_OF_MEMORY = 1
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a shell reports a process that SIGTERM ended
 #: How the CPU's allocator says it could not allocate (a RuntimeError; CUDA's is torch.OutOfMemoryError).
 CPU_ALLOCATION_FAILED = "DefaultCPUAllocator: can't allocate memory"
 
@@ -46,6 +54,44 @@ def first_rank() -> bool:
 class Stopped(Exception):
     """A run that stopped on purpose and exits 0: pre-empted, its checkpoint saved (the code that stopped it
     has said so), so that Slurm's requeue or the next link of a chain resumes it."""
+
+
+class Terminated(BaseException):
+    """SIGTERM (``kill``, ``scancel``, a job's time limit) reached a script inside :func:`sigterm_raises`: raised where
+    it was, so that the script stops its child and cleans up as after Ctrl-C (a BaseException: no ``except
+    Exception`` takes it for a child's failure)."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While inside, SIGTERM raises :class:`Terminated`. Its default ends the process at once, which left a
+    script's scratch folder in /tmp and the child it ran (a sweep's step, a study's point) running on alone."""
+    def stop(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_echoing(command: list[str], tag: str, *, env: dict[str, str] | None = None,
+                cwd: Path | None = None) -> tuple[int, list[str]]:
+    """Run ``command``, echoing its output under ``[tag]``; its exit status and last lines. Whatever stops the caller
+    meanwhile (Ctrl-C, :class:`Terminated`) stops the command too, and is raised once it has ended."""
+    tail: deque[str] = deque(maxlen=15)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          cwd=cwd) as process:
+        assert process.stdout is not None
+        try:
+            for line in process.stdout:
+                print(f"[{tag}] {line}", end="", flush=True)
+                tail.append(line.rstrip())
+        except BaseException:
+            process.terminate()  # the with waits for it; a job's end may have sent it SIGTERM already: no harm
+            raise
+    return process.returncode, list(tail)
 
 
 def fail(message: str) -> NoReturn:
@@ -92,6 +138,9 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
+    except Terminated:  # inside sigterm_raises, whose child has been stopped
+        print("terminated (SIGTERM)", file=sys.stderr, flush=True)
+        sys.exit(EXIT_TERMINATED)
     except OSError as err:
         if err.errno != errno.ENAMETOOLONG:
             raise

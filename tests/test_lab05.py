@@ -389,6 +389,35 @@ def test_scaling_study_writes_strong_and_weak_points_at_one_and_two_processes(ru
     assert runs["outputs"]["scaling"].count("torch.distributed.run --standalone --nproc_per_node=2") == 2
 
 
+def test_the_study_sent_sigterm_stops_its_point_and_removes_its_scratch_folder(tmp_path):
+    """``kill`` or a job's time limit (SIGTERM) while a point trains: the study used to die at once, its
+    /tmp/lab05_scaling_* folder left behind and the point training on alone. Now the point is stopped and reaped,
+    the folder removed, and the study says so (exit 143)."""
+    import signal
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    command = [PYTHON, str(REPO / SCALING), "--device", "cpu", "--processes", "1", "--modes", "strong", "--epochs",
+               "1000", "--dataset", "synthetic", "--image-size", "8", "--results-dir", str(tmp_path / "results")]
+    study = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=script_env(TMPDIR=str(scratch)), start_new_session=True)
+    try:
+        for line in study.stdout:
+            if line.startswith("[1p strong] "):  # the point's own first line: it trains now
+                break
+        (point,) = Path(f"/proc/{study.pid}/task/{study.pid}/children").read_text().split()
+        assert len(list(scratch.glob("lab05_scaling_*"))) == 1
+        study.send_signal(signal.SIGTERM)  # the study alone, as `kill PID` sends it
+        err = study.communicate(timeout=120)[1]
+        assert study.returncode == 128 + signal.SIGTERM, err
+        assert not Path(f"/proc/{point}").exists()  # the study waited for its point: ended and reaped
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever is left of the study and its point
+            os.killpg(study.pid, signal.SIGKILL)
+    assert err.strip().splitlines()[-1] == "terminated (SIGTERM)", err
+    assert not list(scratch.glob("lab05_scaling_*")) and not (tmp_path / "results").exists()
+
+
 def test_overlap_measures_exposed_communication_for_every_bucket_size(runs):
     (record,) = runs["records"]["overlap"]
     buckets = record["metrics"]["buckets"]

@@ -1,6 +1,6 @@
 """What Lab-02's scripts lean on and do not teach: their flags, the checks of flag combinations, the
-epochs' bookkeeping and the record of a training run; and, for ``sweep.py``, running a step (stopped with the
-sweep, SIGTERM included), the reading of a line profile and the table at the end.
+epochs' bookkeeping and the record of a training run; and, for ``sweep.py``, the reading of a line profile and the
+table at the end.
 
 The lessons stay in the scripts: ``mnist_classify.py``'s ``train()`` (the loop kernprof profiles),
 ``test()``, the data pipeline, the CUDA graph and the floors; ``sweep.py``'s optimisation path and
@@ -10,18 +10,14 @@ the kernprof run of every step. Nothing here imports torch.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import linecache
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, Callable, NoReturn
 
 from common.cli import (PIPELINES, add_common_args, add_dataset_args, add_former_names, add_log_interval_arg,
                         add_precision_arg, config_dict, output_dir, positive_int)
@@ -283,41 +279,6 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="where the .lprof of every step is kept (default: RESULTS_DIR/lab02_lprof)")
     add_common_args(parser, epochs=3, batch_size=64, min_workers=1)  # the workers step: never fewer than baseline's
     return parser
-
-
-class Terminated(BaseException):
-    """SIGTERM (``kill``, ``scancel``, a job's time limit) reached the sweep: raised where it was, so that it stops
-    its step and cleans up as after Ctrl-C (a BaseException: no ``except Exception`` takes it for a step's failure)."""
-
-
-@contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """While inside, SIGTERM raises :class:`Terminated`. Its default ends the process at once, and the sweep then
-    left its scratch folder in /tmp and its kernprof step running on alone."""
-    def stop(signum: int, frame: Any) -> None:
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def run_echoing(command: list[str], tag: str) -> tuple[int, list[str]]:
-    """Run ``command``, echoing its output under ``[tag]``; its exit status and last lines. Whatever stops the sweep
-    meanwhile (Ctrl-C, :class:`Terminated`) stops the command too, and is raised once it has ended."""
-    tail: deque[str] = deque(maxlen=15)
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
-        assert process.stdout is not None
-        try:
-            for line in process.stdout:
-                print(f"[{tag}] {line}", end="", flush=True)
-                tail.append(line.rstrip())
-        except BaseException:
-            process.terminate()  # the with waits for it; a job's end may have sent it SIGTERM already: no harm
-            raise
-    return process.returncode, list(tail)
 
 
 def data_loading_share(lprof_path: str | Path, function: str = "train") -> float:

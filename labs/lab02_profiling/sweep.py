@@ -26,7 +26,6 @@ was kept.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import tempfile
 import uuid
@@ -35,10 +34,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from common.cli import apply_dry_run, command_flags, from_here, script_parser
-from common.errors import UserError, run_main
+from common.errors import EXIT_TERMINATED, Terminated, UserError, run_echoing, run_main, sigterm_raises
 from common.results import make_record, provenance, read_only_record, write_record
-from labs.lab02_profiling.lab02_shared import (TRAIN_SCRIPT, Terminated, add_sweep_args, add_train_args,
-                                               data_loading_share, markdown_table, run_echoing, sigterm_raises)
+from labs.lab02_profiling.lab02_shared import (TRAIN_SCRIPT, add_sweep_args, add_train_args, data_loading_share,
+                                               markdown_table)
 
 LAB_DIR = Path(__file__).resolve().parent
 TRAIN_PATH = LAB_DIR / "mnist_classify.py"
@@ -195,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sweep {sweep_id}: stopped by SIGTERM during step {step.name} (removed); kept the records in "
               f"{args.results_dir} and line profiles {profile_dir}/{sweep_id}_*.lprof of the steps before it: {done}",
               file=sys.stderr, flush=True)
-        return 128 + signal.SIGTERM
+        return EXIT_TERMINATED
 
     print(f"\nsweep {sweep_id} ({args.dataset}, {args.epochs} epoch(s) per step; provisional on a shared machine)")
     print(markdown_table(rows))

@@ -36,16 +36,14 @@ import importlib
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import uuid
-from collections import deque
 from pathlib import Path
 from typing import Sequence
 
 from common.cli import apply_dry_run, command_flags, script_parser
-from common.errors import FlagError, UserError, run_main
+from common.errors import FlagError, UserError, run_echoing, run_main, sigterm_raises
 from common.results import read_only_record, write_record
 from labs.lab05_scaling.lab05_shared import (REPO, STUDY_SETS, TRAINING, TRAINING_MODULE, Allocation, add_study_args,
                                              check_points, check_training_input, current_allocation, nodes_for,
@@ -89,14 +87,7 @@ def training_flags(args: argparse.Namespace, batch_size: int, records: Path, che
 def run_point(command: list[str], tag: str, env: dict[str, str]) -> tuple[int, list[str]]:
     """Run one point, echoing its output with a tag; return its exit status and last lines."""
     print(f"\n== {tag}\n$ {shlex.join(command)}", flush=True)
-    tail: deque[str] = deque(maxlen=15)
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                          cwd=REPO) as process:
-        assert process.stdout is not None
-        for line in process.stdout:
-            print(f"[{tag}] {line}", end="", flush=True)
-            tail.append(line.rstrip())
-    return process.returncode, list(tail)
+    return run_echoing(command, tag, env=env, cwd=REPO)  # Ctrl-C or SIGTERM stops the point too
 
 
 def point_environment() -> dict[str, str]:
@@ -158,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"scaling study {study['id']}: points {points}, modes {', '.join(modes)}, {allocation.what}; "
           f"strong: global batch {args.global_batch_size}, weak: {args.batch_size} per process", flush=True)
     failures, written = 0, []
-    with tempfile.TemporaryDirectory(prefix="lab05_scaling_") as scratch:
+    with sigterm_raises(), tempfile.TemporaryDirectory(prefix="lab05_scaling_") as scratch:  # SIGTERM: both go too
         for processes in points:
             nodes = nodes_for(processes, allocation)
             batches = {mode: per_process_batch(mode, processes, args.batch_size, args.global_batch_size)
