@@ -287,6 +287,22 @@ def test_benchmark_trains_a_model_with_auxiliary_outputs(tmp_path, capsys):
     assert record["config"]["model"] == "googlenet" and record["metrics"]["step_time"]["median_s"] > 0
 
 
+def test_efficient_loading_prints_each_loader_setting_as_soon_as_it_is_measured(tmp_path, capsys, monkeypatch):
+    """Part 3 said nothing until every setting was measured (minutes with many workers on a loaded machine)."""
+    from common.data import pipelines
+
+    printed_before, make_loader = [], pipelines.make_loader
+
+    def recording(*args, **kwargs):  # when a setting's loader is made, count the rows printed so far
+        printed_before.append(capsys.readouterr().out.count("samples/s in epoch 2)"))
+        return make_loader(*args, **kwargs)
+
+    monkeypatch.setattr(pipelines, "make_loader", recording)
+    assert run_main(f"{CHAPTER}/efficient_loading.py", ["--device", "cpu", "--dry-run", "--num-workers", "0",
+                                                        "--batch-size", "512", "--results-dir", str(tmp_path)]) == 0
+    assert printed_before == [0, 1]  # the first setting's line was out before the second setting started
+
+
 @pytest.mark.parametrize("workers", [1, 0])
 def test_efficient_loading_measures_threads_and_loader_options(tmp_path, capsys, workers):
     """With --num-workers 0 no persistent_workers row runs, and the table said to compare it all the same."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -100,8 +100,9 @@ def cudnn_benchmark(device: torch.device, batch_size: int, steps: int) -> list[d
     return rows
 
 
-def loader_options(device: torch.device, batch_size: int, max_workers: int) -> list[dict[str, Any]]:
-    """Seconds to draw every batch of the digits set, twice (two epochs), with several loader settings."""
+def loader_options(device: torch.device, batch_size: int, max_workers: int) -> Iterator[dict[str, Any]]:
+    """Seconds to draw every batch of the digits set, twice (two epochs), with several loader settings: a row per
+    setting, each as soon as it is measured."""
     train, _ = pipelines.load_uint8("digits", ".")  # bundled: no folder is read
     settings = [{"num_workers": 0}, {"num_workers": 1}]
     if max_workers > 1:
@@ -111,7 +112,6 @@ def loader_options(device: torch.device, batch_size: int, max_workers: int) -> l
     if device.type == "cuda" and max_workers >= 1:
         settings.append({"num_workers": max_workers, "persistent_workers": True, "prefetch_factor": 4,
                          "pin_memory": True})
-    rows = []
     for options in settings:
         loader = pipelines.make_loader("pil", train, batch_size, shuffle=True, device=device, **options)
         epochs = []
@@ -122,10 +122,8 @@ def loader_options(device: torch.device, batch_size: int, max_workers: int) -> l
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             epochs.append(time.perf_counter() - start)
-        rows.append({**options, "epoch1_s": epochs[0], "epoch2_s": epochs[1],
-                     "samples_per_s_epoch2": len(train) / epochs[1]})
         del loader  # persistent workers end with their loader
-    return rows
+        yield {**options, "epoch1_s": epochs[0], "epoch2_s": epochs[1], "samples_per_s_epoch2": len(train) / epochs[1]}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,12 +157,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print("  skipped: cuDNN is NVIDIA's GPU library; a CPU run has nothing to tune")
 
-    print(f"\n3. DataLoader options, the USC lab's per-sample PIL pipeline on digits (batch {args.batch_size})")
-    loading = loader_options(device, args.batch_size, args.num_workers)
-    for row in loading:
+    print(f"\n3. DataLoader options, the USC lab's per-sample PIL pipeline on digits (batch {args.batch_size})",
+          flush=True)
+    loading = []
+    for row in loader_options(device, args.batch_size, args.num_workers):  # a line per setting as it is measured
+        loading.append(row)
         options = ", ".join(f"{key}={value}" for key, value in row.items() if not key.startswith(("epoch", "samples")))
         print(f"  {options:<75} epoch 1 {row['epoch1_s']:6.2f} s, epoch 2 {row['epoch2_s']:6.2f} s "
-              f"({row['samples_per_s_epoch2']:,.0f} samples/s in epoch 2)")
+              f"({row['samples_per_s_epoch2']:,.0f} samples/s in epoch 2)", flush=True)
     if any(row.get("persistent_workers") for row in loading):
         print("  (workers start again every epoch unless persistent_workers=True: compare the epoch-2 column)")
     else:  # --num-workers 0: the rows stop at one worker
