@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -193,6 +194,32 @@ def run_script(relpath: str, *args: str, cwd: Path | None = None, timeout: float
     command = [*(launcher or [PYTHON]), str(REPO / relpath), *args]
     return subprocess.run(command, cwd=cwd or REPO, env=env or script_env(), capture_output=True, text=True,
                           timeout=timeout)
+
+
+def terminate_while_child_runs(command: list[str], child_line: str, env: dict[str, str],
+                               while_running: Callable[[], object] = lambda: None) -> tuple[int, str, object]:
+    """Start ``command``, a script that runs another process; once a line starting with ``child_line`` (the child's own
+    output) is read, call ``while_running``, then send SIGTERM to the script alone, as ``kill PID`` does, and wait for
+    it. Its exit status, its stderr and what ``while_running`` returned; the child must have ended and been reaped by
+    then. Whatever is left of either is killed at the end (they run in a session of their own)."""
+    import contextlib
+    import signal
+
+    script = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              start_new_session=True)
+    try:
+        for line in script.stdout:
+            if line.startswith(child_line):  # the child trains now
+                break
+        (child,) = Path(f"/proc/{script.pid}/task/{script.pid}/children").read_text().split()
+        during = while_running()
+        script.send_signal(signal.SIGTERM)
+        err = script.communicate(timeout=120)[1]
+        assert not Path(f"/proc/{child}").exists(), f"the child {child} outlived the script: {err}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(script.pid, signal.SIGKILL)
+    return script.returncode, err, during
 
 
 def run_fresh(relpath: str, argv: list[str], timeout: float = 300) -> str:

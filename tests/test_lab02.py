@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import REPO, load_script, run_main, script_env
+from helpers import REPO, load_script, run_main, script_env, terminate_while_child_runs
 
 LAB = "labs/lab02_profiling"
 TRAIN = f"{LAB}/mnist_classify.py"
@@ -228,29 +228,14 @@ def test_sweep_sent_sigterm_stops_its_step_removes_its_scratch_folder_and_says_w
     """``kill`` or a job's time limit (SIGTERM) while a step trains: the sweep used to die at once, its
     /tmp/lab02_sweep_* folder left behind and its kernprof step training on alone. Now the step is stopped, the
     scratch folder and the unfinished step's profile removed, and one line says what was kept."""
-    import contextlib
-    import os
-    import signal
-
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     command = [sys.executable, str(REPO / LAB / "sweep.py"), "--device", "cpu", "--stages", "baseline",
                "--epochs", "1000", "--results-dir", str(tmp_path / "results")]
-    sweep = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=script_env(TMPDIR=str(scratch)), start_new_session=True)
-    try:
-        for line in sweep.stdout:
-            if line.startswith("[baseline] "):  # the step's own first line: it trains now
-                break
-        (step,) = Path(f"/proc/{sweep.pid}/task/{sweep.pid}/children").read_text().split()
-        assert len(list(scratch.glob("lab02_sweep_*"))) == 1
-        sweep.send_signal(signal.SIGTERM)  # the sweep alone, as `kill PID` sends it
-        err = sweep.communicate(timeout=120)[1]
-        assert sweep.returncode == 128 + signal.SIGTERM, err
-        assert not Path(f"/proc/{step}").exists()  # the sweep waited for its step: ended and reaped
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # whatever is left of the sweep and its step
-            os.killpg(sweep.pid, signal.SIGKILL)
+    status, err, running = terminate_while_child_runs(command, "[baseline] ", script_env(TMPDIR=str(scratch)),
+                                                      lambda: list(scratch.glob("lab02_sweep_*")))
+    assert len(running) == 1, running  # its scratch folder while the child ran
+    assert status == 143, err
     results = tmp_path / "results"
     assert re.fullmatch(rf"sweep (\w+): stopped by SIGTERM during step baseline \(removed\); kept the records in "
                         rf"{re.escape(str(results))} and line profiles {re.escape(str(results / 'lab02_lprof'))}/"

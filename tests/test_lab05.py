@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from common.runtime.launch import free_port
-from helpers import PYTHON, REPO, load_script, run_main, script_env
+from helpers import PYTHON, REPO, load_script, run_main, script_env, terminate_while_child_runs
 
 LAB = "labs/lab05_scaling"
 BENCH = f"{LAB}/01_allreduce_bench.py"
@@ -393,28 +393,14 @@ def test_the_study_sent_sigterm_stops_its_point_and_removes_its_scratch_folder(t
     """``kill`` or a job's time limit (SIGTERM) while a point trains: the study used to die at once, its
     /tmp/lab05_scaling_* folder left behind and the point training on alone. Now the point is stopped and reaped,
     the folder removed, and the study says so (exit 143)."""
-    import signal
-
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     command = [PYTHON, str(REPO / SCALING), "--device", "cpu", "--processes", "1", "--modes", "strong", "--epochs",
                "1000", "--dataset", "synthetic", "--image-size", "8", "--results-dir", str(tmp_path / "results")]
-    study = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=script_env(TMPDIR=str(scratch)), start_new_session=True)
-    try:
-        for line in study.stdout:
-            if line.startswith("[1p strong] "):  # the point's own first line: it trains now
-                break
-        (point,) = Path(f"/proc/{study.pid}/task/{study.pid}/children").read_text().split()
-        assert len(list(scratch.glob("lab05_scaling_*"))) == 1
-        study.send_signal(signal.SIGTERM)  # the study alone, as `kill PID` sends it
-        err = study.communicate(timeout=120)[1]
-        assert study.returncode == 128 + signal.SIGTERM, err
-        assert not Path(f"/proc/{point}").exists()  # the study waited for its point: ended and reaped
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # whatever is left of the study and its point
-            os.killpg(study.pid, signal.SIGKILL)
-    assert err.strip().splitlines()[-1] == "terminated (SIGTERM)", err
+    status, err, running = terminate_while_child_runs(command, "[1p strong] ", script_env(TMPDIR=str(scratch)),
+                                                      lambda: list(scratch.glob("lab05_scaling_*")))
+    assert len(running) == 1, running  # its scratch folder while the child ran
+    assert status == 143 and err.strip().splitlines()[-1] == "terminated (SIGTERM)", err
     assert not list(scratch.glob("lab05_scaling_*")) and not (tmp_path / "results").exists()
 
 
