@@ -206,3 +206,21 @@ def test_an_editors_hidden_files_beside_the_profiles_are_not_profiles(tmp_path):
     (tmp_path / ".#lab.yml").symlink_to("user@host.1234:1700000000")
     assert site_names(tmp_path) == ["lab"]
     assert list(load_sites(tmp_path)) == ["lab"]
+
+
+@pytest.mark.parametrize("empty", ["", " ''", " null"])
+def test_a_default_partition_left_empty_says_so_and_what_to_write(tmp_path, empty):
+    """`cpu:` with nothing after it was 'default_partitions.cpu is None, which is not in partitions'."""
+    (tmp_path / "lab.yaml").write_text(BASE.replace("default_partitions: {cpu: cpu, gpu: gpu}",
+                                                    f"default_partitions:\n  cpu:{empty}\n  gpu: gpu"))
+    with pytest.raises(UserError) as raised:
+        load_sites(tmp_path)
+    assert str(raised.value) == (f"{tmp_path / 'lab.yaml'}: default_partitions.cpu is empty: name the partition cpu "
+                                 "jobs get (partitions: cpu, gpu; a cluster without CPU nodes names its GPU partition)")
+
+
+def test_a_default_partition_that_is_not_a_partition_names_it(tmp_path):
+    (tmp_path / "lab.yaml").write_text(BASE.replace("{cpu: cpu,", "{cpu: cpus,"))
+    with pytest.raises(UserError, match=r"lab\.yaml: default_partitions\.cpu is 'cpus', which is not in partitions "
+                                        r"\(cpu, gpu\)$"):
+        load_sites(tmp_path)

@@ -439,8 +439,13 @@ def load_site(path: Path) -> Site:
         raise UserError(f"{where}: default_partitions must name a partition for cpu and for gpu jobs, e.g. "
                         f"{{cpu: cpu, gpu: gpu}} ({said}; a cluster without CPU nodes names its GPU partition for cpu)")
     for kind, name in defaults.items():
+        if name is None or name == "":  # `cpu:` with nothing after it: YAML reads null
+            raise UserError(f"{where}: default_partitions.{kind} is empty: name the partition {kind} jobs get "
+                            f"(partitions: {', '.join(partitions)}; a cluster without CPU nodes names its GPU "
+                            "partition)")
         if name not in partitions:
-            raise UserError(f"{where}: default_partitions.{kind} is {name!r}, which is not in partitions")
+            raise UserError(f"{where}: default_partitions.{kind} is {name!r}, which is not in partitions "
+                            f"({', '.join(partitions)})")
     if partitions[defaults["gpu"]].gpus_per_node == 0:
         raise UserError(f"{where}: default_partitions.gpu names {defaults['gpu']!r}, which has no GPUs")
     setup = _setup_lines(data.get("setup"), f"{where}: setup")
