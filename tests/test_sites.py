@@ -224,3 +224,15 @@ def test_a_default_partition_that_is_not_a_partition_names_it(tmp_path):
     with pytest.raises(UserError, match=r"lab\.yaml: default_partitions\.cpu is 'cpus', which is not in partitions "
                                         r"\(cpu, gpu\)$"):
         load_sites(tmp_path)
+
+
+def test_a_folder_named_like_a_profile_is_not_one(tmp_path):
+    """A folder lab2.yaml was listed as a site yet 'unknown site' to --site lab2 (and --list-sites failed: 'cannot
+    read it: Is a directory'); a folder old.yml was taken for a misnamed profile."""
+    write_profile(tmp_path)
+    (tmp_path / "lab2.yaml").mkdir()
+    (tmp_path / "old.yml").mkdir()
+    assert site_names(tmp_path) == ["lab"]
+    assert list(load_sites(tmp_path)) == ["lab"]
+    with pytest.raises(UserError, match=r"^unknown site 'lab2' \(known sites: lab; add slurm/sites/lab2\.yaml\)$"):
+        find_site("lab2", tmp_path)

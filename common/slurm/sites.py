@@ -472,9 +472,10 @@ def site_names(sites_dir: Path = SITES_DIR) -> list[str]:
     """The names of the profiles in ``sites_dir`` (their file names without .yaml), sorted. A ``NAME.yml`` there is
     one line asking for ``NAME.yaml``: left out, it would be missing from --list-sites, --all-sites and CI unnoticed.
     A name starting with ``.`` is an editor's, not a profile: Emacs links ``.#NAME.yaml`` to nowhere while a change to
-    NAME.yaml is unsaved, and every site list failed on it meanwhile."""
+    NAME.yaml is unsaved, and every site list failed on it meanwhile. A folder is not a profile either, whatever its
+    name (a link to nowhere stays in: its profile is missing, and loading it says so)."""
     def profiles(pattern: str) -> list[Path]:
-        return sorted(path for path in sites_dir.glob(pattern) if not path.name.startswith("."))
+        return sorted(path for path in sites_dir.glob(pattern) if not path.name.startswith(".") and not path.is_dir())
 
     misnamed = profiles("*.yml")
     if misnamed:
