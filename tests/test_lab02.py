@@ -303,6 +303,7 @@ def test_a_batch_larger_than_the_training_set_is_said_in_one_line(tmp_path, caps
     assert capsys.readouterr().out.count(f"note: {said}\n") == 1
     (record,) = records(tmp_path, "lab02_[ct]*.json")  # lab02_custom_*, lab02_torch-profiler-*: not the trace
     assert said in record["notes"]
+    assert record["energy"]["samples"] == 1438  # the samples drawn in the one step (profile_trace.py said 2000)
 
 
 def test_profile_trace_named_gz_is_gzip_compressed(tmp_path):

@@ -98,11 +98,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = endless(loader)
     model.train()
     steps = schedule(wait=args.wait, warmup=args.warmup, active=args.active, repeat=1)
+    drawn = 0  # samples trained on, for the energy per sample: an epoch's last batch (or a small data set) is short
     with EnergyMeter(device) as meter, \
             profile(activities=activities, schedule=steps, on_trace_ready=on_trace_ready) as prof:
         for _ in range(args.wait + args.warmup + args.active):
             with record_function("data loading"):
                 data, target = next(batches)
+            drawn += len(target)
             with record_function("copy to device"):
                 data, target = data.to(device, non_blocking=True), target.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
@@ -135,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     record = make_record(lab="lab02", script=SCRIPT, method=f"torch-profiler-{args.pipeline}",
                          config=config_dict(args, resolved_device=str(device), model="mnist_cnn", threads=threads),
                          metrics=metrics, provenance=provenance(device), notes=notes,
-                         energy=meter.result(samples=(args.wait + args.warmup + args.active) * args.batch_size),
+                         energy=meter.result(samples=drawn),
                          run_id=run_id)
     print(f"record: {write_record(record, args.results_dir)}")
     return 0
