@@ -108,6 +108,18 @@ def test_the_device_pipeline_notes_only_the_loader_flags_that_were_given(flags, 
     assert any(note.startswith("--pipeline device has no DataLoader") for note in notes) is noted, notes
 
 
+@pytest.mark.parametrize("flags, noted", [([], False), (["--num-workers", "3"], True), (["--pin-memory"], True)])
+def test_profile_trace_s_device_pipeline_notes_the_loader_flags_that_were_given(tmp_path, capsys, flags, noted):
+    """profile_trace.py --pipeline device --num-workers 3 said nothing of the workers it never started, where
+    mnist_classify.py says it in a note."""
+    argv = ["--device", "cpu", "--pipeline", "device", "--dry-run", *flags, "--results-dir", str(tmp_path)]
+    assert run_main(f"{LAB}/profile_trace.py", argv) == 0
+    said = "--pipeline device has no DataLoader: worker and pinning flags have no effect"
+    assert capsys.readouterr().out.count(f"note: {said}\n") == noted
+    (record,) = records(tmp_path, "lab02_torch-profiler-*.json")
+    assert (said in record["notes"]) is noted
+
+
 @pytest.mark.parametrize("flags, method", [
     ([], "workers"),  # off a cluster the script's default is 2 workers: the sweep's "workers" step
     (["--num-workers", "1"], "baseline"), (["--num-workers", "0"], "custom"),

@@ -115,20 +115,26 @@ def batch_note(batch_size: int, train_size: int) -> str | None:
            f"those {train_size}, one step per epoch"
 
 
-def flag_notes(args: argparse.Namespace, device: Any, train_size: int | None = None) -> list[str]:
+def flag_notes(args: argparse.Namespace, device: Any, train_size: int | None = None,
+               default_workers: int | None = None) -> list[str]:
     """The flags that change nothing on this device or with these other flags (or, given ``train_size``, do less than
-    they say: :func:`batch_note`), each printed as one note."""
+    they say: :func:`batch_note`), each printed as one note. ``default_workers`` is the script's own --num-workers
+    default (None: mnist_classify.py's); a flag the script does not offer (profile_trace.py has no
+    --launch-blocking or --persistent-workers) is one not given."""
+    launch_blocking, persistent, prefetch = (getattr(args, name, None) for name in
+                                             ("launch_blocking", "persistent_workers", "prefetch_factor"))
     notes = []
     if train_size is not None and (too_large := batch_note(args.batch_size, train_size)):
         notes.append(too_large)
-    if args.launch_blocking and device.type != "cuda":
+    if launch_blocking and device.type != "cuda":
         notes.append("--launch-blocking changes nothing on a CPU: CPU operators already run synchronously")
     if args.pin_memory and device.type != "cuda":
         notes.append("--pin-memory ignored: pinning only speeds up copies to a GPU")
-    workers_given = args.num_workers != add_train_args(argparse.ArgumentParser()).get_default("num_workers")
-    if args.pipeline == "device" and (workers_given or args.pin_memory or args.persistent_workers):
+    if default_workers is None:
+        default_workers = add_train_args(argparse.ArgumentParser()).get_default("num_workers")
+    if args.pipeline == "device" and (args.num_workers != default_workers or args.pin_memory or persistent):
         notes.append("--pipeline device has no DataLoader: worker and pinning flags have no effect")
-    if args.num_workers == 0 and (args.persistent_workers or args.prefetch_factor):
+    if args.num_workers == 0 and (persistent or prefetch):
         notes.append("--persistent-workers/--prefetch-factor need --num-workers >= 1: ignored")
     for note in notes:
         print(f"note: {note}", flush=True)

@@ -35,7 +35,7 @@ from common.errors import run_main
 from common.models import MnistNet
 from common.measure.profiling import add_trace_args, self_time_key, top_operators, trace_path, write_trace
 from common.results import make_record, new_run_id, provenance, write_record
-from labs.lab02_profiling.lab02_shared import batch_maker, batch_note
+from labs.lab02_profiling.lab02_shared import batch_maker, flag_notes
 
 SCRIPT = "labs/lab02_profiling/profile_trace.py"
 REGIONS = ("data loading", "copy to device", "forward", "backward", "optimizer step")
@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = resolve_device(args.device)
     train_data, _ = pipelines.load_uint8(args.dataset, args.data_dir, seed=args.seed,
                                          synthetic_size=args.synthetic_size)
-    notes = [note for note in [batch_note(args.batch_size, len(train_data))] if note]
+    notes = flag_notes(args, device, len(train_data), default_workers=build_parser().get_default("num_workers"))
     loader = pipelines.make_loader(args.pipeline, train_data, args.batch_size, shuffle=True, device=device,
                                    num_workers=args.num_workers, pin_memory=args.pin_memory and device.type == "cuda",
                                    seed=args.seed)
@@ -85,8 +85,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"device {describe(device)} | pipeline {args.pipeline} | {batch_maker(args)} | "
           f"batch {args.batch_size} | profiling steps {args.wait + 1}..{args.wait + args.warmup + args.active}, "
           f"recording the last {args.active}", flush=True)
-    for note in notes:
-        print(f"note: {note}", flush=True)
 
     recorded = {}
 
