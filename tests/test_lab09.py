@@ -310,17 +310,48 @@ def test_a_local_chain_in_the_folder_of_a_finished_run_ends_at_the_link_that_tra
     chain = load_script(f"{LAB}/03_chain.py")
     links = []
 
-    def link(command, check, env):
+    def link(command, env):
         links.append(command)
         if len(links) == 1:
             (tmp_path / "run" / "checkpoint.pt").write_bytes(b"saved")
-        return subprocess.CompletedProcess(command, 0)
+        return 0, None
 
-    monkeypatch.setattr(chain.subprocess, "run", link)
+    monkeypatch.setattr(chain, "run_passing_signals_on", link)
     assert run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--local", "--max-links", "5"]) == 0
     assert len(links) == 2
     assert (f"== chain done: link 2 trained nothing, the run in {tmp_path / 'run'} had finished"
             in capsys.readouterr().out)
+
+
+def test_a_local_chain_sent_sigterm_stops_its_link_which_saves_and_starts_no_next_link(tmp_path):
+    """``kill`` on the chain (or a job's end) killed it at once and left its link training on alone; now the link gets
+    the signal and saves, the chain starts no next link and says how to go on (exit 0), and no training is left."""
+    import signal
+
+    run_dir = tmp_path / "run"
+    chain = subprocess.Popen([PYTHON, str(REPO / LAB / "03_chain.py"), "--run-dir", str(run_dir), "--local", "--device",
+                              "cpu", "--", "--dataset", "digits", "--epochs", "40", "--log-interval", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=script_env(),
+                             start_new_session=True)
+    seen = []
+    try:
+        for line in chain.stdout:
+            seen.append(line)
+            if line.startswith("epoch 1 step"):  # link 1 trains, its stop signal armed
+                chain.send_signal(signal.SIGTERM)  # the chain alone, as `kill PID` sends it
+                break
+        out = "".join(seen) + chain.communicate(timeout=120)[0]
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(run_dir) in _cmdline(pid)]
+    finally:  # nothing of it may train on beside the rest of the suite
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(chain.pid, signal.SIGKILL)
+    assert chain.returncode == 0, out[-3000:]
+    assert re.search(rf"^received SIGTERM: saved {re.escape(str(run_dir / 'checkpoint.pt'))} at epoch 1 step \d+",
+                     out, re.M), out[-3000:]
+    assert out.rstrip().endswith(f"== chain stopped at link 1 by SIGTERM: link 2 is not started; the same 03_chain.py "
+                                 f"command goes on from {run_dir / 'checkpoint.pt'}"), out[-3000:]
+    assert "== chain link 2" not in out and left == []
+    assert (run_dir / "checkpoint.pt").is_file()
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -338,7 +369,7 @@ def test_the_chains_training_flags_are_checked_by_the_trainings_parser_before_li
     """A typo after -- started link 1's training and said 'chain broken at link 1' (exit 2); --checkpoint=X got
     through. Now the training's parser reads them first: one line, exit 2, no folder, no link started."""
     chain = load_script(f"{LAB}/03_chain.py")
-    monkeypatch.setattr(chain.subprocess, "run", lambda *a, **k: pytest.fail("a link started"))
+    monkeypatch.setattr(chain, "run_passing_signals_on", lambda *a, **k: pytest.fail("a link started"))
     assert run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--local", "--", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
@@ -349,8 +380,8 @@ def test_a_chain_passes_flags_its_training_takes_to_every_link(tmp_path, monkeyp
     chain = load_script(f"{LAB}/03_chain.py")
     links = []
     envs = []
-    monkeypatch.setattr(chain.subprocess, "run", lambda command, check, env: links.append(command) or
-                        envs.append(env) or subprocess.CompletedProcess(command, 0))
+    monkeypatch.setattr(chain, "run_passing_signals_on", lambda command, env: links.append(command) or
+                        envs.append(env) or (0, None))
     assert run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--local", "--device", "cpu", "--",
                                            "--dataset", "digits", "--epochs=1", "--lr", "0.5"]) == 0
     (command,) = links  # no record, no checkpoint: the chain ends after one link

@@ -21,7 +21,6 @@ line, not a broken link); the chain sets ``--checkpoint``, ``--resume`` and ``--
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,8 +29,8 @@ from common.errors import UserError, run_main
 from common.results import load_records
 from common.slurm.rendering import read_template, render, write_script
 from common.slurm.sites import find_site
-from labs.lab09_many_jobs.lab09_shared import (LAB_DIR, REPO_ROOT, check_training_flags, slurm, slurm_time,
-                                               submitted_job_id)
+from labs.lab09_many_jobs.lab09_shared import (LAB_DIR, REPO_ROOT, check_training_flags, run_passing_signals_on,
+                                               slurm, slurm_time, submitted_job_id)
 
 LINK_TEMPLATE = LAB_DIR / "sbatch" / "chain_link.sbatch.j2"
 TRAIN_SCRIPT = REPO_ROOT / "chapters" / "ch04_deep_learning" / "mnist_training.py"
@@ -85,7 +84,14 @@ def run_links_here(args, train_flags: list[str]) -> int:
         env = {**os.environ, "HPC_DL_LABS_TRAIN_AGAIN": "give 03_chain.py another --run-dir to train again",
                "HPC_DL_LABS_ON_STOP": (f"link {link + 1} of the chain resumes from it" if link < args.max_links
                                        else f"this is the chain's last link (--max-links {args.max_links})")}
-        status = subprocess.run(command, check=False, env=env).returncode
+        # kill or a job's end (SIGTERM, SIGUSR1) reaches the link too: it saves and stops, and so does the chain
+        status, stopped_by = run_passing_signals_on(command, env)
+        if stopped_by == "SIGINT":
+            raise KeyboardInterrupt  # Ctrl-C: the link has saved and stopped
+        if stopped_by:  # the link saved (its line says where), or was stopped before it could: no link follows
+            print(f"== chain stopped at link {link} by {stopped_by}: link {link + 1} is not started; the same "
+                  f"03_chain.py command goes on from {checkpoint}", flush=True)
+            return status if status >= 0 else 128 - status  # as a shell reports a process a signal ended
         if status != 0:
             print(f"== chain broken at link {link}: the training exited with status {status}; no link follows")
             return status
