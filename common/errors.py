@@ -6,7 +6,8 @@ stderr and exits with status 2. Running out of memory (CUDA's or the CPU's alloc
 too, exit 1. A run that stopped on purpose (:class:`Stopped`: pre-empted, its checkpoint saved)
 exits 0. Bugs still raise normally so they keep their tracebacks. A script that runs others one after another (Lab-02's
 sweep, Lab-05's study) runs each with :func:`run_echoing` inside :func:`sigterm_raises`, so that Ctrl-C or SIGTERM
-stops the child with it and the script can clean up and say what it kept.
+stops the child with it and the script can clean up and say what it kept; one that hands its work to one other
+(Lab-09's pipeline to the sweep, Lab-03's ``-g N`` to torchrun) does the same with :func:`run_attached`.
 
 This module must not import torch: the report tool and the test suite use it too.
 """
@@ -92,6 +93,18 @@ def run_echoing(command: list[str], tag: str, *, env: dict[str, str] | None = No
             process.terminate()  # the with waits for it; a job's end may have sent it SIGTERM already: no harm
             raise
     return process.returncode, list(tail)
+
+
+def run_attached(command: list[str], *, env: dict[str, str] | None = None) -> int:
+    """Run ``command`` with its output straight to this process's (its error line stays on stderr, as typed); its exit
+    status. As in :func:`run_echoing`, whatever stops the caller meanwhile (Ctrl-C, :class:`Terminated`) stops the
+    command too, and is raised once it has ended."""
+    with subprocess.Popen(command, env=env) as process:
+        try:
+            return process.wait()
+        except BaseException:
+            process.terminate()  # the with waits for it
+            raise
 
 
 def fail(message: str) -> NoReturn:

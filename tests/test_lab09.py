@@ -253,6 +253,40 @@ def test_a_sweep_folder_of_another_sweep_is_refused_before_anything_is_written(t
     assert "is not a sweep folder (no plan.yaml)" in capsys.readouterr().err
 
 
+def test_the_pipeline_sent_sigterm_stops_the_sweep_it_runs_before_it_submits(tmp_path):
+    """``kill`` on the pipeline while its sweep checked and submitted the array killed the pipeline alone: the sweep
+    went on and submitted the array, with no evaluate or report after it. Now the sweep stops with it: nothing
+    submitted, 'terminated (SIGTERM)', exit 143, no process left. Slurm's commands here are stand-ins."""
+    import signal
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "scontrol").write_text("#!/bin/sh\necho 'MaxArraySize = 1001'\n")
+    (tools / "sbatch").write_text("#!/bin/sh\nsleep 2\necho 4242\n")  # a slow controller: the kill may land here
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    folder = tmp_path / "sweep"
+    pipeline = subprocess.Popen([PYTHON, str(REPO / LAB / "04_pipeline.py"), str(SWEEPS / "tiny.toml"), "--sweep-dir",
+                                 str(folder)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=script_env(PATH=f"{tools}:{os.environ['PATH']}"), start_new_session=True)
+    seen = []
+    try:
+        for line in pipeline.stdout:
+            seen.append(line)
+            if " task(s) of " in line:  # the sweep has checked its tasks and goes on to submit them
+                pipeline.send_signal(signal.SIGTERM)  # the pipeline alone, as `kill PID` sends it
+                break
+        out = "".join(seen) + pipeline.communicate(timeout=60)[0]
+        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and "01_sweep.py" in _cmdline(pid)
+                and str(folder) in _cmdline(pid)]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pipeline.pid, signal.SIGKILL)
+    assert pipeline.returncode == 143, out[-3000:]
+    assert out.rstrip().endswith("terminated (SIGTERM)") and "submitted the sweep" not in out, out[-3000:]
+    assert left == []
+
+
 def test_the_pipeline_s_failed_list_of_a_folder_that_is_not_a_sweep_s_is_one_line(tmp_path, capsys):
     """Not there, or another folder (results/ itself): not 'no sweep record yet: the evaluate stage writes it'."""
     missing, other = tmp_path / "never-started", tmp_path / "results"

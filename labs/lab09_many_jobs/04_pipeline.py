@@ -15,12 +15,11 @@ once one task failed: Slurm would leave it pending with the reason ``DependencyN
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 from common.cli import input_file, output_dir, positive_int, script_parser
-from common.errors import UserError, run_main
+from common.errors import UserError, run_attached, run_main, sigterm_raises
 from common.results import load_records
 from common.slurm.rendering import read_template, render, write_script
 from common.slurm.sites import find_site
@@ -74,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     sweep = [sys.executable, str(LAB_DIR / "01_sweep.py"), str(args.sweep_file), "--sweep-dir", str(folder),
              "--parallel", str(args.parallel), "--site", args.site, *(["--time", args.time] if args.time else []),
              "--", *argv[cut + 1:]]
-    if subprocess.run(sweep, check=False).returncode != 0:
-        return 2  # its error line is printed
+    with sigterm_raises():  # kill (SIGTERM) stops the sweep's submission too, rather than let it submit alone
+        if run_attached(sweep) != 0:
+            return 2  # its error line is printed
     train = read_plan(folder).submissions()[-1]["job_id"]
 
     stage = write_script(folder / "pipeline_stage.sbatch",
