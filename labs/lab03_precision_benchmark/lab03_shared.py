@@ -31,7 +31,6 @@ import math
 import os
 import re
 import shlex
-import subprocess
 import sys
 import threading
 import time
@@ -45,7 +44,7 @@ from common import precision as precisions
 from common.atomic import write_text_atomic
 from common.cli import (BENCHMARK_MODES as MODES, BENCHMARK_PRECISIONS as PRECISIONS, add_former_names, add_run_args,
                         config_dict, non_negative_int, output_dir, positive_float, positive_int, unknown_names)
-from common.errors import UserError
+from common.errors import UserError, run_attached, sigterm_raises
 from common.models import build_model, logits, zoo_models
 from common.runtime.device import describe, resolve_device
 from common.runtime.machine import cpu_description
@@ -175,8 +174,10 @@ def run_under_torchrun(args: argparse.Namespace, argv: list[str], script_file: s
     print(f"-g {args.num_gpus}: running torchrun {shlex.join(torchrun)}", flush=True)
     # Share this process's threads (OMP_NUM_THREADS, the Slurm allocation) out among the N processes.
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, torch.get_num_threads() // args.num_gpus))}
-    # python -m torch.distributed.run is torchrun, from this Python's environment.
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun], env=env).returncode
+    # python -m torch.distributed.run is torchrun, from this Python's environment. kill (SIGTERM) stops torchrun
+    # too, which stops its processes, rather than leave them benchmarking on alone.
+    with sigterm_raises():
+        return run_attached([sys.executable, "-m", "torch.distributed.run", *torchrun], env=env)
 
 
 def check_processes_fit(processes: int, available: int | None = None, each: int | None = None) -> None:
