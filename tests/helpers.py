@@ -196,30 +196,46 @@ def run_script(relpath: str, *args: str, cwd: Path | None = None, timeout: float
                           timeout=timeout)
 
 
-def terminate_while_child_runs(command: list[str], child_line: str, env: dict[str, str],
-                               while_running: Callable[[], object] = lambda: None) -> tuple[int, str, object]:
-    """Start ``command``, a script that runs another process; once a line starting with ``child_line`` (the child's own
-    output) is read, call ``while_running``, then send SIGTERM to the script alone, as ``kill PID`` does, and wait for
-    it. Its exit status, its stderr and what ``while_running`` returned; the child must have ended and been reaped by
-    then. Whatever is left of either is killed at the end (they run in a session of their own)."""
+def terminate_when(command: list[str], when: str, marker: str, env: dict[str, str],
+                   while_running: Callable[[], object] = lambda: None) -> tuple[int, str, list[str], object]:
+    """Start ``command``, a script that runs other processes, in a session of its own; at the first line of its output
+    (stdout and stderr together) that holds ``when``, call ``while_running``, send SIGTERM to the script alone (as
+    ``kill PID`` does) and wait for it. Its exit status, its whole output, the processes still running whose command
+    line holds ``marker`` (a folder of the test's: none may outlive the script) and what ``while_running`` returned.
+    Whatever is left is killed at the end, the script's session and any process with ``marker`` (torchrun gives its
+    ranks sessions of their own)."""
     import contextlib
     import signal
 
-    script = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    def running() -> list[str]:
+        return [pid for pid in os.listdir("/proc") if pid.isdigit() and marker in _command_line(pid)]
+
+    script = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                               start_new_session=True)
+    seen, during = [], None
     try:
         for line in script.stdout:
-            if line.startswith(child_line):  # the child trains now
+            seen.append(line)
+            if when in line:
+                during = while_running()
+                script.send_signal(signal.SIGTERM)
                 break
-        (child,) = Path(f"/proc/{script.pid}/task/{script.pid}/children").read_text().split()
-        during = while_running()
-        script.send_signal(signal.SIGTERM)
-        err = script.communicate(timeout=120)[1]
-        assert not Path(f"/proc/{child}").exists(), f"the child {child} outlived the script: {err}"
+        output = "".join(seen) + script.communicate(timeout=120)[0]
+        left = running()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(script.pid, signal.SIGKILL)
-    return script.returncode, err, during
+        for pid in running():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    return script.returncode, output, left, during
+
+
+def _command_line(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:  # it ended meanwhile
+        return ""
 
 
 def run_fresh(relpath: str, argv: list[str], timeout: float = 300) -> str:

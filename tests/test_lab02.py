@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import REPO, load_script, run_main, script_env, terminate_while_child_runs
+from helpers import REPO, load_script, run_main, script_env, terminate_when
 
 LAB = "labs/lab02_profiling"
 TRAIN = f"{LAB}/mnist_classify.py"
@@ -244,14 +244,15 @@ def test_sweep_sent_sigterm_stops_its_step_removes_its_scratch_folder_and_says_w
     scratch.mkdir()
     command = [sys.executable, str(REPO / LAB / "sweep.py"), "--device", "cpu", "--stages", "baseline",
                "--epochs", "1000", "--results-dir", str(tmp_path / "results")]
-    status, err, running = terminate_while_child_runs(command, "[baseline] ", script_env(TMPDIR=str(scratch)),
-                                                      lambda: list(scratch.glob("lab02_sweep_*")))
-    assert len(running) == 1, running  # its scratch folder while the child ran
-    assert status == 143, err
+    status, output, left, running = terminate_when(command, "[baseline] ", str(tmp_path),
+                                                   script_env(TMPDIR=str(scratch)),
+                                                   lambda: list(scratch.glob("lab02_sweep_*")))
+    assert len(running) == 1 and left == [], (running, left)  # its scratch folder while the step ran; no step now
+    assert status == 143, output
     results = tmp_path / "results"
     assert re.fullmatch(rf"sweep (\w+): stopped by SIGTERM during step baseline \(removed\); kept the records in "
                         rf"{re.escape(str(results))} and line profiles {re.escape(str(results / 'lab02_lprof'))}/"
-                        r"\1_\*\.lprof of the steps before it: none", err.strip().splitlines()[-1]), err
+                        r"\1_\*\.lprof of the steps before it: none", output.strip().splitlines()[-1]), output
     assert not list(scratch.glob("lab02_sweep_*"))
     assert not list((tmp_path / "results").rglob("*.lprof")) and not list((tmp_path / "results").rglob("*.json"))
 

@@ -26,7 +26,6 @@ import contextlib
 import csv
 import io
 import math
-import os
 import re
 import shlex
 import subprocess
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import PYTHON, REPO, fake_cpuinfo, load_script, run_main, run_script, script_env
+from helpers import PYTHON, REPO, fake_cpuinfo, load_script, run_main, run_script, script_env, terminate_when
 
 SCRIPT = "labs/lab03_precision_benchmark/benchmark_models.py"
 SHARED = "labs/lab03_precision_benchmark/lab03_shared.py"
@@ -397,39 +396,16 @@ def test_two_processes_run_ddp_on_the_cpu(lab03_ddp_run):
 def test_g_sent_sigterm_stops_torchrun_and_its_processes(tmp_path):
     """``kill`` on ``-g 2``'s python (or a job's end) killed it alone: torchrun and its two processes benchmarked on.
     Now torchrun is stopped with it, and its processes: 'terminated (SIGTERM)', exit 143, no process left, no record."""
-    import signal
 
     from helpers import LAB03_DDP_ARGS
 
     argv = [arg if arg not in ("csv", "records") else str(tmp_path / arg) for arg in LAB03_DDP_ARGS]
     argv[argv.index("-n") + 1] = "100000"  # a benchmark that would run for hours
-    parent = subprocess.Popen([PYTHON, str(REPO / SCRIPT), *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=script_env(), start_new_session=True)
-    seen = []
-    try:
-        for line in parent.stdout:
-            seen.append(line)
-            if "process(es) with DDP" in line:  # rank 0 has started the benchmark under torchrun
-                parent.send_signal(signal.SIGTERM)  # the python typed, alone, as `kill PID` sends it
-                break
-        out = "".join(seen) + parent.communicate(timeout=120)[0]
-        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path) in _cmdline(pid)]
-    finally:  # nothing of it may run on beside the rest of the suite (torchrun's ranks: sessions of their own)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(parent.pid, signal.SIGKILL)
-        for pid in [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path) in _cmdline(pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-    assert parent.returncode == 143, out[-3000:]
+    status, out, left, _ = terminate_when([PYTHON, str(REPO / SCRIPT), *argv], "process(es) with DDP", str(tmp_path),
+                                          script_env())  # rank 0 has started the benchmark under torchrun
+    assert status == 143, out[-3000:]
     assert out.rstrip().endswith("terminated (SIGTERM)") and left == [], out[-3000:]
     assert not (tmp_path / "records").exists() or not any((tmp_path / "records").iterdir())
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def test_g_runs_the_torchrun_command_it_prints_or_is_one_error_line(monkeypatch, capsys, tmp_path):

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from common.runtime.launch import free_port
-from helpers import PYTHON, REPO, load_script, run_main, script_env, terminate_while_child_runs
+from helpers import PYTHON, REPO, load_script, run_main, script_env, terminate_when
 
 LAB = "labs/lab05_scaling"
 BENCH = f"{LAB}/01_allreduce_bench.py"
@@ -397,10 +397,11 @@ def test_the_study_sent_sigterm_stops_its_point_and_removes_its_scratch_folder(t
     scratch.mkdir()
     command = [PYTHON, str(REPO / SCALING), "--device", "cpu", "--processes", "1", "--modes", "strong", "--epochs",
                "1000", "--dataset", "synthetic", "--image-size", "8", "--results-dir", str(tmp_path / "results")]
-    status, err, running = terminate_while_child_runs(command, "[1p strong] ", script_env(TMPDIR=str(scratch)),
-                                                      lambda: list(scratch.glob("lab05_scaling_*")))
-    assert len(running) == 1, running  # its scratch folder while the child ran
-    assert status == 143 and err.strip().splitlines()[-1] == "terminated (SIGTERM)", err
+    status, output, left, running = terminate_when(command, "[1p strong] ", str(tmp_path),
+                                                   script_env(TMPDIR=str(scratch)),
+                                                   lambda: list(scratch.glob("lab05_scaling_*")))
+    assert len(running) == 1 and left == [], (running, left)  # its scratch folder while the point ran; no point now
+    assert status == 143 and output.strip().splitlines()[-1] == "terminated (SIGTERM)", output
     assert not list(scratch.glob("lab05_scaling_*")) and not (tmp_path / "results").exists()
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from common.errors import UserError
-from helpers import PYTHON, REPO, load_script, run_main, run_script, script_env
+from helpers import PYTHON, REPO, load_script, run_main, run_script, script_env, terminate_when
 
 LAB = "labs/lab09_many_jobs"
 SWEEP = f"{LAB}/01_sweep.py"
@@ -257,7 +257,6 @@ def test_the_pipeline_sent_sigterm_stops_the_sweep_it_runs_before_it_submits(tmp
     """``kill`` on the pipeline while its sweep checked and submitted the array killed the pipeline alone: the sweep
     went on and submitted the array, with no evaluate or report after it. Now the sweep stops with it: nothing
     submitted, 'terminated (SIGTERM)', exit 143, no process left. Slurm's commands here are stand-ins."""
-    import signal
 
     tools = tmp_path / "bin"
     tools.mkdir()
@@ -266,23 +265,10 @@ def test_the_pipeline_sent_sigterm_stops_the_sweep_it_runs_before_it_submits(tmp
     for tool in tools.iterdir():
         tool.chmod(0o755)
     folder = tmp_path / "sweep"
-    pipeline = subprocess.Popen([PYTHON, str(REPO / LAB / "04_pipeline.py"), str(SWEEPS / "tiny.toml"), "--sweep-dir",
-                                 str(folder)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=script_env(PATH=f"{tools}:{os.environ['PATH']}"), start_new_session=True)
-    seen = []
-    try:
-        for line in pipeline.stdout:
-            seen.append(line)
-            if " task(s) of " in line:  # the sweep has checked its tasks and goes on to submit them
-                pipeline.send_signal(signal.SIGTERM)  # the pipeline alone, as `kill PID` sends it
-                break
-        out = "".join(seen) + pipeline.communicate(timeout=60)[0]
-        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and "01_sweep.py" in _cmdline(pid)
-                and str(folder) in _cmdline(pid)]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pipeline.pid, signal.SIGKILL)
-    assert pipeline.returncode == 143, out[-3000:]
+    status, out, left, _ = terminate_when(  # at " task(s) of ": the sweep has checked its tasks, submits them next
+        [PYTHON, str(REPO / LAB / "04_pipeline.py"), str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder)],
+        " task(s) of ", str(folder), script_env(PATH=f"{tools}:{os.environ['PATH']}"))
+    assert status == 143, out[-3000:]
     assert out.rstrip().endswith("terminated (SIGTERM)") and "submitted the sweep" not in out, out[-3000:]
     assert left == []
 
@@ -360,26 +346,12 @@ def test_a_local_chain_in_the_folder_of_a_finished_run_ends_at_the_link_that_tra
 def test_a_local_chain_sent_sigterm_stops_its_link_which_saves_and_starts_no_next_link(tmp_path):
     """``kill`` on the chain (or a job's end) killed it at once and left its link training on alone; now the link gets
     the signal and saves, the chain starts no next link and says how to go on (exit 0), and no training is left."""
-    import signal
 
     run_dir = tmp_path / "run"
-    chain = subprocess.Popen([PYTHON, str(REPO / LAB / "03_chain.py"), "--run-dir", str(run_dir), "--local", "--device",
-                              "cpu", "--", "--dataset", "digits", "--epochs", "40", "--log-interval", "1"],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=script_env(),
-                             start_new_session=True)
-    seen = []
-    try:
-        for line in chain.stdout:
-            seen.append(line)
-            if line.startswith("epoch 1 step"):  # link 1 trains, its stop signal armed
-                chain.send_signal(signal.SIGTERM)  # the chain alone, as `kill PID` sends it
-                break
-        out = "".join(seen) + chain.communicate(timeout=120)[0]
-        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(run_dir) in _cmdline(pid)]
-    finally:  # nothing of it may train on beside the rest of the suite
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(chain.pid, signal.SIGKILL)
-    assert chain.returncode == 0, out[-3000:]
+    status, out, left, _ = terminate_when([PYTHON, str(REPO / LAB / "03_chain.py"), "--run-dir", str(run_dir),
+                                           "--local", "--device", "cpu", "--", "--dataset", "digits", "--epochs", "40",
+                                           "--log-interval", "1"], "epoch 1 step", str(run_dir), script_env())
+    assert status == 0, out[-3000:]
     assert re.search(rf"^received SIGTERM: saved {re.escape(str(run_dir / 'checkpoint.pt'))} at epoch 1 step \d+",
                      out, re.M), out[-3000:]
     assert out.rstrip().endswith(f"== chain stopped at link 1 by SIGTERM: link 2 is not started; the same 03_chain.py "
@@ -648,27 +620,13 @@ def test_a_local_sweep_sent_sigterm_passes_it_to_the_training_which_saves_and_th
     """``kill`` on the sweep runner (or a job's end): the training it runs gets the signal and saves, the runner writes
     the attempt's end and stops there (exit 0, one line), no training is left behind, and the status tells that
     task from the ones never started; the same command later goes on from the checkpoint."""
-    import signal
 
     sweep = write_sweep(tmp_path, "seed = 1\n[fixed]\ndataset = \"digits\"\nepochs = 40\nlog-interval = 1\n"
                                   "[grid]\nlr = [0.3, 1.0]\n")
     folder = tmp_path / "sweep"
-    runner = subprocess.Popen([PYTHON, str(REPO / SWEEP), str(sweep), "--local", "--device", "cpu", "--sweep-dir",
-                               str(folder)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=script_env(), start_new_session=True)
-    seen = []
-    try:
-        for line in runner.stdout:
-            seen.append(line)
-            if line.startswith("epoch 2 step"):  # task 0 trains
-                runner.send_signal(signal.SIGTERM)  # the runner alone, as `kill PID` sends it
-                break
-        out = "".join(seen) + runner.communicate(timeout=120)[0]
-        left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(folder) in _cmdline(pid)]
-    finally:  # nothing of it may train on beside the rest of the suite
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(runner.pid, signal.SIGKILL)
-    assert runner.returncode == 0, out[-3000:]
+    status, out, left, _ = terminate_when([PYTHON, str(REPO / SWEEP), str(sweep), "--local", "--device", "cpu",
+                                           "--sweep-dir", str(folder)], "epoch 2 step", str(folder), script_env())
+    assert status == 0, out[-3000:]
     assert re.search(r"^received SIGTERM: saved \S+tasks/000/checkpoint\.pt at epoch 2 step \d+; the sweep resumes "
                      r"this task from it when the same 01_sweep.py command runs again$",
                      out, re.M)  # not the training's own
@@ -682,10 +640,3 @@ def test_a_local_sweep_sent_sigterm_passes_it_to_the_training_which_saves_and_th
         assert run_main(STATUS, ["--sweep-dir", str(folder)]) == 0
     assert ("task(s) 0 did not complete and task(s) 1 have not run: 01_sweep.py --local with the same sweep goes on"
             in said.getvalue())
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return ""
