@@ -45,7 +45,7 @@ from common.atomic import write_text_atomic
 from common.cli import (BENCHMARK_MODES as MODES, BENCHMARK_PRECISIONS as PRECISIONS, add_former_names, add_run_args,
                         config_dict, non_negative_int, output_dir, positive_float, positive_int, unknown_names)
 from common.errors import UserError, run_attached, sigterm_raises
-from common.models import build_model, logits, zoo_models
+from common.models import build_model, check_image_input, logits, zoo_models
 from common.runtime.device import describe, resolve_device
 from common.runtime.machine import cpu_description
 from common.train.amp import announce_bf16_emulation
@@ -279,24 +279,22 @@ def count_flops(model_name: str, batch_size: int, image_size: int) -> dict[str, 
     Meta tensors have shapes but no data: nothing is computed or allocated. FlopCounterMode counts
     the matrix maths (convolutions, matmuls: 2 FLOPs per multiply-add), not element-wise work such
     as BatchNorm or ReLU, so the achieved TFLOP/s compares with the tensor-core peaks. A shape the
-    model cannot take fails here, before anything is timed.
+    model cannot take is one line first (``common.models.check_image_input``, as Chapter 16's benchmark checks it),
+    before anything is timed.
     """
     from torch.utils.flop_counter import FlopCounterMode  # PyTorch >= 2.1: imported after common's version check
 
-    try:
-        with torch.device("meta"):
-            model = build_model(model_name, num_classes=NUM_CLASSES)
-            images = torch.empty(batch_size, 3, image_size, image_size)
-            labels = torch.zeros(batch_size, dtype=torch.long)
-        train = FlopCounterMode(display=False)
-        with train:
-            F.cross_entropy(logits(model.train()(images)), labels).backward()
-        inference = FlopCounterMode(display=False)
-        with inference, torch.no_grad():
-            model.eval()(images)
-    except (RuntimeError, AssertionError, ValueError) as err:
-        raise UserError(f"{model_name} cannot run on {image_size}x{image_size} images: "
-                        f"{str(err).splitlines()[0]} (try --image-size 224)") from None
+    check_image_input(model_name, batch_size, 3, image_size, NUM_CLASSES)
+    with torch.device("meta"):
+        model = build_model(model_name, num_classes=NUM_CLASSES)
+        images = torch.empty(batch_size, 3, image_size, image_size)
+        labels = torch.zeros(batch_size, dtype=torch.long)
+    train = FlopCounterMode(display=False)
+    with train:
+        F.cross_entropy(logits(model.train()(images)), labels).backward()
+    inference = FlopCounterMode(display=False)
+    with inference, torch.no_grad():
+        model.eval()(images)
     return {"train": train.get_total_flops(), "inference": inference.get_total_flops()}
 
 
