@@ -1040,8 +1040,9 @@ def test_one_sample_per_rank_into_batchnorm_is_one_line_and_another_value_error_
 def test_a_stopped_run_says_how_to_go_on_where_it_ran(monkeypatch):
     """SIGUSR1 in a job: the template requeues it, unless what started the training says otherwise
     (HPC_DL_LABS_ON_STOP: a chain's next link, a sweep task's resubmission, a time limit too short to
-    requeue). Another signal in a job (scancel, a time limit): a requeued job finds its checkpoint, a
-    new one (a new id) needs it given. Outside a job, or a step budget: --resume."""
+    requeue; HPC_DL_LABS_ON_SIGTERM where SIGTERM ends a chain instead). Another signal in a job (scancel, a time
+    limit): a requeued job finds its checkpoint, a new one (a new id) needs it given. Outside a job, or a step
+    budget: --resume."""
     from common.checkpoint.sharded import DistributedCheckpointer
     from common.train.preemption import Preemption
 
@@ -1055,8 +1056,14 @@ def test_a_stopped_run_says_how_to_go_on_where_it_ran(monkeypatch):
     stopped.signal.requested = signal.SIGUSR1
     assert stopped.what_next("c.pt") == "exiting so the job can requeue itself and resume from it"
     monkeypatch.setenv("HPC_DL_LABS_ON_STOP", "the next link of the chain resumes from it")  # the batch script knows
+    monkeypatch.setenv("HPC_DL_LABS_ON_SIGTERM", "the chain stops here")  # ... and that scancel ends the chain
+    assert stopped.what_next("c.pt") == "the next link of the chain resumes from it"
+    stopped.signal.requested = signal.SIGTERM
+    assert stopped.what_next("c.pt") == "the chain stops here"
+    stopped.signal.requested = None  # the step budget: the next link resumes
     assert stopped.what_next("c.pt") == "the next link of the chain resumes from it"
     monkeypatch.delenv("HPC_DL_LABS_ON_STOP")
+    monkeypatch.delenv("HPC_DL_LABS_ON_SIGTERM")
     stopped.signal.requested = signal.SIGTERM
     assert stopped.what_next("c.pt").endswith("to go on in a new job: CHECKPOINT=c.pt sbatch <the same script>")
     monkeypatch.delenv("SLURM_JOB_ID")

@@ -345,14 +345,16 @@ def test_a_local_chain_in_the_folder_of_a_finished_run_ends_at_the_link_that_tra
 
 def test_a_local_chain_sent_sigterm_stops_its_link_which_saves_and_starts_no_next_link(tmp_path):
     """``kill`` on the chain (or a job's end) killed it at once and left its link training on alone; now the link gets
-    the signal and saves, the chain starts no next link and says how to go on (exit 0), and no training is left."""
+    the signal and saves, the chain starts no next link and says how to go on (exit 0), and no training is left. The
+    link's own line said "link 2 of the chain resumes from it", which no link did; it now says what the chain says."""
 
     run_dir = tmp_path / "run"
     status, out, left, _ = terminate_when([PYTHON, str(REPO / LAB / "03_chain.py"), "--run-dir", str(run_dir),
                                            "--local", "--device", "cpu", "--", "--dataset", "digits", "--epochs", "40",
                                            "--log-interval", "1"], "epoch 1 step", str(run_dir), script_env())
     assert status == 0, out[-3000:]
-    assert re.search(rf"^received SIGTERM: saved {re.escape(str(run_dir / 'checkpoint.pt'))} at epoch 1 step \d+",
+    assert re.search(rf"^received SIGTERM: saved {re.escape(str(run_dir / 'checkpoint.pt'))} at epoch 1 step \d+; "
+                     "the chain stops here, link 2 is not started; the same 03_chain.py command goes on from it$",
                      out, re.M), out[-3000:]
     assert out.rstrip().endswith(f"== chain stopped at link 1 by SIGTERM: link 2 is not started; the same 03_chain.py "
                                  f"command goes on from {run_dir / 'checkpoint.pt'}"), out[-3000:]
@@ -395,7 +397,9 @@ def test_a_chain_passes_flags_its_training_takes_to_every_link(tmp_path, monkeyp
     assert command[command.index("--checkpoint") + 1] == str(tmp_path / "run" / "checkpoint.pt")
     # What the training says when a link stops or finds the run finished: the chain's next step, not a lone run's
     # "the same command with --resume" (it has it) or "leave out --resume to train again" (the chain always sets it).
-    assert envs[0]["HPC_DL_LABS_ON_STOP"] == "link 2 of the chain resumes from it"
+    assert envs[0]["HPC_DL_LABS_ON_STOP"] == "link 2 of the chain resumes from it"  # --step-budget's stop
+    assert envs[0]["HPC_DL_LABS_ON_SIGTERM"] == envs[0]["HPC_DL_LABS_ON_SIGUSR1"] == (  # a signal stops the chain
+        "the chain stops here, link 2 is not started; the same 03_chain.py command goes on from it")
     assert envs[0]["HPC_DL_LABS_TRAIN_AGAIN"] == "give 03_chain.py another --run-dir to train again"
 
 

@@ -180,9 +180,12 @@ class Preemption:
         (SIGUSR1) requeues itself and resumes; otherwise (scancel, a time limit, ``kill``, a step budget) a new
         submission starts fresh unless it is given that checkpoint. Whatever started the training and knows better
         says it in ``HPC_DL_LABS_ON_STOP`` (a chain's next link resumes, a sweep's task is resubmitted or its sweep
-        run again, a job too short to requeue itself), and that is what a stop prints."""
-        if os.environ.get("HPC_DL_LABS_ON_STOP"):
-            return os.environ["HPC_DL_LABS_ON_STOP"]
+        run again, a job too short to requeue itself), and that is what a stop prints; where a signal's stop goes on
+        otherwise, it says that in ``HPC_DL_LABS_ON_<SIGNAL>`` (a chain's link stopped by ``scancel``'s SIGTERM is its
+        last: ``HPC_DL_LABS_ON_SIGTERM`` says how to go on, not that a next link resumes)."""
+        for name in (f"HPC_DL_LABS_ON_{self.signal.name}" if self.signal.name else None, "HPC_DL_LABS_ON_STOP"):
+            if name and os.environ.get(name):
+                return os.environ[name]
         in_a_job = "SLURM_JOB_ID" in os.environ and self.signal.name is not None
         if in_a_job and self.signal.name == "SIGUSR1":
             return "exiting so the job can requeue itself and resume from it"

@@ -81,10 +81,13 @@ def run_links_here(args, train_flags: list[str]) -> int:
     for link in range(1, args.max_links + 1):
         before, saved = len(load_records(args.results_dir).records), saved_at(checkpoint)
         print(f"== chain link {link}: {' '.join(command[1:])}", flush=True)
+        # What the link says when it stops: its --step-budget hands over to the next link; a signal (kill, a job's
+        # end: SIGTERM, SIGUSR1) reaches the link too, which saves and stops, and so does the chain.
+        stopped = f"the chain stops here, link {link + 1} is not started; the same 03_chain.py command goes on from it"
         env = {**os.environ, "HPC_DL_LABS_TRAIN_AGAIN": "give 03_chain.py another --run-dir to train again",
                "HPC_DL_LABS_ON_STOP": (f"link {link + 1} of the chain resumes from it" if link < args.max_links
-                                       else f"this is the chain's last link (--max-links {args.max_links})")}
-        # kill or a job's end (SIGTERM, SIGUSR1) reaches the link too: it saves and stops, and so does the chain
+                                       else f"this is the chain's last link (--max-links {args.max_links})"),
+               "HPC_DL_LABS_ON_SIGTERM": stopped, "HPC_DL_LABS_ON_SIGUSR1": stopped}
         status, stopped_by = run_passing_signals_on(command, env)
         if stopped_by == "SIGINT":
             raise KeyboardInterrupt  # Ctrl-C: the link has saved and stopped
