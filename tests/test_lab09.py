@@ -13,6 +13,7 @@ import io
 import json
 import re
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -360,6 +361,58 @@ def test_a_local_chain_sent_sigterm_stops_its_link_which_saves_and_starts_no_nex
                                  f"command goes on from {run_dir / 'checkpoint.pt'}"), out[-3000:]
     assert "== chain link 2" not in out and left == []
     assert (run_dir / "checkpoint.pt").is_file()
+
+
+def test_a_chain_link_stopped_by_scancel_submits_no_next_link_and_says_so(tmp_path, monkeypatch):
+    """scancel (SIGTERM to the link's batch shell and to its training) stops the chain: the shell dies of it before it
+    submits the next link. The training said 'link 2 of the chain resumes from it (this link submits it once the
+    training has stopped)'; it now says that no link follows and how to go on. The rendered link runs under bash with
+    stand-ins for srun (it keeps the training's environment, what it says on a stop), sbatch and scontrol."""
+    from common.slurm.rendering import read_template, render
+    from common.slurm.sites import find_site
+    from common.train.preemption import Preemption
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "srun").write_text(f"#!/bin/bash\nenv > {tmp_path}/training.env\ntrap 'exit 0' TERM\necho started\n"
+                                "while :; do sleep 0.1; done\n")
+    (tools / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/sbatch_calls\necho 99\n")
+    (tools / "scontrol").write_text(f"#!/bin/sh\necho 'Command={tmp_path}/link.sbatch StdOut={tmp_path}/l.out'\n")
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    script = tmp_path / "link.sbatch"
+    script.write_text(render(read_template(REPO / LAB / "sbatch" / "chain_link.sbatch.j2"), find_site("generic"))[0])
+    env = script_env(PATH=f"{tools}:{os.environ['PATH']}", SLURM_JOB_ID="7", SLURM_JOB_NAME="chain-run",
+                     HPC_DL_LABS_SKIP_MODULES="1", RUN_DIR=str(tmp_path / "run"), RESULTS_DIR=str(tmp_path / "res"),
+                     CHAIN_LINK="1", CHAIN_MAX_LINKS="3")
+    link = subprocess.Popen(["bash", str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out = []
+        for line in link.stdout:
+            out.append(line)
+            if line.startswith("started"):
+                os.killpg(link.pid, signal.SIGTERM)  # scancel signals every process of the job
+                break
+        out.append(link.communicate(timeout=30)[0])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(link.pid, signal.SIGKILL)
+    assert link.returncode == -signal.SIGTERM, "".join(out)[-3000:]
+    assert not (tmp_path / "sbatch_calls").exists()  # no link 2
+    training = dict(line.split("=", 1) for line in (tmp_path / "training.env").read_text().splitlines() if "=" in line)
+    for name in ("HPC_DL_LABS_ON_STOP", "HPC_DL_LABS_ON_SIGTERM", "HPC_DL_LABS_ON_SIGUSR1"):
+        monkeypatch.delenv(name, raising=False)
+        if name in training:
+            monkeypatch.setenv(name, training[name])
+    stopped = Preemption(None, resume=False)
+    stopped.signal.requested = signal.SIGTERM
+    assert stopped.what_next("c.pt") == (  # what the training prints after "received SIGTERM: saved ..."
+        "this link is cancelled (scancel, pre-emption or its time limit): no link follows; to go on from it: the same "
+        f"03_chain.py command, or CHAIN_LINK=2 RUN_DIR={tmp_path / 'run'} RESULTS_DIR={tmp_path / 'res'} sbatch <this "
+        "script> <its flags>")
+    stopped.signal.requested = signal.SIGUSR1  # its time limit's warning: the shell lives on and submits link 2
+    assert stopped.what_next("c.pt").startswith("link 2 of the chain resumes from it")
 
 
 @pytest.mark.parametrize(("flags", "message"), [
