@@ -7,7 +7,8 @@ too, exit 1. A run that stopped on purpose (:class:`Stopped`: pre-empted, its ch
 exits 0. Bugs still raise normally so they keep their tracebacks. A script that runs others one after another (Lab-02's
 sweep, Lab-05's study) runs each with :func:`run_echoing` inside :func:`sigterm_raises`, so that Ctrl-C or SIGTERM
 stops the child with it and the script can clean up and say what it kept; one that hands its work to one other
-(Lab-09's pipeline to the sweep, Lab-03's ``-g N`` to torchrun) does the same with :func:`run_attached`.
+(Lab-09's pipeline to the sweep, Lab-03's ``-g N`` to torchrun) does the same with :func:`run_attached`. What must not
+be cut in half (Lab-09's ``sbatch`` and the record of the job it submitted) runs inside :func:`sigterm_deferred`.
 
 This module must not import torch: the report tool and the test suite use it too.
 """
@@ -75,6 +76,21 @@ def sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def sigterm_deferred() -> Iterator[list[int]]:
+    """While inside, SIGTERM waits: it is noted in the list this yields (so that the code inside can say what it
+    finished), and :class:`Terminated` is raised as the block ends. For a step that must not be cut in half: a script
+    killed while ``sbatch`` submits cannot know whether the job is in the queue, and leaves it unrecorded."""
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if received:
+        raise Terminated
 
 
 def run_echoing(command: list[str], tag: str, *, env: dict[str, str] | None = None,

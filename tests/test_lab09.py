@@ -274,6 +274,27 @@ def test_the_pipeline_sent_sigterm_stops_the_sweep_it_runs_before_it_submits(tmp
     assert left == []
 
 
+def test_a_sweep_sent_sigterm_while_sbatch_submits_waits_for_it_and_records_the_array(tmp_path):
+    """``kill`` on the sweep while sbatch submitted its array killed the sweep alone: sbatch went on and submitted an
+    array that plan's submissions.jsonl never recorded. Now the sweep waits for sbatch, records the array, says so in
+    one line with how to cancel it, and exits 143. The sbatch stand-in sends the SIGTERM itself, then answers."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "scontrol").write_text("#!/bin/sh\necho 'MaxArraySize = 1001'\n")
+    (tools / "sbatch").write_text("#!/bin/sh\nkill -TERM $PPID\nsleep 1\necho 4242\n")
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    folder = tmp_path / "sweep"
+    done = run_script(SWEEP, str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder),
+                      env=script_env(PATH=f"{tools}:{os.environ['PATH']}"))
+    assert done.returncode == 143, (done.stdout + done.stderr)[-3000:]
+    assert done.stdout.rstrip().splitlines()[-1] == (
+        f"SIGTERM came while sbatch submitted the sweep: waited for it, array job 4242 is submitted and recorded in "
+        f"{folder}; cancel it: scancel 4242"), done.stdout[-3000:]
+    assert done.stderr == "terminated (SIGTERM)\n"
+    assert [s["job_id"] for s in shared.read_plan(folder).submissions()] == ["4242"]
+
+
 def test_the_pipeline_s_failed_list_of_a_folder_that_is_not_a_sweep_s_is_one_line(tmp_path, capsys):
     """Not there, or another folder (results/ itself): not 'no sweep record yet: the evaluate stage writes it'."""
     missing, other = tmp_path / "never-started", tmp_path / "results"
