@@ -274,6 +274,34 @@ def test_the_pipeline_sent_sigterm_stops_the_sweep_it_runs_before_it_submits(tmp
     assert left == []
 
 
+@pytest.mark.parametrize(("killed_in", "said"), [
+    ("evaluate", "submitted train = array job 4242, evaluate = job 4243 (not report); cancel them: scancel 4242 4243"),
+    ("sweep_array", "submitted train = array job 4242 (not evaluate, report); cancel them: scancel 4242")])
+def test_the_pipeline_sent_sigterm_between_its_submissions_names_the_jobs_it_submitted(tmp_path, killed_in, said):
+    """``kill`` on the pipeline after it had submitted the array, while it submitted the evaluate job, killed it at
+    once: a pipeline half in the queue, and no word of which jobs. Now it waits for that sbatch, submits nothing
+    more and says in one line which jobs it submitted and how to cancel them; exit 143. Killed while its sweep's
+    sbatch submits the array, it names the array that sweep waited for and recorded. The sbatch stand-in sends the
+    pipeline the SIGTERM as it submits ``killed_in``'s job."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "scontrol").write_text("#!/bin/sh\necho 'MaxArraySize = 1001'\n")
+    pipeline = "$PPID" if killed_in == "evaluate" else "$(cut -d' ' -f4 /proc/$PPID/stat)"  # the sweep's parent
+    (tools / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/sbatch_calls\n"
+                                  f"case \"$*\" in *{killed_in}*) kill -TERM {pipeline}; sleep 1 ;; esac\n"
+                                  "case \"$*\" in\n  *evaluate*) echo 4243 ;;\n  *report*) echo 4244 ;;\n"
+                                  "  *) echo 4242 ;;\nesac\n")
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    folder = tmp_path / "sweep"
+    done = run_script(f"{LAB}/04_pipeline.py", str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder),
+                      env=script_env(PATH=f"{tools}:{os.environ['PATH']}"))
+    assert done.returncode == 143, (done.stdout + done.stderr)[-3000:]
+    assert done.stdout.rstrip().splitlines()[-1] == f"pipeline stopped by SIGTERM: {said}", done.stdout[-3000:]
+    assert done.stderr.splitlines()[-1] == "terminated (SIGTERM)", done.stderr
+    assert "report" not in (tmp_path / "sbatch_calls").read_text()
+
+
 def test_a_sweep_sent_sigterm_while_sbatch_submits_waits_for_it_and_records_the_array(tmp_path):
     """``kill`` on the sweep while sbatch submitted its array killed the sweep alone: sbatch went on and submitted an
     array that plan's submissions.jsonl never recorded. Now the sweep waits for sbatch, records the array, says so in

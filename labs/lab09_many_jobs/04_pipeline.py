@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from common.cli import input_file, output_dir, positive_int, script_parser
-from common.errors import UserError, run_attached, run_main, sigterm_raises
+from common.errors import Terminated, UserError, run_attached, run_main, sigterm_deferred, sigterm_raises
 from common.results import load_records
 from common.slurm.rendering import read_template, render, write_script
 from common.slurm.sites import find_site
@@ -60,6 +60,17 @@ def which_failed(folder: Path) -> int:
     return 0
 
 
+def say_stopped(submitted: dict[str, str]) -> None:
+    """One line: which stages a kill left in the queue, and how to cancel them."""
+    if not submitted:
+        print("pipeline stopped by SIGTERM before it submitted anything", flush=True)
+        return
+    jobs = ", ".join(f"{stage} = {'array ' if stage == 'train' else ''}job {job}" for stage, job in submitted.items())
+    left = [stage for stage in ("train", "evaluate", "report") if stage not in submitted]
+    print(f"pipeline stopped by SIGTERM: submitted {jobs}" + (f" (not {', '.join(left)})" if left else "") +
+          f"; cancel them: scancel {' '.join(submitted.values())}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -73,22 +84,34 @@ def main(argv: list[str] | None = None) -> int:
     sweep = [sys.executable, str(LAB_DIR / "01_sweep.py"), str(args.sweep_file), "--sweep-dir", str(folder),
              "--parallel", str(args.parallel), "--site", args.site, *(["--time", args.time] if args.time else []),
              "--", *argv[cut + 1:]]
-    with sigterm_raises():  # kill (SIGTERM) stops the sweep's submission too, rather than let it submit alone
-        if run_attached(sweep) != 0:
-            return 2  # its error line is printed
-    train = read_plan(folder).submissions()[-1]["job_id"]
+    before = len(read_plan(folder).submissions()) if (folder / "plan.yaml").is_file() else 0
+    submitted: dict[str, str] = {}  # stage -> job id: what a kill between the submissions leaves in the queue
+    try:
+        with sigterm_raises():  # kill (SIGTERM) stops the sweep's submission too, rather than let it submit alone
+            if run_attached(sweep) != 0:
+                return 2  # its error line is printed
+            submitted["train"] = read_plan(folder).submissions()[-1]["job_id"]
 
-    stage = write_script(folder / "pipeline_stage.sbatch",
-                         render(read_template(STAGE_TEMPLATE), find_site(args.site))[0])
-    env = {"SWEEP_DIR": str(folder)}
-    logs = f"--output={folder}/logs/%x-%j.out"
-    evaluate = submitted_job_id(slurm("sbatch", "--parsable", f"--dependency=afterany:{train}",  # after every task
-                                      "--job-name=evaluate", logs, str(stage), "evaluate", env=env))
-    report = submitted_job_id(slurm("sbatch", "--parsable",
-                                    f"--dependency=afterok:{evaluate}",  # after a good evaluation
-                                    "--job-name=report", logs, str(stage), "report", env=env))
-    print(f"pipeline: train = array job {train} -> evaluate = job {evaluate} (afterany) -> "
-          f"report = job {report} (afterok); the report: {folder / 'report.html'}")
+            stage = write_script(folder / "pipeline_stage.sbatch",
+                                 render(read_template(STAGE_TEMPLATE), find_site(args.site))[0])
+            env = {"SWEEP_DIR": str(folder)}
+            logs = f"--output={folder}/logs/%x-%j.out"
+            with sigterm_deferred():  # a kill waits for sbatch: then the job is known, and named below
+                submitted["evaluate"] = submitted_job_id(slurm(
+                    "sbatch", "--parsable", f"--dependency=afterany:{submitted['train']}",  # after every task
+                    "--job-name=evaluate", logs, str(stage), "evaluate", env=env))
+            with sigterm_deferred():
+                submitted["report"] = submitted_job_id(slurm(
+                    "sbatch", "--parsable", f"--dependency=afterok:{submitted['evaluate']}",  # after a good evaluation
+                    "--job-name=report", logs, str(stage), "report", env=env))
+    except Terminated:
+        if "train" not in submitted and (folder / "plan.yaml").is_file():  # the sweep, stopped with the pipeline,
+            # waits for an sbatch under way and records the array it submitted: that one is in the queue too
+            submitted.update(("train", s["job_id"]) for s in read_plan(folder).submissions()[before:])
+        say_stopped(submitted)
+        raise
+    print(f"pipeline: train = array job {submitted['train']} -> evaluate = job {submitted['evaluate']} (afterany) -> "
+          f"report = job {submitted['report']} (afterok); the report: {folder / 'report.html'}")
     return 0
 
 
