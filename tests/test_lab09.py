@@ -270,7 +270,9 @@ def test_the_pipeline_sent_sigterm_stops_the_sweep_it_runs_before_it_submits(tmp
         [PYTHON, str(REPO / LAB / "04_pipeline.py"), str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder)],
         " task(s) of ", str(folder), script_env(PATH=f"{tools}:{os.environ['PATH']}"))
     assert status == 143, out[-3000:]
-    assert out.rstrip().endswith("terminated (SIGTERM)") and "submitted the sweep" not in out, out[-3000:]
+    assert out.rstrip().endswith("pipeline stopped by SIGTERM before it submitted anything\nterminated (SIGTERM)"), (
+        out[-3000:])
+    assert "submitted the sweep" not in out, out[-3000:]
     assert left == []
 
 
