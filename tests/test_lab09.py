@@ -257,23 +257,25 @@ def test_a_sweep_folder_of_another_sweep_is_refused_before_anything_is_written(t
 def test_the_pipeline_sent_sigterm_stops_the_sweep_it_runs_before_it_submits(tmp_path):
     """``kill`` on the pipeline while its sweep checked and submitted the array killed the pipeline alone: the sweep
     went on and submitted the array, with no evaluate or report after it. Now the sweep stops with it: nothing
-    submitted, 'terminated (SIGTERM)', exit 143, no process left. Slurm's commands here are stand-ins."""
+    submitted, 'terminated (SIGTERM)', exit 143. Slurm's commands here are stand-ins; scontrol, asked for the cluster's
+    array limit before any sbatch, sends the pipeline the kill and answers only 10 s later, so the kill always lands
+    before the sweep could submit, on any machine (a sweep left running would answer and submit, alone)."""
 
     tools = tmp_path / "bin"
     tools.mkdir()
-    (tools / "scontrol").write_text("#!/bin/sh\necho 'MaxArraySize = 1001'\n")
-    (tools / "sbatch").write_text("#!/bin/sh\nsleep 2\necho 4242\n")  # a slow controller: the kill may land here
+    pipeline = "$(cut -d' ' -f4 /proc/$PPID/stat)"  # the sweep's parent
+    (tools / "scontrol").write_text(f"#!/bin/sh\nkill -TERM {pipeline}\nsleep 10\necho 'MaxArraySize = 1001'\n")
+    (tools / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/sbatch_calls\necho 4242\n")
     for tool in tools.iterdir():
         tool.chmod(0o755)
     folder = tmp_path / "sweep"
-    status, out, left, _ = terminate_when(  # at " task(s) of ": the sweep has checked its tasks, submits them next
-        [PYTHON, str(REPO / LAB / "04_pipeline.py"), str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder)],
-        " task(s) of ", str(folder), script_env(PATH=f"{tools}:{os.environ['PATH']}"))
-    assert status == 143, out[-3000:]
-    assert out.rstrip().endswith("pipeline stopped by SIGTERM before it submitted anything\nterminated (SIGTERM)"), (
-        out[-3000:])
-    assert "submitted the sweep" not in out, out[-3000:]
-    assert left == []
+    done = run_script(f"{LAB}/04_pipeline.py", str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder),
+                      env=script_env(PATH=f"{tools}:{os.environ['PATH']}"))  # its output ends when the sweep's does
+    out = done.stdout + done.stderr
+    assert done.returncode == 143, out[-3000:]
+    assert done.stdout.rstrip().endswith("pipeline stopped by SIGTERM before it submitted anything"), out[-3000:]
+    assert done.stderr.rstrip().endswith("terminated (SIGTERM)"), out[-3000:]
+    assert "submitted the sweep" not in out and not (tmp_path / "sbatch_calls").exists(), out[-3000:]
 
 
 @pytest.mark.parametrize(("killed_in", "said"), [
