@@ -239,7 +239,10 @@ def print_checkpointing(ckpt: dict[str, Any]) -> None:
     saving = ckpt["peak_saving"]
     effect = (f"saves {saving:.0%} of the peak" if saving >= 0 else  # a model too small: its bookkeeping outweighs
               f"raises the peak {1 - saving:.2f}x (this model has fewer activations to drop than checkpointing keeps)")
-    print(f"  checkpointing {effect} and costs {ckpt['time_ratio']:.2f}x the time (each block's forward runs twice)")
+    # The ratio is the median of each alternated pair's ratio, not the medians' ratio above: on a machine whose load
+    # changes during the run the two can disagree, even in direction, and the pairs' ratio is the one load hits alike.
+    print(f"  checkpointing {effect} and costs {ckpt['time_ratio']:.2f}x the time (median of the alternated pairs' "
+          "ratios; each block's forward runs twice)")
 
 
 def print_accumulation(even: dict[str, Any], uneven: dict[str, Any], steps: int) -> None:
