@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import UserError
+from common.errors import Terminated, UserError
 from helpers import PYTHON, REPO, load_script, run_main, run_script, script_env, terminate_when
 
 LAB = "labs/lab09_many_jobs"
@@ -320,11 +320,56 @@ def test_a_sweep_sent_sigterm_while_sbatch_submits_waits_for_it_and_records_the_
     done = run_script(SWEEP, str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder),
                       env=script_env(PATH=f"{tools}:{os.environ['PATH']}"))
     assert done.returncode == 143, (done.stdout + done.stderr)[-3000:]
-    assert done.stdout.rstrip().splitlines()[-1] == (
-        f"SIGTERM came while sbatch submitted the sweep: waited for it, array job 4242 is submitted and recorded in "
-        f"{folder}; cancel it: scancel 4242"), done.stdout[-3000:]
+    assert done.stdout.rstrip().splitlines()[-1] == ("SIGTERM came while sbatch submitted the sweep as array job 4242: "
+                                                     "waited for it, it is in the queue; cancel it: scancel 4242"), (
+        done.stdout[-3000:])
     assert done.stderr == "terminated (SIGTERM)\n"
     assert [s["job_id"] for s in shared.read_plan(folder).submissions()] == ["4242"]
+
+
+@pytest.mark.parametrize("submits", ["resubmit", "chain", "submitit"])
+def test_every_other_submission_sent_sigterm_waits_for_sbatch_and_names_the_job(submits, tmp_path, monkeypatch,
+                                                                                capsys):
+    """02_status.py --resubmit, 03_chain.py's first link and 05_submitit.py, killed while sbatch ran: the script died
+    and sbatch went on, a job in the queue that no record or line named. Each now waits for sbatch (and records what
+    it submitted), names the job and how to cancel it, and stops (exit 143). In this process: the sbatch stand-in sends
+    it SIGTERM; where the script does not hold it back, a handler of the test's gets it and fails the test."""
+    def not_held_back(*_):
+        raise AssertionError("the script did not hold SIGTERM back while sbatch ran: it reached the test")
+
+    previous = signal.signal(signal.SIGTERM, not_held_back)
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    answer = "Submitted batch job 4242" if submits == "submitit" else "4242"
+    for name, body in (("srun", "exit 0"), ("scontrol", "echo 'MaxArraySize = 1001'"),
+                       ("sbatch", f"kill -TERM $PPID; sleep 0.5; echo '{answer}'")):
+        (tools / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tools / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    folder = tmp_path / "sweep"
+    try:
+        if submits == "resubmit":
+            plan = shared.prepare_folder(folder, SWEEPS / "tiny.toml")
+            shared.write_plan(plan)
+            status = load_script(f"{LAB}/02_status.py")
+            failed = [type("Status", (), {"index": 1, "state": "FAILED"})()]
+            with pytest.raises(Terminated):  # which run_main turns into 'terminated (SIGTERM)', exit 143
+                status.resubmit(plan, failed)
+            what, code = "the tasks as array job", 143
+        elif submits == "chain":
+            code = run_main(f"{LAB}/03_chain.py", ["--run-dir", str(tmp_path / "run"), "--", "--dataset", "digits"])
+            what = "link 1 of the chain as job"
+        else:
+            code = run_main(f"{LAB}/05_submitit.py", [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder)])
+            what = "the sweep as array job"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    out = capsys.readouterr()
+    assert code == 143, out
+    assert out.out.rstrip().splitlines()[-1] == (f"SIGTERM came while sbatch submitted {what} 4242: waited for it, it "
+                                                 "is in the queue; cancel it: scancel 4242"), out
+    if submits != "chain":  # the chain keeps no record of its first link: the line is what names it
+        assert [s["job_id"] for s in shared.read_plan(folder).submissions()] == ["4242"]
 
 
 def test_the_pipeline_s_failed_list_of_a_folder_that_is_not_a_sweep_s_is_one_line(tmp_path, capsys):

@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 
 from common.cli import input_file, non_negative_int, output_dir, positive_int, script_parser
-from common.errors import UserError, run_main, sigterm_deferred
+from common.errors import UserError, run_main
 from common.slurm.rendering import read_template, render, write_script
 from common.slurm.sites import find_site
 from labs.lab09_many_jobs.lab09_shared import (ARRAY_TEMPLATE, check_task, check_with_script, display, max_array_size,
                                                prepare_folder, refuse_second_submission, refuse_task_flags, run_task,
-                                               slurm, slurm_time, submitted_job_id, write_plan)
+                                               sbatch_job, slurm_time, write_plan)
 
 
 def build_parser():
@@ -75,13 +75,10 @@ def submit_array(plan, args) -> str:
                *(["--time", args.time] if args.time else []), *(["--hold"] if args.hold else []),
                str(script), *run_flags(args)]
     began = time.perf_counter()
-    with sigterm_deferred() as terminated:  # kill waits for sbatch: an array in the queue is always in the plan
-        job_id = submitted_job_id(slurm(*command, env={"SWEEP_DIR": str(plan.folder), "SWEEP_FILE": str(plan.copy)}))
-        plan.add_submission("sbatch-array", job_id, range(len(plan.tasks)), seconds=time.perf_counter() - began,
-                            command=command)
-        if terminated:
-            print(f"SIGTERM came while sbatch submitted the sweep: waited for it, array job {job_id} is submitted and "
-                  f"recorded in {plan.folder}; cancel it: scancel {job_id}", flush=True)
+    job_id = sbatch_job(command, {"SWEEP_DIR": str(plan.folder), "SWEEP_FILE": str(plan.copy)},
+                        "the sweep as array job",
+                        lambda job_id: plan.add_submission("sbatch-array", job_id, range(len(plan.tasks)),
+                                                           seconds=time.perf_counter() - began, command=command))
     print(f"submitted the sweep as array job {job_id}: {len(plan.tasks)} tasks, at most {args.parallel} at once "
           f"({time.perf_counter() - began:.2f} s){' HELD: scontrol release ' + job_id if args.hold else ''}")
     print(f"follow it: python labs/lab09_many_jobs/02_status.py --sweep-dir {plan.folder}")

@@ -23,8 +23,8 @@ import time
 
 from common.cli import input_dir, non_negative_float, script_parser
 from common.errors import UserError, run_main
-from labs.lab09_many_jobs.lab09_shared import (ENDED, NOT_RUN, RETRY, read_plan, slurm, status_table,
-                                               submitted_job_id, sweep_status, write_sweep_record)
+from labs.lab09_many_jobs.lab09_shared import (ENDED, NOT_RUN, RETRY, read_plan, sbatch_job, status_table,
+                                               sweep_status, write_sweep_record)
 
 SCRIPT = "labs/lab09_many_jobs/02_status.py"
 
@@ -50,8 +50,9 @@ def resubmit(plan, statuses) -> str | None:
     array = ",".join(map(str, again))
     command = ["sbatch", "--parsable", f"--array={array}", f"--job-name=sweep-{plan.sweep_id}",
                f"--output={plan.folder}/logs/%A_%a.out", str(plan.folder / "sweep_array.sbatch")]
-    job_id = submitted_job_id(slurm(*command, env={"SWEEP_DIR": str(plan.folder), "SWEEP_FILE": str(plan.copy)}))
-    plan.add_submission("resubmit", job_id, again, command=command)
+    job_id = sbatch_job(command, {"SWEEP_DIR": str(plan.folder), "SWEEP_FILE": str(plan.copy)},
+                        "the tasks as array job",
+                        lambda job_id: plan.add_submission("resubmit", job_id, again, command=command))
     print(f"resubmitted task(s) {array} as array job {job_id}; each resumes from its checkpoint")
     return job_id
 

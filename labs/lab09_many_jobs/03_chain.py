@@ -30,7 +30,7 @@ from common.results import load_records
 from common.slurm.rendering import read_template, render, write_script
 from common.slurm.sites import find_site
 from labs.lab09_many_jobs.lab09_shared import (LAB_DIR, REPO_ROOT, check_training_flags, run_passing_signals_on,
-                                               slurm, slurm_time, submitted_job_id)
+                                               sbatch_job, slurm_time)
 
 LINK_TEMPLATE = LAB_DIR / "sbatch" / "chain_link.sbatch.j2"
 TRAIN_SCRIPT = REPO_ROOT / "chapters" / "ch04_deep_learning" / "mnist_training.py"
@@ -61,8 +61,9 @@ def submit_chain(args, train_flags: list[str]) -> str:
     name = f"chain-{args.run_dir.name}"
     command = ["sbatch", "--parsable", f"--job-name={name}", f"--output={args.run_dir}/%x-%j.out",
                *(["--time", args.time] if args.time else []), str(script), *train_flags]
-    job_id = submitted_job_id(slurm(*command, env={"RUN_DIR": str(args.run_dir), "RESULTS_DIR": str(args.results_dir),
-                                                   "CHAIN_MAX_LINKS": str(args.max_links), "CHAIN_LINK": "1"}))
+    env = {"RUN_DIR": str(args.run_dir), "RESULTS_DIR": str(args.results_dir), "CHAIN_MAX_LINKS": str(args.max_links),
+           "CHAIN_LINK": "1"}
+    job_id = sbatch_job(command, env, "link 1 of the chain as job")
     print(f"link 1 of the chain is job {job_id} ({name}); follow it: squeue --name={name}; "
           f"sacct --name={name} --format=JobID,State,Elapsed")
     return job_id

@@ -24,10 +24,11 @@ import time
 from pathlib import Path
 
 from common.cli import input_file, non_negative_int, output_dir, positive_int, script_parser
-from common.errors import UserError, run_main
+from common.errors import UserError, run_main, sigterm_deferred
 from labs.lab09_many_jobs.lab09_shared import (ENDED, check_with_script, prepare_folder, read_plan,
                                                refuse_second_submission, refuse_task_flags, run_task, status_table,
-                                               sweep_status, write_plan, write_sweep_record)
+                                               say_queued_despite_sigterm, sweep_status, write_plan,
+                                               write_sweep_record)
 
 SCRIPT = "labs/lab09_many_jobs/05_submitit.py"
 
@@ -80,16 +81,19 @@ def main(argv: list[str] | None = None) -> int:
                                slurm_array_parallelism=args.parallel,
                                **({"slurm_partition": args.partition} if args.partition else {}))
     began = time.perf_counter()
-    try:
-        jobs = executor.map_array(train_one, [str(plan.folder)] * len(plan.tasks), [t.index for t in plan.tasks],
-                                  [extra] * len(plan.tasks))  # one sbatch --array, one task per argument
-    except submitit.core.utils.FailedJobError as err:  # submitit has printed sbatch's own words; no traceback
-        status = getattr(err.__cause__, "returncode", "?")
-        raise UserError(f"sbatch refused the array (exit status {status}; its words above), nothing was submitted: "
-                        f"the plan in {plan.folder} stays, run this again once `sinfo` answers") from None
-    submitted = time.perf_counter() - began
-    array_id = jobs[0].job_id.split("_")[0]
-    plan.add_submission("submitit", array_id, [t.index for t in plan.tasks], seconds=submitted)
+    with sigterm_deferred() as terminated:  # a kill waits for sbatch and the record: no array left unrecorded
+        try:
+            jobs = executor.map_array(train_one, [str(plan.folder)] * len(plan.tasks), [t.index for t in plan.tasks],
+                                      [extra] * len(plan.tasks))  # one sbatch --array, one task per argument
+        except submitit.core.utils.FailedJobError as err:  # submitit has printed sbatch's own words; no traceback
+            status = getattr(err.__cause__, "returncode", "?")
+            raise UserError(f"sbatch refused the array (exit status {status}; its words above), nothing was submitted: "
+                            f"the plan in {plan.folder} stays, run this again once `sinfo` answers") from None
+        submitted = time.perf_counter() - began
+        array_id = jobs[0].job_id.split("_")[0]
+        plan.add_submission("submitit", array_id, [t.index for t in plan.tasks], seconds=submitted)
+        if terminated:
+            say_queued_despite_sigterm("the sweep as array job", array_id)
     print(f"submitted {len(jobs)} task(s) as array job {array_id} with submitit in {submitted:.2f} s; waiting")
     for task, job in zip(plan.tasks, jobs):
         try:

@@ -39,7 +39,7 @@ import yaml
 
 from common.atomic import write_text_atomic
 from common.cli import flags_given
-from common.errors import Stopped, UserError
+from common.errors import Stopped, UserError, sigterm_deferred
 from common.results import load_records, make_record, provenance, write_record
 from common.slurm.jobs import PLACEHOLDER
 from common.slurm.sites import time_to_seconds
@@ -469,6 +469,24 @@ def slurm(*command: str, env: Mapping[str, str] | None = None) -> subprocess.Com
         raise UserError(f"{command[0]} is not on PATH: run this on a cluster's login node (or use --local)")
     return subprocess.run(list(command), capture_output=True, text=True, check=False,
                           env={**os.environ, **(env or {})})
+
+
+def sbatch_job(command: Sequence[str], env: Mapping[str, str], what: str,
+              record: Callable[[str], object] = lambda job_id: None) -> str:
+    """``sbatch`` ``command``, then ``record(job_id)``; the job id. A kill (SIGTERM) meanwhile waits for both, so that
+    a job in the queue is never one the script forgot: one line then names it (``what``: "the sweep as array job") and
+    how to cancel it, and :class:`~common.errors.Terminated` stops the script (exit 143)."""
+    with sigterm_deferred() as terminated:
+        job_id = submitted_job_id(slurm(*command, env=env))
+        record(job_id)
+        if terminated:
+            say_queued_despite_sigterm(what, job_id)
+    return job_id
+
+
+def say_queued_despite_sigterm(what: str, job_id: str) -> None:
+    print(f"SIGTERM came while sbatch submitted {what} {job_id}: waited for it, it is in the queue; cancel it: "
+          f"scancel {job_id}", flush=True)
 
 
 def max_array_size() -> int:
