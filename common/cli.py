@@ -31,7 +31,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from common.errors import first_rank
-from common.runtime.cpus import default_num_workers
+from common.runtime.cpus import default_num_workers, usable_cpus
+
+#: The most DataLoader workers ``--num-workers`` takes per CPU this process may use (:func:`worker_count`).
+WORKERS_PER_CPU = 4
 
 
 def _whole_number(text: str, minimum: int) -> int:
@@ -60,6 +63,19 @@ def seed_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     return _whole_number(text, 0)
+
+
+def worker_count(text: str) -> int:
+    """argparse type: DataLoader worker processes, from 0 (the main process loads) to :data:`WORKERS_PER_CPU` per CPU
+    this process may use (its affinity mask, which Slurm narrows). A few more workers than CPUs can hide slow reads;
+    ``--num-workers 1000`` started a thousand processes, each with its own copy of the data set, before the first
+    batch."""
+    value = _whole_number(text, 0)
+    usable = usable_cpus()
+    if value > WORKERS_PER_CPU * usable:
+        raise argparse.ArgumentTypeError(f"must be at most {WORKERS_PER_CPU * usable} ({WORKERS_PER_CPU} per CPU; "
+                                         f"this process may use {usable}), got {value}")
+    return value
 
 
 def percent_int(text: str) -> int:
@@ -338,8 +354,9 @@ def add_common_args(
         default = max(min_workers, default_num_workers()) if num_workers is None else num_workers
         source = "" if num_workers is not None else "; from SLURM_CPUS_PER_TASK when set" + (
             f", at least {min_workers}" if min_workers else "")
-        group.add_argument("--num-workers", type=non_negative_int, default=default,
-                           help=f"DataLoader worker processes{source} (default: %(default)s)")
+        group.add_argument("--num-workers", type=worker_count, default=default,
+                           help=f"DataLoader worker processes, at most {WORKERS_PER_CPU} per CPU{source} "
+                                "(default: %(default)s)")
     return parser
 
 

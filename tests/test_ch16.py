@@ -332,3 +332,24 @@ def test_efficient_loading_measures_threads_and_loader_options(tmp_path, capsys,
     assert out.count("samples/s in epoch 2)") == len(options)
     assert ("unless persistent_workers=True: compare the epoch-2 column" in out) is bool(workers)
     assert metrics["cudnn_benchmark"] == []  # CPU: nothing to tune, nothing recorded
+
+
+def test_efficient_loading_refuses_more_workers_than_the_cpus_can_run_in_one_line(tmp_path, capsys):
+    """--num-workers 1000 was taken, and part 3 then started a thousand DataLoader processes; the parser refuses more
+    than common.cli.WORKERS_PER_CPU per CPU of this process, saying the number and the limit (the rule every script's
+    --num-workers shares: tests/test_script_paths.py)."""
+    from common.runtime.cpus import usable_cpus
+
+    parser = load_script(f"{CHAPTER}/efficient_loading.py").build_parser()
+    with pytest.raises(SystemExit) as refused:  # parsed only: the old parser's run would start the thousand
+        parser.parse_args(["--num-workers", "1000"])
+    assert refused.value.code == 2
+    capsys.readouterr()
+    limit = 4 * usable_cpus()
+    assert parser.parse_args(["--num-workers", str(limit)]).num_workers == limit
+    assert run_main(f"{CHAPTER}/efficient_loading.py", ["--num-workers", "1000",
+                                                        "--results-dir", str(tmp_path / "r")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and f"must be at most {limit} (4 per CPU; this process may use " \
+        f"{usable_cpus()}), got 1000" in captured.err, captured.err
+    assert captured.out == "" and not (tmp_path / "r").exists()

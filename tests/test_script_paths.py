@@ -187,7 +187,8 @@ def test_a_flag_that_would_change_nothing_is_refused(script, capsys):
 
 
 #: Values no count, size, rate or timeout of a script can take, by flag (every script that has the flag).
-NONSENSE = {"--batch-size": ["0", "-3", "x"], "--epochs": ["0", "-1"], "--max-steps": ["0"], "--num-workers": ["-1"],
+NONSENSE = {"--batch-size": ["0", "-3", "x"], "--epochs": ["0", "-1"], "--max-steps": ["0"],
+            "--num-workers": ["-1", "100000"],  # more than common.cli.WORKERS_PER_CPU per CPU: a thousand processes
             "--repeats": ["0"], "--warmup": ["-1"], "--steps": ["0"], "--lr": ["-1", "0", "nan", "inf"],
             "--seed": ["x", str(2**64)],
             "--image-size": ["0", "-5"], "--log-interval": ["0"], "--width": ["0"], "--layers": ["0"],

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Mapping, TextIO
 
 from common.cli import (add_collective_timeout_arg, add_log_interval_arg, add_lr_arg, add_run_args, add_steps_arg,
-                        non_negative_int, output_dir, positive_int)
+                        non_negative_int, output_dir, positive_int, worker_count)
 from common.errors import UserError
 
 LAB = "lab06"
@@ -401,7 +401,7 @@ def add_inject_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--width", type=positive_int, default=4,
                        help="channels of the CNN's first layer (default: %(default)s)")
     add_lr_arg(group, default=0.05, optimizer="SGD (momentum 0.9)")
-    group.add_argument("--num-workers", type=non_negative_int, default=1,
+    group.add_argument("--num-workers", type=worker_count, default=1,
                        help="DataLoader worker processes; stuck-loader needs one (default: %(default)s)")
     add_log_interval_arg(group, default=5)
     group.add_argument("--checkpoint-every", type=positive_int, default=5,
