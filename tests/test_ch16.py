@@ -353,3 +353,33 @@ def test_efficient_loading_refuses_more_workers_than_the_cpus_can_run_in_one_lin
     assert captured.err.count("\n") == 1 and f"must be at most {limit} (4 per CPU; this process may use " \
         f"{usable_cpus()}), got 1000" in captured.err, captured.err
     assert captured.out == "" and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("over", [1, 0])
+def test_efficient_loading_refuses_a_batch_larger_than_the_digits_set_before_allocating(tmp_path, capsys, monkeypatch,
+                                                                                       over):
+    """--batch-size 100000 went on to part 1, whose random batch of that size took tens of GiB (OOM-killed on a
+    24 GiB machine), and part 3's batches held the 1,437 digits only; a batch larger than the set part 3 loads is one
+    line and exit 2 before any part runs. The whole set as one batch still runs (up to part 1, stubbed here)."""
+    from common.data import pipelines
+
+    script = load_script(f"{CHAPTER}/efficient_loading.py")
+
+    class PartOneStarted(Exception):
+        pass
+
+    def part_one(*args):  # the old script went on to allocate here: stop before it can
+        raise PartOneStarted
+
+    monkeypatch.setattr(script, "thread_scaling", part_one)
+    size = len(pipelines.load_uint8("digits", ".")[0])
+    argv = ["--device", "cpu", "--batch-size", str(size + over), "--results-dir", str(tmp_path / "r")]
+    if not over:
+        with pytest.raises(PartOneStarted):
+            script.main(argv)
+        return
+    assert run_main(f"{CHAPTER}/efficient_loading.py", argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"error: --batch-size {size + 1} is larger than the digits training set that part 3 loads " \
+                           f"({size} samples); every part takes the same batch: give at most {size}\n"
+    assert captured.out == "" and not (tmp_path / "r").exists()

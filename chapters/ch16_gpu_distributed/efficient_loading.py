@@ -38,7 +38,7 @@ from common.data import pipelines
 from common.cli import add_common_args, add_former_names, apply_dry_run, config_dict, positive_int, script_parser
 from common.runtime.device import configure_threads, describe, resolve_device, seed_everything
 from common.measure.energy import EnergyMeter
-from common.errors import run_main
+from common.errors import FlagError, run_main
 from common.models import MnistNet
 from common.results import make_record, provenance, write_record
 from common.measure.timing import time_function
@@ -100,10 +100,10 @@ def cudnn_benchmark(device: torch.device, batch_size: int, steps: int) -> list[d
     return rows
 
 
-def loader_options(device: torch.device, batch_size: int, max_workers: int) -> Iterator[dict[str, Any]]:
-    """Seconds to draw every batch of the digits set, twice (two epochs), with several loader settings: a row per
-    setting, each as soon as it is measured."""
-    train, _ = pipelines.load_uint8("digits", ".")  # bundled: no folder is read
+def loader_options(train: pipelines.Uint8Images, device: torch.device, batch_size: int,
+                   max_workers: int) -> Iterator[dict[str, Any]]:
+    """Seconds to draw every batch of ``train``, twice (two epochs), with several loader settings: a row per setting,
+    each as soon as it is measured."""
     settings = [{"num_workers": 0}, {"num_workers": 1}]
     if max_workers > 1:
         settings.append({"num_workers": max_workers})
@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = apply_dry_run(build_parser().parse_args(argv), repeats=1)
+    train, _ = pipelines.load_uint8("digits", ".")  # bundled: no folder is read
+    if args.batch_size > len(train):  # parts 1 and 2 make batches of it too: 100000 took tens of GiB in part 1
+        raise FlagError(f"--batch-size {args.batch_size} is larger than the digits training set that part 3 loads "
+                        f"({len(train)} samples); every part takes the same batch: give at most {len(train)}")
     seed_everything(args.seed)
     threads = configure_threads()  # SLURM_CPUS_PER_TASK when set, else PyTorch's default
     device = resolve_device(args.device)
@@ -160,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n3. DataLoader options, the USC lab's per-sample PIL pipeline on digits (batch {args.batch_size})",
           flush=True)
     loading = []
-    for row in loader_options(device, args.batch_size, args.num_workers):  # a line per setting as it is measured
+    for row in loader_options(train, device, args.batch_size, args.num_workers):  # a line per setting as it is measured
         loading.append(row)
         options = ", ".join(f"{key}={value}" for key, value in row.items() if not key.startswith(("epoch", "samples")))
         print(f"  {options:<75} epoch 1 {row['epoch1_s']:6.2f} s, epoch 2 {row['epoch2_s']:6.2f} s "
