@@ -309,14 +309,19 @@ def test_profile_trace_writes_a_valid_trace_with_labelled_regions(tmp_path, caps
     (f"{LAB}/profile_trace.py", ["--pipeline", "device", "--wait", "0", "--warmup", "0", "--active", "1"]),
 ])
 def test_a_batch_larger_than_the_training_set_is_said_in_one_line(tmp_path, capsys, script, flags):
-    """--batch-size 2000 on digits' 1,438 training images: one short step per epoch, and the run said nothing."""
+    """--batch-size 2000 on digits' 1,438 training images: one short step per epoch, and the run said nothing. The
+    header's batch and the record's global_batch_size said 2000 too; both are the 1,438 a step held (the config keeps
+    the flag as given)."""
     assert run_main(script, ["--device", "cpu", "--batch-size", "2000", *flags, "--results-dir", str(tmp_path)]) == 0
     said = "--batch-size 2000 is larger than the training set (1438 samples): every step trains on those 1438, " \
            "one step per epoch"
-    assert capsys.readouterr().out.count(f"note: {said}\n") == 1
+    out = capsys.readouterr().out
+    assert out.count(f"note: {said}\n") == 1
+    assert " | batch 1438 | " in out and "batch 2000" not in out
     (record,) = records(tmp_path, "lab02_[ct]*.json")  # lab02_custom_*, lab02_torch-profiler-*: not the trace
     assert said in record["notes"]
     assert record["energy"]["samples"] == 1438  # the samples drawn in the one step (profile_trace.py said 2000)
+    assert record["metrics"]["global_batch_size"] == 1438 and record["config"]["batch_size"] == 2000
 
 
 def test_profile_trace_named_gz_is_gzip_compressed(tmp_path):

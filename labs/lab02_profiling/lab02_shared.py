@@ -115,6 +115,13 @@ def batch_note(batch_size: int, train_size: int) -> str | None:
            f"those {train_size}, one step per epoch"
 
 
+def batch_used(batch_size: int, train_size: int) -> int:
+    """The samples a step really trains on: ``--batch-size``, or the whole training set where that is smaller
+    (:func:`batch_note`). The header prints it and the record keeps it as ``global_batch_size`` (both said
+    ``--batch-size``, 4096 for steps of the 1,438 digits)."""
+    return min(batch_size, train_size)
+
+
 def flag_notes(args: argparse.Namespace, device: Any, train_size: int | None = None,
                default_workers: int | None = None) -> list[str]:
     """The flags that change nothing on this device or with these other flags (or, given ``train_size``, do less than
@@ -152,7 +159,7 @@ def print_header(args: argparse.Namespace, device: Any, threads: int, sizes: tup
     from common.runtime.device import describe  # imports torch
 
     print(f"device {describe(device)} | data {args.dataset} train={sizes[0]} test={sizes[1]} | "
-          f"pipeline {args.pipeline} | {batch_maker(args)} | batch {args.batch_size} | "
+          f"pipeline {args.pipeline} | {batch_maker(args)} | batch {batch_used(args.batch_size, sizes[0])} | "
           f"precision {args.precision} | threads {threads} | line profiler {'on' if line_profiler else 'off'}",
           flush=True)
 
@@ -242,7 +249,8 @@ def write_train_record(args: argparse.Namespace, device: Any, threads: int, epoc
     metrics = {
         "train_loss": epochs.train_losses, "final_loss": epochs.train_losses[-1], "test_loss": test_loss,
         "test_accuracy": accuracy, "epochs": args.epochs, "steps": sum(epochs.steps),
-        "logged_loss": epochs.logged_losses, "global_batch_size": args.batch_size, "world_size": 1,
+        "logged_loss": epochs.logged_losses, "global_batch_size": batch_used(args.batch_size, sizes[0]),
+        "world_size": 1,
         "epoch_time_s": epochs.times, "time_per_epoch_s": statistics.median(epochs.times),
         "samples_per_s": samples_per_s, "compile_s": compile_s, "memory": [memory],
         "cuda_graph": graph_record, **headline, "floors": step_floors,

@@ -35,7 +35,7 @@ from common.errors import run_main
 from common.models import MnistNet
 from common.measure.profiling import add_trace_args, self_time_key, top_operators, trace_path, write_trace
 from common.results import make_record, new_run_id, provenance, write_record
-from labs.lab02_profiling.lab02_shared import batch_maker, flag_notes
+from labs.lab02_profiling.lab02_shared import batch_maker, batch_used, flag_notes
 
 SCRIPT = "labs/lab02_profiling/profile_trace.py"
 REGIONS = ("data loading", "copy to device", "forward", "backward", "optimizer step")
@@ -74,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     train_data, _ = pipelines.load_uint8(args.dataset, args.data_dir, seed=args.seed,
                                          synthetic_size=args.synthetic_size)
     notes = flag_notes(args, device, len(train_data), default_workers=build_parser().get_default("num_workers"))
+    batch = batch_used(args.batch_size, len(train_data))  # the whole set where --batch-size is larger
     loader = pipelines.make_loader(args.pipeline, train_data, args.batch_size, shuffle=True, device=device,
                                    num_workers=args.num_workers, pin_memory=args.pin_memory and device.type == "cuda",
                                    seed=args.seed)
@@ -83,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     trace = trace_path(args.trace, args.results_dir, f"lab02_{args.pipeline}", run_id)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     print(f"device {describe(device)} | pipeline {args.pipeline} | {batch_maker(args)} | "
-          f"batch {args.batch_size} | profiling steps {args.wait + 1}..{args.wait + args.warmup + args.active}, "
+          f"batch {batch} | profiling steps {args.wait + 1}..{args.wait + args.warmup + args.active}, "
           f"recording the last {args.active}", flush=True)
 
     recorded = {}
@@ -131,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "region_cpu_time_us": region_us,
                "data_loading_cpu_share": region_us.get("data loading", 0) / total_us if total_us else None,
                "top_operators": top_operators(averages, device, args.row_limit),
-               "world_size": 1, "global_batch_size": args.batch_size}
+               "world_size": 1, "global_batch_size": batch}
     record = make_record(lab="lab02", script=SCRIPT, method=f"torch-profiler-{args.pipeline}",
                          config=config_dict(args, resolved_device=str(device), model="mnist_cnn", threads=threads),
                          metrics=metrics, provenance=provenance(device), notes=notes,
