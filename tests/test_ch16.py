@@ -359,7 +359,7 @@ def test_efficient_loading_refuses_more_workers_than_the_cpus_can_run_in_one_lin
 def test_efficient_loading_refuses_a_batch_larger_than_the_digits_set_before_allocating(tmp_path, capsys, monkeypatch,
                                                                                        over):
     """--batch-size 100000 went on to part 1, whose random batch of that size took tens of GiB (OOM-killed on a
-    24 GiB machine), and part 3's batches held the 1,437 digits only; a batch larger than the set part 3 loads is one
+    24 GiB machine), and part 3's batches held the 1,438 digits only; a batch larger than the set part 3 loads is one
     line and exit 2 before any part runs. The whole set as one batch still runs (up to part 1, stubbed here)."""
     from common.data import pipelines
 
