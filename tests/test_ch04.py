@@ -149,10 +149,14 @@ def test_bf16_autocast_on_cpu_follows_the_fp32_run_step_by_step(fp32_run, tmp_pa
 
 
 def test_ddp_two_gloo_processes_agree_and_only_rank0_writes(tmp_path):
+    from common.runtime.cpus import usable_cpus
+
     results, ckpt = tmp_path / "results", tmp_path / "ckpt"
-    # More DataLoader workers than this machine's cores, for a data set kept whole in memory: no loader, no workers.
+    # More DataLoader workers than this machine's cores (the most --num-workers takes), for a data set kept whole in
+    # memory: no loader, no workers.
+    many = str(4 * usable_cpus())
     proc = run_script(DDP, "--device", "cpu", "--epochs", "1", "--max-steps", "8", "--results-dir", str(results),
-                      "--checkpoint", str(ckpt / "ddp.pt"), "--num-workers", "64", launcher=torchrun(2), cwd=tmp_path)
+                      "--checkpoint", str(ckpt / "ddp.pt"), "--num-workers", many, launcher=torchrun(2), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "batches: whole data set in cpu memory" in proc.stdout and "WARNING placement" not in proc.stdout
     assert "DDP: 2 process(es), backend gloo, launcher torchrun" in proc.stdout
