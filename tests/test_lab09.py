@@ -29,6 +29,15 @@ shared = load_script(f"{LAB}/lab09_shared.py")
 SWEEPS = REPO / LAB / "sweeps"
 
 
+def slurm_stand_ins(folder: Path, **bodies: str) -> Path:
+    """``folder`` (made if needed) with an executable stand-in per Slurm command, ``sbatch="echo 4242"``: a ``sh``
+    script of that body; the folder, to put first on PATH."""
+    folder.mkdir(exist_ok=True)
+    for name, body in bodies.items():
+        (folder / name).write_text(f"#!/bin/sh\n{body}\n")
+        (folder / name).chmod(0o755)
+    return folder
+
 def test_a_sweep_file_expands_into_the_same_tasks_every_time_in_toml_and_yaml(tmp_path):
     tasks = shared.expand(shared.read_sweep_file(SWEEPS / "random.yaml"), SWEEPS / "random.yaml")
     assert len(tasks) == 2 * 3 * 2  # batch sizes x random draws x seeds
@@ -261,13 +270,9 @@ def test_the_pipeline_sent_sigterm_stops_the_sweep_it_runs_before_it_submits(tmp
     array limit before any sbatch, sends the pipeline the kill and answers only 10 s later, so the kill always lands
     before the sweep could submit, on any machine (a sweep left running would answer and submit, alone)."""
 
-    tools = tmp_path / "bin"
-    tools.mkdir()
     pipeline = "$(cut -d' ' -f4 /proc/$PPID/stat)"  # the sweep's parent
-    (tools / "scontrol").write_text(f"#!/bin/sh\nkill -TERM {pipeline}\nsleep 10\necho 'MaxArraySize = 1001'\n")
-    (tools / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/sbatch_calls\necho 4242\n")
-    for tool in tools.iterdir():
-        tool.chmod(0o755)
+    tools = slurm_stand_ins(tmp_path / "bin", scontrol=f"kill -TERM {pipeline}\nsleep 10\necho 'MaxArraySize = 1001'",
+                            sbatch=f"echo \"$@\" >> {tmp_path}/sbatch_calls\necho 4242")
     folder = tmp_path / "sweep"
     done = run_script(f"{LAB}/04_pipeline.py", str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder),
                       env=script_env(PATH=f"{tools}:{os.environ['PATH']}"))  # its output ends when the sweep's does
@@ -287,16 +292,12 @@ def test_the_pipeline_sent_sigterm_between_its_submissions_names_the_jobs_it_sub
     more and says in one line which jobs it submitted and how to cancel them; exit 143. Killed while its sweep's
     sbatch submits the array, it names the array that sweep waited for and recorded. The sbatch stand-in sends the
     pipeline the SIGTERM as it submits ``killed_in``'s job."""
-    tools = tmp_path / "bin"
-    tools.mkdir()
-    (tools / "scontrol").write_text("#!/bin/sh\necho 'MaxArraySize = 1001'\n")
     pipeline = "$PPID" if killed_in == "evaluate" else "$(cut -d' ' -f4 /proc/$PPID/stat)"  # the sweep's parent
-    (tools / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/sbatch_calls\n"
-                                  f"case \"$*\" in *{killed_in}*) kill -TERM {pipeline}; sleep 1 ;; esac\n"
-                                  "case \"$*\" in\n  *evaluate*) echo 4243 ;;\n  *report*) echo 4244 ;;\n"
-                                  "  *) echo 4242 ;;\nesac\n")
-    for tool in tools.iterdir():
-        tool.chmod(0o755)
+    tools = slurm_stand_ins(tmp_path / "bin", scontrol="echo 'MaxArraySize = 1001'",
+                            sbatch=f"echo \"$@\" >> {tmp_path}/sbatch_calls\n"
+                                   f"case \"$*\" in *{killed_in}*) kill -TERM {pipeline}; sleep 1 ;; esac\n"
+                                   "case \"$*\" in\n  *evaluate*) echo 4243 ;;\n  *report*) echo 4244 ;;\n"
+                                   "  *) echo 4242 ;;\nesac")
     folder = tmp_path / "sweep"
     done = run_script(f"{LAB}/04_pipeline.py", str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder),
                       env=script_env(PATH=f"{tools}:{os.environ['PATH']}"))
@@ -310,12 +311,8 @@ def test_a_sweep_sent_sigterm_while_sbatch_submits_waits_for_it_and_records_the_
     """``kill`` on the sweep while sbatch submitted its array killed the sweep alone: sbatch went on and submitted an
     array that plan's submissions.jsonl never recorded. Now the sweep waits for sbatch, records the array, says so in
     one line with how to cancel it, and exits 143. The sbatch stand-in sends the SIGTERM itself, then answers."""
-    tools = tmp_path / "bin"
-    tools.mkdir()
-    (tools / "scontrol").write_text("#!/bin/sh\necho 'MaxArraySize = 1001'\n")
-    (tools / "sbatch").write_text("#!/bin/sh\nkill -TERM $PPID\nsleep 1\necho 4242\n")
-    for tool in tools.iterdir():
-        tool.chmod(0o755)
+    tools = slurm_stand_ins(tmp_path / "bin", scontrol="echo 'MaxArraySize = 1001'",
+                            sbatch="kill -TERM $PPID\nsleep 1\necho 4242")
     folder = tmp_path / "sweep"
     done = run_script(SWEEP, str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder),
                       env=script_env(PATH=f"{tools}:{os.environ['PATH']}"))
@@ -338,13 +335,9 @@ def test_every_other_submission_sent_sigterm_waits_for_sbatch_and_names_the_job(
         raise AssertionError("the script did not hold SIGTERM back while sbatch ran: it reached the test")
 
     previous = signal.signal(signal.SIGTERM, not_held_back)
-    tools = tmp_path / "bin"
-    tools.mkdir()
     answer = "Submitted batch job 4242" if submits == "submitit" else "4242"
-    for name, body in (("srun", "exit 0"), ("scontrol", "echo 'MaxArraySize = 1001'"),
-                       ("sbatch", f"kill -TERM $PPID; sleep 0.5; echo '{answer}'")):
-        (tools / name).write_text(f"#!/bin/sh\n{body}\n")
-        (tools / name).chmod(0o755)
+    tools = slurm_stand_ins(tmp_path / "bin", srun="exit 0", scontrol="echo 'MaxArraySize = 1001'",
+                            sbatch=f"kill -TERM $PPID; sleep 0.5; echo '{answer}'")
     monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
     folder = tmp_path / "sweep"
     try:
@@ -387,12 +380,9 @@ def test_the_pipeline_s_failed_list_of_a_folder_that_is_not_a_sweep_s_is_one_lin
 def test_a_slurm_without_a_controller_is_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
     """Slurm's commands installed, no controller answering (a laptop with the client, a login node whose
     controller is down): scontrol's four lines of complaint become one, and the sweep folder is not made."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name in ("sbatch", "scontrol"):
-        (bin_dir / name).write_text('#!/bin/sh\necho "$0: error: fetch_config: DNS SRV lookup failed" >&2\n'
-                                    'echo "$0: fatal: Could not establish a configuration source" >&2\nexit 1\n')
-        (bin_dir / name).chmod(0o755)
+    complaint = ('echo "$0: error: fetch_config: DNS SRV lookup failed" >&2\n'
+                 'echo "$0: fatal: Could not establish a configuration source" >&2\nexit 1')
+    bin_dir = slurm_stand_ins(tmp_path / "bin", sbatch=complaint, scontrol=complaint)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     folder = tmp_path / "sweep"
     assert run_main(SWEEP, [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder)]) == 2
@@ -470,14 +460,10 @@ def test_a_chain_link_stopped_by_scancel_submits_no_next_link_and_says_so(tmp_pa
     from common.slurm.sites import find_site
     from common.train.preemption import Preemption
 
-    tools = tmp_path / "bin"
-    tools.mkdir()
-    (tools / "srun").write_text(f"#!/bin/bash\nenv > {tmp_path}/training.env\ntrap 'exit 0' TERM\necho started\n"
-                                "while :; do sleep 0.1; done\n")
-    (tools / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/sbatch_calls\necho 99\n")
-    (tools / "scontrol").write_text(f"#!/bin/sh\necho 'Command={tmp_path}/link.sbatch StdOut={tmp_path}/l.out'\n")
-    for tool in tools.iterdir():
-        tool.chmod(0o755)
+    tools = slurm_stand_ins(tmp_path / "bin", srun=f"env > {tmp_path}/training.env\ntrap 'exit 0' TERM\necho started\n"
+                                                  "while :; do sleep 0.1; done",
+                            sbatch=f"echo \"$@\" >> {tmp_path}/sbatch_calls\necho 99",
+                            scontrol=f"echo 'Command={tmp_path}/link.sbatch StdOut={tmp_path}/l.out'")
     script = tmp_path / "link.sbatch"
     script.write_text(render(read_template(REPO / LAB / "sbatch" / "chain_link.sbatch.j2"), find_site("generic"))[0])
     env = script_env(PATH=f"{tools}:{os.environ['PATH']}", SLURM_JOB_ID="7", SLURM_JOB_NAME="chain-run",
@@ -592,12 +578,10 @@ def test_run_lab_without_a_controller_runs_here_and_says_why(tmp_path):
     """sbatch and scontrol installed, no controller answering: ``run_lab.sh`` says so in one line and takes the
     laptop path (01_sweep.py --local ...) instead of failing at its first submission. python is a stand-in that
     writes down each command: the steps run for real in the tests above and on the Slurm test cluster."""
-    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
-    bin_dir.mkdir()
-    for name in ("sbatch", "scontrol"):
-        (bin_dir / name).write_text('#!/bin/sh\necho "$0: fatal: Could not establish a configuration source" >&2\n'
-                                    f'echo "$0 $*" >> {tmp_path / "slurm_calls"}\nexit 1\n')
-        (bin_dir / name).chmod(0o755)
+    calls = tmp_path / "calls"
+    complaint = ('echo "$0: fatal: Could not establish a configuration source" >&2\n'
+                 f'echo "$0 $*" >> {tmp_path / "slurm_calls"}\nexit 1')
+    bin_dir = slurm_stand_ins(tmp_path / "bin", sbatch=complaint, scontrol=complaint)
     stand_in = tmp_path / "python"
     stand_in.write_text(f'#!/bin/sh\nfor arg in "$@"; do printf "%s\\n" "$arg"; done >> {calls}\n'
                         f'echo "--end--" >> {calls}\n'
@@ -695,13 +679,9 @@ def test_a_finished_task_run_again_says_how_to_train_the_sweep_again(tmp_path, c
 def test_submitit_when_sbatch_refuses_is_one_line_and_the_plan_stays_for_the_next_try(tmp_path, monkeypatch, capsys):
     """A login node whose Slurm does not answer: submitit prints sbatch's words and raises them with a
     traceback; the lab ends after them in one line, exit 2, and a second try goes as far again."""
-    tools = tmp_path / "bin"
-    tools.mkdir()
-    for name, body in (("srun", "exit 0"),  # submitit picks Slurm where srun is on PATH
-                       ("sbatch", 'echo "sbatch: error: Batch job submission failed: Unable to contact slurm '
-                                  'controller (connect failure)" >&2; exit 1')):
-        (tools / name).write_text(f"#!/bin/sh\n{body}\n")
-        (tools / name).chmod(0o755)
+    tools = slurm_stand_ins(tmp_path / "bin", srun="exit 0",  # submitit picks Slurm where srun is on PATH
+                            sbatch='echo "sbatch: error: Batch job submission failed: Unable to contact slurm '
+                                   'controller (connect failure)" >&2; exit 1')
     monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
     folder = tmp_path / "sweep"
     for _ in range(2):
@@ -733,11 +713,8 @@ def test_resubmit_says_which_way_a_sweep_never_submitted_goes_on(tmp_path, capsy
 
 def test_submitit_refuses_a_sweep_folder_submitted_already_before_calling_sbatch(tmp_path, monkeypatch, capsys):
     """As 01_sweep.py does: a second submission of the same folder would train every task again beside the first."""
-    tools, called = tmp_path / "bin", tmp_path / "sbatch-called"
-    tools.mkdir()
-    for name, body in (("srun", "exit 0"), ("sbatch", f"touch {called}; exit 1")):
-        (tools / name).write_text(f"#!/bin/sh\n{body}\n")
-        (tools / name).chmod(0o755)
+    called = tmp_path / "sbatch-called"
+    tools = slurm_stand_ins(tmp_path / "bin", srun="exit 0", sbatch=f"touch {called}; exit 1")
     monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
     folder = tmp_path / "sweep"
     assert run_main("labs/lab09_many_jobs/05_submitit.py", [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder)]) == 2
@@ -755,15 +732,13 @@ def test_submitit_refuses_a_sweep_folder_submitted_already_before_calling_sbatch
 def test_submitit_refuses_a_machine_without_slurm_and_a_task_s_own_flag_before_writing(tmp_path, monkeypatch, capsys):
     """Without sbatch, submitit's AutoExecutor would train every task here, one after another, then stop on sacct;
     with it, a seed after -- would replace each task's own, as 01_sweep.py refuses. One line each, nothing written."""
-    tools = tmp_path / "bin"
-    tools.mkdir()
+    tools = slurm_stand_ins(tmp_path / "bin")
     monkeypatch.setenv("PATH", str(tools))
     folder = tmp_path / "sweep"
     assert run_main("labs/lab09_many_jobs/05_submitit.py", [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder)]) == 2
     assert capsys.readouterr().err == ("error: sbatch is not on PATH: submitit submits to Slurm, run this on a "
                                        "cluster's login node (01_sweep.py --local runs a sweep on this machine)\n")
-    (tools / "sbatch").write_text("#!/bin/sh\nexit 1\n")
-    (tools / "sbatch").chmod(0o755)
+    slurm_stand_ins(tools, sbatch="exit 1")
     assert run_main("labs/lab09_many_jobs/05_submitit.py",
                     [str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder), "--", "--seed", "3"]) == 2
     err = capsys.readouterr().err
