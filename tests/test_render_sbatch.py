@@ -1048,7 +1048,9 @@ def test_a_preemptible_job_requeues_itself_only_when_its_time_limit_leaves_room(
     script.write_text("#!/bin/bash\n#SBATCH --signal=B:USR1@120  # as the templates ask\nset -euo pipefail\n"
                       "source slurm/lib/job_header.sh\n" + block +
                       "run_preemptible bash -c 'trap \"echo saved; exit 0\" USR1; "
-                      "echo \"started: ${HPC_DL_LABS_ON_STOP:-requeue}\"; "
+                      # what the training would say (Preemption.what_next: HPC_DL_LABS_ON_<SIGNAL>, then _ON_STOP)
+                      "echo \"on SIGTERM: ${HPC_DL_LABS_ON_SIGTERM:-${HPC_DL_LABS_ON_STOP:-its own words}}\"; "
+                      "echo \"started: ${HPC_DL_LABS_ON_SIGUSR1:-${HPC_DL_LABS_ON_STOP:-requeue}}\"; "
                       "while :; do sleep 0.1; done'\necho 'after the step'\n")
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "t"}
     job = subprocess.Popen(["bash", str(script)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
@@ -1071,4 +1073,5 @@ def test_a_preemptible_job_requeues_itself_only_when_its_time_limit_leaves_room(
     told = "started: requeue" if requeued else (
         "started: this job does not requeue itself (its time limit is too short); "
         "to go on: CHECKPOINT=checkpoints/t-77.pt sbatch --time=<longer>")
-    assert told in out  # the training is told too, and says the same when it stops
+    assert told in out  # the training is told too, and says the same when SIGUSR1 stops it
+    assert "on SIGTERM: its own words" in out  # scancel: the job is cancelled, whatever its time limit

@@ -180,9 +180,10 @@ class Preemption:
         (SIGUSR1) requeues itself and resumes; otherwise (scancel, a time limit, ``kill``, a step budget) a new
         submission starts fresh unless it is given that checkpoint. Whatever started the training and knows better
         says it in ``HPC_DL_LABS_ON_STOP`` (a chain's next link resumes, a sweep's task is resubmitted or its sweep
-        run again, a job too short to requeue itself), and that is what a stop prints; where a signal's stop goes on
-        otherwise, it says that in ``HPC_DL_LABS_ON_<SIGNAL>`` (a chain's link stopped by ``scancel``'s SIGTERM is its
-        last: ``HPC_DL_LABS_ON_SIGTERM`` says how to go on, not that a next link resumes)."""
+        run again), and that is what a stop prints; where a signal's stop goes on otherwise, it says that in
+        ``HPC_DL_LABS_ON_<SIGNAL>`` (a chain's link stopped by ``scancel``'s SIGTERM is its last:
+        ``HPC_DL_LABS_ON_SIGTERM`` says how to go on, not that a next link resumes; a job too short to requeue
+        itself says so in ``HPC_DL_LABS_ON_SIGUSR1``, and ``scancel`` there prints what it prints anywhere)."""
         for name in (f"HPC_DL_LABS_ON_{self.signal.name}" if self.signal.name else None, "HPC_DL_LABS_ON_STOP"):
             if name and os.environ.get(name):
                 return os.environ[name]
