@@ -307,6 +307,24 @@ def test_the_pipeline_sent_sigterm_between_its_submissions_names_the_jobs_it_sub
     assert "report" not in (tmp_path / "sbatch_calls").read_text()
 
 
+def test_the_pipeline_stopped_by_ctrl_c_names_the_jobs_it_submitted(tmp_path):
+    """Ctrl-C (SIGINT) between the pipeline's submissions said only 'interrupted', with the array and the evaluate
+    job in the queue. It now names them, and, since Ctrl-C reaches an sbatch under way too, says that the job it was
+    submitting may be queued; exit 130. The sbatch stand-in sends SIGINT to the pipeline as it submits the report."""
+    tools = slurm_stand_ins(tmp_path / "bin", scontrol="echo 'MaxArraySize = 1001'",
+                            sbatch=f"echo \"$@\" >> {tmp_path}/sbatch_calls\n"
+                                   "case \"$*\" in *report*) kill -INT $PPID; sleep 1 ;; esac\n"
+                                   "case \"$*\" in\n  *evaluate*) echo 4243 ;;\n  *report*) echo 4244 ;;\n"
+                                   "  *) echo 4242 ;;\nesac")
+    done = run_script(f"{LAB}/04_pipeline.py", str(SWEEPS / "tiny.toml"), "--sweep-dir", str(tmp_path / "sweep"),
+                      env=script_env(PATH=f"{tools}:{os.environ['PATH']}"))
+    assert done.returncode == 130, (done.stdout + done.stderr)[-3000:]
+    assert done.stdout.rstrip().splitlines()[-1] == (
+        "pipeline stopped by Ctrl-C: submitted train = array job 4242, evaluate = job 4243 (not report); cancel them: "
+        "scancel 4242 4243; Ctrl-C may have stopped sbatch after it submitted report: see squeue --me"), done.stdout
+    assert done.stderr.splitlines()[-1] == "interrupted", done.stderr
+
+
 def test_a_sweep_sent_sigterm_while_sbatch_submits_waits_for_it_and_records_the_array(tmp_path):
     """``kill`` on the sweep while sbatch submitted its array killed the sweep alone: sbatch went on and submitted an
     array that plan's submissions.jsonl never recorded. Now the sweep waits for sbatch, records the array, says so in

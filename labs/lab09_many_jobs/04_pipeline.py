@@ -60,15 +60,18 @@ def which_failed(folder: Path) -> int:
     return 0
 
 
-def say_stopped(submitted: dict[str, str]) -> None:
-    """One line: which stages a kill left in the queue, and how to cancel them."""
+def say_stopped(submitted: dict[str, str], cause: str = "SIGTERM") -> None:
+    """One line: which stages a kill (or Ctrl-C) left in the queue, and how to cancel them. SIGTERM waits for an
+    sbatch under way; Ctrl-C reaches that sbatch too, which may or may not have submitted its job."""
+    left = [stage for stage in ("train", "evaluate", "report") if stage not in submitted]
+    maybe = (f"; Ctrl-C may have stopped sbatch after it submitted {left[0]}: see squeue --me"
+             if cause == "Ctrl-C" and left else "")
     if not submitted:
-        print("pipeline stopped by SIGTERM before it submitted anything", flush=True)
+        print(f"pipeline stopped by {cause} before it submitted anything{maybe}", flush=True)
         return
     jobs = ", ".join(f"{stage} = {'array ' if stage == 'train' else ''}job {job}" for stage, job in submitted.items())
-    left = [stage for stage in ("train", "evaluate", "report") if stage not in submitted]
-    print(f"pipeline stopped by SIGTERM: submitted {jobs}" + (f" (not {', '.join(left)})" if left else "") +
-          f"; cancel them: scancel {' '.join(submitted.values())}", flush=True)
+    print(f"pipeline stopped by {cause}: submitted {jobs}" + (f" (not {', '.join(left)})" if left else "") +
+          f"; cancel them: scancel {' '.join(submitted.values())}{maybe}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
                 submitted["report"] = submitted_job_id(slurm(
                     "sbatch", "--parsable", f"--dependency=afterok:{submitted['evaluate']}",  # after a good evaluation
                     "--job-name=report", logs, str(stage), "report", env=env))
-    except Terminated:
+    except (Terminated, KeyboardInterrupt) as stop:
         if "train" not in submitted and (folder / "plan.yaml").is_file():  # the sweep, stopped with the pipeline,
             # waits for an sbatch under way and records the array it submitted: that one is in the queue too
             submitted.update(("train", s["job_id"]) for s in read_plan(folder).submissions()[before:])
-        say_stopped(submitted)
+        say_stopped(submitted, "SIGTERM" if isinstance(stop, Terminated) else "Ctrl-C")
         raise
     print(f"pipeline: train = array job {submitted['train']} -> evaluate = job {submitted['evaluate']} (afterany) -> "
           f"report = job {submitted['report']} (afterok); the report: {folder / 'report.html'}")
