@@ -1,12 +1,12 @@
 """Lab-09 on the Slurm test cluster, with accounting (sacct) as on a real cluster.
 
 ``run_lab.sh`` runs in the background from the moment the session's cluster is up (the fixture
-``run_lab``, tests/slurm/conftest.py; it waits on a 1-minute time limit most of its time): the faults
+``run_lab``, tests/slurm/conftest.py; it waits on a 2-minute time limit most of its time): the faults
 sweep as a pipeline (train array -> evaluate afterany -> report afterok), the tiny sweep through
 submitit, a 3-link chain and the same run unbroken, then the resubmission of only the failed tasks.
 The tests in between use the cluster meanwhile: sacct's answers, the bad input that is refused before
 anything is submitted, a 100-task sweep submitted held and listed, a chain broken at its second link.
-The last tests read what run_lab.sh left.
+The tests that read what run_lab.sh left run after every other Slurm test (tests/slurm/conftest.py).
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def test_pipeline_report_ran_after_failures_and_resubmission_resumed_only_those(
     evaluated, final = sweep_records(folder)  # the pipeline's evaluate job, then after the resubmission
     first = {t["index"]: t for t in evaluated["metrics"]["tasks"]}
     assert first[1]["state"] == "FAILED" and first[1]["last_step"] == 3  # failed on purpose after 3 steps
-    assert first[2]["state"] == "TIMEOUT" and first[2]["last_step"] == 3  # stalled into its 1-minute limit
+    assert first[2]["state"] == "TIMEOUT" and first[2]["last_step"] == 3  # stalled into its time limit
     assert first[0]["state"] in ("COMPLETED", "TIMEOUT")  # a very busy machine may not finish it in a minute
     not_done = sorted(i for i, t in first.items() if t["state"] != "COMPLETED")
     assert evaluated["metrics"]["failed"] == not_done
