@@ -6,7 +6,7 @@
 #
 # On a machine with Slurm (sbatch on PATH and a controller answering `scontrol ping`; on the test cluster
 # also SLURM_CONF), from a login node:
-#   1. the faults sweep (3 tasks: one completes, one fails, one stalls into its time limit, 1 minute) as a
+#   1. the faults sweep (3 tasks: one completes, one fails, one stalls into its time limit, LAB09_FAULTS_TIME) as a
 #      pipeline: train (job array) -> evaluate (afterany) -> report (afterok) (04_pipeline.py);
 #   2. the tiny sweep submitted with submitit (05_submitit.py), while the pipeline runs;
 #   3. a chain of three links of 3 steps each, and the same run unbroken in one job (03_chain.py);
