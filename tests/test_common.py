@@ -1040,9 +1040,9 @@ def test_one_sample_per_rank_into_batchnorm_is_one_line_and_another_value_error_
 def test_a_stopped_run_says_how_to_go_on_where_it_ran(monkeypatch):
     """SIGUSR1 in a job: the template requeues it, unless what started the training says otherwise
     (HPC_DL_LABS_ON_STOP: a chain's next link, a sweep task's resubmission; HPC_DL_LABS_ON_SIGTERM where
-    SIGTERM ends a chain instead, HPC_DL_LABS_ON_SIGUSR1 where a time limit is too short to requeue). Another signal in a job (scancel, a time
-    limit): a requeued job finds its checkpoint, a new one (a new id) needs it given. Outside a job, or a step
-    budget: --resume."""
+    SIGTERM ends a chain instead, HPC_DL_LABS_ON_SIGUSR1 where a time limit is too short to requeue). Another
+    signal in a job (scancel, a time limit): a requeued job finds its checkpoint, a new one (a new id) needs it
+    given. Outside a job, or a step budget: --resume."""
     from common.checkpoint.sharded import DistributedCheckpointer
     from common.train.preemption import Preemption
 
