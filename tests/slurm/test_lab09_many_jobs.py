@@ -175,7 +175,7 @@ def test_pipeline_report_ran_after_failures_and_resubmission_resumed_only_those(
     first = {t["index"]: t for t in evaluated["metrics"]["tasks"]}
     assert first[1]["state"] == "FAILED" and first[1]["last_step"] == 3  # failed on purpose after 3 steps
     assert first[2]["state"] == "TIMEOUT" and first[2]["last_step"] == 3  # stalled into its time limit
-    assert first[0]["state"] in ("COMPLETED", "TIMEOUT")  # a very busy machine may not finish it in a minute
+    assert first[0]["state"] in ("COMPLETED", "TIMEOUT")  # a very busy machine may not finish it in its limit
     not_done = sorted(i for i, t in first.items() if t["state"] != "COMPLETED")
     assert evaluated["metrics"]["failed"] == not_done
     assert evaluated["provenance"]["slurm"]["SLURM_JOB_NAME"] == "evaluate"  # written by the evaluate job
