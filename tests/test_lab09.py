@@ -263,6 +263,10 @@ def test_a_sweep_folder_of_another_sweep_is_refused_before_anything_is_written(t
     assert "is not a sweep folder (no plan.yaml)" in capsys.readouterr().err
 
 
+#: The end of an sbatch stand-in for the pipeline: the array is job 4242, evaluate 4243, report 4244.
+PIPELINE_JOB_IDS = "case \"$*\" in\n  *evaluate*) echo 4243 ;;\n  *report*) echo 4244 ;;\n  *) echo 4242 ;;\nesac"
+
+
 def test_the_pipeline_sent_sigterm_stops_the_sweep_it_runs_before_it_submits(tmp_path):
     """``kill`` on the pipeline while its sweep checked and submitted the array killed the pipeline alone: the sweep
     went on and submitted the array, with no evaluate or report after it. Now the sweep stops with it: nothing
@@ -296,8 +300,7 @@ def test_the_pipeline_sent_sigterm_between_its_submissions_names_the_jobs_it_sub
     tools = slurm_stand_ins(tmp_path / "bin", scontrol="echo 'MaxArraySize = 1001'",
                             sbatch=f"echo \"$@\" >> {tmp_path}/sbatch_calls\n"
                                    f"case \"$*\" in *{killed_in}*) kill -TERM {pipeline}; sleep 1 ;; esac\n"
-                                   "case \"$*\" in\n  *evaluate*) echo 4243 ;;\n  *report*) echo 4244 ;;\n"
-                                   "  *) echo 4242 ;;\nesac")
+                                   + PIPELINE_JOB_IDS)
     folder = tmp_path / "sweep"
     done = run_script(f"{LAB}/04_pipeline.py", str(SWEEPS / "tiny.toml"), "--sweep-dir", str(folder),
                       env=script_env(PATH=f"{tools}:{os.environ['PATH']}"))
@@ -314,8 +317,7 @@ def test_the_pipeline_stopped_by_ctrl_c_names_the_jobs_it_submitted(tmp_path):
     tools = slurm_stand_ins(tmp_path / "bin", scontrol="echo 'MaxArraySize = 1001'",
                             sbatch=f"echo \"$@\" >> {tmp_path}/sbatch_calls\n"
                                    "case \"$*\" in *report*) kill -INT $PPID; sleep 1 ;; esac\n"
-                                   "case \"$*\" in\n  *evaluate*) echo 4243 ;;\n  *report*) echo 4244 ;;\n"
-                                   "  *) echo 4242 ;;\nesac")
+                                   + PIPELINE_JOB_IDS)
     done = run_script(f"{LAB}/04_pipeline.py", str(SWEEPS / "tiny.toml"), "--sweep-dir", str(tmp_path / "sweep"),
                       env=script_env(PATH=f"{tools}:{os.environ['PATH']}"))
     assert done.returncode == 130, (done.stdout + done.stderr)[-3000:]
