@@ -149,12 +149,13 @@ def test_bf16_autocast_on_cpu_follows_the_fp32_run_step_by_step(fp32_run, tmp_pa
 
 
 def test_ddp_two_gloo_processes_agree_and_only_rank0_writes(tmp_path):
+    from common.cli import WORKERS_PER_CPU
     from common.runtime.cpus import usable_cpus
 
     results, ckpt = tmp_path / "results", tmp_path / "ckpt"
     # More DataLoader workers than this machine's cores (the most --num-workers takes), for a data set kept whole in
     # memory: no loader, no workers.
-    many = str(4 * usable_cpus())
+    many = str(WORKERS_PER_CPU * usable_cpus())
     proc = run_script(DDP, "--device", "cpu", "--epochs", "1", "--max-steps", "8", "--results-dir", str(results),
                       "--checkpoint", str(ckpt / "ddp.pt"), "--num-workers", many, launcher=torchrun(2), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
